@@ -1,0 +1,454 @@
+"""Typed configuration: one TOML file plus environment overrides, validated once.
+
+Every component gets a frozen dataclass; nothing reads the environment or a
+dict after :func:`load` returns. Unknown keys are errors (a typo must not be
+silently ignored), and every message names the key: ``models[1].max_streams:
+must be >= 1, got 0``.
+
+Precedence, lowest to highest: built-in defaults < TOML file < environment.
+
+Environment:
+
+* ``TIDEGATE_CONFIG`` - path of the TOML file (when ``--config`` is not given).
+* ``TIDEGATE_NATS_URL``, ``TIDEGATE_REDIS_URL`` - broker and quota store URLs.
+* ``TIDEGATE_DEV_KEY`` - an API key accepted by the edge (tenant ``default``).
+* ``TIDEGATE__<SECTION>__<KEY>=<value>`` - any scalar key of a section, e.g.
+  ``TIDEGATE__EDGE__PORT=9000``. The value is read as a TOML value when it parses
+  as one (numbers, booleans, ``["a", "b"]``) and as a plain string otherwise.
+
+See ``docs/configuration.md`` for every key with its default and reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tidegate.errors import ConfigError
+from tidegate.subjects import Subjects
+
+BackendKind = Literal["simulator", "openai"]
+StorageKind = Literal["file", "memory"]
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}: must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatorConfig:
+    """The built-in model: deterministic text at a configurable pace."""
+
+    ttft: float = 0.05  # seconds before the first token
+    tokens_per_second: float = 50.0
+    length: int = 64  # tokens generated when the request sets no max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model that clients can name, and how workers reach it."""
+
+    name: str
+    backend: BackendKind = "simulator"
+    aliases: tuple[str, ...] = ()
+    base_url: str = ""  # OpenAI-compatible base, e.g. http://127.0.0.1:8000/v1
+    upstream_model: str = ""  # name the backend knows; defaults to `name`
+    api_key_env: str = ""  # environment variable holding the backend's API key
+    max_streams: int = 64  # concurrent streams per worker process
+    connect_timeout: float = 10.0
+    first_byte_timeout: float = 300.0  # backend silence before its first byte
+    idle_timeout: float = 120.0  # backend silence between two chunks
+    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
+
+    @property
+    def backend_model(self) -> str:
+        return self.upstream_model or self.name
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    edge_id: str = ""  # unique per process; generated when empty
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    admission_timeout: float = 30.0  # no dispatcher answer within this: 503
+    queue_timeout: float = 300.0  # admitted, but no worker started it within this: 503
+    request_timeout: float = 1800.0  # hard cap on one response
+    max_response_bytes: int = 8 << 20  # non-streaming response body cap
+    shutdown_timeout: float = 30.0  # SIGTERM: open streams may finish within this
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """What edge and worker must agree on for one stream."""
+
+    window_bytes: int = 64 << 10  # unacked bytes a worker may have in flight
+    window_msgs: int = 128  # unacked messages a worker may have in flight
+    heartbeat_interval: float = 15.0  # worker heartbeat / edge ": ping" while silent
+    worker_lost_after: int = 3  # heartbeats missed before the edge gives up
+
+
+@dataclass(frozen=True, slots=True)
+class NatsConfig:
+    url: str = "nats://127.0.0.1:4222"
+    subject_prefix: str = "tg"
+    connect_timeout: float = 5.0
+    request_timeout: float = 5.0  # JetStream publish / API calls
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.subject_prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    timeout: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamsConfig:
+    """JetStream stream limits. A full requests stream is load shedding: 503."""
+
+    replicas: int = 1
+    storage: StorageKind = "file"
+    requests_max_msgs: int = 100_000
+    requests_max_bytes: int = 1 << 30
+    jobs_max_msgs: int = 100_000
+    jobs_max_bytes: int = 1 << 30
+    duplicate_window: float = 120.0  # Nats-Msg-Id dedup window, seconds
+    max_age: float = 3600.0  # a request older than this is useless to anyone
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherConfig:
+    batch: int = 64  # requests pulled per fetch
+    ack_wait: float = 30.0  # redelivery delay if a dispatcher dies mid-request
+    fetch_timeout: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    ack_wait: float = 30.0  # JetStream redelivers a job after this without progress
+    max_deliver: int = 5
+    read_bytes: int = 16 << 10  # largest single read from a backend response
+    fetch_timeout: float = 1.0
+    shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
+    max_response_bytes: int = 8 << 20  # non-streaming backend body cap
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    keys: tuple[str, ...] = ()  # static API keys, tenant "default"
+    dev_key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: str = "INFO"
+    json: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    streams: StreamsConfig = field(default_factory=StreamsConfig)
+    dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    models: tuple[ModelConfig, ...] = (ModelConfig(name="tidegate-sim", aliases=("sim",)),)
+
+    def model_index(self) -> dict[str, ModelConfig]:
+        """Every name a client may use (names and aliases) -> its model."""
+        index: dict[str, ModelConfig] = {}
+        for model in self.models:
+            for name in (model.name, *model.aliases):
+                index[name] = model
+        return index
+
+    def api_keys(self) -> tuple[str, ...]:
+        return (*self.auth.keys, self.auth.dev_key) if self.auth.dev_key else self.auth.keys
+
+
+# --------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike[str] | None = None,
+         env: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build the config from defaults, the TOML file, the environment and
+    ``overrides`` (a nested dict, e.g. from CLI flags), in that order."""
+    env = os.environ if env is None else env
+    path = path or env.get("TIDEGATE_CONFIG") or None
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    _merge(raw, _env_overrides(env))
+    if overrides:
+        _merge(raw, dict(overrides))
+    return from_dict(raw)
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    config = _build(Config, raw, "")
+    _check(config)
+    return config
+
+
+def dump_toml(config: Config) -> str:
+    """Serialise a config back to TOML (used by the launcher to hand the exact
+    effective config to its child processes)."""
+    lines: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name == "models":
+            continue
+        lines.append(f"[{f.name}]")
+        lines.extend(_toml_items(value))
+        lines.append("")
+    for model in config.models:
+        lines.append("[[models]]")
+        lines.extend(_toml_items(model, skip=("simulator",)))
+        lines.append("[models.simulator]")
+        lines.extend(_toml_items(model.simulator))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_items(obj: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    return [f"{f.name} = {_toml_value(getattr(obj, f.name))}"
+            for f in dataclasses.fields(obj) if f.name not in skip]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_str(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_str(s: str) -> str:
+    escaped = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+_ENV_SHORTCUTS = {
+    "TIDEGATE_NATS_URL": ("nats", "url"),
+    "TIDEGATE_REDIS_URL": ("redis", "url"),
+    "TIDEGATE_DEV_KEY": ("auth", "dev_key"),
+}
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (section, key) in _ENV_SHORTCUTS.items():
+        if env.get(name):
+            out.setdefault(section, {})[key] = env[name]
+    for name, value in env.items():
+        if not name.startswith("TIDEGATE__"):
+            continue
+        parts = name[len("TIDEGATE__"):].lower().split("__")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"environment variable {name}: expected TIDEGATE__<SECTION>__<KEY>")
+        section, key = parts
+        out.setdefault(section, {})[key] = _parse_env_value(value)
+    return out
+
+
+def _parse_env_value(value: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _build(cls: type[Any], raw: Any, path: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{_join(path, f.name)}: required")
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], raw[f.name], _join(path, f.name))
+    return cls(**kwargs)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)  # type: ignore[arg-type]
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: must be one of {', '.join(map(repr, allowed))}, "
+                              f"got {value!r}")
+        return value
+    if origin is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        if isinstance(value, str) and item_tp is str:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return tuple(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError(f"unsupported config type {tp!r}")
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def _check(config: Config) -> None:
+    """Cross-field and range checks that types alone cannot express."""
+    e, s, w = config.edge, config.session, config.worker
+    if not 0 <= e.port <= 65535:
+        raise ConfigError(f"edge.port: must be 0..65535, got {e.port}")
+    for name, value in (
+        ("edge.max_body_bytes", e.max_body_bytes),
+        ("edge.admission_timeout", e.admission_timeout),
+        ("edge.queue_timeout", e.queue_timeout),
+        ("edge.request_timeout", e.request_timeout),
+        ("edge.max_response_bytes", e.max_response_bytes),
+        ("edge.shutdown_timeout", e.shutdown_timeout),
+        ("session.window_bytes", s.window_bytes),
+        ("session.window_msgs", s.window_msgs),
+        ("session.heartbeat_interval", s.heartbeat_interval),
+        ("session.worker_lost_after", s.worker_lost_after),
+        ("nats.connect_timeout", config.nats.connect_timeout),
+        ("nats.request_timeout", config.nats.request_timeout),
+        ("redis.timeout", config.redis.timeout),
+        ("streams.replicas", config.streams.replicas),
+        ("streams.requests_max_msgs", config.streams.requests_max_msgs),
+        ("streams.requests_max_bytes", config.streams.requests_max_bytes),
+        ("streams.jobs_max_msgs", config.streams.jobs_max_msgs),
+        ("streams.jobs_max_bytes", config.streams.jobs_max_bytes),
+        ("streams.duplicate_window", config.streams.duplicate_window),
+        ("streams.max_age", config.streams.max_age),
+        ("dispatcher.batch", config.dispatcher.batch),
+        ("dispatcher.ack_wait", config.dispatcher.ack_wait),
+        ("dispatcher.fetch_timeout", config.dispatcher.fetch_timeout),
+        ("worker.ack_wait", w.ack_wait),
+        ("worker.max_deliver", w.max_deliver),
+        ("worker.read_bytes", w.read_bytes),
+        ("worker.fetch_timeout", w.fetch_timeout),
+        ("worker.shutdown_timeout", w.shutdown_timeout),
+        ("worker.max_response_bytes", w.max_response_bytes),
+    ):
+        _positive(name, value)
+    if s.window_msgs < 4:
+        raise ConfigError(f"session.window_msgs: must be >= 4, got {s.window_msgs}")
+    if s.window_bytes < 1024:
+        raise ConfigError(f"session.window_bytes: must be >= 1024, got {s.window_bytes}")
+    if config.streams.replicas > 5:
+        raise ConfigError(f"streams.replicas: JetStream allows at most 5, got "
+                          f"{config.streams.replicas}")
+    if config.logging.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"logging.level: unknown level {config.logging.level!r}")
+    try:
+        Subjects(config.nats.subject_prefix)
+    except ValueError as exc:
+        raise ConfigError(f"nats.subject_prefix: {exc}") from None
+    for url_name, url, schemes in (
+        ("nats.url", config.nats.url, ("nats://", "tls://", "ws://", "wss://")),
+        ("redis.url", config.redis.url, ("redis://", "rediss://", "unix://")),
+    ):
+        if not any(part.strip().startswith(schemes) for part in url.split(",")):
+            raise ConfigError(f"{url_name}: expected a URL starting with "
+                              f"{' or '.join(schemes)}, got {url!r}")
+    if not config.models:
+        raise ConfigError("models: at least one [[models]] entry is required")
+    seen: dict[str, str] = {}
+    for i, m in enumerate(config.models):
+        where = f"models[{i}]"
+        if not m.name:
+            raise ConfigError(f"{where}.name: must not be empty")
+        for name in (m.name, *m.aliases):
+            if name in seen:
+                raise ConfigError(f"{where}: name {name!r} is already used by model "
+                                  f"{seen[name]!r}")
+            seen[name] = m.name
+        if m.backend == "openai" and not m.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}.base_url: the openai backend needs an http(s) URL, "
+                              f"got {m.base_url!r}")
+        if m.max_streams < 1:
+            raise ConfigError(f"{where}.max_streams: must be >= 1, got {m.max_streams}")
+        for name, value in (("connect_timeout", m.connect_timeout),
+                            ("first_byte_timeout", m.first_byte_timeout),
+                            ("idle_timeout", m.idle_timeout),
+                            ("simulator.tokens_per_second", m.simulator.tokens_per_second)):
+            _positive(f"{where}.{name}", value)
+        if m.simulator.ttft < 0:
+            raise ConfigError(f"{where}.simulator.ttft: must be >= 0, got {m.simulator.ttft}")
+        if m.simulator.length < 1:
+            raise ConfigError(f"{where}.simulator.length: must be >= 1, got "
+                              f"{m.simulator.length}")

@@ -1,0 +1,350 @@
+"""Wire envelopes: every message tidegate puts on NATS, with one encode/decode each.
+
+Sans-I/O: bytes in, typed messages out. Nothing here imports asyncio or nats.
+
+Two shapes, chosen by how often they are sent:
+
+* :class:`Request` travels once per request (edge -> ``<P>_REQUESTS`` ->
+  dispatcher -> ``<P>_JOBS`` -> worker). It is a msgpack **map** with a ``v``
+  field, so fields can be added without breaking older readers.
+* Session messages (:class:`Status`, :class:`Head`, :class:`Chunk`,
+  :class:`Heartbeat`, :class:`Done`, :class:`Error`, and the edge's
+  :class:`Ack` / :class:`Cancel`) are msgpack **arrays** ``[v, kind, seq, ...]``.
+  :class:`Chunk` is on the per-chunk hot path; an array with a small-int kind
+  decodes in well under a microsecond and carries no key strings.
+
+Sequence numbers: every session message carries ``seq``. The worker numbers its
+messages 1, 2, 3, ... per request (:class:`Head` is 1). Dispatcher
+:class:`Status` messages precede the worker's stream and carry ``seq = 0``.
+The edge's :class:`Ack` carries the highest worker ``seq`` it has written to the
+client socket (cumulative). A resumed stream (``Last-Event-ID``) restarts from
+a worker ``seq``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+import msgpack
+
+from tidegate.errors import ProtocolError
+
+VERSION = 1
+
+
+class Kind(IntEnum):
+    STATUS = 0
+    HEAD = 1
+    CHUNK = 2
+    HEARTBEAT = 3
+    DONE = 4
+    ERROR = 5
+    ACK = 6
+    CANCEL = 7
+
+
+class Api(IntEnum):
+    """Which OpenAI endpoint the request came in on (decides the chunk format)."""
+
+    CHAT = 0
+    COMPLETIONS = 1
+
+
+class Admission(IntEnum):
+    ADMITTED = 0
+    QUEUED = 1
+    REJECTED = 2
+
+
+# --------------------------------------------------------------------------
+# Request (map envelope)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One client request, as the edge publishes it and the worker runs it.
+
+    ``body`` is the client's JSON body after validation (already parsed by the
+    edge; the worker re-serialises it once for the backend call).
+    ``deadline_ms`` is the wall-clock time (ms since epoch) after which nobody
+    waits for the answer any more: the dispatcher and workers drop the request
+    instead of running it for a client that is gone.
+    ``window_bytes`` / ``window_msgs`` are the flow-control window the edge
+    grants the worker for this session.
+    """
+
+    id: str
+    reply: str
+    model: str
+    api: Api
+    stream: bool
+    body: dict[str, Any]
+    created_ms: int
+    deadline_ms: int
+    window_bytes: int
+    window_msgs: int
+    include_usage: bool = False
+    tenant: str = "default"
+    user: str = ""
+    key_id: str = ""
+    klass: str = "interactive"
+    edge: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": VERSION,
+                "id": self.id,
+                "reply": self.reply,
+                "model": self.model,
+                "api": int(self.api),
+                "stream": self.stream,
+                "body": self.body,
+                "created_ms": self.created_ms,
+                "deadline_ms": self.deadline_ms,
+                "window_bytes": self.window_bytes,
+                "window_msgs": self.window_msgs,
+                "include_usage": self.include_usage,
+                "tenant": self.tenant,
+                "user": self.user,
+                "key_id": self.key_id,
+                "class": self.klass,
+                "edge": self.edge,
+                "extra": self.extra,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> Request:
+        try:
+            m = msgpack.unpackb(data)
+        except Exception as exc:
+            raise ProtocolError(f"request envelope is not msgpack: {exc}") from exc
+        if not isinstance(m, dict):
+            raise ProtocolError("request envelope is not a map")
+        version = m.get("v")
+        if version != VERSION:
+            raise ProtocolError(f"unsupported request envelope version {version!r}")
+        try:
+            return cls(
+                id=_str(m, "id"),
+                reply=_str(m, "reply"),
+                model=_str(m, "model"),
+                api=Api(m["api"]),
+                stream=bool(m["stream"]),
+                body=_dict(m, "body"),
+                created_ms=int(m["created_ms"]),
+                deadline_ms=int(m["deadline_ms"]),
+                window_bytes=int(m["window_bytes"]),
+                window_msgs=int(m["window_msgs"]),
+                include_usage=bool(m.get("include_usage", False)),
+                tenant=str(m.get("tenant", "default")),
+                user=str(m.get("user", "")),
+                key_id=str(m.get("key_id", "")),
+                klass=str(m.get("class", "interactive")),
+                edge=str(m.get("edge", "")),
+                extra=dict(m.get("extra") or {}),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"malformed request envelope: {exc!r}") from exc
+
+
+def _str(m: dict[str, Any], key: str) -> str:
+    value = m[key]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string")
+    return value
+
+
+def _dict(m: dict[str, Any], key: str) -> dict[str, Any]:
+    value = m[key]
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a map")
+    return value
+
+
+# --------------------------------------------------------------------------
+# Session messages (array envelopes)
+# --------------------------------------------------------------------------
+
+
+class ErrorInfo(NamedTuple):
+    """An OpenAI-style error, as it crosses the broker.
+
+    ``status`` is the HTTP status the edge answers with when no byte has been
+    written to the client yet; after that the error becomes a final SSE event.
+    """
+
+    status: int
+    type: str
+    code: str
+    message: str
+    retryable: bool = False
+    retry_after: float = 0.0
+
+
+class Status(NamedTuple):
+    """Dispatcher -> edge: what admission decided. Always ``seq = 0``."""
+
+    admission: Admission
+    position: int = 0
+    error: ErrorInfo | None = None
+    seq: int = 0
+
+    def encode(self) -> bytes:
+        err = list(self.error) if self.error is not None else None
+        return _pack([VERSION, Kind.STATUS, self.seq, int(self.admission), self.position, err])
+
+
+class Head(NamedTuple):
+    """Worker -> edge, ``seq = 1``: the backend accepted the request.
+
+    ``control`` is the worker's subject for :class:`Ack` and :class:`Cancel`.
+    ``job_seq`` is the job's JetStream stream sequence (proof it crossed the broker).
+    """
+
+    seq: int
+    control: str
+    job_seq: int = 0
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.HEAD, self.seq, self.control, self.job_seq])
+
+
+class Chunk(NamedTuple):
+    """Worker -> edge: bytes ready to write to the client socket as they are.
+
+    For a streaming request ``data`` holds one or more complete SSE events
+    (``data: {...}\\n\\n``), coalesced; for a non-streaming one it is a slice of
+    the JSON body. The edge never parses it.
+    """
+
+    seq: int
+    data: bytes
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.CHUNK, self.seq, self.data])
+
+
+class Heartbeat(NamedTuple):
+    """Worker -> edge while the backend is silent: the worker is alive."""
+
+    seq: int
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.HEARTBEAT, self.seq])
+
+
+class Done(NamedTuple):
+    """Worker -> edge: the response is complete."""
+
+    seq: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+    def encode(self) -> bytes:
+        return _pack(
+            [
+                VERSION,
+                Kind.DONE,
+                self.seq,
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.finish_reason,
+            ]
+        )
+
+
+class Error(NamedTuple):
+    """Worker (or dispatcher) -> edge: the request failed; this is the end."""
+
+    seq: int
+    error: ErrorInfo
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.ERROR, self.seq, list(self.error)])
+
+
+class Ack(NamedTuple):
+    """Edge -> worker control subject: every worker ``seq`` up to this one is
+    written to the client socket and drained (cumulative)."""
+
+    request_id: str
+    seq: int
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.ACK, 0, self.request_id, self.seq])
+
+
+class Cancel(NamedTuple):
+    """Edge -> worker / dispatcher: the client is gone; stop the work."""
+
+    request_id: str
+    reason: str
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.CANCEL, 0, self.request_id, self.reason])
+
+
+SessionMessage = Status | Head | Chunk | Heartbeat | Done | Error
+ControlMessage = Ack | Cancel
+
+_pack = msgpack.Packer(use_bin_type=True).pack
+_unpackb = msgpack.unpackb
+
+
+def _error_info(raw: Any) -> ErrorInfo:
+    status, type_, code, message, retryable, retry_after = raw
+    return ErrorInfo(int(status), str(type_), str(code), str(message), bool(retryable),
+                     float(retry_after))
+
+
+def decode_session(data: bytes) -> SessionMessage:
+    """Decode a message received on an edge's ``out`` subject."""
+    try:
+        t = _unpackb(data)
+        if t[0] != VERSION:
+            raise ProtocolError(f"unsupported session envelope version {t[0]!r}")
+        kind = t[1]
+        # Chunk first: it is by far the most frequent message.
+        if kind == Kind.CHUNK:
+            return Chunk(t[2], t[3])
+        if kind == Kind.HEARTBEAT:
+            return Heartbeat(t[2])
+        if kind == Kind.HEAD:
+            return Head(t[2], t[3], t[4])
+        if kind == Kind.DONE:
+            return Done(t[2], t[3], t[4], t[5])
+        if kind == Kind.ERROR:
+            return Error(t[2], _error_info(t[3]))
+        if kind == Kind.STATUS:
+            err = _error_info(t[5]) if t[5] is not None else None
+            return Status(Admission(t[3]), t[4], err, t[2])
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed session message: {exc!r}") from exc
+    raise ProtocolError(f"unexpected message kind {kind!r} on a session subject")
+
+
+def decode_control(data: bytes) -> ControlMessage:
+    """Decode a message received on a worker's control subject."""
+    try:
+        t = _unpackb(data)
+        if t[0] != VERSION:
+            raise ProtocolError(f"unsupported control envelope version {t[0]!r}")
+        kind = t[1]
+        if kind == Kind.ACK:
+            return Ack(str(t[3]), int(t[4]))
+        if kind == Kind.CANCEL:
+            return Cancel(str(t[3]), str(t[4]))
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed control message: {exc!r}") from exc
+    raise ProtocolError(f"unexpected message kind {kind!r} on a control subject")

@@ -1,0 +1,130 @@
+"""NATS subject and stream names, in one place.
+
+Every subject tidegate uses is built here from a configurable prefix (``tg`` by
+default), so a second tidegate deployment can share a NATS account without
+colliding, and no other module formats subjects by hand.
+
+Subject map (``<p>`` is the prefix)::
+
+    <p>.req.<class>.<tenant>     JetStream  <P>_REQUESTS  edge -> dispatcher
+    <p>.job.<model>              JetStream  <P>_JOBS      dispatcher -> workers
+    <p>.out.<edge>.<request>     core NATS                worker/dispatcher -> edge
+    <p>.ctl.<worker>             core NATS                edge -> worker (acks, cancel)
+    <p>.cancel.<request>         core NATS                edge -> anyone holding the request
+
+Free-form names (models, tenants) are mapped into one subject token with
+:func:`encode_token`, a reversible escape: the decoded token is always the
+original string, so a subject can be read back into the model it names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Bytes that stand for themselves in a token. Everything else, including the
+# escape byte "_" itself, is written as "_" followed by two upper-case hex
+# digits. The kept set avoids ".", "*", ">", whitespace and anything a JetStream
+# consumer name rejects, so an encoded token is also a valid durable name.
+_KEEP = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
+_HEX = b"0123456789ABCDEF"
+_ESCAPE = ord("_")
+
+
+def encode_token(name: str) -> str:
+    """Encode any non-empty string as one NATS subject token, reversibly.
+
+    ``"meta-llama/Llama-3.1-8B"`` becomes ``"meta-llama_2FLlama-3_2E1-8B"``.
+    """
+    if not name:
+        raise ValueError("cannot encode an empty name as a subject token")
+    raw = name.encode("utf-8")
+    out = bytearray()
+    for byte in raw:
+        if byte in _KEEP:
+            out.append(byte)
+        else:
+            out += (_ESCAPE, _HEX[byte >> 4], _HEX[byte & 0xF])
+    return out.decode("ascii")
+
+
+def decode_token(token: str) -> str:
+    """Invert :func:`encode_token`. Raises ``ValueError`` on a malformed token."""
+    if not token:
+        raise ValueError("empty subject token")
+    raw = token.encode("ascii")
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        byte = raw[i]
+        if byte == _ESCAPE:
+            pair = raw[i + 1 : i + 3]
+            if len(pair) != 2 or any(c not in _HEX for c in pair):
+                raise ValueError(f"malformed escape in subject token {token!r}")
+            out.append(int(pair, 16))
+            i += 3
+        elif byte in _KEEP:
+            out.append(byte)
+            i += 1
+        else:
+            raise ValueError(f"character {chr(byte)!r} cannot appear in token {token!r}")
+    return out.decode("utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject and stream names for one prefix."""
+
+    prefix: str = "tg"
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in ".*> \t\r\n"):
+            raise ValueError(f"invalid subject prefix {self.prefix!r}: must be one plain token")
+
+    # -- JetStream streams -------------------------------------------------
+    @property
+    def requests_stream(self) -> str:
+        return f"{self.prefix.upper()}_REQUESTS"
+
+    @property
+    def jobs_stream(self) -> str:
+        return f"{self.prefix.upper()}_JOBS"
+
+    @property
+    def requests_wildcard(self) -> str:
+        return f"{self.prefix}.req.>"
+
+    @property
+    def jobs_wildcard(self) -> str:
+        return f"{self.prefix}.job.>"
+
+    def request(self, klass: str, tenant: str) -> str:
+        return f"{self.prefix}.req.{klass}.{encode_token(tenant)}"
+
+    def job(self, model: str) -> str:
+        return f"{self.prefix}.job.{encode_token(model)}"
+
+    # -- consumers ----------------------------------------------------------
+    @property
+    def dispatcher_consumer(self) -> str:
+        return "dispatchers"
+
+    def worker_consumer(self, model: str) -> str:
+        return f"workers_{encode_token(model)}"
+
+    # -- core NATS session subjects ------------------------------------------
+    def edge_inbox(self, edge_id: str) -> str:
+        """Wildcard an edge subscribes once; one session per last token."""
+        return f"{self.prefix}.out.{edge_id}.*"
+
+    def out(self, edge_id: str, request_id: str) -> str:
+        return f"{self.prefix}.out.{edge_id}.{request_id}"
+
+    def control(self, worker_id: str) -> str:
+        return f"{self.prefix}.ctl.{worker_id}"
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}.cancel.{request_id}"
+
+    @property
+    def cancel_wildcard(self) -> str:
+        return f"{self.prefix}.cancel.*"

@@ -1,0 +1,72 @@
+"""Model backends: the seam between a worker and whatever generates tokens.
+
+A worker only ever talks to :class:`Backend` and :class:`BackendStream`; the
+built-in simulator and the OpenAI-compatible HTTP client are two
+implementations, and tests can add fakes.
+
+Contract of :meth:`BackendStream.read`:
+
+* It returns bytes that the edge writes to the client **as they are**. For a
+  streaming request these are one or more complete SSE events
+  (``data: {...}\\n\\n``); for a non-streaming request, a slice of the final JSON
+  body. It never returns a partial SSE event, and never ``data: [DONE]`` (the
+  edge writes that itself once the worker reports ``Done``).
+* It returns ``b""`` exactly once, at the end; :attr:`BackendStream.usage` is
+  final from then on.
+* ``max_bytes`` bounds the bytes read from the backend in one call, so the
+  worker's flow-control window bounds what is buffered. A single SSE event
+  larger than ``max_bytes`` is still returned whole.
+* Errors raise :class:`tidegate.errors.BackendError`. :meth:`Backend.open`
+  raises before anything was sent, so the edge can answer with the HTTP
+  status; :meth:`read` raises mid-stream.
+* :meth:`BackendStream.aclose` closes the backend connection at once. That is
+  what makes vLLM and friends abort the generation and free its KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tidegate.config import ModelConfig, WorkerConfig
+from tidegate.protocol import Request
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token accounting for one response; final once ``read()`` returned ``b""``.
+
+    For a cancelled stream it holds what was generated so far.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""
+
+
+class BackendStream(Protocol):
+    @property
+    def usage(self) -> Usage: ...
+
+    async def read(self, max_bytes: int) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Backend(Protocol):
+    async def open(self, request: Request) -> BackendStream: ...
+
+    async def aclose(self) -> None: ...
+
+
+def create_backend(model: ModelConfig, worker: WorkerConfig) -> Backend:
+    """The backend implementation a model's config names."""
+    if model.backend == "simulator":
+        from workers.backends.simulator import SimulatorBackend
+
+        return SimulatorBackend(model)
+    if model.backend == "openai":
+        from workers.backends.openai import OpenAIBackend
+
+        return OpenAIBackend(model, worker)
+    raise ValueError(f"unknown backend kind {model.backend!r}")
