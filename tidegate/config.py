@@ -143,6 +143,7 @@ class WorkerConfig:
     fetch_timeout: float = 1.0
     shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
     max_response_bytes: int = 8 << 20  # non-streaming backend body cap
+    models: tuple[str, ...] = ()  # serve only these models; empty = every configured model
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,7 @@ def load(path: str | os.PathLike[str] | None = None,
 
 
 def from_dict(raw: Mapping[str, Any]) -> Config:
-    config = _build(Config, raw, "")
+    config: Config = _build(Config, raw, "")
     _check(config)
     return config
 
@@ -427,6 +428,11 @@ def _check(config: Config) -> None:
                               f"{' or '.join(schemes)}, got {url!r}")
     if not config.models:
         raise ConfigError("models: at least one [[models]] entry is required")
+    names = config.model_index()
+    for i, name in enumerate(w.models):
+        if name not in names:
+            raise ConfigError(f"worker.models[{i}]: no model or alias named {name!r} "
+                              f"(configured: {', '.join(sorted(names))})")
     seen: dict[str, str] = {}
     for i, m in enumerate(config.models):
         where = f"models[{i}]"

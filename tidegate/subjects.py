@@ -43,7 +43,7 @@ def encode_token(name: str) -> str:
         if byte in _KEEP:
             out.append(byte)
         else:
-            out += (_ESCAPE, _HEX[byte >> 4], _HEX[byte & 0xF])
+            out += bytes((_ESCAPE, _HEX[byte >> 4], _HEX[byte & 0xF]))
     return out.decode("ascii")
 
 

@@ -1,0 +1,1 @@
+"""tidegate dispatcher: decides whether and when each request runs."""

@@ -1,0 +1,1 @@
+"""tidegate edge: holds client connections, validates, relays chunk bytes."""

@@ -1,0 +1,199 @@
+"""The edge's HTTP surface (aiohttp): OpenAI-compatible routes and probes.
+
+Handlers are thin: authenticate, validate, publish the request, hand the rest
+to :class:`edge.relay.Relay`. Every error leaves through ``edge.errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import nats.errors
+import nats.js.errors
+from aiohttp import web
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from edge.auth import KeyTable
+from edge.errors import error_response, from_http_exception
+from edge.relay import Publisher, Relay, RelayContext
+from edge.session import SessionTable
+from edge.validation import validate
+from tidegate import broker
+from tidegate.config import Config, ModelConfig
+from tidegate.errors import ApiError, unavailable
+from tidegate.protocol import Api, Request
+
+log = logging.getLogger("tidegate.edge")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class NatsPublisher(Publisher):
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        await self._nc.publish(subject, payload)
+
+
+@dataclass(slots=True)
+class EdgeState:
+    """Everything the handlers share; one per edge process."""
+
+    config: Config
+    edge_id: str
+    nc: NATS
+    js: JetStreamContext
+    keys: KeyTable
+    sessions: SessionTable
+    models: dict[str, ModelConfig] = field(init=False)
+    relay: RelayContext = field(init=False)
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        self.models = self.config.model_index()
+        self.relay = RelayContext(self.config, NatsPublisher(self.nc))
+
+
+STATE: web.AppKey[EdgeState] = web.AppKey("tidegate_edge_state", EdgeState)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as error:
+        return error_response(error)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(from_http_exception(exc))
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(ApiError(500, "Internal gateway error.", type="server_error",
+                                       code="internal_error"))
+
+
+def build_app(state: EdgeState) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware],
+                          client_max_size=state.config.edge.max_body_bytes)
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    checks = {
+        "nats_connected": state.nc.is_connected,
+        "streams": state.nc.is_connected and await broker.streams_exist(state.js, state.config),
+        "accepting": not state.draining,
+    }
+    ready = all(checks.values())
+    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.keys.authenticate(request.headers.get("Authorization"))
+    created = int(time.time())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "tidegate"}
+            for name in state.models]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, Api.CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, Api.COMPLETIONS)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(limit) from None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body exceeds the limit of {limit} bytes.",
+                    type="invalid_request_error", code="request_too_large")
+
+
+async def _generate(http: web.Request, api: Api) -> web.StreamResponse:
+    state = http.app[STATE]
+    config = state.config
+    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    if state.draining:
+        raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
+    raw = await _read_body(http, config.edge.max_body_bytes)
+    valid = validate(raw, api, state.models)
+
+    request_id = secrets.token_hex(12)
+    subjects = config.nats.subjects
+    now_ms = int(time.time() * 1000)
+    request = Request(
+        id=request_id,
+        reply=subjects.out(state.edge_id, request_id),
+        model=valid.model.name,
+        api=api,
+        stream=valid.stream,
+        body=valid.body,
+        created_ms=now_ms,
+        deadline_ms=now_ms + int(config.edge.queue_timeout * 1000),
+        window_bytes=config.session.window_bytes,
+        window_msgs=config.session.window_msgs,
+        include_usage=valid.include_usage,
+        tenant=principal.tenant,
+        user=principal.user,
+        key_id=principal.key_id,
+        edge=state.edge_id,
+    )
+    # Invariant: subscribed before publishing. The edge's inbox wildcard is
+    # subscribed for the life of the process; opening the session makes the
+    # dispatch table route this request's subject before anyone can answer.
+    tick = min(config.session.heartbeat_interval, 1.0)
+    session = state.sessions.open(request_id, tick)
+    try:
+        seq = await _publish(state, request)
+        headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
+        log.debug("request %s published as %s seq %d", request_id, subjects.requests_stream, seq)
+        return await Relay(http, session, request, state.relay, headers).run()
+    finally:
+        state.sessions.close(session)
+
+
+async def _publish(state: EdgeState, request: Request) -> int:
+    """Publish to the requests stream; returns its JetStream sequence number."""
+    subject = state.config.nats.subjects.request(request.klass, request.tenant)
+    try:
+        ack = await state.js.publish(subject, request.encode(),
+                                     headers={"Nats-Msg-Id": request.id})
+    except nats.js.errors.APIError as exc:
+        description = (exc.description or "").lower()
+        if "maximum" in description or exc.code == 503:
+            raise unavailable("The gateway's request queue is full; retry later.",
+                              code="overloaded", retry_after=2) from None
+        raise unavailable(f"The broker refused the request: {exc.description}",
+                          code="broker_error") from None
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise unavailable(f"The broker is unavailable ({type(exc).__name__}); retry later.",
+                          code="broker_unavailable", retry_after=2) from None
+    return int(ack.seq)

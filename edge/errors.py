@@ -1,0 +1,69 @@
+"""The one place where errors become HTTP responses or SSE error events.
+
+Every client-visible failure is an OpenAI-style error object::
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+Before any byte of a response is written it is an HTTP response with the
+right status (and ``Retry-After`` when retrying helps); afterwards it is a
+final SSE event ``data: {"error": {...}}``, and the stream ends without
+``data: [DONE]`` so no client mistakes it for a complete answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from aiohttp import web
+
+from tidegate.errors import ApiError
+from tidegate.protocol import ErrorInfo
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def from_info(info: ErrorInfo) -> ApiError:
+    return ApiError(info.status, info.message, type=info.type, code=info.code or None,
+                    retryable=info.retryable, retry_after=info.retry_after)
+
+
+def to_info(error: ApiError) -> ErrorInfo:
+    return ErrorInfo(error.status, error.type, error.code or "", error.message, error.retryable,
+                     error.retry_after)
+
+
+def error_response(error: ApiError) -> web.Response:
+    headers = {}
+    if error.retry_after > 0:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+    return web.Response(status=error.status, body=error.to_json(),
+                        content_type="application/json", headers=headers)
+
+
+def sse_error_event(error: ApiError) -> bytes:
+    payload = error.payload()
+    if error.retryable:
+        payload["error"]["retryable"] = True
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def from_http_exception(exc: web.HTTPException) -> ApiError:
+    status = exc.status
+    error_type = _STATUS_TYPES.get(status, "server_error" if status >= 500 else
+                                   "invalid_request_error")
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    message = exc.text if exc.text and not exc.text.startswith(str(status)) else exc.reason
+    if status == 404:
+        message = ("Unknown URL. tidegate serves /v1/chat/completions, /v1/completions and "
+                   "/v1/models.")
+    return ApiError(status, message, type=error_type, code=code)

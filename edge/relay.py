@@ -1,0 +1,301 @@
+"""One request's response, from session messages to the client socket.
+
+Phases (an enum, not a scatter of flags)::
+
+    WAITING --Status(admitted|queued)--> ADMITTED --Head--> STREAMING --Done--> (end)
+       |                                     |                  |
+       +------ Status(rejected) / Error / timeout / worker lost / client gone --> (end)
+
+Headers go out only when they must: at the worker's ``Head`` (the backend
+accepted the request), or, for a stream that waits long before it, at the
+first ``: ping`` the edge writes to keep proxies from dropping the connection.
+Until then every failure is a real HTTP status with an OpenAI error body;
+afterwards it is a final SSE error event (see ``edge.errors``).
+
+Hot path: a batch of chunk messages becomes one socket write of their bytes,
+which the edge never parses. Acks go back cumulatively, after the write has
+drained, at most once per quarter window (``tidegate.flow.AckPolicy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+from aiohttp import web
+
+from edge.errors import error_response, from_info, sse_error_event
+from edge.session import Session
+from tidegate.config import Config
+from tidegate.errors import ApiError, unavailable
+from tidegate.flow import AckPolicy
+from tidegate.protocol import (
+    Ack,
+    Admission,
+    Cancel,
+    Chunk,
+    Done,
+    Error,
+    Head,
+    Heartbeat,
+    Request,
+    Status,
+)
+
+log = logging.getLogger("tidegate.edge")
+
+_DONE = b"data: [DONE]\n\n"
+_PING = b": ping\n\n"
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+class Phase(IntEnum):
+    WAITING = 0  # published; no dispatcher has answered
+    ADMITTED = 1  # admitted or queued; no worker has started it
+    STREAMING = 2  # a worker's Head arrived
+
+
+class Publisher:
+    """What the relay needs from NATS (a seam: tests can record calls)."""
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class RelayContext:
+    """What every relay of one edge process shares."""
+
+    config: Config
+    publisher: Publisher
+
+
+class Relay:
+    """Drives one request. ``run`` returns the response aiohttp should finish."""
+
+    def __init__(self, http: web.Request, session: Session, request: Request,
+                 ctx: RelayContext, headers: dict[str, str]) -> None:
+        self.http = http
+        self.session = session
+        self.request = request
+        self.ctx = ctx
+        self.headers = headers
+        self.phase = Phase.WAITING
+        self.response: web.StreamResponse | None = None
+        self.control = ""  # worker control subject, once known
+        self.acks = AckPolicy(request.window_bytes, request.window_msgs)
+        self.expected_seq = 1
+        self.wrote_chunks = False
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+
+    # -- entry point ---------------------------------------------------------
+
+    async def run(self) -> web.StreamResponse:
+        finished = False
+        try:
+            response = await self._relay()
+            finished = True
+            return response
+        except ApiError as error:
+            finished = True
+            await self._cancel_upstream(f"edge:{error.code or error.type}")
+            return await self._fail(error)
+        finally:
+            if not finished:
+                # Client went away (handler cancelled) or an unexpected error:
+                # whatever runs upstream for this request is now waste.
+                await self._cancel_upstream("client_disconnected")
+
+    async def _fail(self, error: ApiError) -> web.StreamResponse:
+        if self.response is None:
+            return error_response(error)
+        try:
+            await self.response.write(sse_error_event(error))
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return self.response
+
+    async def _cancel_upstream(self, reason: str) -> None:
+        message = Cancel(self.request.id, reason).encode()
+        try:
+            if self.control:
+                await self.ctx.publisher.publish(self.control, message)
+            cancel_subject = self.ctx.config.nats.subjects.cancel(self.request.id)
+            await self.ctx.publisher.publish(cancel_subject, message)
+        except Exception as exc:  # the broker being down must not mask the real outcome
+            log.warning("could not publish cancel for %s: %s", self.request.id, exc)
+
+    # -- the loop --------------------------------------------------------------
+
+    async def _relay(self) -> web.StreamResponse:
+        cfg = self.ctx.config
+        hb = cfg.session.heartbeat_interval
+        start = time.monotonic()
+        admission_deadline = start + cfg.edge.admission_timeout
+        queue_deadline = start + cfg.edge.queue_timeout
+        hard_deadline = start + cfg.edge.request_timeout
+        lost_after = hb * cfg.session.worker_lost_after
+        last_worker_msg = start
+        last_write = start
+        session = self.session
+        stream = self.request.stream
+
+        while True:
+            await session.wait()
+            messages = session.take()
+            now = time.monotonic()
+            if not messages:
+                # A tick: check the clock.
+                if now >= hard_deadline:
+                    raise ApiError(504, f"The request exceeded the gateway's limit of "
+                                        f"{cfg.edge.request_timeout:g}s.",
+                                   type="server_error", code="request_timeout")
+                if self.phase is Phase.WAITING and now >= admission_deadline:
+                    raise unavailable(f"No dispatcher answered within "
+                                      f"{cfg.edge.admission_timeout:g}s.",
+                                      code="dispatcher_unavailable", retry_after=5)
+                if self.phase is Phase.ADMITTED and now >= queue_deadline:
+                    raise unavailable(f"No worker for model '{self.request.model}' started the "
+                                      f"request within {cfg.edge.queue_timeout:g}s.",
+                                      code="no_worker_available", retry_after=5)
+                if self.phase is Phase.STREAMING and now - last_worker_msg >= lost_after:
+                    raise ApiError(502, f"The worker running this request went silent for "
+                                        f"{lost_after:g}s.", type="server_error",
+                                   code="worker_lost", retryable=True, retry_after=1)
+                if stream and now - last_write >= hb:
+                    await self._write(_PING)
+                    last_write = now
+                continue
+
+            out: list[bytes] = []
+            nbytes = 0
+            last_chunk = 0
+            done: Done | None = None
+            ping = False
+            for m in messages:
+                kind = type(m)
+                if kind is Chunk:
+                    assert isinstance(m, Chunk)
+                    self._check_seq(m.seq)
+                    out.append(m.data)
+                    nbytes += len(m.data)
+                    last_chunk = m.seq
+                elif kind is Heartbeat:
+                    self._check_seq(m.seq)
+                    ping = True
+                elif kind is Head:
+                    assert isinstance(m, Head)
+                    self._on_head(m)
+                elif kind is Done:
+                    assert isinstance(m, Done)
+                    self._check_seq(m.seq)
+                    done = m
+                elif kind is Error:
+                    assert isinstance(m, Error)
+                    raise from_info(m.error)
+                elif kind is Status:
+                    assert isinstance(m, Status)
+                    if m.admission is Admission.REJECTED:
+                        raise from_info(m.error) if m.error else unavailable("Rejected.")
+                    if self.phase is Phase.WAITING:
+                        self.phase = Phase.ADMITTED
+            if self.phase is Phase.STREAMING:
+                last_worker_msg = now
+
+            if out:
+                data = out[0] if len(out) == 1 else b"".join(out)
+                if stream:
+                    await self._write(data)
+                    last_write = now
+                    self.wrote_chunks = True
+                else:
+                    self._collect(data)
+                ack = self.acks.on_written(last_chunk, nbytes)
+                if ack is not None and self.control:
+                    await self.ctx.publisher.publish(self.control,
+                                                     Ack(self.request.id, ack).encode())
+            elif ping and stream:
+                await self._write(_PING)
+                last_write = now
+            elif stream and self.phase is Phase.STREAMING and self.response is None:
+                await self._start_stream()
+                last_write = now
+
+            if done is not None:
+                return await self._finish()
+
+    # -- message handling --------------------------------------------------------
+
+    def _check_seq(self, seq: int) -> None:
+        if self.phase is not Phase.STREAMING:
+            raise ApiError(502, "Received worker output before the worker started.",
+                           type="server_error", code="protocol_error", retryable=True)
+        if seq != self.expected_seq:
+            raise ApiError(502, f"Lost part of the response (expected message "
+                                f"{self.expected_seq}, got {seq}).", type="server_error",
+                           code="stream_gap", retryable=True, retry_after=1)
+        self.expected_seq = seq + 1
+
+    def _on_head(self, head: Head) -> None:
+        if self.phase is Phase.STREAMING:
+            if self.wrote_chunks or self.body_size:
+                # A second worker started the job after output already reached
+                # the client: the two answers cannot be spliced.
+                raise ApiError(502, "The worker running this request was lost mid-response.",
+                               type="server_error", code="worker_lost", retryable=True,
+                               retry_after=1)
+            log.info("request %s restarted on another worker", self.request.id)
+        self.phase = Phase.STREAMING
+        self.control = head.control
+        self.expected_seq = head.seq + 1
+        if head.job_seq:
+            self.headers["x-tidegate-job-seq"] = str(head.job_seq)
+
+    def _collect(self, data: bytes) -> None:
+        self.body_size += len(data)
+        if self.body_size > self.ctx.config.edge.max_response_bytes:
+            raise ApiError(502, f"The response exceeded the gateway's limit of "
+                                f"{self.ctx.config.edge.max_response_bytes} bytes; use "
+                                f"stream=true for long outputs.", type="server_error",
+                           code="response_too_large")
+        self.body_parts.append(data)
+
+    # -- socket side ----------------------------------------------------------
+
+    async def _start_stream(self) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self.headers})
+        await response.prepare(self.http)
+        transport = self.http.transport
+        if transport is not None:
+            # Keep what sits in user space per connection small: drain() below
+            # then waits whenever the client is not reading, and the ack (and
+            # so the worker) waits with it.
+            high = max(4096, self.request.window_bytes // 4)
+            transport.set_write_buffer_limits(high=high, low=high // 2)
+        self.response = response
+        return response
+
+    async def _write(self, data: bytes) -> None:
+        response = self.response or await self._start_stream()
+        await response.write(data)
+        writer = response._payload_writer  # aiohttp has no public drain on responses
+        if writer is not None:
+            await writer.drain()
+
+    async def _finish(self) -> web.StreamResponse:
+        if not self.request.stream:
+            return web.Response(body=b"".join(self.body_parts), content_type="application/json",
+                                headers=self.headers)
+        await self._write(_DONE)
+        assert self.response is not None
+        await self.response.write_eof()
+        return self.response
+

@@ -1,0 +1,66 @@
+"""Edge process: connect, provision, serve HTTP, drain on stop.
+
+Shutdown order (STYLE 8): mark draining (``/readyz`` turns 503 so a load
+balancer stops sending, new requests get a retryable 503), stop listening, let
+open streams finish within ``edge.shutdown_timeout``, then close NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from aiohttp import web
+from nats.aio.msg import Msg
+
+from edge.app import EdgeState, build_app
+from edge.auth import KeyTable
+from edge.session import SessionTable
+from tidegate import broker
+from tidegate.config import Config
+
+log = logging.getLogger("tidegate.edge")
+
+
+async def serve(config: Config, stop: asyncio.Event) -> None:
+    edge_id = config.edge.edge_id or secrets.token_hex(6)
+    subjects = config.nats.subjects
+    nc = await broker.connect(config.nats, f"tidegate-edge-{edge_id}", stop)
+    js = broker.jetstream(nc, config.nats)
+    await broker.ensure_streams(js, config)
+
+    keys = KeyTable(config.api_keys())
+    if not len(keys):
+        log.warning("no API keys configured: every request will get 401 "
+                    "(set TIDEGATE_DEV_KEY or auth.keys)")
+    inbox = subjects.edge_inbox(edge_id)
+    sessions = SessionTable(inbox[:-1])  # strip the "*": "<p>.out.<edge>."
+    state = EdgeState(config=config, edge_id=edge_id, nc=nc, js=js, keys=keys,
+                      sessions=sessions)
+
+    async def on_out(msg: Msg) -> None:
+        sessions.dispatch(msg.subject, msg.data)
+
+    # Flow control bounds what each session has in flight, so these limits are
+    # a backstop against a misbehaving worker, not the normal bound.
+    await nc.subscribe(inbox, cb=on_out, pending_msgs_limit=1_000_000,
+                       pending_bytes_limit=1 << 30)
+
+    app = build_app(state)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.edge.shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, config.edge.host, config.edge.port, backlog=4096)
+    await site.start()
+    log.info("edge %s listening on http://%s:%d (nats %s)", edge_id, config.edge.host,
+             config.edge.port, config.nats.url)
+    try:
+        await stop.wait()
+    finally:
+        state.draining = True
+        log.info("edge %s draining: %d open requests, up to %.0fs", edge_id, len(sessions),
+                 config.edge.shutdown_timeout)
+        await runner.cleanup()
+        await broker.close(nc)
+        log.info("edge %s stopped", edge_id)

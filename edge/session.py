@@ -1,0 +1,104 @@
+"""Per-request session state at the edge: the mailbox the NATS callback fills.
+
+One wildcard subscription per edge process (``<p>.out.<edge>.*``) receives the
+messages of every open request; :class:`SessionTable` routes each to its
+:class:`Session` by the subject's last token. That costs one dict lookup per
+message instead of a SUB/UNSUB round trip per request, and the edge is always
+subscribed before it publishes (the invariant that no early answer is lost).
+
+A session is woken either by messages or by its periodic tick, which is how
+timeouts and ``: ping`` comments are driven without arming a timer per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from tidegate.errors import ProtocolError
+from tidegate.protocol import SessionMessage, decode_session
+
+log = logging.getLogger("tidegate.edge")
+
+
+class Session:
+    __slots__ = ("_loop", "_pending", "_tick_handle", "_tick_interval", "_waiter",
+                 "request_id", "ticked")
+
+    def __init__(self, request_id: str, tick_interval: float) -> None:
+        self.request_id = request_id
+        self._loop = asyncio.get_running_loop()
+        self._pending: deque[SessionMessage] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._tick_interval = tick_interval
+        self.ticked = False
+        self._tick_handle = self._loop.call_later(tick_interval, self._on_tick)
+
+    def feed(self, message: SessionMessage) -> None:
+        self._pending.append(message)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_tick(self) -> None:
+        self.ticked = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._tick_handle = self._loop.call_later(self._tick_interval, self._on_tick)
+
+    async def wait(self) -> None:
+        """Return once there are messages or a tick has passed."""
+        if self._pending or self.ticked:
+            return
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def take(self) -> list[SessionMessage]:
+        """Everything received since the last call, oldest first."""
+        self.ticked = False
+        if not self._pending:
+            return []
+        messages = list(self._pending)
+        self._pending.clear()
+        return messages
+
+    def close(self) -> None:
+        self._tick_handle.cancel()
+
+
+class SessionTable:
+    """Request id -> open session, fed by the edge's one inbox subscription."""
+
+    def __init__(self, inbox_prefix: str) -> None:
+        # "<p>.out.<edge>." - the request id is everything after it.
+        self._prefix_len = len(inbox_prefix)
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, request_id: str, tick_interval: float) -> Session:
+        session = Session(request_id, tick_interval)
+        self._sessions[request_id] = session
+        return session
+
+    def close(self, session: Session) -> None:
+        session.close()
+        self._sessions.pop(session.request_id, None)
+
+    def dispatch(self, subject: str, data: bytes) -> None:
+        session = self._sessions.get(subject[self._prefix_len:])
+        if session is None:
+            # Late message for a finished request (e.g. a heartbeat racing the
+            # end of the stream). The worker learns of the end through the
+            # cancel that closing the request sent, if any.
+            return
+        try:
+            session.feed(decode_session(data))
+        except ProtocolError as exc:
+            log.error("dropping malformed message for %s: %s", session.request_id, exc)

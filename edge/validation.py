@@ -1,0 +1,211 @@
+"""Validation of OpenAI request bodies (sans-I/O).
+
+Takes the raw body bytes and the model index, returns a :class:`Validated`
+request or raises :class:`tidegate.errors.ApiError` with the status, ``param``
+and message a client needs to fix its request. Only the fields tidegate itself
+depends on, or that would make a backend fail in a confusing way, are checked;
+unknown fields pass through to the backend untouched, as OpenAI-compatible
+servers accept vendor extensions (``top_k``, ``repetition_penalty``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tidegate.config import ModelConfig
+from tidegate.errors import ApiError, invalid_request
+from tidegate.protocol import Api
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@dataclass(frozen=True, slots=True)
+class Validated:
+    api: Api
+    model: ModelConfig
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid_request(
+            f"We could not parse the JSON body of your request: {exc}. The body must be a "
+            "JSON object.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise invalid_request(
+            f"The request body must be a JSON object, not {_json_type(body)}.",
+            code="invalid_json",
+        )
+    return body
+
+
+def validate(raw: bytes, api: Api, models: Mapping[str, ModelConfig]) -> Validated:
+    body = parse_json(raw)
+    model = _model(body, models)
+    if api is Api.CHAT:
+        _messages(body)
+        _optional_int(body, "max_completion_tokens", minimum=1)
+    else:
+        _prompt(body)
+    stream = _optional_bool(body, "stream") or False
+    include_usage = _stream_options(body, stream)
+    _optional_int(body, "max_tokens", minimum=1)
+    _optional_number(body, "temperature", 0.0, 2.0)
+    _optional_number(body, "top_p", 0.0, 1.0)
+    _optional_number(body, "presence_penalty", -2.0, 2.0)
+    _optional_number(body, "frequency_penalty", -2.0, 2.0)
+    n = _optional_int(body, "n", minimum=1)
+    if n is not None and n != 1:
+        raise invalid_request("tidegate supports only n=1 (one choice per request).", param="n",
+                              code="unsupported_value")
+    _stop(body)
+    return Validated(api=api, model=model, body=body, stream=stream, include_usage=include_usage)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _model(body: dict[str, Any], models: Mapping[str, ModelConfig]) -> ModelConfig:
+    if "model" not in body or body["model"] is None:
+        raise invalid_request("You must provide a model parameter.", param="model",
+                              code="missing_required_parameter")
+    name = body["model"]
+    if not isinstance(name, str):
+        raise invalid_request(f"'model' must be a string, got {_json_type(name)}.",
+                              param="model", code="invalid_type")
+    model = models.get(name)
+    if model is None:
+        raise ApiError(404, f"The model '{name}' does not exist or you do not have access to "
+                            f"it. Available: {', '.join(sorted(models))}.",
+                       type="invalid_request_error", code="model_not_found", param="model")
+    return model
+
+
+def _messages(body: dict[str, Any]) -> None:
+    if "messages" not in body:
+        raise invalid_request("Missing required parameter: 'messages'.", param="messages",
+                              code="missing_required_parameter")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise invalid_request(f"'messages' must be an array, got {_json_type(messages)}.",
+                              param="messages", code="invalid_type")
+    if not messages:
+        raise invalid_request("'messages' must contain at least one message.",
+                              param="messages", code="empty_array")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid_request(f"'{where}' must be an object, got {_json_type(message)}.",
+                                  param=where, code="invalid_type")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid_request(f"'{where}.role' is required and must be a string.",
+                                  param=f"{where}.role", code="invalid_type")
+        if role not in _ROLES:
+            raise invalid_request(
+                f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}, got {role!r}.",
+                param=f"{where}.role", code="invalid_value")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise invalid_request(
+                f"'{where}.content' must be a string or an array of content parts, got "
+                f"{_json_type(content)}.", param=f"{where}.content", code="invalid_type")
+        if content is None and role in ("system", "developer", "user"):
+            raise invalid_request(f"'{where}.content' is required for role {role!r}.",
+                                  param=f"{where}.content", code="missing_required_parameter")
+
+
+def _prompt(body: dict[str, Any]) -> None:
+    if "prompt" not in body:
+        raise invalid_request("Missing required parameter: 'prompt'.", param="prompt",
+                              code="missing_required_parameter")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return
+    raise invalid_request("'prompt' must be a string or a non-empty array of strings.",
+                          param="prompt", code="invalid_type")
+
+
+def _optional_bool(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise invalid_request(f"'{key}' must be a boolean, got {_json_type(value)}.",
+                              param=key, code="invalid_type")
+    return value
+
+
+def _optional_int(body: dict[str, Any], key: str, *, minimum: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_request(f"'{key}' must be an integer, got {_json_type(value)}.",
+                              param=key, code="invalid_type")
+    if value < minimum:
+        raise invalid_request(f"'{key}' must be >= {minimum}, got {value}.", param=key,
+                              code="invalid_value")
+    return value
+
+
+def _optional_number(body: dict[str, Any], key: str, low: float, high: float) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid_request(f"'{key}' must be a number, got {_json_type(value)}.",
+                              param=key, code="invalid_type")
+    if not low <= value <= high:
+        raise invalid_request(f"'{key}' must be between {low:g} and {high:g}, got {value}.",
+                              param=key, code="invalid_value")
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid_request(f"'stream_options' must be an object, got {_json_type(options)}.",
+                              param="stream_options", code="invalid_type")
+    if not stream:
+        raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' "
+                              "is true.", param="stream_options", code="invalid_value")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise invalid_request("'stream_options.include_usage' must be a boolean.",
+                              param="stream_options.include_usage", code="invalid_type")
+    return bool(include)
+
+
+def _stop(body: dict[str, Any]) -> None:
+    stop = body.get("stop")
+    if stop is None or isinstance(stop, str):
+        return
+    if (isinstance(stop, list) and len(stop) <= 4
+            and all(isinstance(s, str) and s for s in stop)):
+        return
+    raise invalid_request("'stop' must be a string or an array of at most 4 non-empty strings.",
+                          param="stop", code="invalid_type")

@@ -1,0 +1,194 @@
+"""NATS connection and JetStream provisioning shared by every tier.
+
+Streams and consumers are created idempotently at start by whichever tier
+comes up first: ``add`` when missing, ``update`` when the config changed, so
+every tier can be started alone and in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import NotFoundError
+
+from tidegate.config import Config, NatsConfig
+from tidegate.errors import BrokerError
+
+log = logging.getLogger("tidegate.broker")
+
+
+async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None) -> NATS:
+    """Connect to NATS, retrying until it answers or ``stop`` is set.
+
+    Once connected the client reconnects forever on its own: a NATS restart
+    must never need a tidegate restart.
+    """
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error (%s): %s", name, exc)
+
+    client: list[NATS] = []  # filled once connected; a closed client's disconnect is expected
+
+    async def on_disconnect() -> None:
+        if not (client and client[0].is_closed):
+            log.warning("nats disconnected (%s)", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected (%s)", name)
+
+    servers = [s.strip() for s in cfg.url.split(",") if s.strip()]
+    delay = 0.2
+    while True:
+        try:
+            nc = await nats.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=max(1, int(cfg.connect_timeout)),
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                # Subjects are built by tidegate.subjects, never from user input
+                # directly, so per-publish validation would only cost time.
+                skip_subject_validation=True,
+            )
+            client.append(nc)
+            return nc
+        except Exception as exc:
+            if stop is not None and stop.is_set():
+                raise BrokerError(f"stopped before NATS at {cfg.url} answered") from exc
+            log.warning("cannot reach NATS at %s (%s); retrying in %.1fs", cfg.url, exc, delay)
+            if stop is not None:
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def close(nc: NATS) -> None:
+    """Flush what is queued (acks, final messages), then close.
+
+    Not ``drain()``: every tier has already stopped its consumers and finished
+    (or handed back) its work by the time it closes, and draining pull
+    subscriptions can stall for the whole drain timeout.
+    """
+    try:
+        await nc.flush(timeout=2)
+    except Exception as exc:
+        log.warning("nats flush on close failed: %s", exc)
+    await nc.close()
+
+
+def jetstream(nc: NATS, cfg: NatsConfig) -> JetStreamContext:
+    return nc.jetstream(timeout=cfg.request_timeout)
+
+
+def _stream_configs(config: Config) -> list[StreamConfig]:
+    s = config.streams
+    subjects = config.nats.subjects
+    storage = StorageType.FILE if s.storage == "file" else StorageType.MEMORY
+    common: dict[str, Any] = dict(
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=storage,
+        num_replicas=s.replicas,
+        # Discard new: a full stream refuses the publish, and the edge answers
+        # 503 + Retry-After. Dropping old requests instead would lose accepted work.
+        discard=DiscardPolicy.NEW,
+        duplicate_window=s.duplicate_window,
+        max_age=s.max_age,
+    )
+    return [
+        StreamConfig(
+            name=subjects.requests_stream,
+            description="tidegate: client requests, edge -> dispatcher",
+            subjects=[subjects.requests_wildcard],
+            max_msgs=s.requests_max_msgs,
+            max_bytes=s.requests_max_bytes,
+            **common,
+        ),
+        StreamConfig(
+            name=subjects.jobs_stream,
+            description="tidegate: admitted jobs, dispatcher -> workers",
+            subjects=[subjects.jobs_wildcard],
+            max_msgs=s.jobs_max_msgs,
+            max_bytes=s.jobs_max_bytes,
+            **common,
+        ),
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, config: Config) -> None:
+    """Create or update ``<P>_REQUESTS`` and ``<P>_JOBS``. Idempotent."""
+    for sc in _stream_configs(config):
+        try:
+            await js.stream_info(sc.name)  # type: ignore[arg-type]
+        except NotFoundError:
+            try:
+                await js.add_stream(sc)
+                log.info("created stream %s", sc.name)
+                continue
+            except nats.js.errors.BadRequestError:
+                pass  # another tier created it concurrently: fall through to update
+        except Exception as exc:
+            raise BrokerError(f"cannot read stream {sc.name}: {exc}") from exc
+        try:
+            await js.update_stream(sc)
+        except Exception as exc:
+            raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
+
+
+async def streams_exist(js: JetStreamContext, config: Config) -> bool:
+    subjects = config.nats.subjects
+    try:
+        for name in (subjects.requests_stream, subjects.jobs_stream):
+            await js.stream_info(name)
+    except Exception:
+        return False
+    return True
+
+
+async def ensure_consumer(
+    js: JetStreamContext,
+    stream: str,
+    durable: str,
+    filter_subject: str,
+    *,
+    ack_wait: float,
+    max_deliver: int,
+    max_ack_pending: int,
+) -> None:
+    """Create or update a durable pull consumer. Idempotent."""
+    cc = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait,
+        max_deliver=max_deliver,
+        filter_subject=filter_subject,
+        max_ack_pending=max_ack_pending,
+        max_waiting=4096,
+    )
+    try:
+        # nats-server >= 2.10 treats this as create-or-update for a durable.
+        await js.add_consumer(stream, cc)
+    except nats.js.errors.BadRequestError as exc:
+        # A change the server cannot apply in place (e.g. another filter):
+        # keep serving from the existing consumer, loudly.
+        log.warning("consumer %s on %s kept its old config: %s", durable, stream, exc)

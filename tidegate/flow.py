@@ -1,0 +1,114 @@
+"""Credit-window flow control between a worker and an edge (sans-I/O).
+
+The worker may have at most ``max_bytes`` bytes **and** ``max_msgs`` messages
+sent but not yet acknowledged for one stream. The edge acknowledges
+cumulatively, only after the bytes were written to the client socket *and*
+drained, so a client that stops reading stops the acks, the window fills, the
+worker stops reading the backend, and TCP pushes back on the backend. Nothing
+in between buffers more than one window.
+
+Two halves:
+
+* :class:`SendWindow` (worker side) tracks what is in flight.
+* :class:`AckPolicy` (edge side) decides when to send an ack: once a quarter of
+  either window has been written since the last ack. Acking every message would
+  cost one NATS publish per chunk on the hot path; a quarter keeps the worker
+  streaming without stalls, because the window can never fill while less than a
+  quarter of it is unacknowledged at the edge.
+
+Invariant (property-tested): a sender that only sends when :meth:`SendWindow.open`
+has at most ``max_msgs`` messages and ``max_bytes + one message`` bytes in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class SendWindow:
+    """Worker-side accounting of unacknowledged messages for one stream."""
+
+    __slots__ = ("_in_flight", "acked_seq", "in_flight_bytes", "max_bytes", "max_msgs",
+                 "sent_seq")
+
+    def __init__(self, max_bytes: int, max_msgs: int) -> None:
+        if max_bytes < 1 or max_msgs < 1:
+            raise ValueError("window sizes must be positive")
+        self.max_bytes = max_bytes
+        self.max_msgs = max_msgs
+        self.sent_seq = 0
+        self.acked_seq = 0
+        self.in_flight_bytes = 0
+        # (seq, nbytes) of every unacknowledged message, oldest first.
+        self._in_flight: deque[tuple[int, int]] = deque()
+
+    @property
+    def open(self) -> bool:
+        """True while one more message may be sent."""
+        return self.in_flight_bytes < self.max_bytes and len(self._in_flight) < self.max_msgs
+
+    @property
+    def available_bytes(self) -> int:
+        """How many bytes may be read from the backend before the window is full."""
+        return max(0, self.max_bytes - self.in_flight_bytes)
+
+    @property
+    def in_flight_msgs(self) -> int:
+        return len(self._in_flight)
+
+    def on_send(self, seq: int, nbytes: int) -> None:
+        """Record a message sent with sequence ``seq`` (strictly increasing)."""
+        if seq <= self.sent_seq:
+            raise ValueError(f"sequence {seq} not after {self.sent_seq}")
+        self.sent_seq = seq
+        self._in_flight.append((seq, nbytes))
+        self.in_flight_bytes += nbytes
+
+    def on_ack(self, seq: int) -> bool:
+        """Apply a cumulative ack. Returns True if it freed anything.
+
+        Stale or duplicate acks (``seq`` at or below the last one) are ignored;
+        an ack beyond anything sent is clamped, since it can only come from a
+        confused or malicious peer and must not corrupt the accounting.
+        """
+        if seq <= self.acked_seq:
+            return False
+        seq = min(seq, self.sent_seq)
+        self.acked_seq = seq
+        freed = False
+        while self._in_flight and self._in_flight[0][0] <= seq:
+            _, nbytes = self._in_flight.popleft()
+            self.in_flight_bytes -= nbytes
+            freed = True
+        return freed
+
+
+class AckPolicy:
+    """Edge-side: when to acknowledge what has been written to the client."""
+
+    __slots__ = ("_bytes_threshold", "_msgs_threshold", "acked_seq", "unacked_bytes",
+                 "unacked_msgs", "written_seq")
+
+    def __init__(self, window_bytes: int, window_msgs: int) -> None:
+        self._bytes_threshold = max(1, window_bytes // 4)
+        self._msgs_threshold = max(1, window_msgs // 4)
+        self.written_seq = 0
+        self.acked_seq = 0
+        self.unacked_bytes = 0
+        self.unacked_msgs = 0
+
+    def on_written(self, seq: int, nbytes: int) -> int | None:
+        """Record that message ``seq`` (``nbytes`` of payload) was written and
+        drained. Returns the seq to acknowledge now, or None to wait."""
+        self.written_seq = seq
+        self.unacked_bytes += nbytes
+        self.unacked_msgs += 1
+        if self.unacked_bytes >= self._bytes_threshold or self.unacked_msgs >= self._msgs_threshold:
+            return self.ack_now()
+        return None
+
+    def ack_now(self) -> int:
+        self.acked_seq = self.written_seq
+        self.unacked_bytes = 0
+        self.unacked_msgs = 0
+        return self.acked_seq

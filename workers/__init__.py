@@ -1,0 +1,1 @@
+"""tidegate workers: run admitted jobs against model backends."""

@@ -1,0 +1,177 @@
+"""Worker process: one pool of job slots per served model.
+
+A worker pulls a job only when it has a free slot for that model (``fetch``
+asks for exactly the number of free slots), so queued work stays in JetStream,
+visible as consumer ``num_pending``, where any worker can take it, instead of
+piling up in one process.
+
+Every job gets the worker's control subject (``<p>.ctl.<worker>``) in its Head;
+the edge sends acks and cancels there, and one subscription demultiplexes them
+by request id. The cancel broadcast (``<p>.cancel.*``) reaches jobs whose edge
+never learned the control subject.
+
+Stop (SIGTERM): stop pulling, let in-flight jobs finish within
+``worker.shutdown_timeout``, then cancel the rest; their jobs stay unacked and
+JetStream redelivers them to another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from tidegate import broker
+from tidegate.cancels import CancelRegistry
+from tidegate.config import Config, ModelConfig
+from tidegate.errors import ProtocolError
+from tidegate.protocol import Ack, Request, decode_control
+from workers.backends import Backend, create_backend
+from workers.job import Job, JobContext
+
+log = logging.getLogger("tidegate.worker")
+
+
+class Pool:
+    """Slots, jobs and the control demux of one worker process."""
+
+    def __init__(self, config: Config, ctx: JobContext) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.jobs: dict[str, Job] = {}
+        self.cancels = CancelRegistry(ttl=config.streams.max_age)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def on_control(self, msg: Msg) -> None:
+        try:
+            message = decode_control(msg.data)
+        except ProtocolError as exc:
+            log.warning("malformed control message: %s", exc)
+            return
+        job = self.jobs.get(message.request_id)
+        if job is None:
+            return
+        if isinstance(message, Ack):
+            job.on_ack(message.seq)
+        else:
+            job.cancel(message.reason)
+
+    async def on_cancel(self, msg: Msg) -> None:
+        try:
+            message = decode_control(msg.data)
+        except ProtocolError:
+            return
+        self.cancels.add(message.request_id)
+        job = self.jobs.get(message.request_id)
+        if job is not None and not isinstance(message, Ack):
+            job.cancel(message.reason)
+
+    async def run_job(self, msg: Msg, backend: Backend) -> None:
+        try:
+            request = Request.decode(msg.data)
+        except ProtocolError as exc:
+            log.error("terminating malformed job: %s", exc)
+            await msg.term()
+            return
+        if request.deadline_ms < time.time() * 1000 or request.id in self.cancels:
+            log.info("dropping job %s: its client is gone", request.id)
+            await msg.ack()
+            return
+        job = Job(msg, request, backend, self.ctx)
+        self.jobs[request.id] = job
+        try:
+            await job.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Unacked: JetStream redelivers it (up to worker.max_deliver).
+            log.exception("job %s failed", request.id)
+        finally:
+            del self.jobs[request.id]
+
+    async def pull(self, js: JetStreamContext, model: ModelConfig, backend: Backend,
+                   stop: asyncio.Event) -> None:
+        subjects = self.config.nats.subjects
+        cfg = self.config.worker
+        durable = subjects.worker_consumer(model.name)
+        await broker.ensure_consumer(
+            js, subjects.jobs_stream, durable, subjects.job(model.name),
+            ack_wait=cfg.ack_wait, max_deliver=cfg.max_deliver,
+            max_ack_pending=max(10_000, model.max_streams * 64))
+        psub = await js.pull_subscribe_bind(durable=durable, stream=subjects.jobs_stream)
+        free = model.max_streams
+        slot_freed = asyncio.Event()
+
+        def release(_: asyncio.Task[None]) -> None:
+            nonlocal free
+            free += 1
+            slot_freed.set()
+
+        log.info("worker serving %s (%s backend, %d slots)", model.name, model.backend, free)
+        while not stop.is_set():
+            if free == 0:
+                slot_freed.clear()
+                await slot_freed.wait()
+                continue
+            try:
+                msgs = await psub.fetch(free, timeout=cfg.fetch_timeout)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except nats.errors.Error as exc:
+                log.warning("fetch for %s failed: %s", model.name, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                free -= 1
+                task = asyncio.create_task(self.run_job(msg, backend))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+                task.add_done_callback(release)
+
+    async def drain(self, grace: float) -> None:
+        if not self.tasks:
+            return
+        log.info("waiting up to %.0fs for %d in-flight jobs", grace, len(self.tasks))
+        _, pending = await asyncio.wait(set(self.tasks), timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+
+async def serve(config: Config, stop: asyncio.Event) -> None:
+    worker_id = secrets.token_hex(6)
+    subjects = config.nats.subjects
+    index = config.model_index()
+    wanted = config.worker.models
+    models = [m for m in config.models if not wanted or any(index[n] is m for n in wanted)]
+
+    nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop)
+    js = broker.jetstream(nc, config.nats)
+    await broker.ensure_streams(js, config)
+    ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id))
+    pool = Pool(config, ctx)
+    await nc.subscribe(ctx.control_subject, cb=pool.on_control)
+    await nc.subscribe(subjects.cancel_wildcard, cb=pool.on_cancel)
+
+    backends = {m.name: create_backend(m, config.worker) for m in models}
+    try:
+        # The pull loops are owned by this TaskGroup and end at stop; jobs are
+        # tracked by the pool, since they must outlive the pull loops to drain.
+        async with asyncio.TaskGroup() as tg:
+            pullers = [tg.create_task(pool.pull(js, m, backends[m.name], stop))
+                       for m in models]
+            await stop.wait()
+            for puller in pullers:
+                puller.cancel()
+        await pool.drain(config.worker.shutdown_timeout)
+    finally:
+        for backend in backends.values():
+            await backend.aclose()
+        await broker.close(nc)
+        log.info("worker %s stopped", worker_id)
