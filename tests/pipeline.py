@@ -1,0 +1,132 @@
+"""The whole pipeline as real processes, for tests.
+
+:class:`Pipeline` writes a config file and runs ``python -m tidegate edge``,
+``dispatcher`` and ``worker`` against a real nats-server and redis-server that
+the test suite started itself. Fault tests kill and restart single tiers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from tidegate import config as tgconfig
+from tidegate.servers import ManagedProcess, free_port, http_ok, stop_all
+
+DEV_KEY = "sk-test-pipeline-key"
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+class Pipeline:
+    """Edge, dispatcher and worker(s) as child processes."""
+
+    def __init__(self, workdir: Path, nats_url: str, redis_url: str,
+                 overrides: Mapping[str, Any] | None = None, workers: int = 1) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        raw: dict[str, Any] = {
+            "nats": {"url": nats_url},
+            "redis": {"url": redis_url},
+            "edge": {"port": self.port, "admission_timeout": 20.0, "queue_timeout": 60.0},
+            "auth": {"dev_key": DEV_KEY},
+            "session": {"heartbeat_interval": 2.0},
+            "dispatcher": {"ack_wait": 2.0},
+            "worker": {"ack_wait": 5.0, "shutdown_timeout": 5.0},
+            "models": [{"name": "tidegate-sim", "aliases": ["sim"],
+                        "simulator": {"ttft": 0.01, "tokens_per_second": 400.0, "length": 32}}],
+        }
+        _merge(raw, overrides or {})
+        self.config = tgconfig.from_dict(raw)
+        self.config_path = workdir / "tidegate.toml"
+        self.config_path.write_text(tgconfig.dump_toml(self.config))
+        self.dispatcher = self._process("dispatcher")
+        self.workers = [self._process("worker", f"worker{i}") for i in range(workers)]
+        self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"))
+
+    def _process(self, tier: str, name: str | None = None,
+                 ready: Any = None) -> ManagedProcess:
+        name = name or tier
+        return ManagedProcess(
+            name, [sys.executable, "-m", "tidegate", tier, "--config", str(self.config_path)],
+            self.workdir / "logs" / f"{name}.log", ready=ready, start_timeout=30.0)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return [self.edge, *self.workers, self.dispatcher]
+
+    def start(self) -> None:
+        self.dispatcher.spawn()
+        for worker in self.workers:
+            worker.spawn()
+        self.edge.start()
+        self.wait_serving()
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        """Until one request has made the full round trip (all tiers up)."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                status, _ = self.post("/v1/chat/completions", {
+                    "model": self.config.models[0].name, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "ping"}]}, timeout=10)
+                if status == 200:
+                    return
+            except Exception as exc:
+                last = exc
+            time.sleep(0.2)
+        raise RuntimeError(f"pipeline did not serve within {timeout}s: {last}\n"
+                           + "\n".join(p.describe_failure(p.name) for p in self.processes))
+
+    def post(self, path: str, body: Any, *, key: str | None = DEV_KEY,
+             timeout: float = 30.0, raw: bytes | None = None,
+             headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method="POST")
+        req.add_header("Content-Type", "application/json")
+        if key is not None:
+            req.add_header("Authorization", f"Bearer {key}")
+        for name, value in (headers or {}).items():
+            req.add_header(name, value)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def stop(self) -> None:
+        stop_all(self.processes, timeout=10.0)
+
+    def logs(self) -> str:
+        return "\n".join(p.describe_failure(p.name, lines=40) for p in self.processes)
+
+
+def running_pipeline(workdir: Path, nats_url: str, redis_url: str,
+                     **kwargs: Any) -> Iterator[Pipeline]:
+    """Generator body for fixtures: start, yield, always stop."""
+    pipeline = Pipeline(workdir, nats_url, redis_url, **kwargs)
+    try:
+        pipeline.start()
+        yield pipeline
+    finally:
+        pipeline.stop()

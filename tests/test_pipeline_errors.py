@@ -1,0 +1,117 @@
+"""Every bad input gets an OpenAI-style error with the right status, from the
+real edge process (the unit tests in test_validation.py cover each rule; this
+checks the HTTP surface end to end: status, JSON shape, headers)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+
+pytestmark = pytest.mark.pipeline
+
+GOOD: dict[str, Any] = {"model": "tidegate-sim", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
+             module_redis_url: str) -> Iterator[Pipeline]:
+    yield from running_pipeline(tmp_path_factory.mktemp("errors"), module_nats_url,
+                                module_redis_url, overrides={"edge": {"max_body_bytes": 4096}})
+
+
+def check_error(status: int, body: bytes, want_status: int, want_code: str | None,
+                want_param: str | None = None) -> dict[str, Any]:
+    assert status == want_status, body
+    payload = json.loads(body)
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if want_code is not None:
+        assert error["code"] == want_code, error
+    if want_param is not None:
+        assert error["param"] == want_param, error
+    return dict(error)
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code", "param"),
+    [
+        (b"{not json", 400, "invalid_json", None),
+        (b"[1, 2]", 400, "invalid_json", None),
+        (json.dumps({"messages": GOOD["messages"]}).encode(), 400,
+         "missing_required_parameter", "model"),
+        (json.dumps({**GOOD, "model": "no-such-model"}).encode(), 404, "model_not_found",
+         "model"),
+        (json.dumps({**GOOD, "model": 42}).encode(), 400, "invalid_type", "model"),
+        (json.dumps({**GOOD, "messages": []}).encode(), 400, "empty_array", "messages"),
+        (json.dumps({**GOOD, "messages": "hi"}).encode(), 400, "invalid_type", "messages"),
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": 5}]}).encode(), 400,
+         "invalid_type", "messages[0].content"),
+        (json.dumps({**GOOD, "stream": "true"}).encode(), 400, "invalid_type", "stream"),
+        (json.dumps({**GOOD, "stream": 1}).encode(), 400, "invalid_type", "stream"),
+        (json.dumps({**GOOD, "max_tokens": "5"}).encode(), 400, "invalid_type", "max_tokens"),
+        (json.dumps({**GOOD, "temperature": 9}).encode(), 400, "invalid_value", "temperature"),
+    ],
+)
+def test_bad_chat_bodies(pipeline: Pipeline, raw: bytes, status: int, code: str,
+                         param: str | None) -> None:
+    got_status, body = pipeline.post("/v1/chat/completions", None, raw=raw)
+    check_error(got_status, body, status, code, param)
+
+
+def test_body_over_limit_is_413(pipeline: Pipeline) -> None:
+    big = {**GOOD, "messages": [{"role": "user", "content": "x" * 10_000}]}
+    status, body = pipeline.post("/v1/chat/completions", big)
+    check_error(status, body, 413, "request_too_large")
+
+
+def test_completions_without_prompt(pipeline: Pipeline) -> None:
+    status, body = pipeline.post("/v1/completions", {"model": "tidegate-sim"})
+    check_error(status, body, 400, "missing_required_parameter", "prompt")
+
+
+@pytest.mark.parametrize(("key", "code"), [(None, "missing_api_key"),
+                                           ("sk-wrong-key-000000", "invalid_api_key")])
+def test_bad_keys_are_401(pipeline: Pipeline, key: str | None, code: str) -> None:
+    status, body = pipeline.post("/v1/chat/completions", GOOD, key=key)
+    error = check_error(status, body, 401, code)
+    assert error["type"] == "authentication_error"
+    assert "sk-wrong-key-000000" not in error["message"]
+
+
+def test_models_needs_a_key(pipeline: Pipeline) -> None:
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"{pipeline.url}/v1/models", timeout=10)
+    check_error(err.value.code, err.value.read(), 401, "missing_api_key")
+
+
+def test_unknown_route_and_method(pipeline: Pipeline) -> None:
+    status, body = pipeline.post("/v1/nothing-here", GOOD)
+    check_error(status, body, 404, "not_found")
+    req = urllib.request.Request(f"{pipeline.url}/v1/chat/completions",
+                                 headers={"Authorization": f"Bearer {DEV_KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    check_error(err.value.code, err.value.read(), 405, "method_not_allowed")
+
+
+def test_health_and_readiness(pipeline: Pipeline) -> None:
+    with urllib.request.urlopen(f"{pipeline.url}/healthz", timeout=10) as resp:
+        assert resp.status == 200
+    with urllib.request.urlopen(f"{pipeline.url}/readyz", timeout=10) as resp:
+        ready = json.loads(resp.read())
+    assert ready == {"ready": True, "checks": {"nats_connected": True, "streams": True,
+                                               "accepting": True}}
+
+
+def test_good_request_still_works(pipeline: Pipeline) -> None:
+    status, body = pipeline.post("/v1/chat/completions", {**GOOD, "max_tokens": 2})
+    assert status == 200, body
+    assert json.loads(body)["usage"]["completion_tokens"] == 2

@@ -1,0 +1,399 @@
+"""A fake OpenAI-compatible model server, for tests and the benchmark suite.
+
+It speaks the subset of the OpenAI HTTP API that vLLM, Ollama, llama.cpp and
+TGI share (``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions``, streaming and not), paces tokens like a model (TTFT,
+then one token every ``itl`` seconds), and records what happened to every
+request, so a test can assert that the gateway closed the backend connection
+when the client went away (:attr:`FakeRecord.closed_at`).
+
+Chunks are compact JSON in vLLM's shape, followed by ``data: [DONE]``.
+
+Fault injection, per request, by header or by the same name as a top-level
+field of the JSON body (``x-fake-fail-after`` -> ``"fake_fail_after"``; a
+gateway forwards unknown body fields untouched, so end-to-end tests can inject
+faults through it with the SDK's ``extra_body``; a header wins over the body):
+
+* ``x-fake-status: NNN`` - answer that status with an OpenAI-style error body
+  (``x-fake-message`` sets its message).
+* ``x-fake-fail-after: N`` - send N SSE events, then drop the connection
+  without finishing the chunked body.
+* ``x-fake-ttft: S`` / ``x-fake-itl: S`` - override the pace.
+* ``x-fake-header-delay: S`` - wait S seconds before sending response headers.
+
+Run it standalone::
+
+    python -m tidegate.fake_backend --port 8001 --ttft 0.05 --itl 0.01 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["FakeBackend", "FakeConfig", "FakeRecord", "main"]
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_DONE = b"data: [DONE]\n\n"
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+@dataclass(slots=True)
+class FakeConfig:
+    """Pace and shape of the fake model's answers.
+
+    ``models`` is what ``/v1/models`` lists; when non-empty, a request naming
+    another model gets 404 as from vLLM. ``keep_output`` makes every record
+    keep the exact bytes written (tests compare them; benchmarks should not).
+    """
+
+    ttft: float = 0.05
+    itl: float = 0.01
+    tokens: int = 64  # tokens when the request sets no max_tokens
+    token_size: int = 4  # bytes of text per token
+    models: tuple[str, ...] = ()
+    keep_output: bool = False
+    max_records: int = 100_000  # oldest records are dropped past this
+
+
+@dataclass(slots=True)
+class FakeRecord:
+    """What the fake saw and did for one generation request.
+
+    Times are ``time.monotonic()``. ``closed_at`` is set only when the *client*
+    closed the connection before the response was complete (a write failed or
+    the server noticed the connection was lost); an injected drop does not set it.
+    """
+
+    id: int
+    path: str
+    started_at: float
+    headers: dict[str, str]
+    peer: str = ""  # client "host:port": equal peers mean a reused connection
+    body: dict[str, Any] = field(default_factory=dict)
+    status: int = 200
+    bytes_written: int = 0
+    events_written: int = 0
+    completed: bool = False
+    dropped: bool = False  # the fake dropped the connection (x-fake-fail-after)
+    closed_at: float | None = None
+    finished_at: float | None = None
+    output: bytearray = field(default_factory=bytearray)
+
+
+@dataclass(slots=True)
+class _Faults:
+    status: int = 0
+    message: str = ""
+    fail_after: int = -1
+    ttft: float | None = None
+    itl: float | None = None
+    header_delay: float = 0.0
+
+    @classmethod
+    def parse(cls, headers: Mapping[str, str], body: Mapping[str, Any]) -> _Faults:
+        def get(name: str, default: Any = None) -> Any:
+            value = headers.get(f"x-fake-{name}")
+            if value is None:
+                value = body.get("fake_" + name.replace("-", "_"))
+            return default if value is None else value
+
+        return cls(
+            status=int(get("status", 0)),
+            message=str(get("message", "")),
+            fail_after=int(get("fail-after", -1)),
+            ttft=_opt_float(get("ttft")),
+            itl=_opt_float(get("itl")),
+            header_delay=float(get("header-delay", 0.0)),
+        )
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+class _ClientGone(Exception):
+    """A write failed because the client closed the connection."""
+
+
+def _error_body(status: int, message: str) -> bytes:
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": None}}).encode()
+
+
+def _prompt_tokens(body: Mapping[str, Any]) -> int:
+    chars = 0
+    for message in body.get("messages") or ():
+        if isinstance(message, Mapping) and isinstance(message.get("content"), str):
+            chars += len(message["content"])
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) for p in prompt if isinstance(p, str))
+    return (chars + 3) // 4
+
+
+class FakeBackend:
+    """The fake server. ``start`` binds it, ``stop`` shuts it down.
+
+    ``records`` grows by one per generation request, in arrival order.
+    """
+
+    def __init__(self, config: FakeConfig | None = None, *, ttft: float | None = None,
+                 itl: float | None = None, tokens: int | None = None,
+                 token_size: int | None = None, models: Sequence[str] | None = None,
+                 keep_output: bool | None = None) -> None:
+        """``FakeBackend(FakeConfig(...))`` or ``FakeBackend(ttft=..., models=[...])``;
+        keyword arguments override the config's fields."""
+        overrides: dict[str, Any] = {
+            k: v for k, v in (("ttft", ttft), ("itl", itl), ("tokens", tokens),
+                              ("token_size", token_size), ("keep_output", keep_output))
+            if v is not None}
+        if models is not None:
+            overrides["models"] = tuple(models)
+        self.config = dataclasses.replace(config or FakeConfig(), **overrides)
+        self.records: list[FakeRecord] = []
+        self.base_url = ""
+        self._ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        size = max(1, self.config.token_size)
+        self._texts = [" " + c * (size - 1) if size > 1 else c for c in _LETTERS]
+        self._pieces = [json.dumps(t).encode() for t in self._texts]
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Bind and serve; returns the base URL, ending in ``/v1``."""
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/completions", self._generate)
+        # handler_cancellation: a client that disconnects cancels its handler at
+        # once, so closed_at is exact even while the fake is "thinking" (TTFT).
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._runner = runner
+        bound_host, bound_port = runner.addresses[0][:2]
+        self.base_url = f"http://{bound_host}:{bound_port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        """Stop serving; open streams are cut after a one second grace period."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def __aenter__(self) -> FakeBackend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        names = self.config.models or ("fake-model",)
+        return web.json_response({"object": "list", "data": [
+            {"id": n, "object": "model", "created": 0, "owned_by": "tidegate-fake"}
+            for n in names]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        record = FakeRecord(id=next(self._ids), path=request.path,
+                            started_at=time.monotonic(), headers=dict(request.headers),
+                            peer=f"{peer[0]}:{peer[1]}" if peer else "")
+        self.records.append(record)
+        if len(self.records) > self.config.max_records:
+            del self.records[: len(self.records) - self.config.max_records]
+        try:
+            return await self._answer(request, record)
+        except asyncio.CancelledError:
+            # handler_cancellation: the client closed the connection.
+            if not (record.completed or record.dropped) and record.closed_at is None:
+                record.closed_at = time.monotonic()
+            raise
+        except _ClientGone:
+            record.closed_at = time.monotonic()
+            return web.Response(status=499)
+        finally:
+            record.finished_at = time.monotonic()
+
+    async def _answer(self, request: web.Request, record: FakeRecord) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("body is not a JSON object")
+        except ValueError as exc:
+            return self._error(record, 400, f"invalid JSON body: {exc}")
+        record.body = body
+        try:
+            faults = _Faults.parse(request.headers, body)
+        except (TypeError, ValueError) as exc:
+            return self._error(record, 400, f"bad x-fake injection: {exc}")
+        if faults.header_delay > 0:
+            await asyncio.sleep(faults.header_delay)
+        if faults.status:
+            return self._error(record, faults.status,
+                               faults.message or f"fake backend: injected HTTP {faults.status}")
+        chat = request.path.endswith("/chat/completions")
+        model = body.get("model")
+        if not isinstance(model, str) or (self.config.models and model not in self.config.models):
+            return self._error(record, 404, f"The model `{model}` does not exist.")
+        if chat and not isinstance(body.get("messages"), list):
+            return self._error(record, 400, "messages: field required")
+        if not chat and body.get("prompt") is None:
+            return self._error(record, 400, "prompt: field required")
+        limit = body.get("max_completion_tokens") if chat else None
+        if limit is None:
+            limit = body.get("max_tokens")
+        n = self.config.tokens if limit is None else max(0, min(int(limit), self.config.tokens))
+        finish = "length" if limit is not None and int(limit) <= self.config.tokens else "stop"
+        ttft = self.config.ttft if faults.ttft is None else faults.ttft
+        itl = self.config.itl if faults.itl is None else faults.itl
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-fake{record.id}"
+        head = (b'{"id":' + json.dumps(ident).encode() + b',"object":"'
+                + (b"chat.completion" if chat else b"text_completion")
+                + (b".chunk" if chat and body.get("stream") else b"")
+                + b'","created":%d,"model":' % int(time.time())
+                + json.dumps(model).encode() + b',"choices":[')
+        usage = (b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
+                 % (p := _prompt_tokens(body), n, p + n))
+        if body.get("stream"):
+            options = body.get("stream_options")
+            include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
+            return await self._stream(request, record, faults, chat, head, usage, n, finish,
+                                      ttft, itl, include_usage)
+        await asyncio.sleep(ttft + itl * max(n - 1, 0))
+        text = json.dumps("".join(self._texts[i % 26] for i in range(n))).encode()
+        if chat:
+            choice = b'{"index":0,"message":{"role":"assistant","content":' + text + b"}"
+        else:
+            choice = b'{"index":0,"text":' + text
+        data = (head + choice + b',"logprobs":null,"finish_reason":"%s"}],"usage":'
+                % finish.encode() + usage + b"}")
+        record.bytes_written = len(data)
+        if self.config.keep_output:
+            record.output += data
+        record.completed = True
+        return web.Response(body=data, content_type="application/json")
+
+    def _error(self, record: FakeRecord, status: int, message: str) -> web.Response:
+        record.status = status
+        record.completed = True
+        return web.Response(status=status, body=_error_body(status, message),
+                            content_type="application/json")
+
+    async def _stream(self, request: web.Request, record: FakeRecord, faults: _Faults,
+                      chat: bool, head: bytes, usage: bytes, n: int, finish: str,
+                      ttft: float, itl: float, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        if chat:
+            tok_prefix = b"data: " + head + b'{"index":0,"delta":{"content":'
+            tok_suffix = b'},"logprobs":null,"finish_reason":null}]' + tail
+            last = b'{"index":0,"delta":{},"logprobs":null,"finish_reason":"%s"}]'
+        else:
+            tok_prefix = b"data: " + head + b'{"index":0,"text":'
+            tok_suffix = b',"logprobs":null,"finish_reason":null}]' + tail
+            last = b'{"index":0,"text":"","logprobs":null,"finish_reason":"%s"}]'
+        events: list[bytes] = []
+        if chat:
+            events.append(b"data: " + head + b'{"index":0,"delta":{"role":"assistant",'
+                          b'"content":""},"logprobs":null,"finish_reason":null}]' + tail)
+        start = time.monotonic() + ttft
+        due = start
+        for i in range(n + 1):
+            if i < n:
+                events.append(tok_prefix + self._pieces[i % 26] + tok_suffix)
+            else:
+                events.append(b"data: " + head + last % finish.encode() + tail)
+                if include_usage:
+                    events.append(b"data: " + head + b'],"usage":' + usage + b"}\n\n")
+                events.append(_DONE)
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for event in events:
+                if record.events_written == faults.fail_after:
+                    # Abrupt drop: no terminating chunk, so the client sees a
+                    # truncated body, as when a backend process dies.
+                    record.dropped = True
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+                await self._write(resp, record, event)
+            events.clear()
+            due = start + (i + 1) * itl
+        record.completed = True
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        return resp
+
+    async def _write(self, resp: web.StreamResponse, record: FakeRecord, data: bytes) -> None:
+        try:
+            await resp.write(data)
+        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
+            raise _ClientGone from exc
+        record.bytes_written += len(data)
+        record.events_written += 1
+        if self.config.keep_output:
+            record.output += data
+
+
+async def _serve(config: FakeConfig, host: str, port: int) -> None:
+    fake = FakeBackend(config)
+    url = await fake.start(host, port)
+    print(f"fake backend serving at {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # Windows
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await fake.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point: serve until SIGINT/SIGTERM."""
+    parser = argparse.ArgumentParser(prog="python -m tidegate.fake_backend",
+                                     description="Fake OpenAI-compatible model server.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--ttft", type=float, default=0.05, help="seconds to first token")
+    parser.add_argument("--itl", type=float, default=0.01, help="seconds between tokens")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens without max_tokens")
+    parser.add_argument("--token-size", type=int, default=4, help="bytes of text per token")
+    parser.add_argument("--model", action="append", default=[],
+                        help="model name to serve (repeatable; default: any)")
+    args = parser.parse_args(argv)
+    config = FakeConfig(ttft=args.ttft, itl=args.itl, tokens=args.tokens,
+                        token_size=args.token_size, models=tuple(args.model))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(config, args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()
