@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +31,8 @@ def check_error(status: int, body: bytes, want_status: int, want_code: str | Non
     payload = json.loads(body)
     error = payload["error"]
     assert set(error) >= {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["message"], str)
+    assert error["message"]
     if want_code is not None:
         assert error["code"] == want_code, error
     if want_param is not None:

@@ -86,7 +86,8 @@ async def test_streaming_chat(client: openai.AsyncOpenAI, model: str) -> None:
     assert chunks >= 3
     assert content.strip(), "no content streamed"
     assert finish == "length"
-    assert usage is not None and usage.completion_tokens == 8
+    assert usage is not None
+    assert usage.completion_tokens == 8
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
@@ -96,7 +97,8 @@ async def test_non_streaming_chat(client: openai.AsyncOpenAI, model: str) -> Non
         model=model, max_tokens=5, messages=[{"role": "user", "content": "Hello"}])
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content
-    assert response.usage is not None and response.usage.completion_tokens == 5
+    assert response.usage is not None
+    assert response.usage.completion_tokens == 5
     assert response.choices[0].finish_reason == "length"
 
 
@@ -122,7 +124,8 @@ async def test_legacy_completions(client: openai.AsyncOpenAI, model: str) -> Non
     assert text.strip()
     response = await client.completions.create(model=model, prompt="Once upon", max_tokens=6)
     assert response.choices[0].text.strip()
-    assert response.usage is not None and response.usage.completion_tokens == 6
+    assert response.usage is not None
+    assert response.usage.completion_tokens == 6
 
 
 async def test_models_list(client: openai.AsyncOpenAI) -> None:
@@ -175,9 +178,13 @@ async def test_upstream_failure_mid_stream_is_final_error_event(
     stream = await client.chat.completions.create(
         model="org/fake-model:v1.5", max_tokens=10, stream=True,
         messages=[{"role": "user", "content": "x"}], extra_body={"fake_fail_after": 3})
-    received = ""
-    with pytest.raises(openai.APIError) as failed:
+    received: list[str] = []
+
+    async def consume() -> None:
         async for chunk in stream:
-            received += "".join(c.delta.content or "" for c in chunk.choices)
-    assert received, "chunks before the failure must reach the client"
+            received.extend(c.delta.content or "" for c in chunk.choices)
+
+    with pytest.raises(openai.APIError) as failed:
+        await consume()
+    assert "".join(received), "chunks before the failure must reach the client"
     assert "backend" in str(failed.value).lower()
