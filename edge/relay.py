@@ -218,7 +218,7 @@ class Relay:
                     self.wrote_chunks = True
                 else:
                     self._collect(data)
-                ack = self.acks.on_written(last_chunk, nbytes)
+                ack = self.acks.on_written(last_chunk, nbytes, len(out))
                 if ack is not None and self.control:
                     await self.ctx.publisher.publish(self.control,
                                                      Ack(self.request.id, ack).encode())

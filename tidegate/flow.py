@@ -97,12 +97,17 @@ class AckPolicy:
         self.unacked_bytes = 0
         self.unacked_msgs = 0
 
-    def on_written(self, seq: int, nbytes: int) -> int | None:
-        """Record that message ``seq`` (``nbytes`` of payload) was written and
-        drained. Returns the seq to acknowledge now, or None to wait."""
+    def on_written(self, seq: int, nbytes: int, nmsgs: int = 1) -> int | None:
+        """Record that messages up to ``seq`` (``nmsgs`` of them, ``nbytes`` of
+        payload in all) were written and drained. Returns the seq to
+        acknowledge now, or None to wait.
+
+        ``nmsgs`` must count messages, not writes: the worker's window counts
+        messages, so counting a coalesced batch as one would let the window
+        fill without the edge ever reaching its ack threshold."""
         self.written_seq = seq
         self.unacked_bytes += nbytes
-        self.unacked_msgs += 1
+        self.unacked_msgs += nmsgs
         if self.unacked_bytes >= self._bytes_threshold or self.unacked_msgs >= self._msgs_threshold:
             return self.ack_now()
         return None

@@ -95,6 +95,14 @@ class Request:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
+        """Raises :class:`ProtocolError` if the body holds a value msgpack cannot
+        carry (an integer outside the 64-bit range)."""
+        try:
+            return self._encode()
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"request cannot be encoded: {exc}") from exc
+
+    def _encode(self) -> bytes:
         return msgpack.packb(
             {
                 "v": VERSION,
@@ -149,7 +157,7 @@ class Request:
                 edge=str(m.get("edge", "")),
                 extra=dict(m.get("extra") or {}),
             )
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
             raise ProtocolError(f"malformed request envelope: {exc!r}") from exc
 
 

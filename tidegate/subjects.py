@@ -19,6 +19,7 @@ original string, so a subject can be read back into the model it names.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Bytes that stand for themselves in a token. Everything else, including the
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 _KEEP = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
 _HEX = b"0123456789ABCDEF"
 _ESCAPE = ord("_")
+_PREFIX = re.compile(r"[a-z0-9][a-z0-9_-]*")
 
 
 def encode_token(name: str) -> str:
@@ -60,7 +62,11 @@ def decode_token(token: str) -> str:
             pair = raw[i + 1 : i + 3]
             if len(pair) != 2 or any(c not in _HEX for c in pair):
                 raise ValueError(f"malformed escape in subject token {token!r}")
-            out.append(int(pair, 16))
+            value = int(pair, 16)
+            if value in _KEEP:
+                # Only one spelling per name: "_41" would alias "A".
+                raise ValueError(f"non-canonical escape in subject token {token!r}")
+            out.append(value)
             i += 3
         elif byte in _KEEP:
             out.append(byte)
@@ -77,8 +83,11 @@ class Subjects:
     prefix: str = "tg"
 
     def __post_init__(self) -> None:
-        if not self.prefix or any(c in self.prefix for c in ".*> \t\r\n"):
-            raise ValueError(f"invalid subject prefix {self.prefix!r}: must be one plain token")
+        # Lower-case only: stream names upper-case the prefix, so "tg" and "Tg"
+        # would otherwise share streams while using different subjects.
+        if not _PREFIX.fullmatch(self.prefix):
+            raise ValueError(f"invalid subject prefix {self.prefix!r}: use lower-case letters, "
+                             "digits, '-' and '_' (it names subjects and streams)")
 
     # -- JetStream streams -------------------------------------------------
     @property

@@ -1,0 +1,260 @@
+"""The edge's per-request mailbox (edge.session)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+
+from edge.session import Session, SessionTable
+from tidegate.protocol import (
+    Admission,
+    Chunk,
+    Done,
+    Head,
+    Heartbeat,
+    SessionMessage,
+    Status,
+)
+
+NEVER = 3600.0  # a tick interval that never fires within a test
+INBOX = "tg.out.edge-1."
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[Session]:
+    s = Session("r1", NEVER)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+async def table() -> AsyncIterator[SessionTable]:
+    t = SessionTable(INBOX)
+    yield t
+    for rid in list(t._sessions):
+        t.close(t._sessions[rid])
+
+
+# --------------------------------------------------------------------------
+# Session
+# --------------------------------------------------------------------------
+
+
+async def test_take_empty(session: Session) -> None:
+    assert session.take() == []
+    assert session.ticked is False
+
+
+async def test_feed_then_take_in_order(session: Session) -> None:
+    messages: list[SessionMessage] = [
+        Status(Admission.ADMITTED), Head(1, "tg.ctl.w1", 5), Chunk(2, b"a"), Chunk(3, b"b"),
+        Done(4, 1, 2, "stop"),
+    ]
+    for m in messages:
+        session.feed(m)
+    assert session.take() == messages
+    assert session.take() == []
+
+
+async def test_take_returns_only_what_arrived_since_last_take(session: Session) -> None:
+    session.feed(Chunk(2, b"a"))
+    assert session.take() == [Chunk(2, b"a")]
+    session.feed(Chunk(3, b"b"))
+    session.feed(Heartbeat(4))
+    assert session.take() == [Chunk(3, b"b"), Heartbeat(4)]
+
+
+async def test_wait_returns_at_once_when_messages_pending(session: Session) -> None:
+    session.feed(Chunk(2, b"x"))
+    async with asyncio.timeout(1):
+        await session.wait()
+    assert session.take() == [Chunk(2, b"x")]
+
+
+async def test_feed_wakes_a_waiter(session: Session) -> None:
+    waiter = asyncio.create_task(session.wait())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    session.feed(Chunk(2, b"x"))
+    async with asyncio.timeout(1):
+        await waiter
+    assert session.take() == [Chunk(2, b"x")]
+
+
+async def test_several_feeds_before_the_waiter_runs(session: Session) -> None:
+    waiter = asyncio.create_task(session.wait())
+    await asyncio.sleep(0)
+    for seq in range(2, 6):
+        session.feed(Chunk(seq, b"."))
+    async with asyncio.timeout(1):
+        await waiter
+    assert [m.seq for m in session.take()] == [2, 3, 4, 5]
+
+
+async def test_wait_blocks_without_messages_or_tick(session: Session) -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await session.wait()
+    # A cancelled wait leaves the session usable.
+    session.feed(Chunk(2, b"x"))
+    async with asyncio.timeout(1):
+        await session.wait()
+
+
+async def test_tick_wakes_a_waiter() -> None:
+    session = Session("r1", 0.01)
+    try:
+        async with asyncio.timeout(1):
+            await session.wait()
+        assert session.ticked is True
+        assert session.take() == []
+        assert session.ticked is False
+    finally:
+        session.close()
+
+
+async def test_tick_while_not_waiting_is_remembered() -> None:
+    session = Session("r1", 0.01)
+    try:
+        await asyncio.sleep(0.05)
+        assert session.ticked is True
+        async with asyncio.timeout(0.5):
+            await session.wait()  # returns at once
+    finally:
+        session.close()
+
+
+async def test_ticks_repeat() -> None:
+    session = Session("r1", 0.01)
+    try:
+        for _ in range(3):
+            async with asyncio.timeout(1):
+                await session.wait()
+            assert session.take() == []
+    finally:
+        session.close()
+
+
+async def test_take_returns_messages_and_clears_tick() -> None:
+    session = Session("r1", 0.01)
+    try:
+        await asyncio.sleep(0.03)
+        session.feed(Chunk(2, b"x"))
+        assert session.ticked is True
+        assert session.take() == [Chunk(2, b"x")]
+        assert session.ticked is False
+    finally:
+        session.close()
+
+
+async def test_close_stops_ticks() -> None:
+    session = Session("r1", 0.01)
+    session.close()
+    await asyncio.sleep(0.05)
+    assert session.ticked is False
+
+
+async def test_close_after_ticks_stops_the_rescheduled_tick() -> None:
+    session = Session("r1", 0.01)
+    await asyncio.sleep(0.035)
+    assert session.take() == []
+    session.close()
+    await asyncio.sleep(0.05)
+    assert session.ticked is False
+
+
+# --------------------------------------------------------------------------
+# SessionTable
+# --------------------------------------------------------------------------
+
+
+async def test_open_and_close(table: SessionTable) -> None:
+    assert len(table) == 0
+    a = table.open("a", NEVER)
+    b = table.open("b", NEVER)
+    assert len(table) == 2
+    assert a.request_id == "a"
+    table.close(a)
+    assert len(table) == 1
+    table.close(a)  # twice is harmless
+    assert len(table) == 1
+    table.close(b)
+    assert len(table) == 0
+
+
+async def test_dispatch_routes_by_last_token(table: SessionTable) -> None:
+    a = table.open("a1b2", NEVER)
+    b = table.open("c3d4", NEVER)
+    table.dispatch(INBOX + "a1b2", Chunk(2, b"for a").encode())
+    table.dispatch(INBOX + "c3d4", Chunk(2, b"for b").encode())
+    table.dispatch(INBOX + "a1b2", Done(3, 1, 1, "stop").encode())
+    assert a.take() == [Chunk(2, b"for a"), Done(3, 1, 1, "stop")]
+    assert b.take() == [Chunk(2, b"for b")]
+
+
+async def test_dispatch_wakes_the_waiting_session(table: SessionTable) -> None:
+    session = table.open("r1", NEVER)
+    waiter = asyncio.create_task(session.wait())
+    await asyncio.sleep(0)
+    table.dispatch(INBOX + "r1", Heartbeat(2).encode())
+    async with asyncio.timeout(1):
+        await waiter
+    assert session.take() == [Heartbeat(2)]
+
+
+@pytest.mark.parametrize("subject", [
+    INBOX + "unknown",
+    INBOX + "r1.extra",
+    INBOX + "r",
+    INBOX,
+])
+async def test_dispatch_drops_unknown_ids(table: SessionTable, subject: str) -> None:
+    session = table.open("r1", NEVER)
+    table.dispatch(subject, Chunk(2, b"x").encode())
+    assert session.take() == []
+    assert len(table) == 1
+
+
+async def test_dispatch_after_close_is_dropped(table: SessionTable) -> None:
+    session = table.open("r1", NEVER)
+    table.close(session)
+    table.dispatch(INBOX + "r1", Chunk(2, b"late").encode())
+    assert session.take() == []
+
+
+@pytest.mark.parametrize("payload", [
+    b"",
+    b"\xc1",
+    b"garbage",
+    msgpack.packb([99, 2, 1, b"x"]),  # future version
+    msgpack.packb([1, 6, 0, "r1", 3]),  # an Ack: control, not session
+    msgpack.packb({"v": 1}),
+])
+async def test_dispatch_drops_malformed_payload(table: SessionTable, payload: bytes,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    session = table.open("r1", NEVER)
+    with caplog.at_level(logging.ERROR, logger="tidegate.edge"):
+        table.dispatch(INBOX + "r1", payload)
+    assert session.take() == []
+    assert any("r1" in r.getMessage() for r in caplog.records)
+    # The session still works afterwards.
+    table.dispatch(INBOX + "r1", Chunk(2, b"ok").encode())
+    assert session.take() == [Chunk(2, b"ok")]
+
+
+async def test_dispatch_with_the_service_prefix_convention() -> None:
+    # edge.service builds the table from the inbox wildcard minus its "*".
+    from tidegate.subjects import Subjects
+
+    subjects = Subjects("blue")
+    table = SessionTable(subjects.edge_inbox("e9")[:-1])
+    session = table.open("abc", NEVER)
+    try:
+        table.dispatch(subjects.out("e9", "abc"), Chunk(2, b"x").encode())
+        assert session.take() == [Chunk(2, b"x")]
+    finally:
+        table.close(session)
