@@ -25,7 +25,7 @@ from edge.session import SessionTable
 from edge.validation import validate
 from tidegate import broker
 from tidegate.config import Config, ModelConfig
-from tidegate.errors import ApiError, unavailable
+from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
 from tidegate.protocol import Api, Request
 
 log = logging.getLogger("tidegate.edge")
@@ -184,8 +184,15 @@ async def _publish(state: EdgeState, request: Request) -> int:
     """Publish to the requests stream; returns its JetStream sequence number."""
     subject = state.config.nats.subjects.request(request.klass, request.tenant)
     try:
-        ack = await state.js.publish(subject, request.encode(),
-                                     headers={"Nats-Msg-Id": request.id})
+        payload = request.encode()
+    except ProtocolError:
+        raise invalid_request("The request contains a number outside the 64-bit integer "
+                              "range.", code="invalid_value") from None
+    if len(payload) > state.nc.max_payload:
+        raise ApiError(413, "The request is too large for the broker's message size limit.",
+                       type="invalid_request_error", code="request_too_large")
+    try:
+        ack = await state.js.publish(subject, payload, headers={"Nats-Msg-Id": request.id})
     except nats.js.errors.APIError as exc:
         description = (exc.description or "").lower()
         if "maximum" in description or exc.code == 503:

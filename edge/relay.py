@@ -6,9 +6,10 @@ Phases (an enum, not a scatter of flags)::
        |                                     |                  |
        +------ Status(rejected) / Error / timeout / worker lost / client gone --> (end)
 
-Headers go out only when they must: at the worker's ``Head`` (the backend
-accepted the request), or, for a stream that waits long before it, at the
-first ``: ping`` the edge writes to keep proxies from dropping the connection.
+Headers go out only when they must: with the first chunk, or, for a stream
+that waits long before it (queueing, prefill), with the first ``: ping`` the
+edge writes to keep proxies from dropping the connection (one heartbeat
+interval in).
 Until then every failure is a real HTTP status with an OpenAI error body;
 afterwards it is a final SSE error event (see ``edge.errors``).
 
@@ -224,9 +225,6 @@ class Relay:
                                                      Ack(self.request.id, ack).encode())
             elif ping and stream:
                 await self._write(_PING)
-                last_write = now
-            elif stream and self.phase is Phase.STREAMING and self.response is None:
-                await self._start_stream()
                 last_write = now
 
             if done is not None:

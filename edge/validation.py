@@ -31,9 +31,13 @@ class Validated:
     include_usage: bool
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid_request(
             f"We could not parse the JSON body of your request: {exc}. The body must be a "

@@ -131,7 +131,10 @@ class StreamsConfig:
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     batch: int = 64  # requests pulled per fetch
-    ack_wait: float = 30.0  # redelivery delay if a dispatcher dies mid-request
+    # Redelivery delay when a dispatcher dies holding a request. Dispatching takes
+    # milliseconds, so this can be short; it must stay well below
+    # edge.admission_timeout or clients time out just as their request is retried.
+    ack_wait: float = 10.0
     fetch_timeout: float = 1.0
 
 
@@ -372,6 +375,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 def _check(config: Config) -> None:
     """Cross-field and range checks that types alone cannot express."""
     e, s, w = config.edge, config.session, config.worker
+    if e.edge_id and not all(c.isascii() and (c.isalnum() or c in "-_") for c in e.edge_id):
+        raise ConfigError(f"edge.edge_id: only letters, digits, '-' and '_' (it is a subject "
+                          f"token), got {e.edge_id!r}")
     if not 0 <= e.port <= 65535:
         raise ConfigError(f"edge.port: must be 0..65535, got {e.port}")
     for name, value in (
@@ -406,6 +412,10 @@ def _check(config: Config) -> None:
         ("worker.max_response_bytes", w.max_response_bytes),
     ):
         _positive(name, value)
+    if config.dispatcher.ack_wait >= e.admission_timeout:
+        raise ConfigError(f"dispatcher.ack_wait ({config.dispatcher.ack_wait:g}s) must be below "
+                          f"edge.admission_timeout ({e.admission_timeout:g}s): a request held "
+                          "by a dead dispatcher is redelivered only after ack_wait")
     if s.window_msgs < 4:
         raise ConfigError(f"session.window_msgs: must be >= 4, got {s.window_msgs}")
     if s.window_bytes < 1024:

@@ -99,24 +99,31 @@ class Job:
         await self.ctx.nc.publish(self.request.reply, payload)
 
     async def _relay(self) -> None:
-        request = self.request
+        # Head goes out before the backend call: the edge learns the control
+        # subject (so a cancel during a long prefill reaches us directly) and
+        # heartbeats cover the wait for the backend's first byte. The edge still
+        # sends no HTTP headers before the first chunk or ping, so a backend
+        # refusal remains a real HTTP status.
+        self.seq = 1
+        await self._send(Head(1, self.ctx.control_subject,
+                              self.msg.metadata.sequence.stream).encode())
+        async with asyncio.TaskGroup() as tg:
+            heartbeat = tg.create_task(self._heartbeat())
+            try:
+                await self._call_backend()
+            finally:
+                heartbeat.cancel()
+
+    async def _call_backend(self) -> None:
         try:
-            stream = await self.backend.open(request)
+            stream = await self.backend.open(self.request)
         except BackendError as error:
-            log.info("job %s: backend refused: %s", request.id, error.message)
-            self.seq = 1
-            await self._send(Error(1, _info(error)).encode())
+            log.info("job %s: backend refused: %s", self.request.id, error.message)
+            self.seq += 1
+            await self._send(Error(self.seq, _info(error)).encode())
             return
         try:
-            meta_seq = self.msg.metadata.sequence.stream
-            self.seq = 1
-            await self._send(Head(1, self.ctx.control_subject, meta_seq).encode())
-            async with asyncio.TaskGroup() as tg:
-                heartbeat = tg.create_task(self._heartbeat())
-                try:
-                    await self._pump(stream)
-                finally:
-                    heartbeat.cancel()
+            await self._pump(stream)
         finally:
             await stream.aclose()
 
