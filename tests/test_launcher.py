@@ -1,0 +1,339 @@
+"""``tidegate up``: planning in-process, then the real thing as a subprocess.
+
+The subprocess tests run the whole gateway (embedded nats-server and
+redis-server, dispatcher, worker, edge) exactly as a user would, talk to it
+with the openai SDK, and check that SIGTERM leaves no process and no port.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.servers import descendants, is_alive, kill_all, wait_until
+from tidegate import config as tgconfig
+from tidegate.errors import ConfigError, TidegateError
+from tidegate.launcher import (
+    DEV_KEY_PREFIX,
+    UpOptions,
+    banner,
+    child_environment,
+    prepare,
+)
+from tidegate.servers import free_port, port_is_free
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+DEV_KEY = "sk-tg-launcher-test-key"
+READY_TIMEOUT = 90.0
+
+
+# --------------------------------------------------------------------------
+# prepare(): no processes
+# --------------------------------------------------------------------------
+
+
+def test_dev_key_is_generated_once_and_kept(tmp_path: Path) -> None:
+    first = prepare(UpOptions(data_dir=tmp_path), env={})
+    key = first.config.auth.dev_key
+    assert re.fullmatch(re.escape(DEV_KEY_PREFIX) + r"[A-Za-z0-9_-]{32}", key)
+    assert (tmp_path / "dev_key").read_text().strip() == key
+    assert (tmp_path / "dev_key").stat().st_mode & 0o777 == 0o600
+    assert prepare(UpOptions(data_dir=tmp_path), env={}).config.auth.dev_key == key
+    env_key = prepare(UpOptions(data_dir=tmp_path), env={"TIDEGATE_DEV_KEY": "sk-env"})
+    assert env_key.config.auth.dev_key == "sk-env"
+
+
+def test_embedded_servers_get_free_ports(tmp_path: Path) -> None:
+    plan = prepare(UpOptions(data_dir=tmp_path), env={})
+    assert plan.nats_port is not None
+    assert plan.redis_port is not None
+    assert plan.config.nats.url == f"nats://127.0.0.1:{plan.nats_port}"
+    assert plan.config.redis.url == f"redis://127.0.0.1:{plan.redis_port}/0"
+    for port, default in ((plan.nats_port, 4222), (plan.redis_port, 6379)):
+        assert port == default or not port_is_free(default)
+    assert [m.name for m in plan.config.models] == ["tidegate-sim"]
+
+
+def test_external_urls_are_used_as_given(tmp_path: Path) -> None:
+    plan = prepare(UpOptions(data_dir=tmp_path, nats_url="nats://10.1.1.1:4222"),
+                   env={"TIDEGATE_REDIS_URL": "redis://10.1.1.2:6379/2"})
+    assert (plan.nats_port, plan.redis_port) == (None, None)
+    assert plan.config.nats.url == "nats://10.1.1.1:4222"
+    assert plan.config.redis.url == "redis://10.1.1.2:6379/2"
+
+    path = tmp_path / "c.toml"
+    path.write_text('[nats]\nurl = "nats://10.1.1.3:4222"\n')
+    plan = prepare(UpOptions(data_dir=tmp_path, config_path=str(path)), env={})
+    assert plan.nats_port is None
+    assert plan.redis_port is not None
+    assert plan.config.nats.url == "nats://10.1.1.3:4222"
+
+
+def test_edge_port(tmp_path: Path) -> None:
+    port = free_port()
+    plan = prepare(UpOptions(data_dir=tmp_path, port=port), env={})
+    assert plan.config.edge.port == port
+    assert plan.base_url == f"http://127.0.0.1:{port}/v1"
+    plan = prepare(UpOptions(data_dir=tmp_path), env={"TIDEGATE__EDGE__PORT": str(port)})
+    assert plan.config.edge.port == port  # the configured port, since it is free
+    plan = prepare(UpOptions(data_dir=tmp_path, host="0.0.0.0", port=port), env={})
+    assert plan.base_url == f"http://127.0.0.1:{port}/v1"
+
+
+def test_child_environment_drops_config_variables() -> None:
+    env = child_environment({"TIDEGATE__EDGE__PORT": "1", "TIDEGATE_DEV_KEY": "k",
+                             "TIDEGATE_CONFIG": "x", "HOME": "/root", "OTHER": "y"})
+    assert not [k for k in env if k.startswith("TIDEGATE")]
+    assert env["HOME"] == "/root"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert str(Path(__file__).resolve().parent.parent) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_invalid_options(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--workers"):
+        prepare(UpOptions(data_dir=tmp_path, workers=0), env={})
+    with pytest.raises(ConfigError, match="--backend"):
+        prepare(UpOptions(data_dir=tmp_path, models=("m",)), env={})
+
+
+class _ModelsHandler(http.server.BaseHTTPRequestHandler):
+    seen: list[tuple[str, str | None]] = []
+
+    def do_GET(self) -> None:
+        type(self).seen.append((self.path, self.headers.get("Authorization")))
+        if self.path != "/v1/models":
+            self.send_error(404)
+            return
+        body = json.dumps({"object": "list", "data": [
+            {"id": "org/llama-3:8b", "object": "model"}, {"id": "qwen2.5", "object": "model"},
+        ]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def models_server() -> Iterator[str]:
+    _ModelsHandler.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ModelsHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_backend_models_are_listed(tmp_path: Path, models_server: str) -> None:
+    plan = prepare(UpOptions(data_dir=tmp_path, backends=(f"{models_server}/v1/",),
+                             backend_key_env="UPSTREAM_KEY"),
+                   env={"UPSTREAM_KEY": "sk-upstream"})
+    assert [(m.name, m.backend, m.base_url, m.api_key_env) for m in plan.config.models] == [
+        ("org/llama-3:8b", "openai", f"{models_server}/v1", "UPSTREAM_KEY"),
+        ("qwen2.5", "openai", f"{models_server}/v1", "UPSTREAM_KEY"),
+    ]
+    assert _ModelsHandler.seen == [("/v1/models", "Bearer sk-upstream")]
+
+
+def test_backend_with_model_names_does_not_list(tmp_path: Path, models_server: str) -> None:
+    plan = prepare(UpOptions(data_dir=tmp_path, backends=(f"{models_server}/v1",),
+                             models=("mine",)), env={})
+    assert [m.name for m in plan.config.models] == ["mine"]
+    assert _ModelsHandler.seen == []
+
+
+def test_backend_listing_failure_says_pass_model(tmp_path: Path, models_server: str) -> None:
+    with pytest.raises(TidegateError, match="--model") as info:
+        prepare(UpOptions(data_dir=tmp_path, backends=(f"{models_server}/nope",)), env={})
+    assert "404" in str(info.value)
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(TidegateError, match="--model"):
+        prepare(UpOptions(data_dir=tmp_path, backends=(dead,)), env={})
+
+
+def test_banner(tmp_path: Path) -> None:
+    plan = prepare(UpOptions(data_dir=tmp_path, port=free_port()),
+                   env={"TIDEGATE_DEV_KEY": DEV_KEY})
+    text = banner(plan)
+    assert f"URL:      {plan.base_url}" in text
+    assert DEV_KEY in text
+    assert "tidegate-sim" in text
+    assert f"curl -N {plan.base_url}/chat/completions" in text
+    assert '"stream": true' in text
+    assert "stream=True" in text
+    assert "logs" in text
+    # The SDK snippet is valid Python.
+    snippet = text.split("(pip install openai):", 1)[1].split("Press Ctrl-C", 1)[0]
+    compile("\n".join(line[2:] for line in snippet.splitlines()), "<banner>", "exec")
+
+
+# --------------------------------------------------------------------------
+# tidegate up as a subprocess
+# --------------------------------------------------------------------------
+
+
+class Up:
+    """A running ``tidegate up`` with its output in files."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.stdout_path = data_dir.parent / f"{data_dir.name}.stdout"
+        self.stderr_path = data_dir.parent / f"{data_dir.name}.stderr"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
+        env["TIDEGATE_DEV_KEY"] = DEV_KEY
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tidegate", "up", "--port", str(self.port),
+                 "--data-dir", str(data_dir), *args],
+                stdout=out, stderr=err, env=env, start_new_session=True)
+        self.children: list[tuple[int, int]] = []
+
+    def output(self) -> str:
+        return self.stdout_path.read_text()
+
+    def diagnostics(self) -> str:
+        parts = [f"stdout:\n{self.output()}", f"stderr:\n{self.stderr_path.read_text()}"]
+        for log in sorted((self.data_dir / "logs").glob("*.log")):
+            parts.append(f"{log.name}:\n" + "\n".join(log.read_text().splitlines()[-30:]))
+        return "\n\n".join(parts)
+
+    def wait_url(self) -> str:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            found = re.search(r"URL:\s+(http://\S+/v1)", self.output())
+            if found:
+                self.children = descendants(self.proc.pid)
+                return found[1]
+            if self.proc.poll() is not None:
+                pytest.fail(f"tidegate up exited with {self.proc.returncode}\n"
+                            f"{self.diagnostics()}")
+            time.sleep(0.1)
+        pytest.fail(f"tidegate up printed no URL within {READY_TIMEOUT}s\n{self.diagnostics()}")
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        kill_all(self.children)
+
+
+@pytest.fixture
+def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
+    """Starts ``tidegate up`` with extra arguments; kills whatever is left at the end."""
+    started: list[Up] = []
+
+    def start(*args: str) -> Up:
+        running = Up(tmp_path / f"data{len(started)}", *args)
+        started.append(running)
+        return running
+
+    try:
+        yield start
+    finally:
+        for running in started:
+            running.cleanup()
+
+
+@pytest.fixture
+def up(start_up: Callable[..., Up]) -> Up:
+    return start_up()
+
+
+def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
+    url = up.wait_url()
+    assert url == f"http://127.0.0.1:{up.port}/v1"
+    out = up.output()
+    assert DEV_KEY in out
+    assert "tidegate-sim" in out
+    assert "curl -N" in out
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/readyz", timeout=5) as response:
+        assert response.status == 200
+
+    client = openai.OpenAI(base_url=url, api_key=DEV_KEY, max_retries=0, timeout=30)
+    with client, client.chat.completions.create(
+            model="tidegate-sim", stream=True, max_tokens=16,
+            messages=[{"role": "user", "content": "Say hello"}]) as stream:
+        content = "".join(chunk.choices[0].delta.content or ""
+                          for chunk in stream if chunk.choices)
+    assert content.strip(), up.diagnostics()
+
+    # nats, redis, dispatcher, one worker, edge; each its own process.
+    assert len(up.children) >= 5, up.children
+    assert (up.data_dir / "tidegate.toml").exists()
+    effective = tgconfig.load(up.data_dir / "tidegate.toml", {})
+    assert (effective.edge.port, effective.auth.dev_key) == (up.port, DEV_KEY)
+
+    up.proc.send_signal(signal.SIGTERM)
+    try:
+        code = up.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tidegate up did not exit within 20s of SIGTERM\n{up.diagnostics()}")
+    assert code == 0, up.diagnostics()
+    left = [c for c in up.children if is_alive(c)]
+    assert not left, f"processes left behind: {left}\n{up.diagnostics()}"
+    assert wait_until(lambda: port_is_free(up.port), 5), "edge port still taken"
+    assert "did not stop" not in up.stderr_path.read_text(), up.diagnostics()
+
+
+def test_up_stops_everything_when_a_child_dies(start_up: Callable[..., Up]) -> None:
+    up = start_up("--workers", "2")
+    up.wait_url()
+    assert len(up.children) >= 6  # nats, redis, dispatcher, 2 workers, edge
+    dispatcher = _child_running(up, "dispatcher")
+    os.kill(dispatcher, signal.SIGKILL)
+    try:
+        code = up.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tidegate up ignored a dead child\n{up.diagnostics()}")
+    assert code == 1
+    err = up.stderr_path.read_text()
+    assert "dispatcher exited unexpectedly" in err
+    assert "dispatcher.log" in err  # the log tail is shown
+    assert wait_until(lambda: not any(is_alive(c) for c in up.children), 10), up.diagnostics()
+    assert port_is_free(up.port)
+
+
+def test_second_signal_kills_at_once(up: Up) -> None:
+    up.wait_url()
+    up.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    up.proc.send_signal(signal.SIGINT)
+    try:
+        up.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tidegate up ignored two signals\n{up.diagnostics()}")
+    assert wait_until(lambda: not any(is_alive(c) for c in up.children), 10), up.diagnostics()
+    assert port_is_free(up.port)
+
+
+def _child_running(up: Up, tier: str) -> int:
+    for pid, _start in up.children:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"tidegate" in argv and tier.encode() in argv:
+            return pid
+    pytest.fail(f"no {tier} child among {up.children}")

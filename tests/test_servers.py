@@ -1,0 +1,253 @@
+"""tidegate.servers: real nats-server and redis-server processes.
+
+The fixtures (``nats_server``, ``redis_server``) are what every integration test
+uses; the ``NatsServer``/``RedisServer`` tests below exercise the local
+process management itself (stop, kill, restart, start failure, parent death).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import nats
+import pytest
+import redis.asyncio as aioredis
+from nats.js.api import StreamConfig
+
+from tests.servers import ServerHandle, is_alive, proc_identity, wait_until
+from tidegate.errors import TidegateError
+from tidegate.servers import (
+    ManagedProcess,
+    NatsServer,
+    RedisServer,
+    find_nats_server,
+    find_redis_server,
+    free_port,
+    log_tail,
+    port_is_free,
+)
+
+
+async def _nats_roundtrip(url: str, stream: str = "T") -> int:
+    """Create (or find) a stream, publish one message; the stream's message count."""
+    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream.lower()}.>"]))
+        await js.publish(f"{stream.lower()}.x", b"hello")
+        info = await js.stream_info(stream)
+        return int(info.state.messages)
+    finally:
+        await nc.close()
+
+
+# -- fixtures ------------------------------------------------------------------
+
+
+async def test_nats_fixture_has_jetstream(nats_server: ServerHandle) -> None:
+    nc = await nats.connect(nats_server.url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        info = await nc.jetstream().account_info()
+        assert info.limits is not None
+    finally:
+        await nc.close()
+    assert await _nats_roundtrip(nats_server.url) == 1
+
+
+async def test_redis_fixture_answers_ping(redis_server: ServerHandle) -> None:
+    client = aioredis.from_url(redis_server.url)
+    try:
+        assert await client.ping() is True
+        await client.set("k", "v")
+        assert await client.get("k") == b"v"
+    finally:
+        await client.aclose()
+
+
+def test_fixtures_never_use_the_default_ports(nats_server: ServerHandle,
+                                              redis_server: ServerHandle) -> None:
+    assert nats_server.port != 4222
+    assert redis_server.port != 6379
+
+
+# -- binaries and ports ----------------------------------------------------------
+
+
+def test_find_nats_server_is_recent() -> None:
+    out = subprocess.run([find_nats_server(), "--version"], capture_output=True, text=True,
+                         check=True, timeout=10).stdout
+    found = re.search(r"v(\d+)\.(\d+)", out)
+    assert found, out
+    major, minor = int(found[1]), int(found[2])
+    assert (major, minor) >= (2, 10), out
+
+
+def test_find_redis_server_runs() -> None:
+    out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True,
+                         check=True, timeout=10).stdout
+    assert "Redis server" in out
+
+
+def test_free_port_prefers_a_free_port_and_skips_a_taken_one() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert not port_is_free(taken)
+        other = free_port(preferred=taken)
+        assert other != taken
+        assert port_is_free(other)
+    assert free_port(preferred=taken) == taken  # closed: free again
+
+
+# -- process management ------------------------------------------------------------
+
+
+def _assert_gone(server: ManagedProcess, identity: tuple[int, int] | None, port: int) -> None:
+    assert identity is not None
+    assert not server.running
+    assert wait_until(lambda: not is_alive(identity), 5)
+    assert port_is_free(port)
+
+
+async def test_nats_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path)
+    server.start()
+    assert server.pid is not None
+    identity = proc_identity(server.pid)
+    assert await _nats_roundtrip(server.url) == 1
+    assert server.stop(timeout=10) == 0  # SIGTERM is a clean exit, not a kill
+    _assert_gone(server, identity, server.port)
+    assert port_is_free(server.monitor_port)
+    assert (tmp_path / "nats-server.log").exists()
+
+
+async def test_redis_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    assert server.pid is not None
+    identity = proc_identity(server.pid)
+    assert server.stop(timeout=10) == 0
+    _assert_gone(server, identity, server.port)
+
+
+async def test_nats_restart_on_the_same_port_keeps_jetstream_state(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path)
+    server.start()
+    try:
+        port, url = server.port, server.url
+        assert await _nats_roundtrip(url) == 1
+        server.kill()  # abrupt, as a crash would be
+        assert not server.running
+        server.restart()
+        assert (server.port, server.url) == (port, url)
+        assert await _nats_roundtrip(url) == 2  # the stream and its message survived
+    finally:
+        server.stop()
+
+
+async def test_clients_reconnect_across_a_nats_restart(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path)
+    server.start()
+    reconnected = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    nc = await nats.connect(server.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1,
+                            reconnected_cb=on_reconnect)
+    try:
+        server.restart()
+        await asyncio.wait_for(reconnected.wait(), 10)
+        assert (await nc.jetstream().account_info()) is not None
+    finally:
+        await nc.close()
+        server.stop()
+
+
+async def test_redis_restart_on_the_same_port(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        port = server.port
+        server.kill()
+        server.restart()
+        assert server.port == port
+        client = aioredis.from_url(server.url)
+        try:
+            assert await client.ping() is True
+        finally:
+            await client.aclose()
+    finally:
+        server.stop()
+
+
+def test_start_failure_kills_the_child_and_shows_its_log(tmp_path: Path) -> None:
+    child = ManagedProcess(
+        "sleeper",
+        [sys.executable, "-c", "print('hello from the child', flush=True); "
+                               "import time; time.sleep(60)"],
+        tmp_path / "sleeper.log", ready=lambda: False)
+    with pytest.raises(TidegateError) as info:
+        child.start(timeout=1.0)
+    message = str(info.value)
+    assert "sleeper was not ready within 1s" in message
+    assert "hello from the child" in message
+    assert not child.running
+
+
+def test_child_that_exits_while_starting_is_reported(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.conf"
+    server = NatsServer(tmp_path, extra_args=["-c", str(missing)])
+    with pytest.raises(TidegateError, match=r"nats-server exited with code \d+ while starting") \
+            as info:
+        server.start()
+    assert "no such file" in log_tail(tmp_path / "nats-server.log")
+    assert "no such file" in str(info.value)  # the log tail is in the message
+
+
+def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
+    ignorer = ManagedProcess(
+        "stubborn",
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                               "signal.SIG_IGN); print('REA' + 'DY', flush=True); time.sleep(60)"],
+        tmp_path / "stubborn.log",
+        ready=lambda: "READY" in log_tail(tmp_path / "stubborn.log"))
+    ignorer.start()
+    started = time.monotonic()
+    assert ignorer.stop(timeout=0.5) == -9
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_server_dies_with_its_parent(tmp_path: Path) -> None:
+    """A parent killed with SIGKILL cannot clean up: PR_SET_PDEATHSIG must."""
+    script = textwrap.dedent(f"""
+        import time
+        from tidegate.servers import RedisServer
+        server = RedisServer({str(tmp_path)!r})
+        server.start()
+        print(server.pid, server.port, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid, port = (int(x) for x in parent.stdout.readline().split())
+        identity = proc_identity(pid)
+        assert identity is not None
+        assert is_alive(identity)
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+    assert wait_until(lambda: not is_alive(identity), 5)
+    assert wait_until(lambda: port_is_free(port), 5)

