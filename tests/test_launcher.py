@@ -33,7 +33,7 @@ from tidegate.launcher import (
     child_environment,
     prepare,
 )
-from tidegate.servers import free_port, port_is_free
+from tidegate.servers import free_port, http_ok, port_is_free
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -337,3 +337,40 @@ def _child_running(up: Up, tier: str) -> int:
         if b"tidegate" in argv and tier.encode() in argv:
             return pid
     pytest.fail(f"no {tier} child among {up.children}")
+
+
+@pytest.fixture
+def fake_backend_process(tmp_path: Path) -> Iterator[str]:
+    """The fake OpenAI-compatible server as its own process, as vLLM would be."""
+    port = free_port()
+    log = open(tmp_path / "fake-backend.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidegate.fake_backend", "--port", str(port),
+         "--model", "acme/llama-fake:8b", "--tokens", "12", "--itl", "0.001"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        assert wait_until(lambda: http_ok(f"{url}/models"), 15), "fake backend did not start"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def test_up_fronts_a_running_openai_compatible_server(
+        start_up: Callable[..., Up], fake_backend_process: str) -> None:
+    up = start_up("--backend", fake_backend_process)
+    url = up.wait_url()
+    assert "acme/llama-fake:8b" in up.output()
+    client = openai.OpenAI(base_url=url, api_key=DEV_KEY, max_retries=0, timeout=30)
+    with client:
+        assert [m.id for m in client.models.list()] == ["acme/llama-fake:8b"]
+        with client.chat.completions.create(
+                model="acme/llama-fake:8b", stream=True, max_tokens=5,
+                messages=[{"role": "user", "content": "hi"}]) as stream:
+            content = "".join(chunk.choices[0].delta.content or ""
+                              for chunk in stream if chunk.choices)
+    assert content, up.diagnostics()
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(timeout=20) == 0, up.diagnostics()
