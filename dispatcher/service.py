@@ -28,8 +28,7 @@ from tidegate import broker
 from tidegate.cancels import CancelRegistry
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
-from tidegate.protocol import Admission, Request, Status, decode_control
-from tidegate.protocol import Cancel as CancelMessage
+from tidegate.protocol import Admission, Request, Status
 
 log = logging.getLogger("tidegate.dispatcher")
 
@@ -44,13 +43,8 @@ class Dispatcher:
         self.subjects = config.nats.subjects
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
 
-    async def on_cancel(self, msg: Msg) -> None:
-        try:
-            message = decode_control(msg.data)
-        except ProtocolError:
-            return
-        if isinstance(message, CancelMessage):
-            self.cancels.add(message.request_id)
+    def on_cancel(self, request_id: str, reason: str) -> None:
+        self.cancels.add(request_id)
 
     async def handle_safely(self, msg: Msg) -> None:
         """Handle one request; a failure leaves it unacked, so it is redelivered."""
@@ -120,22 +114,25 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     psub = await js.pull_subscribe_bind(durable=subjects.dispatcher_consumer,
                                         stream=subjects.requests_stream)
     dispatcher = Dispatcher(config, nc, js, AdmitAll())
-    await nc.subscribe(subjects.cancel_wildcard, cb=dispatcher.on_cancel)
+    cancels = await broker.ensure_cancels_bucket(js, config)
     log.info("dispatcher pulling from %s", subjects.requests_stream)
 
     try:
-        while not stop.is_set():
-            try:
-                msgs = await psub.fetch(cfg.batch, timeout=cfg.fetch_timeout)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except nats.errors.Error as exc:
-                log.warning("fetch failed: %s", exc)
-                await asyncio.sleep(0.5)
-                continue
-            async with asyncio.TaskGroup() as tg:
-                for msg in msgs:
-                    tg.create_task(dispatcher.handle_safely(msg))
+        async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(broker.watch_cancels(cancels, dispatcher.on_cancel))
+            while not stop.is_set():
+                try:
+                    msgs = await psub.fetch(cfg.batch, timeout=cfg.fetch_timeout)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                except nats.errors.Error as exc:
+                    log.warning("fetch failed: %s", exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                async with asyncio.TaskGroup() as batch:
+                    for msg in msgs:
+                        batch.create_task(dispatcher.handle_safely(msg))
+            watcher.cancel()
     finally:
         await broker.close(nc)
         log.info("dispatcher stopped")

@@ -6,8 +6,10 @@ to :class:`edge.relay.Relay`. Every error leaves through ``edge.errors``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ import nats.js.errors
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from edge.auth import KeyTable
 from edge.errors import error_response, from_http_exception
@@ -24,7 +27,7 @@ from edge.relay import Publisher, Relay, RelayContext
 from edge.session import SessionTable
 from edge.validation import validate
 from tidegate import broker
-from tidegate.config import Config, ModelConfig
+from tidegate.config import Config, EdgeConfig, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
 from tidegate.protocol import Api, Request
 
@@ -34,11 +37,15 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class NatsPublisher(Publisher):
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, cancels: KeyValue) -> None:
         self._nc = nc
+        self._cancels = cancels
 
     async def publish(self, subject: str, payload: bytes) -> None:
         await self._nc.publish(subject, payload)
+
+    async def tombstone(self, request_id: str, reason: str) -> None:
+        await self._cancels.put(request_id, reason.encode())
 
 
 @dataclass(slots=True)
@@ -51,13 +58,14 @@ class EdgeState:
     js: JetStreamContext
     keys: KeyTable
     sessions: SessionTable
+    cancels: KeyValue
     models: dict[str, ModelConfig] = field(init=False)
     relay: RelayContext = field(init=False)
     draining: bool = False
 
     def __post_init__(self) -> None:
         self.models = self.config.model_index()
-        self.relay = RelayContext(self.config, NatsPublisher(self.nc))
+        self.relay = RelayContext(self.config, NatsPublisher(self.nc, self.cancels))
 
 
 STATE: web.AppKey[EdgeState] = web.AppKey("tidegate_edge_state", EdgeState)
@@ -137,9 +145,29 @@ def _too_large(limit: int) -> ApiError:
                     type="invalid_request_error", code="request_too_large")
 
 
+def set_keepalive(transport: asyncio.BaseTransport | None, config: EdgeConfig) -> None:
+    """TCP keepalive on the client socket, so a peer that vanished without a
+    FIN (NAT timeout, pulled cable) is noticed even on an idle stream, and
+    middleboxes see traffic. Linux option names; elsewhere SO_KEEPALIVE only."""
+    if transport is None or not config.keepalive_idle:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, config.keepalive_idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, config.keepalive_interval)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, config.keepalive_count)
+    except OSError as exc:  # e.g. a Unix socket
+        log.debug("cannot set keepalive: %s", exc)
+
+
 async def _generate(http: web.Request, api: Api) -> web.StreamResponse:
     state = http.app[STATE]
     config = state.config
+    set_keepalive(http.transport, config.edge)
     principal = state.keys.authenticate(http.headers.get("Authorization"))
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")

@@ -20,10 +20,12 @@ drained, at most once per quarter window (``tidegate.flow.AckPolicy``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 from aiohttp import web
 
@@ -62,11 +64,17 @@ class Phase(IntEnum):
     STREAMING = 2  # a worker's Head arrived
 
 
-class Publisher:
+class Publisher(Protocol):
     """What the relay needs from NATS (a seam: tests can record calls)."""
 
-    async def publish(self, subject: str, payload: bytes) -> None:
-        raise NotImplementedError
+    async def publish(self, subject: str, payload: bytes) -> None: ...
+
+    async def tombstone(self, request_id: str, reason: str) -> None:
+        """Record the cancel durably, for whoever picks the request up later."""
+
+
+class SlowClient(Exception):
+    """The client did not drain its socket within edge.slow_client_timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +103,9 @@ class Relay:
         self.wrote_chunks = False
         self.body_parts: list[bytes] = []
         self.body_size = 0
+        self.upstream_done = False  # the worker/dispatcher ended it: nothing to cancel
+        self.high_water = max(4096, request.window_bytes // 4)
+        self.last_ack = time.monotonic()
 
     # -- entry point ---------------------------------------------------------
 
@@ -108,6 +119,13 @@ class Relay:
             finished = True
             await self._cancel_upstream(f"edge:{error.code or error.type}")
             return await self._fail(error)
+        except SlowClient:
+            finished = True
+            log.info("request %s: client did not drain for %.0fs; disconnected", self.request.id,
+                     self.ctx.config.edge.slow_client_timeout)
+            await self._cancel_upstream("slow_client")
+            assert self.response is not None
+            return self.response
         finally:
             if not finished:
                 # Client went away (handler cancelled) or an unexpected error:
@@ -125,12 +143,17 @@ class Relay:
         return self.response
 
     async def _cancel_upstream(self, reason: str) -> None:
-        message = Cancel(self.request.id, reason).encode()
+        """Stop whatever still works on this request: the worker directly, when
+        known (the fast path: it closes the backend response at once), and a
+        tombstone for a dispatcher or worker that has yet to pick it up."""
+        if self.upstream_done:
+            return
+        self.upstream_done = True
         try:
             if self.control:
-                await self.ctx.publisher.publish(self.control, message)
-            cancel_subject = self.ctx.config.nats.subjects.cancel(self.request.id)
-            await self.ctx.publisher.publish(cancel_subject, message)
+                await self.ctx.publisher.publish(self.control,
+                                                 Cancel(self.request.id, reason).encode())
+            await self.ctx.publisher.tombstone(self.request.id, reason)
         except Exception as exc:  # the broker being down must not mask the real outcome
             log.warning("could not publish cancel for %s: %s", self.request.id, exc)
 
@@ -151,6 +174,8 @@ class Relay:
 
         while True:
             await session.wait()
+            if session.aborted is not None:
+                raise session.aborted
             messages = session.take()
             now = time.monotonic()
             if not messages:
@@ -174,6 +199,11 @@ class Relay:
                 if stream and now - last_write >= hb:
                     await self._write(_PING)
                     last_write = now
+                if (self.acks.unacked_msgs and self.control
+                        and now - self.last_ack >= cfg.session.ack_timeout / 4):
+                    # Slow output never reaches a quarter window: ack on time
+                    # too, or the worker would take this edge for dead.
+                    await self._ack(self.acks.ack_now())
                 continue
 
             out: list[bytes] = []
@@ -194,17 +224,19 @@ class Relay:
                     ping = True
                 elif kind is Head:
                     assert isinstance(m, Head)
-                    self._on_head(m)
+                    await self._on_head(m)
                 elif kind is Done:
                     assert isinstance(m, Done)
                     self._check_seq(m.seq)
                     done = m
                 elif kind is Error:
                     assert isinstance(m, Error)
+                    self.upstream_done = True
                     raise from_info(m.error)
                 elif kind is Status:
                     assert isinstance(m, Status)
                     if m.admission is Admission.REJECTED:
+                        self.upstream_done = True
                         raise from_info(m.error) if m.error else unavailable("Rejected.")
                     if self.phase is Phase.WAITING:
                         self.phase = Phase.ADMITTED
@@ -220,9 +252,8 @@ class Relay:
                 else:
                     self._collect(data)
                 ack = self.acks.on_written(last_chunk, nbytes, len(out))
-                if ack is not None and self.control:
-                    await self.ctx.publisher.publish(self.control,
-                                                     Ack(self.request.id, ack).encode())
+                if ack is not None:
+                    await self._ack(ack)
             elif ping and stream:
                 await self._write(_PING)
                 last_write = now
@@ -242,17 +273,26 @@ class Relay:
                            code="stream_gap", retryable=True, retry_after=1)
         self.expected_seq = seq + 1
 
-    def _on_head(self, head: Head) -> None:
-        if self.phase is Phase.STREAMING:
+    async def _ack(self, seq: int) -> None:
+        self.last_ack = time.monotonic()
+        if self.control:
+            await self.ctx.publisher.publish(self.control, Ack(self.request.id, seq).encode())
+
+    async def _on_head(self, head: Head) -> None:
+        self.control = head.control  # from now on, cancels go to this worker
+        if head.attempt > 1 or self.phase is Phase.STREAMING:
             if self.wrote_chunks or self.body_size:
-                # A second worker started the job after output already reached
-                # the client: the two answers cannot be spliced.
+                # The job was redelivered after output already reached the
+                # client: two generations cannot be spliced, and the new worker
+                # must not run it (it waits for our go-ahead, and gets a cancel).
                 raise ApiError(502, "The worker running this request was lost mid-response.",
                                type="server_error", code="worker_lost", retryable=True,
                                retry_after=1)
-            log.info("request %s restarted on another worker", self.request.id)
+            log.info("request %s restarted on another worker (attempt %d)", self.request.id,
+                     head.attempt)
+            self.acks = AckPolicy(self.request.window_bytes, self.request.window_msgs)
+            await self.ctx.publisher.publish(head.control, Ack(self.request.id, 0).encode())
         self.phase = Phase.STREAMING
-        self.control = head.control
         self.expected_seq = head.seq + 1
         if head.job_seq:
             self.headers["x-tidegate-job-seq"] = str(head.job_seq)
@@ -273,20 +313,33 @@ class Relay:
         await response.prepare(self.http)
         transport = self.http.transport
         if transport is not None:
-            # Keep what sits in user space per connection small: drain() below
-            # then waits whenever the client is not reading, and the ack (and
-            # so the worker) waits with it.
-            high = max(4096, self.request.window_bytes // 4)
-            transport.set_write_buffer_limits(high=high, low=high // 2)
+            # Keep what sits in user space per connection small: _write then
+            # waits whenever the client is not reading, and the ack (and so
+            # the worker) waits with it.
+            transport.set_write_buffer_limits(high=self.high_water, low=self.high_water // 2)
         self.response = response
         return response
 
     async def _write(self, data: bytes) -> None:
+        """Write and wait until the socket drains below the high-water mark.
+
+        Only a write that can block (it takes the buffer past high water) pays
+        for a timeout scope; a client that does not drain within
+        edge.slow_client_timeout is disconnected (``SlowClient``)."""
         response = self.response or await self._start_stream()
-        await response.write(data)
+        transport = self.http.transport
+        if transport is None or transport.get_write_buffer_size() + len(data) <= self.high_water:
+            await response.write(data)
+            return
         writer = response._payload_writer  # aiohttp has no public drain on responses
-        if writer is not None:
-            await writer.drain()
+        try:
+            async with asyncio.timeout(self.ctx.config.edge.slow_client_timeout):
+                await response.write(data)
+                if writer is not None:
+                    await writer.drain()
+        except TimeoutError:
+            transport.abort()
+            raise SlowClient() from None
 
     async def _finish(self) -> web.StreamResponse:
         if not self.request.stream:

@@ -1,8 +1,9 @@
 """Edge process: connect, provision, serve HTTP, drain on stop.
 
-Shutdown order (STYLE 8): mark draining (``/readyz`` turns 503 so a load
-balancer stops sending, new requests get a retryable 503), stop listening, let
-open streams finish within ``edge.shutdown_timeout``, then close NATS.
+Shutdown order (STYLE 8): mark draining (``/readyz`` turns 503 and requests on
+kept-alive connections get a retryable 503), stop listening, let open streams
+finish within ``edge.shutdown_timeout``, end the rest with a retryable SSE
+error event (and cancel their work upstream), then close NATS.
 """
 
 from __future__ import annotations
@@ -19,8 +20,22 @@ from edge.auth import KeyTable
 from edge.session import SessionTable
 from tidegate import broker
 from tidegate.config import Config
+from tidegate.errors import ApiError
 
 log = logging.getLogger("tidegate.edge")
+
+
+async def _drain(sessions: SessionTable, grace: float) -> None:
+    """Let open requests finish within ``grace``; then end the rest."""
+    log.info("draining %d open requests, up to %.0fs", len(sessions), grace)
+    if await sessions.wait_empty(grace):
+        return
+    log.warning("ending %d requests still open after %.0fs", len(sessions), grace)
+    for session in sessions.open_sessions():
+        session.abort(ApiError(503, "This gateway node is shutting down; retry the request.",
+                               type="server_error", code="edge_shutting_down", retryable=True,
+                               retry_after=1))
+    await sessions.wait_empty(2.0)  # time for the error events to be written
 
 
 async def serve(config: Config, stop: asyncio.Event) -> None:
@@ -36,8 +51,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                     "(set TIDEGATE_DEV_KEY or auth.keys)")
     inbox = subjects.edge_inbox(edge_id)
     sessions = SessionTable(inbox[:-1])  # strip the "*": "<p>.out.<edge>."
+    cancels = await broker.ensure_cancels_bucket(js, config)
     state = EdgeState(config=config, edge_id=edge_id, nc=nc, js=js, keys=keys,
-                      sessions=sessions)
+                      sessions=sessions, cancels=cancels)
 
     async def on_out(msg: Msg) -> None:
         sessions.dispatch(msg.subject, msg.data)
@@ -59,8 +75,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         state.draining = True
-        log.info("edge %s draining: %d open requests, up to %.0fs", edge_id, len(sessions),
-                 config.edge.shutdown_timeout)
+        await site.stop()
+        await _drain(sessions, config.edge.shutdown_timeout)
         await runner.cleanup()
         await broker.close(nc)
         log.info("edge %s stopped", edge_id)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections import deque
 
-from tidegate.errors import ProtocolError
+from tidegate.errors import ApiError, ProtocolError
 from tidegate.protocol import SessionMessage, decode_session
 
 log = logging.getLogger("tidegate.edge")
@@ -24,7 +24,7 @@ log = logging.getLogger("tidegate.edge")
 
 class Session:
     __slots__ = ("_loop", "_pending", "_tick_handle", "_tick_interval", "_waiter",
-                 "request_id", "ticked")
+                 "aborted", "request_id", "ticked")
 
     def __init__(self, request_id: str, tick_interval: float) -> None:
         self.request_id = request_id
@@ -33,10 +33,19 @@ class Session:
         self._waiter: asyncio.Future[None] | None = None
         self._tick_interval = tick_interval
         self.ticked = False
+        self.aborted: ApiError | None = None
         self._tick_handle = self._loop.call_later(tick_interval, self._on_tick)
 
     def feed(self, message: SessionMessage) -> None:
         self._pending.append(message)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def abort(self, error: ApiError) -> None:
+        """End the request from the edge's side (e.g. shutdown): the relay
+        raises ``error`` at its next wake-up and cancels the upstream work."""
+        self.aborted = error
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -50,7 +59,7 @@ class Session:
 
     async def wait(self) -> None:
         """Return once there are messages or a tick has passed."""
-        if self._pending or self.ticked:
+        if self._pending or self.ticked or self.aborted:
             return
         self._waiter = self._loop.create_future()
         try:
@@ -78,6 +87,8 @@ class SessionTable:
         # "<p>.out.<edge>." - the request id is everything after it.
         self._prefix_len = len(inbox_prefix)
         self._sessions: dict[str, Session] = {}
+        self._empty = asyncio.Event()
+        self._empty.set()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -85,11 +96,26 @@ class SessionTable:
     def open(self, request_id: str, tick_interval: float) -> Session:
         session = Session(request_id, tick_interval)
         self._sessions[request_id] = session
+        self._empty.clear()
         return session
+
+    def open_sessions(self) -> list[Session]:
+        return list(self._sessions.values())
 
     def close(self, session: Session) -> None:
         session.close()
         self._sessions.pop(session.request_id, None)
+        if not self._sessions:
+            self._empty.set()
+
+    async def wait_empty(self, grace: float) -> bool:
+        """True once no request is open, False if ``grace`` seconds passed first."""
+        try:
+            async with asyncio.timeout(grace):
+                await self._empty.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def dispatch(self, subject: str, data: bytes) -> None:
         session = self._sessions.get(subject[self._prefix_len:])

@@ -57,6 +57,8 @@ def test_env_overrides(tmp_path: Path) -> None:
         "TIDEGATE__LOGGING__JSON": "true",
         "TIDEGATE__AUTH__KEYS": '["a", "b"]',
         "TIDEGATE__SESSION__HEARTBEAT_INTERVAL": "2.5",
+        # Must stay below heartbeat_interval x worker_lost_after (validated).
+        "TIDEGATE__WORKER__ACK_WAIT": "5",
         "TIDEGATE_NATS_URL": "nats://env:4",
         "TIDEGATE_REDIS_URL": "redis://env:5/1",
         "TIDEGATE_DEV_KEY": "sk-dev",
@@ -172,3 +174,16 @@ def test_dump_toml_round_trip_through_file(tmp_path: Path) -> None:
     path = tmp_path / "out.toml"
     path.write_text(tgconfig.dump_toml(_exotic()))
     assert tgconfig.load(path, NO_ENV) == _exotic()
+
+
+def test_worker_ack_wait_must_beat_worker_lost_detection() -> None:
+    with pytest.raises(ConfigError, match=r"worker\.ack_wait"):
+        tgconfig.from_dict({"session": {"heartbeat_interval": 2.0}, "worker": {"ack_wait": 6.0}})
+    config = tgconfig.from_dict({"session": {"heartbeat_interval": 2.0},
+                                 "worker": {"ack_wait": 5.0}})
+    assert config.worker.ack_wait == 5.0
+
+
+def test_dispatcher_ack_wait_must_beat_admission_timeout() -> None:
+    with pytest.raises(ConfigError, match=r"dispatcher\.ack_wait"):
+        tgconfig.from_dict({"edge": {"admission_timeout": 5.0}})

@@ -140,8 +140,7 @@ def test_default_prefix_names() -> None:
     assert s.edge_inbox("e1") == "tg.out.e1.*"
     assert s.out("e1", "r42") == "tg.out.e1.r42"
     assert s.control("w7") == "tg.ctl.w7"
-    assert s.cancel("r42") == "tg.cancel.r42"
-    assert s.cancel_wildcard == "tg.cancel.*"
+    assert s.cancels_bucket == "TG_CANCELS"
 
 
 def test_custom_prefix_names() -> None:
@@ -152,7 +151,7 @@ def test_custom_prefix_names() -> None:
     assert s.job("m") == "blue.job.m"
     assert s.out("e", "r") == "blue.out.e.r"
     assert s.edge_inbox("e") == "blue.out.e.*"
-    assert s.cancel_wildcard == "blue.cancel.*"
+    assert s.cancels_bucket == "BLUE_CANCELS"
 
 
 def test_out_subject_matches_edge_inbox_prefix() -> None:

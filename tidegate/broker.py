@@ -8,7 +8,9 @@ every tier can be started alone and in any order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -18,11 +20,13 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DiscardPolicy,
+    KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
 
 from tidegate.config import Config, NatsConfig
 from tidegate.errors import BrokerError
@@ -153,6 +157,37 @@ async def ensure_streams(js: JetStreamContext, config: Config) -> None:
             await js.update_stream(sc)
         except Exception as exc:
             raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
+
+
+async def ensure_cancels_bucket(js: JetStreamContext, config: Config) -> KeyValue:
+    """The KV bucket of cancel tombstones; entries expire after streams.max_age,
+    by which time no stream holds the request any more."""
+    bucket = config.nats.subjects.cancels_bucket
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    storage = StorageType.FILE if config.streams.storage == "file" else StorageType.MEMORY
+    try:
+        return await js.create_key_value(KeyValueConfig(
+            bucket=bucket, description="tidegate: cancelled request ids", history=1,
+            ttl=config.streams.max_age, storage=storage, replicas=config.streams.replicas))
+    except nats.js.errors.BadRequestError:
+        return await js.key_value(bucket)  # created concurrently by another tier
+
+
+async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None]) -> None:
+    """Call ``on_cancel(request_id, reason)`` for every tombstone, existing ones
+    first (a tier that starts late still learns of earlier cancels). Runs until
+    cancelled."""
+    watcher = await kv.watchall(ignore_deletes=True)
+    try:
+        async for entry in watcher:
+            if entry is not None and entry.value is not None:
+                on_cancel(entry.key, entry.value.decode(errors="replace"))
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()  # type: ignore[no-untyped-call]
 
 
 async def streams_exist(js: JetStreamContext, config: Config) -> bool:

@@ -84,6 +84,14 @@ class EdgeConfig:
     request_timeout: float = 1800.0  # hard cap on one response
     max_response_bytes: int = 8 << 20  # non-streaming response body cap
     shutdown_timeout: float = 30.0  # SIGTERM: open streams may finish within this
+    # A client whose socket does not drain within this is disconnected and its
+    # request cancelled: it would otherwise hold a worker slot and a window.
+    slow_client_timeout: float = 30.0
+    # TCP keepalive on client sockets (seconds idle before probing, seconds
+    # between probes, probes before the kernel drops the connection); 0 = off.
+    keepalive_idle: int = 60
+    keepalive_interval: int = 10
+    keepalive_count: int = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +102,10 @@ class SessionConfig:
     window_msgs: int = 128  # unacked messages a worker may have in flight
     heartbeat_interval: float = 15.0  # worker heartbeat / edge ": ping" while silent
     worker_lost_after: int = 3  # heartbeats missed before the edge gives up
+    # A worker with output unacknowledged for this long takes the edge (or its
+    # client) as gone and cancels the backend. Above edge.slow_client_timeout,
+    # so a slow client is handled by its edge, with a clear error, first.
+    ack_timeout: float = 40.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +159,9 @@ class WorkerConfig:
     shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
     max_response_bytes: int = 8 << 20  # non-streaming backend body cap
     models: tuple[str, ...] = ()  # serve only these models; empty = every configured model
+    # A redelivered job waits this long for its edge to confirm the client is
+    # still there and got nothing yet; otherwise it is dropped, not run twice.
+    resume_timeout: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,6 +402,9 @@ def _check(config: Config) -> None:
         ("edge.request_timeout", e.request_timeout),
         ("edge.max_response_bytes", e.max_response_bytes),
         ("edge.shutdown_timeout", e.shutdown_timeout),
+        ("edge.slow_client_timeout", e.slow_client_timeout),
+        ("session.ack_timeout", s.ack_timeout),
+        ("worker.resume_timeout", w.resume_timeout),
         ("session.window_bytes", s.window_bytes),
         ("session.window_msgs", s.window_msgs),
         ("session.heartbeat_interval", s.heartbeat_interval),
@@ -416,6 +434,17 @@ def _check(config: Config) -> None:
         raise ConfigError(f"dispatcher.ack_wait ({config.dispatcher.ack_wait:g}s) must be below "
                           f"edge.admission_timeout ({e.admission_timeout:g}s): a request held "
                           "by a dead dispatcher is redelivered only after ack_wait")
+    for name, value in (("edge.keepalive_idle", e.keepalive_idle),
+                        ("edge.keepalive_interval", e.keepalive_interval),
+                        ("edge.keepalive_count", e.keepalive_count)):
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0 (0 turns keepalive off), got {value}")
+    lost_after = s.heartbeat_interval * s.worker_lost_after
+    if w.ack_wait >= lost_after:
+        raise ConfigError(
+            f"worker.ack_wait ({w.ack_wait:g}s) must be below session.heartbeat_interval x "
+            f"session.worker_lost_after ({lost_after:g}s): a job whose worker died before its "
+            "first chunk must be redelivered before the edge declares the worker lost")
     if s.window_msgs < 4:
         raise ConfigError(f"session.window_msgs: must be >= 4, got {s.window_msgs}")
     if s.window_bytes < 1024:

@@ -39,8 +39,8 @@ class SendWindow:
         self.sent_seq = 0
         self.acked_seq = 0
         self.in_flight_bytes = 0
-        # (seq, nbytes) of every unacknowledged message, oldest first.
-        self._in_flight: deque[tuple[int, int]] = deque()
+        # (seq, nbytes, sent_at) of every unacknowledged message, oldest first.
+        self._in_flight: deque[tuple[int, int, float]] = deque()
 
     @property
     def open(self) -> bool:
@@ -56,12 +56,20 @@ class SendWindow:
     def in_flight_msgs(self) -> int:
         return len(self._in_flight)
 
-    def on_send(self, seq: int, nbytes: int) -> None:
-        """Record a message sent with sequence ``seq`` (strictly increasing)."""
+    @property
+    def oldest_unacked_at(self) -> float | None:
+        """When the oldest unacknowledged message was sent (the caller's clock),
+        or None when nothing is in flight. A peer that has not acked for long
+        is gone: this is what the ack timeout is measured from."""
+        return self._in_flight[0][2] if self._in_flight else None
+
+    def on_send(self, seq: int, nbytes: int, now: float = 0.0) -> None:
+        """Record a message sent with sequence ``seq`` (strictly increasing) at
+        time ``now``."""
         if seq <= self.sent_seq:
             raise ValueError(f"sequence {seq} not after {self.sent_seq}")
         self.sent_seq = seq
-        self._in_flight.append((seq, nbytes))
+        self._in_flight.append((seq, nbytes, now))
         self.in_flight_bytes += nbytes
 
     def on_ack(self, seq: int) -> bool:
@@ -77,7 +85,7 @@ class SendWindow:
         self.acked_seq = seq
         freed = False
         while self._in_flight and self._in_flight[0][0] <= seq:
-            _, nbytes = self._in_flight.popleft()
+            nbytes = self._in_flight.popleft()[1]
             self.in_flight_bytes -= nbytes
             freed = True
         return freed

@@ -213,14 +213,19 @@ class Head(NamedTuple):
 
     ``control`` is the worker's subject for :class:`Ack` and :class:`Cancel`.
     ``job_seq`` is the job's JetStream stream sequence (proof it crossed the broker).
+    ``attempt`` is JetStream's delivery count: above 1 the job was redelivered
+    after a worker died, and the worker waits for the edge's go-ahead (an
+    ``Ack`` with ``seq = 0``) before it calls the backend, so output that
+    already reached the client is never generated a second time.
     """
 
     seq: int
     control: str
     job_seq: int = 0
+    attempt: int = 1
 
     def encode(self) -> bytes:
-        return _pack([VERSION, Kind.HEAD, self.seq, self.control, self.job_seq])
+        return _pack([VERSION, Kind.HEAD, self.seq, self.control, self.job_seq, self.attempt])
 
 
 class Chunk(NamedTuple):
@@ -325,7 +330,7 @@ def decode_session(data: bytes) -> SessionMessage:
         if kind == Kind.HEARTBEAT:
             return Heartbeat(t[2])
         if kind == Kind.HEAD:
-            return Head(t[2], t[3], t[4])
+            return Head(t[2], t[3], t[4], t[5] if len(t) > 5 else 1)
         if kind == Kind.DONE:
             return Done(t[2], t[3], t[4], t[5])
         if kind == Kind.ERROR:

@@ -10,7 +10,7 @@ Subject map (``<p>`` is the prefix)::
     <p>.job.<model>              JetStream  <P>_JOBS      dispatcher -> workers
     <p>.out.<edge>.<request>     core NATS                worker/dispatcher -> edge
     <p>.ctl.<worker>             core NATS                edge -> worker (acks, cancel)
-    <p>.cancel.<request>         core NATS                edge -> anyone holding the request
+    KV <P>_CANCELS, key <request>  JetStream KV (TTL)     edge -> dispatchers, workers
 
 Free-form names (models, tenants) are mapped into one subject token with
 :func:`encode_token`, a reversible escape: the decoded token is always the
@@ -131,9 +131,7 @@ class Subjects:
     def control(self, worker_id: str) -> str:
         return f"{self.prefix}.ctl.{worker_id}"
 
-    def cancel(self, request_id: str) -> str:
-        return f"{self.prefix}.cancel.{request_id}"
-
     @property
-    def cancel_wildcard(self) -> str:
-        return f"{self.prefix}.cancel.*"
+    def cancels_bucket(self) -> str:
+        """KV bucket of cancel tombstones (key: request id, value: reason)."""
+        return f"{self.prefix.upper()}_CANCELS"

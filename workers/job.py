@@ -1,11 +1,25 @@
 """One job: call the backend, stream its output to the edge under flow control.
 
-Per job, inside one TaskGroup: the backend relay (this coroutine), a heartbeat
-task (the backend may be silent for long: prefill, its own queue) and an
+Per job, inside one TaskGroup: the backend relay (this coroutine), a watchdog
+(heartbeats while the backend is silent, and the ack timeout) and an
 in-progress ack task (so JetStream does not redeliver a long but healthy
-generation). Cancelling the job task - client gone, worker stopping - closes
-the backend response at once, which is what makes the backend abort the
-generation and free its KV cache.
+generation). Cancelling the job task closes the backend response at once,
+which is what makes the backend abort the generation and free its KV cache.
+
+Why a job ends early, and what the edge and JetStream are told:
+
+=====================  ==============================  =====================
+cancel reason          edge                            job message
+=====================  ==============================  =====================
+client gone (edge)     nothing (it asked)              ack
+``ack_timeout``        Error (it may still listen)     ack
+``worker_shutdown``    nothing / Error if output sent  nak / ack
+redelivered, no edge   nothing                         ack
+=====================  ==============================  =====================
+
+A job that stops before sending output is handed back (nak) so another worker
+runs it transparently; once output has reached the edge, it can only end with
+a retryable error, never run a second time.
 
 Sequence numbers: Head is 1; every later message (chunk, heartbeat, done,
 error) takes the next one. A seq is assigned and its message handed to the
@@ -23,12 +37,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from tidegate.config import Config
-from tidegate.errors import BackendError
+from tidegate.errors import ApiError, BackendError
 from tidegate.flow import SendWindow
 from tidegate.protocol import Chunk, Done, Error, ErrorInfo, Head, Heartbeat, Request
 from workers.backends import Backend, BackendStream
 
 log = logging.getLogger("tidegate.worker")
+
+WORKER_SHUTDOWN = "worker_shutdown"
+ACK_TIMEOUT = "ack_timeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +57,7 @@ class JobContext:
     control_subject: str
 
 
-def _info(error: BackendError) -> ErrorInfo:
+def _info(error: ApiError) -> ErrorInfo:
     return ErrorInfo(error.status, error.type, error.code or "", error.message,
                      error.retryable, error.retry_after)
 
@@ -54,7 +71,9 @@ class Job:
         self.window = SendWindow(request.window_bytes, request.window_msgs)
         self._window_open = asyncio.Event()
         self._window_open.set()
+        self._edge_confirmed = asyncio.Event()
         self.seq = 0
+        self.chunks_sent = 0
         self.last_sent = time.monotonic()
         self.cancel_reason = ""
         self.task: asyncio.Task[None] | None = None
@@ -62,6 +81,7 @@ class Job:
     # -- control messages from the edge (called by the worker's demux) -------
 
     def on_ack(self, seq: int) -> None:
+        self._edge_confirmed.set()
         if self.window.on_ack(seq) and self.window.open:
             self._window_open.set()
 
@@ -74,7 +94,6 @@ class Job:
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
-        request = self.request
         try:
             async with asyncio.TaskGroup() as tg:
                 progress = tg.create_task(self._keep_in_progress())
@@ -84,14 +103,30 @@ class Job:
                     progress.cancel()
         except asyncio.CancelledError:
             if not self.cancel_reason:
-                raise  # the worker is stopping: leave the job unacked for redelivery
+                raise  # cancelled from outside: leave the job unacked for redelivery
             # Our own targeted cancel of this job, not of the worker: the job
             # ends here, so the task must not stay marked as cancelling.
-            if self.task is not None:
-                self.task.uncancel()
-            log.info("job %s cancelled: %s", request.id, self.cancel_reason)
-            await self.msg.ack()
+            assert self.task is not None
+            self.task.uncancel()
+            await self._after_cancel()
             return
+        await self.msg.ack()
+
+    async def _after_cancel(self) -> None:
+        reason = self.cancel_reason
+        log.info("job %s cancelled: %s (%d chunks sent)", self.request.id, reason,
+                 self.chunks_sent)
+        if reason == WORKER_SHUTDOWN and not self.chunks_sent:
+            await self.msg.nak()  # nothing reached the client: another worker takes over
+            return
+        if reason in (WORKER_SHUTDOWN, ACK_TIMEOUT):
+            message = ("The worker running this request is shutting down." if
+                       reason == WORKER_SHUTDOWN else
+                       "The client stopped acknowledging output; the request was cancelled.")
+            error = ApiError(503, message, type="server_error", code=reason, retryable=True,
+                             retry_after=1)
+            self.seq += 1
+            await self._send(Error(self.seq, _info(error)).encode())
         await self.msg.ack()
 
     async def _send(self, payload: bytes) -> None:
@@ -104,15 +139,30 @@ class Job:
         # heartbeats cover the wait for the backend's first byte. The edge still
         # sends no HTTP headers before the first chunk or ping, so a backend
         # refusal remains a real HTTP status.
+        metadata = self.msg.metadata
         self.seq = 1
-        await self._send(Head(1, self.ctx.control_subject,
-                              self.msg.metadata.sequence.stream).encode())
+        await self._send(Head(1, self.ctx.control_subject, metadata.sequence.stream,
+                              metadata.num_delivered).encode())
+        if metadata.num_delivered > 1 and not await self._edge_still_waiting():
+            log.info("dropping redelivered job %s: its edge did not confirm", self.request.id)
+            return
         async with asyncio.TaskGroup() as tg:
-            heartbeat = tg.create_task(self._heartbeat())
+            watchdog = tg.create_task(self._watchdog())
             try:
                 await self._call_backend()
             finally:
-                heartbeat.cancel()
+                watchdog.cancel()
+
+    async def _edge_still_waiting(self) -> bool:
+        """A redelivered job runs only if its edge confirms (Ack seq 0) that the
+        client is still there and has received nothing; an edge that already
+        wrote output answers with a Cancel instead, which cancels this task."""
+        try:
+            async with asyncio.timeout(self.ctx.config.worker.resume_timeout):
+                await self._edge_confirmed.wait()
+        except TimeoutError:
+            return False
+        return True
 
     async def _call_backend(self) -> None:
         try:
@@ -133,12 +183,16 @@ class Job:
         try:
             while True:
                 if not window.open:
+                    # Backpressure: stop reading the backend until the edge
+                    # acks; TCP then pushes back on the backend. The watchdog
+                    # ends this wait if the acks never come.
                     await self._window_open.wait()
                 data = await stream.read(min(read_bytes, window.available_bytes or read_bytes))
                 if not data:
                     break
                 self.seq += 1
-                window.on_send(self.seq, len(data))
+                self.chunks_sent += 1
+                window.on_send(self.seq, len(data), time.monotonic())
                 if not window.open:
                     self._window_open.clear()
                 await self._send(Chunk(self.seq, data).encode())
@@ -152,11 +206,20 @@ class Job:
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())
 
-    async def _heartbeat(self) -> None:
-        interval = self.ctx.config.session.heartbeat_interval
+    async def _watchdog(self) -> None:
+        """Heartbeats while nothing else is sent; cancels the job when output
+        stays unacknowledged past the ack timeout (edge dead, client stuck)."""
+        session = self.ctx.config.session
+        interval = session.heartbeat_interval
+        tick = min(interval, session.ack_timeout / 4)
         while True:
-            await asyncio.sleep(max(0.0, self.last_sent + interval - time.monotonic()))
-            if time.monotonic() - self.last_sent >= interval:
+            await asyncio.sleep(min(tick, max(0.0, self.last_sent + interval - time.monotonic())))
+            now = time.monotonic()
+            oldest = self.window.oldest_unacked_at
+            if oldest is not None and now - oldest >= session.ack_timeout:
+                self.cancel(ACK_TIMEOUT)
+                return
+            if now - self.last_sent >= interval:
                 self.seq += 1
                 await self._send(Heartbeat(self.seq).encode())
 

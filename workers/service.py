@@ -7,12 +7,14 @@ piling up in one process.
 
 Every job gets the worker's control subject (``<p>.ctl.<worker>``) in its Head;
 the edge sends acks and cancels there, and one subscription demultiplexes them
-by request id. The cancel broadcast (``<p>.cancel.*``) reaches jobs whose edge
-never learned the control subject.
+by request id. Cancel tombstones in the ``<P>_CANCELS`` KV bucket reach jobs
+whose edge never learned the control subject, and stop queued jobs from
+starting at all.
 
 Stop (SIGTERM): stop pulling, let in-flight jobs finish within
-``worker.shutdown_timeout``, then cancel the rest; their jobs stay unacked and
-JetStream redelivers them to another worker.
+``worker.shutdown_timeout``, then end the rest: a job that has sent no output
+is handed back to JetStream for another worker; one that has ends with a
+retryable error event.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tidegate.config import Config, ModelConfig
 from tidegate.errors import ProtocolError
 from tidegate.protocol import Ack, Request, decode_control
 from workers.backends import Backend, create_backend
-from workers.job import Job, JobContext
+from workers.job import WORKER_SHUTDOWN, Job, JobContext
 
 log = logging.getLogger("tidegate.worker")
 
@@ -61,15 +63,12 @@ class Pool:
         else:
             job.cancel(message.reason)
 
-    async def on_cancel(self, msg: Msg) -> None:
-        try:
-            message = decode_control(msg.data)
-        except ProtocolError:
-            return
-        self.cancels.add(message.request_id)
-        job = self.jobs.get(message.request_id)
-        if job is not None and not isinstance(message, Ack):
-            job.cancel(message.reason)
+    def on_cancel(self, request_id: str, reason: str) -> None:
+        """A tombstone from the cancels bucket."""
+        self.cancels.add(request_id)
+        job = self.jobs.get(request_id)
+        if job is not None:
+            job.cancel(reason)
 
     async def run_job(self, msg: Msg, backend: Backend) -> None:
         try:
@@ -138,10 +137,14 @@ class Pool:
             return
         log.info("waiting up to %.0fs for %d in-flight jobs", grace, len(self.tasks))
         _, pending = await asyncio.wait(set(self.tasks), timeout=grace)
-        for task in pending:
+        if not pending:
+            return
+        log.warning("ending %d jobs still running after %.0fs", len(pending), grace)
+        for job in list(self.jobs.values()):
+            job.cancel(WORKER_SHUTDOWN)
+        _, pending = await asyncio.wait(pending, timeout=5.0)
+        for task in pending:  # not even the cancel completed: leave them to redelivery
             task.cancel()
-        if pending:
-            await asyncio.wait(pending)
 
 
 async def serve(config: Config, stop: asyncio.Event) -> None:
@@ -157,19 +160,21 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id))
     pool = Pool(config, ctx)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
-    await nc.subscribe(subjects.cancel_wildcard, cb=pool.on_cancel)
+    cancels = await broker.ensure_cancels_bucket(js, config)
 
     backends = {m.name: create_backend(m, config.worker) for m in models}
     try:
         # The pull loops are owned by this TaskGroup and end at stop; jobs are
         # tracked by the pool, since they must outlive the pull loops to drain.
         async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(broker.watch_cancels(cancels, pool.on_cancel))
             pullers = [tg.create_task(pool.pull(js, m, backends[m.name], stop))
                        for m in models]
             await stop.wait()
             for puller in pullers:
                 puller.cancel()
-        await pool.drain(config.worker.shutdown_timeout)
+            await pool.drain(config.worker.shutdown_timeout)
+            watcher.cancel()
     finally:
         for backend in backends.values():
             await backend.aclose()
