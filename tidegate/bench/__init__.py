@@ -1,0 +1,30 @@
+"""The benchmark suite behind ``tidegate bench``.
+
+Modules: :mod:`~tidegate.bench.loadgen` (closed- and open-loop SSE load),
+:mod:`~tidegate.bench.targets` (the fake backend, tidegate, the plain proxy
+and LiteLLM as child processes), :mod:`~tidegate.bench.scenarios` (what is
+measured), :mod:`~tidegate.bench.procstats` (CPU and RSS from ``/proc``),
+:mod:`~tidegate.bench.report` (JSON, markdown, plots) and
+:mod:`~tidegate.bench.runner` (the command). See ``docs/benchmarks.md``.
+
+This module stays import-light: the child processes start from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop when it is installed (tidegate's tiers use it too,
+    so every process in a comparison runs the same loop), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    result: T = uvloop.run(coro)
+    return result

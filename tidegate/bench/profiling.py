@@ -1,0 +1,117 @@
+"""Optional py-spy profiles of the edge and the worker during a load window.
+
+``tidegate bench --py-spy`` samples both processes with ``py-spy record
+--format raw`` (collapsed stacks) for the measured window of the tidegate run
+of scenario (a) closest to 200 concurrent streams, and summarises where the
+busy samples go: by leaf frame (self time) and by every frame on the stack
+(inclusive time). py-spy's sampling costs CPU too, so the numbers of a
+profiled run are a little worse than those of an unprofiled one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tidegate.bench.targets import Target
+
+__all__ = ["PySpy", "summarize"]
+
+_LINE = re.compile(r":\d+\)$")
+_PREFIXES = (re.compile(r"^.*/site-packages/"), re.compile(r"^.*/lib/python3\.\d+/"),
+             re.compile(r"^.*/work/main/"))
+
+
+def _frame(raw: str) -> str:
+    """``func (path/file.py:12)`` -> ``func (file path from its package)``."""
+    frame = _LINE.sub(")", raw.strip())
+    name, _, path = frame.partition(" (")
+    for prefix in _PREFIXES:
+        path = prefix.sub("", path)
+    return f"{name} ({path}" if path else name
+
+
+def summarize(raw_file: Path, top: int = 20) -> dict[str, Any]:
+    """Self and inclusive shares (percent of busy samples) of a raw py-spy file."""
+    self_time: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw_file.read_text(errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_frame(f) for f in stack.split(";") if f.strip()]
+        # py-spy puts the thread name first when it has one: not a frame.
+        frames = [f for f in frames if "(" in f] or frames
+        if not frames:
+            continue
+        total += count
+        self_time[frames[-1]] += count
+        for f in set(frames):
+            inclusive[f] += count
+
+    def share(counter: Counter[str]) -> list[list[Any]]:
+        return [[name, round(100.0 * n / total, 1)] for name, n in counter.most_common(top)]
+
+    return {"samples": total, "self_pct": share(self_time) if total else [],
+            "inclusive_pct": share(inclusive) if total else []}
+
+
+class PySpy:
+    """Profiles a target's edge and worker for the measured window of one run."""
+
+    def __init__(self, out: Path, rate: int = 100) -> None:
+        self.out = out
+        self.rate = rate
+        self.binary = shutil.which("py-spy")
+        self.results: dict[str, Any] = {}
+
+    @property
+    def available(self) -> bool:
+        return self.binary is not None
+
+    @asynccontextmanager
+    async def window(self, target: Target, delay: float, duration: float,
+                     label: str) -> AsyncIterator[None]:
+        assert self.binary is not None
+        files: dict[str, Path] = {}
+        procs: list[asyncio.subprocess.Process] = []
+
+        async def record() -> None:
+            await asyncio.sleep(delay)
+            for name in ("edge", "worker"):
+                proc = target.memory.get(name)
+                if proc is None or proc.pid is None:
+                    continue
+                files[name] = self.out / f"pyspy-{target.name}-{name}-{label}.txt"
+                procs.append(await asyncio.create_subprocess_exec(
+                    str(self.binary), "record", "--pid", str(proc.pid), "--rate", str(self.rate),
+                    "--duration", str(max(1, round(duration))), "--format", "raw",
+                    "--nonblocking", "--output", str(files[name]),
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL))
+
+        starter = asyncio.create_task(record())
+        try:
+            yield
+            await starter
+            for p in procs:
+                await p.wait()
+        finally:
+            starter.cancel()
+            await asyncio.gather(starter, return_exceptions=True)
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+        for name, path in files.items():
+            if path.exists():
+                self.results[f"{target.name}/{name}/{label}"] = {
+                    "file": path.name, **summarize(path)}

@@ -1,0 +1,276 @@
+"""Results of a benchmark run: ``results.json``, ``results.md`` and PNG plots.
+
+Everything is derived from the JSON document, so ``python -m
+tidegate.bench.report DIR`` redraws the table and the plots of an earlier run.
+Plots need matplotlib (the ``bench`` extra); without it they are skipped with
+a note.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_targets", "markdown", "plot", "write"]
+
+# The issue's targets for this 2-core machine; ``higher`` says which way is better.
+TARGETS = [
+    ("ttft_overhead_p99_ms", "TTFT overhead over direct, p99, at 200 streams", 20.0, False),
+    ("throughput_ratio", "throughput at 200 streams, share of direct", 0.90, True),
+    ("cpu_us_per_chunk", "CPU per relayed chunk, gateway processes summed (µs)", 50.0, False),
+    ("rss_per_idle_stream_kib", "RSS per idle open stream at the edge (KiB)", 20.0, False),
+    ("idle_streams_held", "concurrent idle SSE streams held by one edge", 10_000, True),
+    ("cancel_p99_ms", "cancel latency, p99 (ms)", 100.0, False),
+]
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _runs(results: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = results.get("scenarios", {}).get(scenario, {}).get("runs", [])
+    return runs
+
+
+def _at_200(results: dict[str, Any], target: str) -> dict[str, Any] | None:
+    runs = [r for r in _runs(results, "a") if r["target"] == target and r["mode"] == "closed"]
+    return min(runs, key=lambda r: abs(r["concurrency"] - 200)) if runs else None
+
+
+def _measures(results: dict[str, Any], target: str) -> dict[str, tuple[Any, str]]:
+    """Each target measure for one gateway: (value, where it was measured)."""
+    out: dict[str, tuple[Any, str]] = {}
+    run = _at_200(results, target)
+    if run is not None:
+        where = f"c={run['concurrency']}"
+        out["ttft_overhead_p99_ms"] = (run.get("ttft_overhead_ms", {}).get("p99"), where)
+        out["throughput_ratio"] = (run.get("throughput_ratio"), where)
+        out["cpu_us_per_chunk"] = (run.get("cpu_us_per_chunk"), where)
+    for r in _runs(results, "b"):
+        if r["target"] == target:
+            name = "edge" if target == "tidegate" else target
+            where = f"N={r['streams']}"
+            out["rss_per_idle_stream_kib"] = (r["rss_per_stream_kib"].get(name), where)
+            out["idle_streams_held"] = (r["open_ok"], where)
+    for r in _runs(results, "c"):
+        if r["target"] == target:
+            out["cancel_p99_ms"] = (r["latency_ms"].get("p99"),
+                                    f"c={results['scenarios']['c']['params']['concurrency']}")
+    return out
+
+
+def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per target measure: tidegate's value, the proxy's, and whether it is met."""
+    ours = _measures(results, "tidegate")
+    proxy = _measures(results, "proxy")
+    rows = []
+    for key, label, goal, higher in TARGETS:
+        value, where = ours.get(key, (None, ""))
+        met = None if value is None else (value >= goal if higher else value <= goal)
+        rows.append({"key": key, "measure": label, "target": goal,
+                     "tidegate": value, "where": where,
+                     "proxy": proxy.get(key, (None, ""))[0], "met": met})
+    return rows
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
+    head = list(header)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _pair(d: dict[str, Any], a: str = "p50", b: str = "p99") -> str:
+    if not d or d.get(a) is None:
+        return "-"
+    return f"{_fmt(d.get(a))} / {_fmt(d.get(b))}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    m = meta["machine"]
+    out = [f"# tidegate bench: {meta['profile']} run, {meta['started']}", "",
+           f"Machine: {m['nproc']} cores ({m['cpu_model']}), {m['ram_gib']} GiB RAM, "
+           f"Linux {m['kernel']}, Python {m['python']}. The load generator, the fake "
+           "backend and every measured process share these cores.", "",
+           f"Command: `{meta['command']}` ({meta['duration_s']} s). Load average "
+           f"before / after: {meta['loadavg'][0]} / {meta['loadavg'][1]} (other work on "
+           "the machine shows here).", ""]
+    out += [f"- {note}" for note in meta.get("notes", [])]
+    out += ["", "## Targets", ""]
+    rows = []
+    for r in check_targets(results):
+        goal = f"{'≥' if r['key'] in ('throughput_ratio', 'idle_streams_held') else '≤'} " \
+               f"{_fmt(r['target'], 2 if r['key'] == 'throughput_ratio' else 0)}"
+        met = {True: "met", False: "**missed**", None: "not measured"}[r["met"]]
+        rows.append([r["measure"], goal, r["tidegate"], r["where"], r["proxy"], met])
+    out += _table(["measure", "target", "tidegate", "at", "plain proxy", "verdict"], rows)
+    scen = results["scenarios"]
+    if "a" in scen:
+        p = scen["a"]["params"]
+        out += ["## (a) Overhead and throughput", "",
+                f"{p['tokens']} tokens at {p['itl_s'] * 1000:g} ms ITL, backend TTFT "
+                f"{p['ttft_s'] * 1000:g} ms; {p['warmup_s']:g} s warm-up, then a "
+                f"{p['window_s']:g} s window. Closed loop at each concurrency, then an open "
+                f"loop (Poisson, {p['open_rate_per_s']:g}/s, latency from the scheduled "
+                "send time). Times in ms; CPU/chunk and CPU/req sum the gateway's processes "
+                "(tidegate: edge, dispatcher, worker, nats-server); cores busy counts every "
+                "process incl. the load generator and the fake backend.", ""]
+        rows = []
+        for r in scen["a"]["runs"]:
+            load = f"c={r['concurrency']}" if r["mode"] == "closed" else f"{r['rate']:g}/s"
+            rows.append([r["target"], load, r["streams_per_s"], r["chunks_per_s"],
+                         _pair(r["ttft_ms"]), _pair(r.get("ttft_overhead_ms", {})),
+                         _pair(r["itl_ms"]), _pair(r["total_ms"]),
+                         r.get("throughput_ratio"), r["error_count"],
+                         r.get("cpu_us_per_chunk"), r.get("cpu_ms_per_request"),
+                         r["machine_cores_busy"]])
+        out += _table(["target", "load", "streams/s", "chunks/s", "TTFT p50/p99",
+                       "TTFT overhead p50/p99", "ITL p50/p99", "total p50/p99",
+                       "throughput vs direct", "errors", "CPU µs/chunk", "CPU ms/req",
+                       "cores busy"], rows)
+        cpu_rows = [[r["target"], r.get("concurrency", r.get("rate")),
+                     ", ".join(f"{k} {_fmt(v, 2)}" for k, v in r["cpu_s"].items()),
+                     r["loadgen_cpu_s"]] for r in scen["a"]["runs"]]
+        out += ["CPU seconds per process over the window:", ""]
+        out += _table(["target", "load", "processes", "load generator"], cpu_rows)
+    if "b" in scen:
+        p = scen["b"]["params"]
+        out += ["## (b) Idle streams", "",
+                f"{p['streams']} streams held open by a backend that never answers "
+                f"(heartbeat interval {p['heartbeat_interval_s']:g} s). RSS in KiB.", ""]
+        rows = []
+        for r in scen["b"]["runs"]:
+            for name, rss in r["rss_kib"].items():
+                rows.append([r["target"], name, r["open_ok"], r["open_s"],
+                             r["pings_during_hold"], rss["before"], rss["held"],
+                             rss["after_close"], r["rss_per_stream_kib"][name],
+                             r["idle_cpu_cores"].get(name)])
+        out += _table(["target", "process", "streams open", "open s", "pings in hold",
+                       "RSS before", "RSS held", "RSS after close", "KiB/stream",
+                       "idle CPU (cores)"], rows)
+    if "c" in scen:
+        p = scen["c"]["params"]
+        out += ["## (c) Cancel latency", "",
+                f"{p['concurrency']} clients x {p['rounds']} rounds; each closes its "
+                f"connection after {p['cancel_after_chunks']} chunks. Latency from the "
+                "client's close to the fake backend seeing its connection closed, in ms.",
+                ""]
+        rows = [[r["target"], r["cancels"], r["outcomes"]["closed"],
+                 r["outcomes"]["completed_anyway"], r["outcomes"]["still_open"],
+                 r["latency_ms"].get("p50"), r["latency_ms"].get("p99"),
+                 r["latency_ms"].get("max")] for r in scen["c"]["runs"]]
+        out += _table(["target", "cancels", "backend closed", "ran to the end",
+                       "still open", "p50", "p99", "max"], rows)
+    if "d" in scen:
+        p = scen["d"]["params"]
+        out += ["## (d) Slow clients", "",
+                f"{p['clients']} clients reading {p['client_bytes_per_s']} B/s for "
+                f"{p['duration_s']:g} s; the backend would send one event every "
+                f"{p['backend_itl_s'] * 1000:g} ms if nothing pushed back.", ""]
+        rows = []
+        for r in scen["d"]["runs"]:
+            for name, rss in r["rss_kib"].items():
+                rows.append([r["target"], name, r["client_bytes_p50"], r["backend_bytes_p50"],
+                             f"{r['backend_events_p50']:,} of {r['backend_events_unthrottled']:,}",
+                             rss["start"], rss["max"], rss["end"]])
+        out += _table(["target", "process", "client read B (p50)", "backend wrote B (p50)",
+                       "backend events (p50)", "RSS start KiB", "RSS max", "RSS end"], rows)
+    for key, prof in results.get("profiles", {}).items():
+        out += [f"## Profile {key} ({prof['samples']} busy samples)", ""]
+        out += _table(["self", "%"], prof["self_pct"][:15])
+        out += _table(["inclusive", "%"], prof["inclusive_pct"][:25])
+    return "\n".join(out)
+
+
+def plot(results: dict[str, Any], out: Path) -> list[str]:
+    """PNG plots next to the JSON; returns the files written (none without matplotlib)."""
+    try:
+        matplotlib: Any = importlib.import_module("matplotlib")
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    plt: Any = importlib.import_module("matplotlib.pyplot")
+    written: list[str] = []
+    quantiles = [q / 100 for q in range(101)]
+    runs_a = _runs(results, "a")
+    closed = [r for r in runs_a if r["mode"] == "closed"]
+    if closed:
+        loads = sorted({r["concurrency"] for r in closed})
+        fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
+        for ax, c in zip(axes[0], loads, strict=True):
+            for r in closed:
+                if r["concurrency"] == c and r["ttft_cdf_ms"]:
+                    ax.plot(r["ttft_cdf_ms"], quantiles, label=r["target"])
+            ax.set_xscale("log")
+            ax.set_title(f"TTFT CDF, {c} concurrent streams")
+            ax.set_xlabel("time to first token (ms, client side)")
+            ax.set_ylabel("fraction of streams")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ttft_cdf.png", dpi=100)
+        plt.close(fig)
+        written.append("ttft_cdf.png")
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        for target in dict.fromkeys(r["target"] for r in closed):
+            rs = sorted((r for r in closed if r["target"] == target),
+                        key=lambda r: r["concurrency"])
+            xs = [r["concurrency"] for r in rs]
+            ax1.plot(xs, [r["streams_per_s"] for r in rs], marker="o", label=target)
+            ax2.plot(xs, [r["chunks_per_s"] for r in rs], marker="o", label=target)
+        for ax, what in ((ax1, "completed streams/s"), (ax2, "chunks/s delivered")):
+            ax.set_xscale("log")
+            ax.set_xlabel("concurrent streams (closed loop)")
+            ax.set_ylabel(what)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "throughput.png", dpi=100)
+        plt.close(fig)
+        written.append("throughput.png")
+    runs_c = [r for r in _runs(results, "c") if r["latency_cdf_ms"]]
+    if runs_c:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in runs_c:
+            ax.plot(r["latency_cdf_ms"], quantiles, label=r["target"])
+        ax.set_xscale("log")
+        ax.set_title("cancel latency CDF (client close -> backend closed)")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of cancels")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "cancel_cdf.png", dpi=100)
+        plt.close(fig)
+        written.append("cancel_cdf.png")
+    return written
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    """results.json, results.md and the plots into ``out``."""
+    plots = plot(results, out)
+    if plots:
+        results["meta"]["plots"] = plots
+    else:
+        results["meta"].setdefault("notes", []).append(
+            "Plots skipped: matplotlib is not importable (pip install 'tidegate[bench]').")
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results) + "\n")
+
+
+if __name__ == "__main__":
+    directory = Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results")
+    write(json.loads((directory / "results.json").read_text()), directory)

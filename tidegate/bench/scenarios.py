@@ -1,0 +1,382 @@
+"""The scenarios of ``tidegate bench``; each returns a JSON-ready dict.
+
+(a) overhead and throughput   closed loop at each concurrency, plus one
+                              open-loop (Poisson) rate, on every target
+(b) idle stream capacity      N streams held open, heartbeats only: RSS per
+                              stream and idle CPU
+(c) cancel latency            clients close mid-stream; time from client
+                              close to the fake backend seeing its close
+(d) slow clients              clients reading a few KiB/s: RSS over time
+(e) other gateways            the plain proxy (and LiteLLM) join every
+                              scenario above
+
+The direct target (the fake backend itself) is the floor in (a) and (c);
+(b) and (d) are about the memory of a gateway, so they skip it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tidegate.bench import loadgen, procstats
+from tidegate.bench.loadgen import Recorder, chat_body, distribution, new_session, percentile
+from tidegate.bench.profiling import PySpy
+from tidegate.bench.targets import Target, Targets
+
+__all__ = ["FULL", "QUICK", "Profile", "cancel", "idle", "overhead", "slow_clients"]
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Every knob of a run; ``FULL`` is the documented run, ``QUICK`` the CI smoke."""
+
+    name: str
+    concurrencies: tuple[int, ...]
+    tokens: int
+    itl: float
+    ttft: float
+    warmup: float
+    duration: float
+    open_rate: float  # arrivals per second for the open-loop point of (a)
+    idle_streams: int
+    idle_hold: float
+    heartbeat_interval: float  # tidegate's session.heartbeat_interval in this run
+    cancel_concurrency: int
+    cancel_rounds: int
+    cancel_after: int  # data events a client reads before it hangs up
+    cancel_tokens: int
+    slow_clients: int
+    slow_duration: float
+    slow_bytes_per_s: int
+    slow_itl: float
+
+
+FULL = Profile(
+    name="full", concurrencies=(50, 200, 1000), tokens=64, itl=0.010, ttft=0.05,
+    warmup=2.0, duration=8.0, open_rate=150.0,
+    idle_streams=2000, idle_hold=8.0, heartbeat_interval=5.0,
+    cancel_concurrency=200, cancel_rounds=3, cancel_after=8, cancel_tokens=200,
+    slow_clients=50, slow_duration=10.0, slow_bytes_per_s=4096, slow_itl=0.001)
+
+QUICK = Profile(
+    name="quick", concurrencies=(10, 50), tokens=16, itl=0.010, ttft=0.02,
+    warmup=0.5, duration=1.5, open_rate=30.0,
+    idle_streams=100, idle_hold=1.5, heartbeat_interval=1.0,
+    cancel_concurrency=50, cancel_rounds=1, cancel_after=4, cancel_tokens=100,
+    slow_clients=5, slow_duration=2.0, slow_bytes_per_s=4096, slow_itl=0.001)
+
+_ids = itertools.count(1)
+
+
+def _bench_id(prefix: str) -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+def _cdf(values: Any) -> list[float]:
+    """101 quantiles (0..100 %) in ms, enough to redraw a CDF from the JSON."""
+    s = sorted(values)
+    return [round(percentile(s, p) * 1000, 3) for p in range(101)] if s else []
+
+
+def _cpu_pids(target: Target) -> dict[str, int]:
+    return {**target.pids(target.cpu), **target.pids(target.extra)}
+
+
+# --------------------------------------------------------------------------
+# (a) overhead and throughput
+# --------------------------------------------------------------------------
+
+
+async def _load_run(target: Target, profile: Profile, mode: str, load: float,
+                    spy: PySpy | None) -> dict[str, Any]:
+    endpoint = target.endpoint
+    rec = Recorder()
+    rec.cpu = procstats.CpuWindow(_cpu_pids(target))
+
+    def body() -> bytes:
+        return chat_body(endpoint.model, tokens=profile.tokens, itl=profile.itl,
+                         ttft=profile.ttft)
+
+    async with new_session() as session, contextlib.AsyncExitStack() as stack:
+        if spy is not None:
+            await stack.enter_async_context(
+                spy.window(target, profile.warmup, profile.duration, f"{mode}{load:g}"))
+        if mode == "closed":
+            await loadgen.closed_loop(session, endpoint, body, rec, concurrency=int(load),
+                                      warmup=profile.warmup, duration=profile.duration)
+        else:
+            await loadgen.open_loop(session, endpoint, body, rec, rate=load,
+                                    warmup=profile.warmup, duration=profile.duration)
+    result: dict[str, Any] = {"target": target.name, "mode": mode,
+                              ("concurrency" if mode == "closed" else "rate"): load,
+                              **rec.summary(), "ttft_cdf_ms": _cdf(rec.ttft)}
+    window = rec.t1 - rec.t0
+    used = rec.cpu.used or {}
+    result["cpu_s"] = {k: None if v is None else round(v, 3) for k, v in used.items()}
+    result["loadgen_cpu_s"] = round(rec.cpu.self_used, 3)
+    known = [v for v in used.values() if v is not None]
+    result["machine_cores_busy"] = round((sum(known) + rec.cpu.self_used) / window, 2)
+    if target.cpu:
+        gateway = [used.get(name) for name in target.cpu]
+        if all(v is not None for v in gateway):
+            total = sum(v for v in gateway if v is not None)
+            result["gateway_cpu_s"] = round(total, 3)
+            chunks, done = rec.window_chunks, rec.window_completed
+            result["cpu_us_per_chunk"] = round(total / chunks * 1e6, 1) if chunks else None
+            result["cpu_ms_per_request"] = round(total / done * 1e3, 2) if done else None
+    return result
+
+
+def _add_ratios(runs: list[dict[str, Any]]) -> None:
+    """TTFT overhead and throughput ratio of each run against direct at the same load."""
+    floor = {(r["mode"], r.get("concurrency", r.get("rate"))): r
+             for r in runs if r["target"] == "direct"}
+    for r in runs:
+        base = floor.get((r["mode"], r.get("concurrency", r.get("rate"))))
+        if base is None or r is base:
+            continue
+        ours, theirs = r["ttft_ms"], base["ttft_ms"]
+        if ours.get("count") and theirs.get("count"):
+            r["ttft_overhead_ms"] = {p: round(ours[p] - theirs[p], 3) for p in ("p50", "p99")}
+        if base["streams_per_s"]:
+            r["throughput_ratio"] = round(r["streams_per_s"] / base["streams_per_s"], 3)
+        if base["chunks_per_s"]:
+            r["chunks_ratio"] = round(r["chunks_per_s"] / base["chunks_per_s"], 3)
+
+
+async def overhead(targets: list[Target], profile: Profile,
+                   spy: PySpy | None = None) -> dict[str, Any]:
+    runs: list[dict[str, Any]] = []
+    profiled = min(profile.concurrencies, key=lambda c: abs(c - 200))
+    for c in profile.concurrencies:
+        for target in targets:
+            use_spy = spy if (target.name == "tidegate" and c == profiled) else None
+            runs.append(await _load_run(target, profile, "closed", c, use_spy))
+    for target in targets:
+        runs.append(await _load_run(target, profile, "open", profile.open_rate, None))
+    _add_ratios(runs)
+    return {"params": {"concurrencies": list(profile.concurrencies), "tokens": profile.tokens,
+                       "itl_s": profile.itl, "ttft_s": profile.ttft,
+                       "warmup_s": profile.warmup, "window_s": profile.duration,
+                       "open_rate_per_s": profile.open_rate},
+            "runs": runs}
+
+
+# --------------------------------------------------------------------------
+# (b) idle stream capacity
+# --------------------------------------------------------------------------
+
+
+def _rss(target: Target) -> dict[str, int | None]:
+    return {name: procstats.rss_kib(pid) for name, pid in target.pids(target.memory).items()}
+
+
+async def _idle_run(target: Target, profile: Profile) -> dict[str, Any]:
+    n = profile.idle_streams
+    endpoint = target.endpoint
+    body = chat_body(endpoint.model, tokens=1, itl=0.0, ttft=3600.0)
+    before = _rss(target)
+    statuses: dict[str, int] = {}
+    opened = 0
+    pings = 0
+    progress = asyncio.Event()
+
+    async def hold(session: Any) -> None:
+        nonlocal opened, pings
+        try:
+            async with session.post(endpoint.chat_url, data=body,
+                                    headers=endpoint.headers) as resp:
+                key = str(resp.status)
+                statuses[key] = statuses.get(key, 0) + 1
+                opened += 1
+                progress.set()
+                if resp.status != 200:
+                    return
+                async for data in resp.content.iter_any():
+                    pings += data.count(b": ping")
+        except (OSError, TimeoutError) as exc:  # aiohttp.ClientError is an OSError
+            key = type(exc).__name__
+            statuses[key] = statuses.get(key, 0) + 1
+            opened += 1
+            progress.set()
+
+    tasks: list[asyncio.Task[None]] = []
+    async with new_session(timeout=3600.0) as session:
+        started = time.monotonic()
+        deadline = started + max(30.0, n / 50)
+        try:
+            # Open in batches, each waiting for its response headers, so the
+            # connects do not overflow listen backlogs and count as failures.
+            batch = 250
+            for first in range(0, n, batch):
+                tasks += [asyncio.create_task(hold(session))
+                          for _ in range(min(batch, n - first))]
+                while opened < len(tasks) and time.monotonic() < deadline:
+                    progress.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(1.0):
+                            await progress.wait()
+            open_s = time.monotonic() - started
+            await asyncio.sleep(0.5)  # let allocations settle
+            held_rss = _rss(target)
+            cpu = procstats.CpuWindow(_cpu_pids(target))
+            pings_before = pings
+            cpu.start()
+            hold_s = max(profile.idle_hold, 1.5 * profile.heartbeat_interval)
+            await asyncio.sleep(hold_s)
+            used = cpu.stop()
+            pings_during = pings - pings_before
+            held_rss_end = _rss(target)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(1.0)
+    after = _rss(target)
+    ok = statuses.get("200", 0)
+    per_stream = {name: (round((held_rss[name] - b) / ok, 2)  # type: ignore[operator]
+                         if ok and b is not None and held_rss[name] is not None else None)
+                  for name, b in before.items()}
+    return {"target": target.name, "streams": n, "open_ok": ok, "statuses": statuses,
+            "open_s": round(open_s, 2), "hold_s": hold_s, "pings_during_hold": pings_during,
+            "rss_kib": {name: {"before": before[name], "held": held_rss[name],
+                               "held_end": held_rss_end[name], "after_close": after[name]}
+                        for name in before},
+            "rss_per_stream_kib": per_stream,
+            "idle_cpu_cores": {k: None if v is None else round(v / hold_s, 3)
+                               for k, v in used.items()}}
+
+
+async def idle(targets: list[Target], profile: Profile) -> dict[str, Any]:
+    runs = [await _idle_run(t, profile) for t in targets if t.memory]
+    return {"params": {"streams": profile.idle_streams,
+                       "heartbeat_interval_s": profile.heartbeat_interval}, "runs": runs}
+
+
+# --------------------------------------------------------------------------
+# (c) cancel latency
+# --------------------------------------------------------------------------
+
+
+async def _cancel_run(env: Targets, target: Target, profile: Profile) -> dict[str, Any]:
+    endpoint = target.endpoint
+    since = env.last_record_id()
+    closes: dict[str, float] = {}
+    rec = Recorder()
+    rec.set_window(0.0, float("inf"))  # every stream is a sample
+
+    async def user(session: Any) -> None:
+        for _ in range(profile.cancel_rounds):
+            bench_id = _bench_id(f"cancel-{target.name}")
+            body = chat_body(endpoint.model, tokens=profile.cancel_tokens, itl=profile.itl,
+                             ttft=profile.ttft, bench_id=bench_id)
+            closed = await loadgen.stream_once(session, endpoint, body, rec, time.monotonic(),
+                                               cancel_after=profile.cancel_after)
+            if closed is not None:
+                closes[bench_id] = closed
+
+    async with new_session() as session, asyncio.TaskGroup() as tg:
+        for _ in range(profile.cancel_concurrency):
+            tg.create_task(user(session))
+    # The slowest possible propagation we still want to see: one heartbeat.
+    await asyncio.sleep(max(1.0, profile.heartbeat_interval))
+    seen = {r["bench_id"]: r for r in env.records(since) if r["bench_id"] in closes}
+    latencies: list[float] = []
+    outcome = {"closed": 0, "completed_anyway": 0, "still_open": 0, "no_record": 0}
+    for bench_id, closed_at in closes.items():
+        record = seen.get(bench_id)
+        if record is None:
+            outcome["no_record"] += 1
+        elif record["closed_at"] is not None:
+            outcome["closed"] += 1
+            latencies.append(record["closed_at"] - closed_at)
+        elif record["completed"]:
+            outcome["completed_anyway"] += 1
+        else:
+            outcome["still_open"] += 1
+    return {"target": target.name, "cancels": len(closes), "outcomes": outcome,
+            "stream_errors": dict(rec.errors), "latency_ms": distribution(latencies),
+            "latency_cdf_ms": _cdf(latencies)}
+
+
+async def cancel(env: Targets, targets: list[Target], profile: Profile) -> dict[str, Any]:
+    runs = [await _cancel_run(env, t, profile) for t in targets]
+    return {"params": {"concurrency": profile.cancel_concurrency,
+                       "rounds": profile.cancel_rounds, "cancel_after_chunks":
+                       profile.cancel_after, "tokens": profile.cancel_tokens},
+            "runs": runs}
+
+
+# --------------------------------------------------------------------------
+# (d) slow clients
+# --------------------------------------------------------------------------
+
+
+async def _sample_rss(target: Target, series: list[dict[str, Any]], start: float,
+                      stop: asyncio.Event, every: float = 0.25) -> None:
+    while not stop.is_set():
+        series.append({"t": round(time.monotonic() - start, 2), **_rss(target)})
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(every):
+                await stop.wait()
+
+
+async def _slow_run(env: Targets, target: Target, profile: Profile) -> dict[str, Any]:
+    endpoint = target.endpoint
+    since = env.last_record_id()
+    ids = [_bench_id(f"slow-{target.name}") for _ in range(profile.slow_clients)]
+    tokens = int(profile.slow_duration / profile.slow_itl * 10)  # never ends by itself
+    series: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+    start = time.monotonic()
+    path = endpoint.chat_url.split(str(target.port), 1)[1]
+
+    def client(bench_id: str) -> Awaitable[loadgen.SlowResult]:
+        body = chat_body(endpoint.model, tokens=tokens, itl=profile.slow_itl, ttft=0.0,
+                         bench_id=bench_id)
+        return loadgen.slow_stream("127.0.0.1", target.port, path, body, endpoint.headers,
+                                   bytes_per_s=profile.slow_bytes_per_s,
+                                   duration=profile.slow_duration)
+
+    async with asyncio.TaskGroup() as tg:
+        sampler = tg.create_task(_sample_rss(target, series, start, stop))
+        results = await asyncio.gather(*(client(i) for i in ids))
+        stop.set()
+        await sampler
+    await asyncio.sleep(0.5)
+    records = {r["bench_id"]: r for r in env.records(since) if r["bench_id"] in set(ids)}
+    backend_bytes = sorted(r["bytes_written"] for r in records.values())
+    client_bytes = sorted(r.bytes_read for r in results)
+    rss: dict[str, dict[str, int | None]] = {}
+    for name in target.memory:
+        values = [s[name] for s in series if s.get(name) is not None]
+        rss[name] = {"start": values[0] if values else None,
+                     "max": max(values) if values else None,
+                     "end": values[-1] if values else None}
+    unthrottled = int(profile.slow_duration / profile.slow_itl)
+    return {"target": target.name, "clients": profile.slow_clients,
+            "statuses": sorted({r.status_line for r in results}),
+            "errors": [r.error for r in results if r.error],
+            "client_bytes_p50": int(percentile(client_bytes, 50)) if client_bytes else 0,
+            "backend_bytes_p50": int(percentile(backend_bytes, 50)) if backend_bytes else 0,
+            "backend_events_unthrottled": unthrottled,
+            "backend_events_p50": int(percentile(
+                sorted(r["events_written"] for r in records.values()), 50)) if records else 0,
+            "rss_kib": rss, "rss_series": series}
+
+
+async def slow_clients(env: Targets, targets: list[Target], profile: Profile) -> dict[str, Any]:
+    runs = [await _slow_run(env, t, profile) for t in targets if t.memory]
+    return {"params": {"clients": profile.slow_clients, "duration_s": profile.slow_duration,
+                       "client_bytes_per_s": profile.slow_bytes_per_s,
+                       "backend_itl_s": profile.slow_itl}, "runs": runs}
+
+
+def profile_dict(profile: Profile) -> dict[str, Any]:
+    return asdict(profile)

@@ -1,0 +1,259 @@
+"""What the benchmark measures against, each started as child processes.
+
+* ``direct`` - the fake backend itself (the floor).
+* ``tidegate`` - nats-server, redis-server, edge, dispatcher and one worker,
+  serving the fake backend through a model with ``backend = "openai"``.
+* ``proxy`` - :mod:`tidegate.bench.baseline_proxy`, the plain single-process
+  streaming proxy.
+* ``litellm`` - LiteLLM's proxy, only when ``litellm`` is importable.
+
+Everything binds 127.0.0.1 on free ports. :class:`Targets` owns every child;
+its :meth:`Targets.close` stops them all (SIGTERM, then SIGKILL), and every
+child also gets SIGKILL from the kernel if the benchmark process dies
+(:class:`~tidegate.servers.ManagedProcess` sets the parent-death signal).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidegate import config as tgconfig
+from tidegate.bench.loadgen import Endpoint
+from tidegate.errors import TidegateError
+from tidegate.servers import (
+    ManagedProcess,
+    NatsServer,
+    RedisServer,
+    free_port,
+    http_ok,
+    stop_all,
+)
+
+__all__ = ["BENCH_KEY", "MODEL", "Target", "Targets"]
+
+MODEL = "fake-model"
+BENCH_KEY = "sk-tg-bench-key"
+_HOST = "127.0.0.1"
+
+
+@dataclass(slots=True)
+class Target:
+    """One thing to send load to.
+
+    ``cpu`` names the processes whose CPU counts as the gateway's (for
+    tidegate: every tier and nats-server); ``memory`` the processes whose RSS
+    the memory scenarios watch.
+    """
+
+    name: str
+    endpoint: Endpoint
+    port: int
+    cpu: dict[str, ManagedProcess] = field(default_factory=dict)
+    memory: dict[str, ManagedProcess] = field(default_factory=dict)
+    extra: dict[str, ManagedProcess] = field(default_factory=dict)  # measured, not summed
+
+    def pids(self, group: dict[str, ManagedProcess]) -> dict[str, int]:
+        return {name: p.pid for name, p in group.items() if p.pid is not None}
+
+
+def _python(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def _wait(what: str, probe: Callable[[], bool], procs: list[ManagedProcess],
+          timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise TidegateError(p.describe_failure(f"{p.name} exited while {what}"))
+        if probe():
+            return
+        time.sleep(0.1)
+    raise TidegateError(f"timed out after {timeout:g}s {what}\n"
+                        + "\n".join(p.describe_failure(p.name) for p in procs))
+
+
+class Targets:
+    """The fake backend plus the targets, started on demand, stopped together."""
+
+    def __init__(self, workdir: Path, *, heartbeat_interval: float, max_streams: int) -> None:
+        self.workdir = workdir
+        self.logs = workdir / "logs"
+        self.heartbeat_interval = heartbeat_interval
+        self.max_streams = max_streams
+        self._tmp = Path(tempfile.mkdtemp(prefix="tidegate-bench-"))
+        self._procs: list[ManagedProcess] = []
+        self.fake: ManagedProcess | None = None
+        self.fake_url = ""
+        self.control_url = ""
+        self.available: dict[str, Target] = {}
+        self.notes: list[str] = []
+
+    def _proc(self, name: str, argv: list[str], ready: Callable[[], bool] | None = None,
+              ) -> ManagedProcess:
+        p = ManagedProcess(name, argv, self.logs / f"{name}.log", ready=ready,
+                           start_timeout=30.0)
+        self._procs.append(p)
+        return p
+
+    # -- the backend -------------------------------------------------------
+
+    def start_fake(self) -> Target:
+        port, control = free_port(_HOST), free_port(_HOST)
+        self.control_url = f"http://{_HOST}:{control}"
+        self.fake = self._proc(
+            "fake-backend",
+            _python("tidegate.bench.fake_server", "--host", _HOST, "--port", str(port),
+                    "--control-port", str(control)),
+            ready=lambda: http_ok(f"{self.control_url}/healthz"))
+        self.fake.start()
+        self.fake_url = f"http://{_HOST}:{port}/v1"
+        target = Target("direct", Endpoint("direct", self.fake_url, MODEL), port)
+        target.extra["backend"] = self.fake
+        self.available["direct"] = target
+        return target
+
+    def records(self, since: int = 0) -> list[dict[str, Any]]:
+        """The fake's per-request records with an id above ``since``."""
+        with urllib.request.urlopen(f"{self.control_url}/records?since={since}",
+                                    timeout=30) as resp:
+            data = json.load(resp)
+        names = data["fields"]
+        return [dict(zip(names, row, strict=True)) for row in data["records"]]
+
+    def last_record_id(self) -> int:
+        rows = self.records()
+        return max((r["id"] for r in rows), default=0)
+
+    def _with_backend(self, target: Target) -> Target:
+        assert self.fake is not None
+        target.extra["backend"] = self.fake
+        self.available[target.name] = target
+        return target
+
+    # -- the plain proxy ---------------------------------------------------
+
+    def start_proxy(self) -> Target:
+        port = free_port(_HOST)
+        proc = self._proc(
+            "proxy",
+            _python("tidegate.bench.baseline_proxy", "--host", _HOST, "--port", str(port),
+                    "--upstream", self.fake_url),
+            ready=lambda: http_ok(f"http://{_HOST}:{port}/healthz"))
+        proc.start()
+        endpoint = Endpoint("proxy", f"http://{_HOST}:{port}/v1", MODEL)
+        return self._with_backend(Target("proxy", endpoint, port, cpu={"proxy": proc},
+                                         memory={"proxy": proc}))
+
+    # -- tidegate ----------------------------------------------------------
+
+    def start_tidegate(self) -> Target:
+        nats = NatsServer(self._tmp / "nats", host=_HOST, log_path=self.logs / "nats-server.log")
+        self._procs.append(nats)
+        redis = RedisServer(self._tmp / "redis", host=_HOST,
+                            log_path=self.logs / "redis-server.log")
+        self._procs.append(redis)
+        nats.spawn()
+        redis.spawn()
+        nats.wait_ready()
+        redis.wait_ready()
+        port = free_port(_HOST)
+        config = tgconfig.from_dict({
+            "nats": {"url": nats.url},
+            "redis": {"url": redis.url},
+            "edge": {"host": _HOST, "port": port},
+            "auth": {"dev_key": BENCH_KEY},
+            # A short heartbeat so (b) sees heartbeats flow; the edge's
+            # worker-lost limit stays above the worker's default ack_wait.
+            "session": {"heartbeat_interval": self.heartbeat_interval,
+                        "worker_lost_after": max(3, math.ceil(40 / self.heartbeat_interval))},
+            "models": [{"name": MODEL, "backend": "openai", "base_url": self.fake_url,
+                        "max_streams": self.max_streams}],
+        })
+        path = self.workdir / "tidegate.toml"
+        path.write_text(tgconfig.dump_toml(config))
+        tiers = {tier: self._proc(tier, _python("tidegate", tier, "--config", str(path)))
+                 for tier in ("dispatcher", "worker", "edge")}
+        for p in tiers.values():
+            p.spawn()
+        base = f"http://{_HOST}:{port}"
+        procs = [nats, redis, *tiers.values()]
+        _wait("waiting for the edge to be ready", lambda: http_ok(f"{base}/readyz"), procs, 30)
+        endpoint = Endpoint("tidegate", f"{base}/v1", MODEL,
+                            {"Authorization": f"Bearer {BENCH_KEY}"})
+        _wait("waiting for a first request through tidegate",
+              lambda: _round_trip(endpoint), procs, 30)
+        target = Target("tidegate", endpoint, port,
+                        cpu={"edge": tiers["edge"], "dispatcher": tiers["dispatcher"],
+                             "worker": tiers["worker"], "nats-server": nats},
+                        memory={"edge": tiers["edge"], "worker": tiers["worker"]})
+        target.extra["redis-server"] = redis
+        return self._with_backend(target)
+
+    # -- LiteLLM -----------------------------------------------------------
+
+    def start_litellm(self) -> Target | None:
+        """LiteLLM's proxy in front of the fake, if ``litellm`` is importable."""
+        if importlib.util.find_spec("litellm") is None:
+            self.notes.append("LiteLLM: skipped, `litellm` is not importable here "
+                              "(pip install 'litellm[proxy]' to include it).")
+            return None
+        port = free_port(_HOST)
+        cfg = self.workdir / "litellm.yaml"
+        # JSON is valid YAML; no yaml writer needed.
+        cfg.write_text(json.dumps({"model_list": [{"model_name": MODEL, "litellm_params": {
+            "model": f"openai/{MODEL}", "api_base": self.fake_url, "api_key": "sk-fake"}}]}))
+        proc = self._proc("litellm", _python("litellm.proxy.proxy_cli", "--host", _HOST,
+                                             "--port", str(port), "--config", str(cfg)),
+                          ready=lambda: http_ok(f"http://{_HOST}:{port}/health/liveliness"))
+        try:
+            proc.start(timeout=60)
+        except TidegateError as exc:
+            self.notes.append(f"LiteLLM: failed to start, skipped: {str(exc)[:300]}")
+            return None
+        endpoint = Endpoint("litellm", f"http://{_HOST}:{port}/v1", MODEL,
+                            {"Authorization": "Bearer sk-fake"})
+        return self._with_backend(Target("litellm", endpoint, port, cpu={"litellm": proc},
+                                         memory={"litellm": proc}))
+
+    # -- teardown ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every child (edge first, servers last), then remove scratch state."""
+        order = sorted(self._procs, key=lambda p: p.name in ("nats-server", "redis-server"))
+        try:
+            stop_all([p for p in order if p.name not in ("nats-server", "redis-server")], 10.0)
+            stop_all([p for p in order if p.name in ("nats-server", "redis-server")], 10.0)
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> Targets:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _round_trip(endpoint: Endpoint) -> bool:
+    body = json.dumps({"model": endpoint.model, "max_tokens": 1, "fake_ttft": 0,
+                       "messages": [{"role": "user", "content": "ping"}]}).encode()
+    req = urllib.request.Request(endpoint.chat_url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **endpoint.headers})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return int(resp.status) == 200
+    except OSError:
+        return False
