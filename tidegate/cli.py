@@ -7,6 +7,7 @@ Subcommands::
     tidegate dispatcher  admission, quotas, fairness
     tidegate worker      backend calls (``--model`` to serve a subset)
     tidegate config      print the effective config as TOML
+    tidegate bench       the benchmark suite (docs/benchmarks.md)
     tidegate version
 
 Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
@@ -101,6 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
                                      "print it as TOML; exit 2 if it is invalid.")
     _common(cfg)
 
+    bench = sub.add_parser("bench", help="run the benchmark suite on this machine",
+                           description="Measure tidegate against the fake backend directly "
+                                       "and against a plain proxy; see docs/benchmarks.md.")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run of every scenario in under a minute")
+    bench.add_argument("--scenarios", default="a,b,c,d,e", metavar="LIST",
+                       help="comma-separated subset of a (overhead), b (idle streams), "
+                            "c (cancel), d (slow clients), e (other gateways) "
+                            "(default: all)")
+    bench.add_argument("--out", default="bench-results", metavar="DIR",
+                       help="results folder (default: ./bench-results)")
+    bench.add_argument("--idle-streams", type=int, metavar="N",
+                       help="streams held open in scenario b (default: 2000, quick: 100)")
+    bench.add_argument("--py-spy", action="store_true",
+                       help="profile the edge and worker with py-spy during scenario a")
+
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -192,6 +209,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return launcher.Launcher(plan).run()
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from tidegate.bench import runner
+
+    options = runner.BenchOptions(out=Path(args.out), quick=args.quick,
+                                  scenarios=runner.parse_scenarios(args.scenarios),
+                                  py_spy=args.py_spy, idle_streams=args.idle_streams)
+    runner.run(options)
+    print(f"results in {options.out}/ (results.md, results.json)")
+    return 0
+
+
 _COMMANDS = {
     "up": _cmd_up,
     "edge": _cmd_edge,
@@ -199,6 +227,7 @@ _COMMANDS = {
     "worker": _cmd_worker,
     "config": _cmd_config,
     "version": _cmd_version,
+    "bench": _cmd_bench,
 }
 
 

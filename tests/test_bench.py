@@ -1,0 +1,89 @@
+"""The benchmark suite: its pieces in-process, and ``tidegate bench --quick`` end to end.
+
+No timing assertions: the numbers depend on the machine. These tests only
+check that a run completes and writes what docs/benchmarks.md promises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tidegate.bench import loadgen, report, runner
+from tidegate.bench.profiling import summarize
+from tidegate.errors import TidegateError
+from tidegate.fake_backend import FakeBackend
+
+
+def test_parse_scenarios() -> None:
+    assert runner.parse_scenarios("c, a") == "ac"
+    assert runner.parse_scenarios("a,b,c,d,e") == "abcde"
+    with pytest.raises(TidegateError):
+        runner.parse_scenarios("a,x")
+
+
+async def test_closed_loop_and_cancel_against_the_fake() -> None:
+    async with FakeBackend(ttft=0.0, itl=0.001) as fake:
+        endpoint = loadgen.Endpoint("direct", fake.base_url, "m")
+        rec = loadgen.Recorder()
+        async with loadgen.new_session() as session:
+            await loadgen.closed_loop(
+                session, endpoint,
+                lambda: loadgen.chat_body("m", tokens=5, itl=0.001, ttft=0.0),
+                rec, concurrency=4, warmup=0.1, duration=0.3)
+            summary = rec.summary()
+            assert summary["error_count"] == 0
+            assert summary["completed"] > 0
+            assert summary["ttft_ms"]["count"] > 0
+            # role chunk + 5 tokens + finish chunk per stream
+            assert rec.chunks == 7 * rec.completed
+
+            body = loadgen.chat_body("m", tokens=1000, itl=0.001, ttft=0.0, bench_id="x1")
+            closed = await loadgen.stream_once(session, endpoint, body, rec, 0.0,
+                                               cancel_after=3)
+        assert closed is not None
+    record = fake.records[-1]
+    assert record.body["bench_id"] == "x1"
+    assert record.closed_at is not None
+
+
+def test_py_spy_raw_summary(tmp_path: Path) -> None:
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "MainThread;run (asyncio/runners.py:118);write (edge/relay.py:10) 3\n"
+        "MainThread;run (asyncio/runners.py:118);encode (tidegate/protocol.py:5) 1\n")
+    summary = summarize(raw)
+    assert summary["samples"] == 4
+    assert summary["self_pct"][0] == ["write (edge/relay.py)", 75.0]
+    assert ["run (asyncio/runners.py)", 100.0] in summary["inclusive_pct"]
+
+
+@pytest.mark.pipeline
+def test_quick_bench_writes_results(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
+    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--out",
+                           str(out)], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) >= {"meta", "scenarios", "targets"}
+    assert set(results["scenarios"]) == {"a", "b", "c", "d"}
+    assert {"nproc", "cpu_model", "ram_gib"} <= set(results["meta"]["machine"])
+    a = results["scenarios"]["a"]["runs"]
+    assert {r["target"] for r in a} >= {"direct", "tidegate", "proxy"}
+    for run in a:
+        assert {"streams_per_s", "chunks_per_s", "ttft_ms", "itl_ms", "cpu_s"} <= set(run)
+    tidegate = [r for r in a if r["target"] == "tidegate"]
+    assert all("cpu_us_per_chunk" in r and "ttft_overhead_ms" in r for r in tidegate)
+    b = results["scenarios"]["b"]["runs"]
+    assert {"edge", "worker"} <= set(next(r for r in b if r["target"] == "tidegate")
+                                     ["rss_per_stream_kib"])
+    assert all("latency_ms" in r for r in results["scenarios"]["c"]["runs"])
+    assert all("rss_kib" in r for r in results["scenarios"]["d"]["runs"])
+    assert [row["key"] for row in results["targets"]] == [t[0] for t in report.TARGETS]
+    assert "## Targets" in (out / "results.md").read_text()
