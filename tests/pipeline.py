@@ -7,8 +7,11 @@ the test suite started itself. Fault tests kill and restart single tiers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate import config as tgconfig
+from tidegate.fake_backend import FakeBackend, FakeRecord
 from tidegate.servers import ManagedProcess, free_port, http_ok, stop_all
 
 DEV_KEY = "sk-test-pipeline-key"
@@ -35,6 +39,7 @@ class Pipeline:
     def __init__(self, workdir: Path, nats_url: str, redis_url: str,
                  overrides: Mapping[str, Any] | None = None, workers: int = 1) -> None:
         self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         raw: dict[str, Any] = {
             "nats": {"url": nats_url},
@@ -130,3 +135,35 @@ def running_pipeline(workdir: Path, nats_url: str, redis_url: str,
         yield pipeline
     finally:
         pipeline.stop()
+
+
+@contextlib.contextmanager
+def threaded_fake_backend(**kwargs: Any) -> Iterator[FakeBackend]:
+    """A FakeBackend on its own event loop thread, so sync tests, async tests
+    and worker processes can all use it. Its records use ``time.monotonic()``,
+    comparable with the test's own clock."""
+    loop = asyncio.new_event_loop()
+    backend = FakeBackend(**kwargs)
+    ready = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(backend.start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    if not ready.wait(10):
+        raise RuntimeError("fake backend did not start")
+    try:
+        yield backend
+    finally:
+        asyncio.run_coroutine_threadsafe(backend.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def record_for(backend: FakeBackend, marker: str) -> list[FakeRecord]:
+    """The backend's records of requests whose messages contain ``marker``."""
+    return [r for r in list(backend.records) if marker in json.dumps(r.body.get("messages"))]

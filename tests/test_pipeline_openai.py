@@ -16,36 +16,16 @@ import nats
 import openai
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
-from tidegate.fake_backend import FakeBackend
+from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, threaded_fake_backend
 
 pytestmark = pytest.mark.pipeline
 
 
 @pytest.fixture(scope="module")
 def fake_backend_url() -> Iterator[str]:
-    """A fake backend in its own thread's loop, so sync tests can use it too."""
-    import asyncio
-    import threading
-
-    loop = asyncio.new_event_loop()
-    backend = FakeBackend(models=["fake-model"], ttft=0.01, itl=0.002, tokens=12)
-    ready = threading.Event()
-    box: dict[str, str] = {}
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        box["url"] = loop.run_until_complete(backend.start())
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield box["url"]
-    asyncio.run_coroutine_threadsafe(backend.stop(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with threaded_fake_backend(models=["fake-model"], ttft=0.01, itl=0.002,
+                               tokens=12) as backend:
+        yield backend.base_url
 
 
 @pytest.fixture(scope="module")
