@@ -11,6 +11,8 @@ Subject map (``<p>`` is the prefix)::
     <p>.out.<edge>.<request>     core NATS                worker/dispatcher -> edge
     <p>.ctl.<worker>             core NATS                edge -> worker (acks, cancel)
     KV <P>_CANCELS, key <request>  JetStream KV (TTL)     edge -> dispatchers, workers
+    <p>.usage.<model>            JetStream  <P>_USAGE     worker/edge -> dispatchers
+    KV <P>_KEYS, <P>_POLICIES    JetStream KV (watched)   CLI -> edges, dispatchers
 
 Free-form names (models, tenants) are mapped into one subject token with
 :func:`encode_token`, a reversible escape: the decoded token is always the
@@ -130,6 +132,28 @@ class Subjects:
 
     def control(self, worker_id: str) -> str:
         return f"{self.prefix}.ctl.{worker_id}"
+
+    @property
+    def keys_bucket(self) -> str:
+        """KV bucket of API keys (key: SHA-256 hex digest of the API key)."""
+        return f"{self.prefix.upper()}_KEYS"
+
+    @property
+    def policies_bucket(self) -> str:
+        """KV bucket of quota policies (key: the policy's scope)."""
+        return f"{self.prefix.upper()}_POLICIES"
+
+    @property
+    def usage_stream(self) -> str:
+        return f"{self.prefix.upper()}_USAGE"
+
+    @property
+    def usage_wildcard(self) -> str:
+        return f"{self.prefix}.usage.>"
+
+    def usage(self, model: str) -> str:
+        """Worker/edge -> dispatchers: actual usage of one finished request."""
+        return f"{self.prefix}.usage.{encode_token(model)}"
 
     @property
     def cancels_bucket(self) -> str:
