@@ -136,11 +136,25 @@ def _stream_configs(config: Config) -> list[StreamConfig]:
             max_bytes=s.jobs_max_bytes,
             **common,
         ),
+        # Usage is a log, not a queue: the dispatchers' reconciler consumes it,
+        # and billing or analytics can add their own consumers; it ages out.
+        StreamConfig(
+            name=subjects.usage_stream,
+            description="tidegate: actual usage per request, workers -> dispatchers",
+            subjects=[subjects.usage_wildcard],
+            retention=RetentionPolicy.LIMITS,
+            storage=storage,
+            num_replicas=s.replicas,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=s.duplicate_window,
+            max_age=s.usage_max_age,
+            max_bytes=s.usage_max_bytes,
+        ),
     ]
 
 
 async def ensure_streams(js: JetStreamContext, config: Config) -> None:
-    """Create or update ``<P>_REQUESTS`` and ``<P>_JOBS``. Idempotent."""
+    """Create or update ``<P>_REQUESTS``, ``<P>_JOBS`` and ``<P>_USAGE``. Idempotent."""
     for sc in _stream_configs(config):
         try:
             await js.stream_info(sc.name)  # type: ignore[arg-type]

@@ -138,6 +138,8 @@ class StreamsConfig:
     jobs_max_bytes: int = 1 << 30
     duplicate_window: float = 120.0  # Nats-Msg-Id dedup window, seconds
     max_age: float = 3600.0  # a request older than this is useless to anyone
+    usage_max_age: float = 86400.0  # usage records are kept this long for billing consumers
+    usage_max_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +421,8 @@ def _check(config: Config) -> None:
         ("streams.jobs_max_bytes", config.streams.jobs_max_bytes),
         ("streams.duplicate_window", config.streams.duplicate_window),
         ("streams.max_age", config.streams.max_age),
+        ("streams.usage_max_age", config.streams.usage_max_age),
+        ("streams.usage_max_bytes", config.streams.usage_max_bytes),
         ("dispatcher.batch", config.dispatcher.batch),
         ("dispatcher.ack_wait", config.dispatcher.ack_wait),
         ("dispatcher.fetch_timeout", config.dispatcher.fetch_timeout),

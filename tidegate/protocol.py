@@ -161,6 +161,51 @@ class Request:
             raise ProtocolError(f"malformed request envelope: {exc!r}") from exc
 
 
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """What one finished request cost, published to ``<P>_USAGE``.
+
+    Workers publish one per job they ran (``outcome`` done / error /
+    cancelled), with the actual tokens, including the partial output of a
+    cancelled stream; dispatchers reconcile the quota reservation with it.
+    An edge publishes one with ``outcome = "lost"`` and no tokens when a
+    worker vanished, so the request's concurrency slot is released.
+    Timings are milliseconds; ``queue_wait_ms`` runs from the edge accepting
+    the request to the worker picking it up.
+    """
+
+    id: str
+    model: str
+    outcome: str
+    tenant: str = "default"
+    user: str = ""
+    key_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""
+    queue_wait_ms: float = 0.0
+    ttft_ms: float = 0.0
+    duration_ms: float = 0.0
+    attempt: int = 1
+
+    def encode(self) -> bytes:
+        fields = {f: getattr(self, f) for f in self.__slots__}
+        return msgpack.packb({"v": VERSION, **fields})
+
+    @classmethod
+    def decode(cls, data: bytes) -> UsageRecord:
+        try:
+            m = msgpack.unpackb(data)
+            if not isinstance(m, dict) or m.get("v") != VERSION:
+                raise ProtocolError("usage record is not a version-1 map")
+            known = {f: m[f] for f in cls.__slots__ if f in m}
+            return cls(**known)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"malformed usage record: {exc!r}") from exc
+
+
 def _str(m: dict[str, Any], key: str) -> str:
     value = m[key]
     if not isinstance(value, str) or not value:
@@ -196,16 +241,22 @@ class ErrorInfo(NamedTuple):
 
 
 class Status(NamedTuple):
-    """Dispatcher -> edge: what admission decided. Always ``seq = 0``."""
+    """Dispatcher -> edge: what admission decided. Always ``seq = 0``.
+
+    ``headers`` are response headers the edge adds (OpenAI's
+    ``x-ratelimit-*`` family), on admission as on rejection.
+    """
 
     admission: Admission
     position: int = 0
     error: ErrorInfo | None = None
     seq: int = 0
+    headers: dict[str, str] | None = None
 
     def encode(self) -> bytes:
         err = list(self.error) if self.error is not None else None
-        return _pack([VERSION, Kind.STATUS, self.seq, int(self.admission), self.position, err])
+        return _pack([VERSION, Kind.STATUS, self.seq, int(self.admission), self.position, err,
+                      self.headers])
 
 
 class Head(NamedTuple):
@@ -337,7 +388,8 @@ def decode_session(data: bytes) -> SessionMessage:
             return Error(t[2], _error_info(t[3]))
         if kind == Kind.STATUS:
             err = _error_info(t[5]) if t[5] is not None else None
-            return Status(Admission(t[3]), t[4], err, t[2])
+            headers = t[6] if len(t) > 6 and t[6] else None
+            return Status(Admission(t[3]), t[4], err, t[2], headers)
     except ProtocolError:
         raise
     except Exception as exc:

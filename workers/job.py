@@ -35,12 +35,22 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from tidegate.config import Config
 from tidegate.errors import ApiError, BackendError
 from tidegate.flow import SendWindow
-from tidegate.protocol import Chunk, Done, Error, ErrorInfo, Head, Heartbeat, Request
-from workers.backends import Backend, BackendStream
+from tidegate.protocol import (
+    Chunk,
+    Done,
+    Error,
+    ErrorInfo,
+    Head,
+    Heartbeat,
+    Request,
+    UsageRecord,
+)
+from workers.backends import Backend, BackendStream, Usage
 
 log = logging.getLogger("tidegate.worker")
 
@@ -54,7 +64,17 @@ class JobContext:
 
     config: Config
     nc: NATS
+    js: JetStreamContext
     control_subject: str
+
+    async def report(self, record: UsageRecord) -> None:
+        """Publish a usage record; a broker hiccup costs an accounting entry
+        (the reservation then expires), never the job's answer."""
+        try:
+            await self.js.publish(self.config.nats.subjects.usage(record.model),
+                                  record.encode(), headers={"Nats-Msg-Id": f"u-{record.id}"})
+        except Exception as exc:
+            log.warning("could not publish usage for %s: %s", record.id, exc)
 
 
 def _info(error: ApiError) -> ErrorInfo:
@@ -77,6 +97,11 @@ class Job:
         self.last_sent = time.monotonic()
         self.cancel_reason = ""
         self.task: asyncio.Task[None] | None = None
+        self.stream: BackendStream | None = None
+        self.outcome = ""  # "done" | "error" once the job reached its end
+        self.started = time.monotonic()
+        self.queue_wait_ms = max(0.0, time.time() * 1000 - request.created_ms)
+        self.first_chunk_at = 0.0
 
     # -- control messages from the edge (called by the worker's demux) -------
 
@@ -110,7 +135,21 @@ class Job:
             self.task.uncancel()
             await self._after_cancel()
             return
+        if self.outcome:
+            await self._report(self.outcome)
         await self.msg.ack()
+
+    async def _report(self, outcome: str) -> None:
+        usage = self.stream.usage if self.stream is not None else Usage()
+        now = time.monotonic()
+        request = self.request
+        await self.ctx.report(UsageRecord(
+            id=request.id, model=request.model, outcome=outcome, tenant=request.tenant,
+            user=request.user, key_id=request.key_id, prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens, finish_reason=usage.finish_reason,
+            queue_wait_ms=self.queue_wait_ms,
+            ttft_ms=(self.first_chunk_at - self.started) * 1000 if self.first_chunk_at else 0.0,
+            duration_ms=(now - self.started) * 1000, attempt=self.msg.metadata.num_delivered))
 
     async def _after_cancel(self) -> None:
         reason = self.cancel_reason
@@ -119,6 +158,7 @@ class Job:
         if reason == WORKER_SHUTDOWN and not self.chunks_sent:
             await self.msg.nak()  # nothing reached the client: another worker takes over
             return
+        await self._report("cancelled")
         if reason in (WORKER_SHUTDOWN, ACK_TIMEOUT):
             message = ("The worker running this request is shutting down." if
                        reason == WORKER_SHUTDOWN else
@@ -145,6 +185,7 @@ class Job:
                               metadata.num_delivered).encode())
         if metadata.num_delivered > 1 and not await self._edge_still_waiting():
             log.info("dropping redelivered job %s: its edge did not confirm", self.request.id)
+            self.outcome = "dropped"
             return
         async with asyncio.TaskGroup() as tg:
             watchdog = tg.create_task(self._watchdog())
@@ -166,9 +207,10 @@ class Job:
 
     async def _call_backend(self) -> None:
         try:
-            stream = await self.backend.open(self.request)
+            stream = self.stream = await self.backend.open(self.request)
         except BackendError as error:
             log.info("job %s: backend refused: %s", self.request.id, error.message)
+            self.outcome = "error"
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
             return
@@ -191,6 +233,8 @@ class Job:
                 if not data:
                     break
                 self.seq += 1
+                if not self.chunks_sent:
+                    self.first_chunk_at = time.monotonic()
                 self.chunks_sent += 1
                 window.on_send(self.seq, len(data), time.monotonic())
                 if not window.open:
@@ -198,9 +242,11 @@ class Job:
                 await self._send(Chunk(self.seq, data).encode())
         except BackendError as error:
             log.info("job %s: backend failed mid-stream: %s", self.request.id, error.message)
+            self.outcome = "error"
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
             return
+        self.outcome = "done"
         usage = stream.usage
         self.seq += 1
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,

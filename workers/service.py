@@ -32,7 +32,7 @@ from tidegate import broker
 from tidegate.cancels import CancelRegistry
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ProtocolError
-from tidegate.protocol import Ack, Request, decode_control
+from tidegate.protocol import Ack, Request, UsageRecord, decode_control
 from workers.backends import Backend, create_backend
 from workers.job import WORKER_SHUTDOWN, Job, JobContext
 
@@ -79,6 +79,11 @@ class Pool:
             return
         if request.deadline_ms < time.time() * 1000 or request.id in self.cancels:
             log.info("dropping job %s: its client is gone", request.id)
+            # Nothing ran: the zero-token record refunds the reservation and
+            # frees the concurrency slot.
+            await self.ctx.report(UsageRecord(id=request.id, model=request.model,
+                                              outcome="dropped", tenant=request.tenant,
+                                              user=request.user, key_id=request.key_id))
             await msg.ack()
             return
         job = Job(msg, request, backend, self.ctx)
@@ -157,7 +162,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
-    ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id))
+    ctx = JobContext(config=config, nc=nc, js=js, control_subject=subjects.control(worker_id))
     pool = Pool(config, ctx)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
     cancels = await broker.ensure_cancels_bucket(js, config)
