@@ -54,22 +54,21 @@ class Profile:
     slow_clients: int
     slow_duration: float
     slow_bytes_per_s: int
-    slow_itl: float
 
 
 FULL = Profile(
     name="full", concurrencies=(50, 200, 1000), tokens=64, itl=0.010, ttft=0.05,
     warmup=2.0, duration=8.0, open_rate=150.0,
-    idle_streams=2000, idle_hold=8.0, heartbeat_interval=5.0,
+    idle_streams=10_000, idle_hold=8.0, heartbeat_interval=5.0,
     cancel_concurrency=200, cancel_rounds=3, cancel_after=8, cancel_tokens=200,
-    slow_clients=50, slow_duration=10.0, slow_bytes_per_s=4096, slow_itl=0.001)
+    slow_clients=20, slow_duration=20.0, slow_bytes_per_s=4096)
 
 QUICK = Profile(
     name="quick", concurrencies=(10, 50), tokens=16, itl=0.010, ttft=0.02,
     warmup=0.5, duration=1.5, open_rate=30.0,
     idle_streams=100, idle_hold=1.5, heartbeat_interval=1.0,
     cancel_concurrency=50, cancel_rounds=1, cancel_after=4, cancel_tokens=100,
-    slow_clients=5, slow_duration=2.0, slow_bytes_per_s=4096, slow_itl=0.001)
+    slow_clients=5, slow_duration=2.0, slow_bytes_per_s=4096)
 
 _ids = itertools.count(1)
 
@@ -209,19 +208,21 @@ async def _idle_run(target: Target, profile: Profile) -> dict[str, Any]:
     tasks: list[asyncio.Task[None]] = []
     async with new_session(timeout=3600.0) as session:
         started = time.monotonic()
-        deadline = started + max(30.0, n / 50)
         try:
-            # Open in batches, each waiting for its response headers, so the
-            # connects do not overflow listen backlogs and count as failures.
-            batch = 250
+            # Paced connects (listen backlogs are finite), not gated on the
+            # response headers: a gateway may send those only with its first
+            # keep-alive, one heartbeat interval later.
+            batch, pace = 100, 0.1
             for first in range(0, n, batch):
                 tasks += [asyncio.create_task(hold(session))
                           for _ in range(min(batch, n - first))]
-                while opened < len(tasks) and time.monotonic() < deadline:
-                    progress.clear()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(1.0):
-                            await progress.wait()
+                await asyncio.sleep(pace)
+            deadline = time.monotonic() + 2 * profile.heartbeat_interval + max(10.0, n / 200)
+            while opened < n and time.monotonic() < deadline:
+                progress.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await progress.wait()
             open_s = time.monotonic() - started
             await asyncio.sleep(0.5)  # let allocations settle
             held_rss = _rss(target)
@@ -271,7 +272,11 @@ async def _cancel_run(env: Targets, target: Target, profile: Profile) -> dict[st
     rec = Recorder()
     rec.set_window(0.0, float("inf"))  # every stream is a sample
 
-    async def user(session: Any) -> None:
+    async def user(session: Any, i: int) -> None:
+        # Spread over one stream's lifetime, so the cancels do not all land
+        # in the same millisecond (which would measure the burst, not the path).
+        await asyncio.sleep(i / profile.cancel_concurrency * profile.cancel_tokens
+                            * profile.itl / 2)
         for _ in range(profile.cancel_rounds):
             bench_id = _bench_id(f"cancel-{target.name}")
             body = chat_body(endpoint.model, tokens=profile.cancel_tokens, itl=profile.itl,
@@ -282,8 +287,8 @@ async def _cancel_run(env: Targets, target: Target, profile: Profile) -> dict[st
                 closes[bench_id] = closed
 
     async with new_session() as session, asyncio.TaskGroup() as tg:
-        for _ in range(profile.cancel_concurrency):
-            tg.create_task(user(session))
+        for i in range(profile.cancel_concurrency):
+            tg.create_task(user(session, i))
     # The slowest possible propagation we still want to see: one heartbeat.
     await asyncio.sleep(max(1.0, profile.heartbeat_interval))
     seen = {r["bench_id"]: r for r in env.records(since) if r["bench_id"] in closes}
@@ -318,10 +323,15 @@ async def cancel(env: Targets, targets: list[Target], profile: Profile) -> dict[
 # --------------------------------------------------------------------------
 
 
-async def _sample_rss(target: Target, series: list[dict[str, Any]], start: float,
-                      stop: asyncio.Event, every: float = 0.25) -> None:
+async def _sample(env: Targets, target: Target, since: int, ids: set[str],
+                  series: list[dict[str, Any]], start: float, stop: asyncio.Event,
+                  every: float = 0.5) -> None:
+    """RSS of the target's processes and the bytes the backend wrote, over time."""
     while not stop.is_set():
-        series.append({"t": round(time.monotonic() - start, 2), **_rss(target)})
+        records = await asyncio.to_thread(env.records, since)
+        written = sum(r["bytes_written"] for r in records if r["bench_id"] in ids)
+        series.append({"t": round(time.monotonic() - start, 2), "backend_bytes": written,
+                       **_rss(target)})
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(every):
                 await stop.wait()
@@ -331,21 +341,22 @@ async def _slow_run(env: Targets, target: Target, profile: Profile) -> dict[str,
     endpoint = target.endpoint
     since = env.last_record_id()
     ids = [_bench_id(f"slow-{target.name}") for _ in range(profile.slow_clients)]
-    tokens = int(profile.slow_duration / profile.slow_itl * 10)  # never ends by itself
     series: list[dict[str, Any]] = []
     stop = asyncio.Event()
     start = time.monotonic()
     path = endpoint.chat_url.split(str(target.port), 1)[1]
 
     def client(bench_id: str) -> Awaitable[loadgen.SlowResult]:
-        body = chat_body(endpoint.model, tokens=tokens, itl=profile.slow_itl, ttft=0.0,
+        # ITL 0: the backend writes as fast as it can, so the buffers on the
+        # way fill within the run and only backpressure can hold it back.
+        body = chat_body(endpoint.model, tokens=100_000_000, itl=0.0, ttft=0.0,
                          bench_id=bench_id)
         return loadgen.slow_stream("127.0.0.1", target.port, path, body, endpoint.headers,
                                    bytes_per_s=profile.slow_bytes_per_s,
                                    duration=profile.slow_duration)
 
     async with asyncio.TaskGroup() as tg:
-        sampler = tg.create_task(_sample_rss(target, series, start, stop))
+        sampler = tg.create_task(_sample(env, target, since, set(ids), series, start, stop))
         results = await asyncio.gather(*(client(i) for i in ids))
         stop.set()
         await sampler
@@ -359,15 +370,14 @@ async def _slow_run(env: Targets, target: Target, profile: Profile) -> dict[str,
         rss[name] = {"start": values[0] if values else None,
                      "max": max(values) if values else None,
                      "end": values[-1] if values else None}
-    unthrottled = int(profile.slow_duration / profile.slow_itl)
+    half = next((s["backend_bytes"] for s in series if s["t"] >= profile.slow_duration / 2), 0)
     return {"target": target.name, "clients": profile.slow_clients,
             "statuses": sorted({r.status_line for r in results}),
             "errors": [r.error for r in results if r.error],
             "client_bytes_p50": int(percentile(client_bytes, 50)) if client_bytes else 0,
             "backend_bytes_p50": int(percentile(backend_bytes, 50)) if backend_bytes else 0,
-            "backend_events_unthrottled": unthrottled,
-            "backend_events_p50": int(percentile(
-                sorted(r["events_written"] for r in records.values()), 50)) if records else 0,
+            "backend_bytes_total_half": half,
+            "backend_bytes_total_end": sum(backend_bytes),
             "rss_kib": rss, "rss_series": series}
 
 
@@ -375,7 +385,7 @@ async def slow_clients(env: Targets, targets: list[Target], profile: Profile) ->
     runs = [await _slow_run(env, t, profile) for t in targets if t.memory]
     return {"params": {"clients": profile.slow_clients, "duration_s": profile.slow_duration,
                        "client_bytes_per_s": profile.slow_bytes_per_s,
-                       "backend_itl_s": profile.slow_itl}, "runs": runs}
+                       "backend_itl_s": 0.0}, "runs": runs}
 
 
 def profile_dict(profile: Profile) -> dict[str, Any]:
