@@ -91,6 +91,9 @@ class Targets:
     def __init__(self, workdir: Path, *, heartbeat_interval: float, max_streams: int) -> None:
         self.workdir = workdir
         self.logs = workdir / "logs"
+        # Logs are opened for appending: drop the previous run's.
+        for old in self.logs.glob("*.log"):
+            old.unlink()
         self.heartbeat_interval = heartbeat_interval
         self.max_streams = max_streams
         self._tmp = Path(tempfile.mkdtemp(prefix="tidegate-bench-"))
