@@ -1,18 +1,25 @@
 """API key authentication at the edge.
 
-Keys are compared by SHA-256 digest, never as plain strings, so the table can
-later be filled from hashed keys in NATS KV (``TG_KEYS``) without changing
-callers. A :class:`Principal` is what the rest of the pipeline knows about the
-caller: tenant, user and a key id that is safe to log.
+Keys are compared by SHA-256 digest, never as plain strings. The table holds
+two kinds: static keys from the config (``auth.keys``, ``auth.dev_key``; tenant
+``default``, any model) and keys from the NATS KV bucket ``<P>_KEYS``, which
+:func:`tidegate.keys.watch_keys` feeds in with :meth:`KeyTable.apply` and
+:meth:`KeyTable.remove` as they are created and revoked. A static key stays
+valid whatever the bucket says: it is the operator's way in.
+
+A :class:`Principal` is what the rest of the pipeline knows about the caller:
+tenant, user, the models the key may use and a key id that is safe to log.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tidegate.errors import ApiError
+from tidegate.keys import KEY_ID_LENGTH, KeyRecord, key_digest
+
+__all__ = ["KeyTable", "Principal", "key_digest"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +27,7 @@ class Principal:
     tenant: str
     user: str
     key_id: str
-
-
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    models: tuple[str, ...] = ()  # models this key may use; empty = all
 
 
 class KeyTable:
@@ -31,13 +35,24 @@ class KeyTable:
     leak key contents through timing the way a prefix comparison would."""
 
     def __init__(self, keys: Iterable[str] = (), tenant: str = "default") -> None:
-        self._by_digest: dict[str, Principal] = {}
+        self._static: dict[str, Principal] = {}
+        self._dynamic: dict[str, Principal] = {}
         for key in keys:
             digest = key_digest(key)
-            self._by_digest[digest] = Principal(tenant=tenant, user="", key_id=digest[:12])
+            self._static[digest] = Principal(tenant=tenant, user="",
+                                             key_id=digest[:KEY_ID_LENGTH])
 
     def __len__(self) -> int:
-        return len(self._by_digest)
+        return len(self._static.keys() | self._dynamic.keys())
+
+    def apply(self, digest: str, record: KeyRecord) -> None:
+        """Accept the key with this SHA-256 digest (created or changed in KV)."""
+        self._dynamic[digest] = Principal(tenant=record.tenant, user=record.user,
+                                          key_id=digest[:KEY_ID_LENGTH], models=record.models)
+
+    def remove(self, digest: str) -> None:
+        """Stop accepting the KV key with this digest (revoked). Idempotent."""
+        self._dynamic.pop(digest, None)
 
     def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:
@@ -49,7 +64,8 @@ class KeyTable:
         if scheme.lower() != "bearer" or not key:
             raise ApiError(401, "Malformed Authorization header: expected 'Bearer YOUR_KEY'.",
                            type="authentication_error", code="invalid_authorization_header")
-        principal = self._by_digest.get(key_digest(key))
+        digest = key_digest(key)
+        principal = self._static.get(digest) or self._dynamic.get(digest)
         if principal is None:
             shown = f"{key[:6]}...{key[-4:]}" if len(key) > 12 else "***"
             raise ApiError(401, f"Incorrect API key provided: {shown}.",

@@ -9,11 +9,15 @@ error event (and cancel their work upstream), then close NATS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
+from collections.abc import AsyncIterator
 
 from aiohttp import web
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from edge.app import EdgeState, build_app
 from edge.auth import KeyTable
@@ -21,6 +25,7 @@ from edge.session import SessionTable
 from tidegate import broker
 from tidegate.config import Config
 from tidegate.errors import ApiError
+from tidegate.keys import ensure_keys_bucket, watch_keys
 
 log = logging.getLogger("tidegate.edge")
 
@@ -38,17 +43,63 @@ async def _drain(sessions: SessionTable, grace: float) -> None:
     await sessions.wait_empty(2.0)  # time for the error events to be written
 
 
+@contextlib.asynccontextmanager
+async def _keys_watch(js: JetStreamContext, config: Config,
+                      keys: KeyTable) -> AsyncIterator[None]:
+    """Keep ``keys`` in step with the ``<P>_KEYS`` bucket while the edge runs.
+
+    Waits (up to nats.request_timeout) for the existing keys before returning,
+    so the edge does not start listening and turn away valid keys with 401.
+    """
+    kv = await ensure_keys_bucket(js, config)
+    synced = asyncio.Event()
+    task = asyncio.create_task(watch_keys(kv, keys.apply, keys.remove, on_synced=synced.set),
+                               name="tidegate-edge-keys-watch")
+    task.add_done_callback(_report_watch_exit)
+    try:
+        try:
+            async with asyncio.timeout(config.nats.request_timeout):
+                await synced.wait()
+        except TimeoutError:
+            log.warning("API keys from %s not loaded within %.0fs; serving with what has "
+                        "arrived, the rest follows", config.nats.subjects.keys_bucket,
+                        config.nats.request_timeout)
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _report_watch_exit(task: asyncio.Task[None]) -> None:
+    # The watch rides out NATS outages itself; ending any other way is a bug,
+    # and revoked keys would keep working, so say so at once.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("API key watch stopped: key changes no longer apply on this edge",
+                  exc_info=task.exception())
+
+
 async def serve(config: Config, stop: asyncio.Event) -> None:
     edge_id = config.edge.edge_id or secrets.token_hex(6)
-    subjects = config.nats.subjects
     nc = await broker.connect(config.nats, f"tidegate-edge-{edge_id}", stop)
-    js = broker.jetstream(nc, config.nats)
-    await broker.ensure_streams(js, config)
+    try:
+        js = broker.jetstream(nc, config.nats)
+        await broker.ensure_streams(js, config)
+        keys = KeyTable(config.api_keys())
+        async with _keys_watch(js, config, keys):
+            await _serve_http(config, stop, edge_id, nc, js, keys)
+    finally:
+        # After the keys watch has stopped: it must not see NATS close under it.
+        await broker.close(nc)
+        log.info("edge %s stopped", edge_id)
 
-    keys = KeyTable(config.api_keys())
+
+async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NATS,
+                      js: JetStreamContext, keys: KeyTable) -> None:
+    subjects = config.nats.subjects
     if not len(keys):
         log.warning("no API keys configured: every request will get 401 "
-                    "(set TIDEGATE_DEV_KEY or auth.keys)")
+                    "(create one with `tidegate keys create`, or set TIDEGATE_DEV_KEY "
+                    "or auth.keys)")
     inbox = subjects.edge_inbox(edge_id)
     sessions = SessionTable(inbox[:-1])  # strip the "*": "<p>.out.<edge>."
     cancels = await broker.ensure_cancels_bucket(js, config)
@@ -78,5 +129,3 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         await site.stop()
         await _drain(sessions, config.edge.shutdown_timeout)
         await runner.cleanup()
-        await broker.close(nc)
-        log.info("edge %s stopped", edge_id)
