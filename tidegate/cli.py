@@ -8,6 +8,8 @@ Subcommands::
     tidegate worker      backend calls (``--model`` to serve a subset)
     tidegate config      print the effective config as TOML
     tidegate bench       the benchmark suite (docs/benchmarks.md)
+    tidegate keys        create, list and revoke API keys (NATS KV)
+    tidegate policy      set, list and delete quota policies (NATS KV)
     tidegate version
 
 Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
@@ -118,8 +120,88 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--py-spy", action="store_true",
                        help="profile the edge and worker with py-spy during scenario a")
 
+    _admin_parsers(sub)
     sub.add_parser("version", help="print the version")
     return parser
+
+
+def _name(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def _limit(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = unlimited), got {number}")
+    return number
+
+
+def _models(value: str) -> tuple[str, ...]:
+    from tidegate.admin import UsageError, parse_models
+
+    try:
+        return parse_models(value)
+    except UsageError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated model names, got {value!r}") from None
+
+
+def _key_id(value: str) -> str:
+    value = value.strip().lower()
+    if len(value) < 12 or any(c not in "0123456789abcdef" for c in value):
+        raise argparse.ArgumentTypeError(
+            f"a key id is the 12 hex characters `tidegate keys list` shows, got {value!r}")
+    return value
+
+
+def _admin_parsers(sub: Any) -> None:
+    keys = sub.add_parser("keys", help="create, list and revoke API keys",
+                          description="API keys live hashed in the NATS KV bucket TG_KEYS; "
+                                      "edges pick up changes within a second. See "
+                                      "docs/keys-and-policies.md.")
+    keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (once)")
+    _common(create)
+    create.add_argument("--tenant", required=True, type=_name, help="tenant the key bills to")
+    create.add_argument("--user", type=_name, help="user within the tenant (optional)")
+    create.add_argument("--models", type=_models, default=(), metavar="A,B",
+                        help="models the key may use (default: all)")
+    create.add_argument("--json", action="store_true", help="print the key and record as JSON")
+    listing = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
+    _common(listing)
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its key id")
+    _common(revoke)
+    revoke.add_argument("key_id", metavar="KEY_ID", type=_key_id,
+                        help="the key id shown by `keys create` / `keys list`")
+
+    policy = sub.add_parser("policy", help="set, list and delete quota policies",
+                            description="Quota policies live in the NATS KV bucket "
+                                        "TG_POLICIES; dispatchers pick up changes within a "
+                                        "second. See docs/keys-and-policies.md.")
+    policy_sub = policy.add_subparsers(dest="policy_command", metavar="ACTION", required=True)
+    pset = policy_sub.add_parser(
+        "set", help="set the limits of one scope (replacing its previous policy)",
+        description="Scope: --tenant, --model, --tenant with --model, --tenant with --user. "
+                    "Limits left out are unlimited; give at least one.")
+    pdelete = policy_sub.add_parser("delete", help="delete the policy of one scope")
+    for p in (pset, pdelete):
+        _common(p)
+        # No string defaults: argparse would run them through the type check.
+        p.add_argument("--tenant", type=_name, help="tenant (default: any)")
+        p.add_argument("--model", type=_name, help="model (default: any)")
+        p.add_argument("--user", type=_name, help="user of --tenant (default: any)")
+    pset.add_argument("--rpm", type=_limit, metavar="N", help="requests per minute")
+    pset.add_argument("--tpm", type=_limit, metavar="N", help="tokens per minute")
+    pset.add_argument("--concurrency", type=_limit, metavar="N", help="concurrent streams")
+    plist = policy_sub.add_parser("list", help="list policies")
+    _common(plist)
+    plist.add_argument("--json", action="store_true", help="print JSON")
 
 
 # --------------------------------------------------------------------------
@@ -220,6 +302,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from tidegate import admin
+
+    config = load_config(args)
+    if args.keys_command == "create":
+        return admin.keys_create(config, args.tenant, args.user or "", args.models, args.json)
+    if args.keys_command == "list":
+        return admin.keys_list(config, args.json)
+    return admin.keys_revoke(config, args.key_id)
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from tidegate import admin
+
+    config = load_config(args)
+    if args.policy_command == "set":
+        return admin.policy_set(config, args.tenant or "", args.model or "", args.user or "",
+                                args.rpm, args.tpm, args.concurrency)
+    if args.policy_command == "list":
+        return admin.policy_list(config, args.json)
+    return admin.policy_delete(config, args.tenant or "", args.model or "", args.user or "")
+
+
 _COMMANDS = {
     "up": _cmd_up,
     "edge": _cmd_edge,
@@ -228,6 +333,8 @@ _COMMANDS = {
     "config": _cmd_config,
     "version": _cmd_version,
     "bench": _cmd_bench,
+    "keys": _cmd_keys,
+    "policy": _cmd_policy,
 }
 
 
