@@ -61,6 +61,7 @@ def test_py_spy_raw_summary(tmp_path: Path) -> None:
     assert summary["samples"] == 4
     assert summary["self_pct"][0] == ["write (edge/relay.py)", 75.0]
     assert ["run (asyncio/runners.py)", 100.0] in summary["inclusive_pct"]
+    assert ["tidegate edge/", 75.0] in summary["area_pct"]
 
 
 @pytest.mark.pipeline

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="streams held open in scenario b (default: 2000, quick: 100)")
     bench.add_argument("--py-spy", action="store_true",
                        help="profile the edge and worker with py-spy during scenario a")
+    bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a key of the benchmarked tidegate's config, e.g. "
+                            "worker.fetch_timeout=0.05 (repeatable)")
 
     _admin_parsers(sub)
     sub.add_parser("version", help="print the version")
@@ -296,7 +299,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     options = runner.BenchOptions(out=Path(args.out), quick=args.quick,
                                   scenarios=runner.parse_scenarios(args.scenarios),
-                                  py_spy=args.py_spy, idle_streams=args.idle_streams)
+                                  py_spy=args.py_spy, idle_streams=args.idle_streams,
+                                  tidegate_config=runner.BenchOptions.parse_set(args.set))
     runner.run(options)
     print(f"results in {options.out}/ (results.md, results.json)")
     return 0

@@ -38,10 +38,32 @@ def _frame(raw: str) -> str:
     return f"{name} ({path}" if path else name
 
 
+# uvloop is C: time in its loop (polling, socket syscalls, C callbacks) shows
+# as the self time of the Python frame that entered it.
+_LOOP = "Runner.run (asyncio/runners.py)"
+_LOOP_NAME = "event loop: uvloop C code (epoll, socket syscalls, callbacks)"
+# Ancestors of every sample: they say nothing in an inclusive ranking.
+_ENTRY = ("<frozen runpy>", "tidegate/__main__.py", "tidegate/cli.py", "tidegate/runtime.py",
+          "asyncio/runners.py")
+_AREAS = (("aiohttp/", "aiohttp"), ("nats/", "nats-py"), ("asyncio/", "asyncio (Python)"),
+          ("edge/", "tidegate edge/"), ("workers/", "tidegate workers/"),
+          ("dispatcher/", "tidegate dispatcher/"), ("tidegate/", "tidegate core"),
+          ("msgpack", "msgpack"), ("json/", "json"))
+
+
+def _area(frame: str) -> str:
+    if frame == _LOOP_NAME:
+        return "event loop (uvloop, C)"
+    path = frame.partition(" (")[2]
+    return next((name for prefix, name in _AREAS if path.startswith(prefix)), "other")
+
+
 def summarize(raw_file: Path, top: int = 20) -> dict[str, Any]:
-    """Self and inclusive shares (percent of busy samples) of a raw py-spy file."""
+    """Self, inclusive and per-library shares (percent of busy samples) of a
+    raw py-spy file."""
     self_time: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
+    areas: Counter[str] = Counter()
     total = 0
     for line in raw_file.read_text(errors="replace").splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -54,15 +76,19 @@ def summarize(raw_file: Path, top: int = 20) -> dict[str, Any]:
         if not frames:
             continue
         total += count
-        self_time[frames[-1]] += count
+        leaf = _LOOP_NAME if frames[-1] == _LOOP else frames[-1]
+        self_time[leaf] += count
+        areas[_area(leaf)] += count
         for f in set(frames):
-            inclusive[f] += count
+            if not any(e in f for e in _ENTRY):
+                inclusive[f] += count
 
     def share(counter: Counter[str]) -> list[list[Any]]:
         return [[name, round(100.0 * n / total, 1)] for name, n in counter.most_common(top)]
 
     return {"samples": total, "self_pct": share(self_time) if total else [],
-            "inclusive_pct": share(inclusive) if total else []}
+            "inclusive_pct": share(inclusive) if total else [],
+            "area_pct": share(areas) if total else []}
 
 
 class PySpy:

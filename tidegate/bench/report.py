@@ -195,6 +195,7 @@ def markdown(results: dict[str, Any]) -> str:
                        "RSS end"], rows)
     for key, prof in results.get("profiles", {}).items():
         out += [f"## Profile {key} ({prof['samples']} busy samples)", ""]
+        out += _table(["library (self time)", "%"], prof.get("area_pct", []))
         out += _table(["self", "%"], prof["self_pct"][:15])
         out += _table(["inclusive", "%"], prof["inclusive_pct"][:25])
     return "\n".join(out)
@@ -277,6 +278,16 @@ def write(results: dict[str, Any], out: Path) -> None:
     (out / "results.md").write_text(markdown(results) + "\n")
 
 
+def _main(directory: Path) -> None:
+    from tidegate.bench.profiling import summarize
+
+    results = json.loads((directory / "results.json").read_text())
+    for prof in results.get("profiles", {}).values():
+        raw = directory / prof["file"]
+        if raw.exists():  # summarise again: the summary may have changed since
+            prof.update(summarize(raw))
+    write(results, directory)
+
+
 if __name__ == "__main__":
-    directory = Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results")
-    write(json.loads((directory / "results.json").read_text()), directory)
+    _main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import sys
@@ -29,6 +30,23 @@ class BenchOptions:
     scenarios: str = SCENARIOS
     py_spy: bool = False
     idle_streams: int | None = None  # overrides the profile's (b) stream count
+    tidegate_config: tuple[tuple[str, Any], ...] = ()  # (dotted key, value) for tidegate
+
+    @staticmethod
+    def parse_set(items: list[str]) -> tuple[tuple[str, Any], ...]:
+        """``["worker.fetch_timeout=0.05"]`` -> ``(("worker.fetch_timeout", 0.05),)``;
+        values are JSON when they parse as JSON, else strings."""
+        out = []
+        for item in items:
+            key, sep, text = item.partition("=")
+            if not sep or not key.strip():
+                raise TidegateError(f"--set takes SECTION.KEY=VALUE, not {item!r}")
+            try:
+                value: Any = json.loads(text)
+            except ValueError:
+                value = text
+            out.append((key.strip(), value))
+        return tuple(out)
 
     def command(self) -> str:
         parts = ["tidegate bench"]
@@ -40,6 +58,7 @@ class BenchOptions:
             parts.append(f"--idle-streams {self.idle_streams}")
         if self.py_spy:
             parts.append("--py-spy")
+        parts += [f"--set {k}={json.dumps(v)}" for k, v in self.tidegate_config]
         parts.append(f"--out {self.out}")
         return " ".join(parts)
 
@@ -119,7 +138,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
     max_streams = max(2048, profile.idle_streams + 256,
                       2 * max(profile.concurrencies) + 256)
     with Targets(out, heartbeat_interval=profile.heartbeat_interval,
-                 max_streams=max_streams) as env:
+                 max_streams=max_streams, overrides=dict(options.tidegate_config)) as env:
         targets = [env.start_fake()]
         if set(options.scenarios) & set("abcd"):
             targets.append(env.start_tidegate())

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,10 @@ def _wait(what: str, probe: Callable[[], bool], procs: list[ManagedProcess],
 class Targets:
     """The fake backend plus the targets, started on demand, stopped together."""
 
-    def __init__(self, workdir: Path, *, heartbeat_interval: float, max_streams: int) -> None:
+    def __init__(self, workdir: Path, *, heartbeat_interval: float, max_streams: int,
+                 overrides: Mapping[str, Any] | None = None) -> None:
         self.workdir = workdir
+        self.overrides = dict(overrides or {})
         self.logs = workdir / "logs"
         # Logs are opened for appending: drop the previous run's.
         for old in self.logs.glob("*.log"):
@@ -173,7 +175,7 @@ class Targets:
         nats.wait_ready()
         redis.wait_ready()
         port = free_port(_HOST)
-        config = tgconfig.from_dict({
+        raw: dict[str, Any] = {
             "nats": {"url": nats.url},
             "redis": {"url": redis.url},
             "edge": {"host": _HOST, "port": port},
@@ -184,7 +186,14 @@ class Targets:
                         "worker_lost_after": max(3, math.ceil(40 / self.heartbeat_interval))},
             "models": [{"name": MODEL, "backend": "openai", "base_url": self.fake_url,
                         "max_streams": self.max_streams}],
-        })
+        }
+        for dotted, value in self.overrides.items():  # from `tidegate bench --set`
+            section, _, key = dotted.rpartition(".")
+            node = raw
+            for part in filter(None, section.split(".")):
+                node = node.setdefault(part, {})
+            node[key] = value
+        config = tgconfig.from_dict(raw)
         path = self.workdir / "tidegate.toml"
         path.write_text(tgconfig.dump_toml(config))
         tiers = {tier: self._proc(tier, _python("tidegate", tier, "--config", str(path)))
