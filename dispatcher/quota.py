@@ -61,8 +61,8 @@ would not do: one request's scopes span tenant-wide and model-wide limits (the
 model scope is shared by every tenant), and no tagging scheme co-locates every
 tenant's keys with every model's keys except a single tag. The cost is that
 all quota state lives on one shard (one primary plus its replicas). That is
-ample: a reserve costs Redis about 25 us for one scope and 55-65 us for four
-(Redis 6.2 on a 2-core VM), so one shard runs roughly 15,000 to 40,000
+ample: a reserve costs Redis about 20-25 us for one scope and 45-65 us for
+four (Redis 6.2 on a 2-core VM), so one shard runs roughly 15,000 to 50,000
 admissions per second. Every key a script touches is passed in ``KEYS``, as
 Cluster requires. Reconcile and release first read the
 record to learn the scopes (one extra read), then run their script with those
