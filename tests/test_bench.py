@@ -55,13 +55,18 @@ async def test_closed_loop_and_cancel_against_the_fake() -> None:
 def test_py_spy_raw_summary(tmp_path: Path) -> None:
     raw = tmp_path / "raw.txt"
     raw.write_text(
-        "MainThread;run (asyncio/runners.py:118);write (edge/relay.py:10) 3\n"
-        "MainThread;run (asyncio/runners.py:118);encode (tidegate/protocol.py:5) 1\n")
+        "MainThread;run (asyncio/runners.py:118);_relay (edge/relay.py:9);"
+        "write (edge/relay.py:10) 3\n"
+        "MainThread;run (asyncio/runners.py:118);encode (tidegate/protocol.py:5) 1\n"
+        "MainThread;run (asyncio/runners.py:118) 1\n")
     summary = summarize(raw)
-    assert summary["samples"] == 4
-    assert summary["self_pct"][0] == ["write (edge/relay.py)", 75.0]
-    assert ["run (asyncio/runners.py)", 100.0] in summary["inclusive_pct"]
-    assert ["tidegate edge/", 75.0] in summary["area_pct"]
+    assert summary["samples"] == 5
+    assert summary["self_pct"][0] == ["write (edge/relay.py)", 60.0]
+    # the entry frames every sample shares are left out of the inclusive ranking
+    assert summary["inclusive_pct"][0] == ["_relay (edge/relay.py)", 60.0]
+    assert all("runners.py" not in name for name, _ in summary["inclusive_pct"])
+    assert ["tidegate edge/", 60.0] in summary["area_pct"]
+    assert ["event loop (uvloop, C)", 20.0] in summary["area_pct"]
 
 
 @pytest.mark.pipeline
