@@ -232,7 +232,7 @@ local function fail(kind, i, retry)
   if retry > fail_retry then fail_kind, fail_scope, fail_retry = kind, i, retry end
 end
 
--- Seconds until the oldest entries have freed `need` tokens (rank 1 = oldest).
+-- Seconds until the oldest entries, leaving in order, have freed `need` tokens.
 local function tokens_free_at(w, a, need)
   local freed, start = 0, 0
   while true do
