@@ -18,17 +18,19 @@ import logging
 import time
 
 import nats.errors
-import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from dispatcher.admission import AdmissionPolicy, AdmitAll
+from dispatcher.admission import AdmissionPolicy, QuotaAdmission
+from dispatcher.quota import QuotaStore, QuotaUnavailable
+from dispatcher.quota import connect as connect_quota_store
 from tidegate import broker
 from tidegate.cancels import CancelRegistry
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
-from tidegate.protocol import Admission, Request, Status
+from tidegate.policies import PolicySet, ensure_policies_bucket, watch_policies
+from tidegate.protocol import Admission, Request, Status, UsageRecord
 
 log = logging.getLogger("tidegate.dispatcher")
 
@@ -71,7 +73,8 @@ class Dispatcher:
             return
 
         decision = await self.policy.admit(request)
-        status = Status(decision.admission, decision.position, decision.error)
+        status = Status(decision.admission, decision.position, decision.error,
+                        headers=decision.headers or None)
         await self.nc.publish(request.reply, status.encode())
         if decision.admission is Admission.REJECTED:
             await msg.ack()
@@ -87,18 +90,37 @@ class Dispatcher:
         log.debug("dispatched %s to %s", request.id, self.subjects.job(request.model))
 
 
-async def _check_redis(config: Config) -> None:
-    client = aioredis.from_url(config.redis.url, socket_timeout=config.redis.timeout,
-                               socket_connect_timeout=config.redis.timeout)
-    try:
-        await client.ping()
-        log.info("redis at %s answers", config.redis.url)
-    except Exception as exc:
-        # Admission does not use Redis yet; quotas will, with a fail-open or
-        # fail-closed policy. Say so loudly but keep dispatching.
-        log.warning("redis at %s does not answer (%s)", config.redis.url, exc)
-    finally:
-        await client.aclose()
+async def reconcile_usage(psub: JetStreamContext.PullSubscription, store: QuotaStore,
+                          stop: asyncio.Event, fetch_timeout: float) -> None:
+    """Settle every reservation with the actual usage workers report.
+
+    Shared by all dispatchers through one durable consumer. A record is acked
+    only once the store applied it; reconcile is idempotent, so a redelivery
+    after a crash does no harm."""
+    while not stop.is_set():
+        try:
+            msgs = await psub.fetch(256, timeout=fetch_timeout)
+        except (TimeoutError, nats.errors.TimeoutError):
+            continue
+        except nats.errors.Error as exc:
+            log.warning("usage fetch failed: %s", exc)
+            await asyncio.sleep(0.5)
+            continue
+        for msg in msgs:
+            try:
+                record = UsageRecord.decode(msg.data)
+            except ProtocolError as exc:
+                log.error("terminating malformed usage record: %s", exc)
+                await msg.term()
+                continue
+            try:
+                await store.reconcile(record.id,
+                                      record.prompt_tokens + record.completion_tokens)
+            except QuotaUnavailable as exc:
+                log.warning("cannot reconcile %s yet: %s", record.id, exc)
+                await msg.nak(delay=2)
+                continue
+            await msg.ack()
 
 
 async def serve(config: Config, stop: asyncio.Event) -> None:
@@ -107,19 +129,37 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     nc = await broker.connect(config.nats, "tidegate-dispatcher", stop)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
-    await _check_redis(config)
     await broker.ensure_consumer(
         js, subjects.requests_stream, subjects.dispatcher_consumer, subjects.requests_wildcard,
         ack_wait=cfg.ack_wait, max_deliver=-1, max_ack_pending=max(1000, cfg.batch * 16))
     psub = await js.pull_subscribe_bind(durable=subjects.dispatcher_consumer,
                                         stream=subjects.requests_stream)
-    dispatcher = Dispatcher(config, nc, js, AdmitAll())
+    await broker.ensure_consumer(
+        js, subjects.usage_stream, "reconcilers", subjects.usage_wildcard,
+        ack_wait=cfg.ack_wait, max_deliver=-1, max_ack_pending=10_000)
+    usage_sub = await js.pull_subscribe_bind(durable="reconcilers",
+                                             stream=subjects.usage_stream)
+
+    # The client reconnects by itself: a Redis restart needs no dispatcher
+    # restart, and while it is down QuotaAdmission fails open or closed.
+    redis_client = connect_quota_store(config.redis.url, config.redis.timeout)
+    store = QuotaStore(redis_client, prefix=config.nats.subject_prefix,
+                       lease=config.edge.request_timeout)
+    policies = PolicySet()
+    policies_kv = await ensure_policies_bucket(js, config)
+    admission = QuotaAdmission(store, policies, config.model_index(),
+                               fail_open=cfg.quota_failure == "open")
+    dispatcher = Dispatcher(config, nc, js, admission)
     cancels = await broker.ensure_cancels_bucket(js, config)
     log.info("dispatcher pulling from %s", subjects.requests_stream)
 
     try:
         async with asyncio.TaskGroup() as tg:
-            watcher = tg.create_task(broker.watch_cancels(cancels, dispatcher.on_cancel))
+            background = [
+                tg.create_task(broker.watch_cancels(cancels, dispatcher.on_cancel)),
+                tg.create_task(watch_policies(policies_kv, policies)),
+                tg.create_task(reconcile_usage(usage_sub, store, stop, cfg.fetch_timeout)),
+            ]
             while not stop.is_set():
                 try:
                     msgs = await psub.fetch(cfg.batch, timeout=cfg.fetch_timeout)
@@ -132,7 +172,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                 async with asyncio.TaskGroup() as batch:
                     for msg in msgs:
                         batch.create_task(dispatcher.handle_safely(msg))
-            watcher.cancel()
+            for task in background:
+                task.cancel()
     finally:
+        await redis_client.aclose()
         await broker.close(nc)
         log.info("dispatcher stopped")

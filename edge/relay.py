@@ -44,6 +44,7 @@ from tidegate.protocol import (
     Head,
     Heartbeat,
     Request,
+    SessionMessage,
     Status,
 )
 
@@ -104,6 +105,7 @@ class Relay:
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.upstream_done = False  # the worker/dispatcher ended it: nothing to cancel
+        self.started = self.last_worker_msg = self.last_write = time.monotonic()
         self.high_water = max(4096, request.window_bytes // 4)
         self.last_ack = time.monotonic()
 
@@ -134,7 +136,11 @@ class Relay:
 
     async def _fail(self, error: ApiError) -> web.StreamResponse:
         if self.response is None:
-            return error_response(error)
+            response = error_response(error)
+            # Request id and rate-limit headers belong on errors too: a 429
+            # without x-ratelimit-* leaves the client guessing.
+            response.headers.update(self.headers)
+            return response
         try:
             await self.response.write(sse_error_event(error))
             await self.response.write_eof()
@@ -160,106 +166,102 @@ class Relay:
     # -- the loop --------------------------------------------------------------
 
     async def _relay(self) -> web.StreamResponse:
-        cfg = self.ctx.config
-        hb = cfg.session.heartbeat_interval
-        start = time.monotonic()
-        admission_deadline = start + cfg.edge.admission_timeout
-        queue_deadline = start + cfg.edge.queue_timeout
-        hard_deadline = start + cfg.edge.request_timeout
-        lost_after = hb * cfg.session.worker_lost_after
-        last_worker_msg = start
-        last_write = start
         session = self.session
-        stream = self.request.stream
 
         while True:
             await session.wait()
             if session.aborted is not None:
                 raise session.aborted
-            messages = session.take()
             now = time.monotonic()
-            if not messages:
-                # A tick: check the clock.
-                if now >= hard_deadline:
-                    raise ApiError(504, f"The request exceeded the gateway's limit of "
-                                        f"{cfg.edge.request_timeout:g}s.",
-                                   type="server_error", code="request_timeout")
-                if self.phase is Phase.WAITING and now >= admission_deadline:
-                    raise unavailable(f"No dispatcher answered within "
-                                      f"{cfg.edge.admission_timeout:g}s.",
-                                      code="dispatcher_unavailable", retry_after=5)
-                if self.phase is Phase.ADMITTED and now >= queue_deadline:
-                    raise unavailable(f"No worker for model '{self.request.model}' started the "
-                                      f"request within {cfg.edge.queue_timeout:g}s.",
-                                      code="no_worker_available", retry_after=5)
-                if self.phase is Phase.STREAMING and now - last_worker_msg >= lost_after:
-                    raise ApiError(502, f"The worker running this request went silent for "
-                                        f"{lost_after:g}s.", type="server_error",
-                                   code="worker_lost", retryable=True, retry_after=1)
-                if stream and now - last_write >= hb:
-                    await self._write(_PING)
-                    last_write = now
-                if (self.acks.unacked_msgs and self.control
-                        and now - self.last_ack >= cfg.session.ack_timeout / 4):
-                    # Slow output never reaches a quarter window: ack on time
-                    # too, or the worker would take this edge for dead.
-                    await self._ack(self.acks.ack_now())
-                continue
+            messages = session.take()
+            if messages:
+                done = await self._handle(messages, now)
+                if self.phase is Phase.STREAMING:
+                    self.last_worker_msg = now
+                if done:
+                    return await self._finish()
+            if session.take_tick():
+                await self._on_tick(now)
 
-            out: list[bytes] = []
-            nbytes = 0
-            last_chunk = 0
-            done: Done | None = None
-            ping = False
-            for m in messages:
-                kind = type(m)
-                if kind is Chunk:
-                    assert isinstance(m, Chunk)
-                    self._check_seq(m.seq)
-                    out.append(m.data)
-                    nbytes += len(m.data)
-                    last_chunk = m.seq
-                elif kind is Heartbeat:
-                    self._check_seq(m.seq)
-                    ping = True
-                elif kind is Head:
-                    assert isinstance(m, Head)
-                    await self._on_head(m)
-                elif kind is Done:
-                    assert isinstance(m, Done)
-                    self._check_seq(m.seq)
-                    done = m
-                elif kind is Error:
-                    assert isinstance(m, Error)
+    async def _on_tick(self, now: float) -> None:
+        """The clock checks, run about once a second per request (not per chunk)."""
+        cfg = self.ctx.config
+        if now >= self.started + cfg.edge.request_timeout:
+            raise ApiError(504, f"The request exceeded the gateway's limit of "
+                                f"{cfg.edge.request_timeout:g}s.",
+                           type="server_error", code="request_timeout")
+        if self.phase is Phase.WAITING and now >= self.started + cfg.edge.admission_timeout:
+            raise unavailable(f"No dispatcher answered within {cfg.edge.admission_timeout:g}s.",
+                              code="dispatcher_unavailable", retry_after=5)
+        if self.phase is Phase.ADMITTED and now >= self.started + cfg.edge.queue_timeout:
+            raise unavailable(f"No worker for model '{self.request.model}' started the "
+                              f"request within {cfg.edge.queue_timeout:g}s.",
+                              code="no_worker_available", retry_after=5)
+        lost_after = cfg.session.heartbeat_interval * cfg.session.worker_lost_after
+        if self.phase is Phase.STREAMING and now - self.last_worker_msg >= lost_after:
+            raise ApiError(502, f"The worker running this request went silent for "
+                                f"{lost_after:g}s.", type="server_error",
+                           code="worker_lost", retryable=True, retry_after=1)
+        if self.request.stream and now - self.last_write >= cfg.session.heartbeat_interval:
+            await self._write(_PING)
+        if self.control and now - self.last_ack >= cfg.session.ack_timeout / 4:
+            # Ack on time as well as on volume, even with nothing new: slow
+            # output never reaches a quarter window, and a worker in a long
+            # prefill must still learn that this edge is alive.
+            await self._ack(self.acks.ack_now())
+
+    async def _handle(self, messages: list[SessionMessage], now: float) -> bool:
+        """Apply a batch of session messages; True once the response is complete."""
+        out: list[bytes] = []
+        nbytes = 0
+        last_chunk = 0
+        done = False
+        ping = False
+        for m in messages:
+            kind = type(m)
+            if kind is Chunk:
+                assert isinstance(m, Chunk)
+                self._check_seq(m.seq)
+                out.append(m.data)
+                nbytes += len(m.data)
+                last_chunk = m.seq
+            elif kind is Heartbeat:
+                self._check_seq(m.seq)
+                ping = True
+            elif kind is Head:
+                assert isinstance(m, Head)
+                await self._on_head(m)
+            elif kind is Done:
+                assert isinstance(m, Done)
+                self._check_seq(m.seq)
+                done = True
+            elif kind is Error:
+                assert isinstance(m, Error)
+                self.upstream_done = True
+                raise from_info(m.error)
+            elif kind is Status:
+                assert isinstance(m, Status)
+                if m.headers:
+                    self.headers.update(m.headers)
+                if m.admission is Admission.REJECTED:
                     self.upstream_done = True
-                    raise from_info(m.error)
-                elif kind is Status:
-                    assert isinstance(m, Status)
-                    if m.admission is Admission.REJECTED:
-                        self.upstream_done = True
-                        raise from_info(m.error) if m.error else unavailable("Rejected.")
-                    if self.phase is Phase.WAITING:
-                        self.phase = Phase.ADMITTED
-            if self.phase is Phase.STREAMING:
-                last_worker_msg = now
+                    raise from_info(m.error) if m.error else unavailable("Rejected.")
+                if self.phase is Phase.WAITING:
+                    self.phase = Phase.ADMITTED
 
-            if out:
-                data = out[0] if len(out) == 1 else b"".join(out)
-                if stream:
-                    await self._write(data)
-                    last_write = now
-                    self.wrote_chunks = True
-                else:
-                    self._collect(data)
-                ack = self.acks.on_written(last_chunk, nbytes, len(out))
-                if ack is not None:
-                    await self._ack(ack)
-            elif ping and stream:
-                await self._write(_PING)
-                last_write = now
-
-            if done is not None:
-                return await self._finish()
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            if self.request.stream:
+                await self._write(data)
+                self.wrote_chunks = True
+            else:
+                self._collect(data)
+            ack = self.acks.on_written(last_chunk, nbytes, len(out))
+            if ack is not None:
+                await self._ack(ack)
+        elif ping and self.request.stream:
+            await self._write(_PING)
+        return done
 
     # -- message handling --------------------------------------------------------
 
@@ -327,6 +329,7 @@ class Relay:
         for a timeout scope; a client that does not drain within
         edge.slow_client_timeout is disconnected (``SlowClient``)."""
         response = self.response or await self._start_stream()
+        self.last_write = time.monotonic()
         transport = self.http.transport
         if transport is None or transport.get_write_buffer_size() + len(data) <= self.high_water:
             await response.write(data)

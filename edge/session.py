@@ -67,9 +67,15 @@ class Session:
         finally:
             self._waiter = None
 
+    def take_tick(self) -> bool:
+        """Whether a tick passed since the last call (and clear it). Separate
+        from :meth:`take`: a tick that coincides with messages must still run
+        the clock checks, after the messages are handled."""
+        ticked, self.ticked = self.ticked, False
+        return ticked
+
     def take(self) -> list[SessionMessage]:
         """Everything received since the last call, oldest first."""
-        self.ticked = False
         if not self._pending:
             return []
         messages = list(self._pending)

@@ -48,7 +48,7 @@ class Pipeline:
             "auth": {"dev_key": DEV_KEY},
             "session": {"heartbeat_interval": 2.0},
             "dispatcher": {"ack_wait": 2.0},
-            "worker": {"ack_wait": 5.0, "shutdown_timeout": 5.0},
+            "worker": {"ack_wait": 3.0, "shutdown_timeout": 5.0},
             "models": [{"name": "tidegate-sim", "aliases": ["sim"],
                         "simulator": {"ttft": 0.01, "tokens_per_second": 400.0, "length": 32}}],
         }

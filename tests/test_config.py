@@ -58,7 +58,7 @@ def test_env_overrides(tmp_path: Path) -> None:
         "TIDEGATE__AUTH__KEYS": '["a", "b"]',
         "TIDEGATE__SESSION__HEARTBEAT_INTERVAL": "2.5",
         # Must stay below heartbeat_interval x worker_lost_after (validated).
-        "TIDEGATE__WORKER__ACK_WAIT": "5",
+        "TIDEGATE__WORKER__ACK_WAIT": "2",
         "TIDEGATE_NATS_URL": "nats://env:4",
         "TIDEGATE_REDIS_URL": "redis://env:5/1",
         "TIDEGATE_DEV_KEY": "sk-dev",
@@ -178,10 +178,10 @@ def test_dump_toml_round_trip_through_file(tmp_path: Path) -> None:
 
 def test_worker_ack_wait_must_beat_worker_lost_detection() -> None:
     with pytest.raises(ConfigError, match=r"worker\.ack_wait"):
-        tgconfig.from_dict({"session": {"heartbeat_interval": 2.0}, "worker": {"ack_wait": 6.0}})
+        tgconfig.from_dict({"session": {"heartbeat_interval": 2.0}, "worker": {"ack_wait": 4.0}})
     config = tgconfig.from_dict({"session": {"heartbeat_interval": 2.0},
-                                 "worker": {"ack_wait": 5.0}})
-    assert config.worker.ack_wait == 5.0
+                                 "worker": {"ack_wait": 3.5}})
+    assert config.worker.ack_wait == 3.5
 
 
 def test_dispatcher_ack_wait_must_beat_admission_timeout() -> None:

@@ -112,7 +112,9 @@ async def test_tick_wakes_a_waiter() -> None:
             await session.wait()
         assert session.ticked is True
         assert session.take() == []
+        assert session.take_tick() is True
         assert session.ticked is False
+        assert session.take_tick() is False
     finally:
         session.close()
 
@@ -135,17 +137,20 @@ async def test_ticks_repeat() -> None:
             async with asyncio.timeout(1):
                 await session.wait()
             assert session.take() == []
+            assert session.take_tick() is True
     finally:
         session.close()
 
 
-async def test_take_returns_messages_and_clears_tick() -> None:
+async def test_take_returns_messages_and_keeps_the_tick() -> None:
     session = Session("r1", 0.01)
     try:
         await asyncio.sleep(0.03)
         session.feed(Chunk(2, b"x"))
         assert session.ticked is True
         assert session.take() == [Chunk(2, b"x")]
+        assert session.ticked is True  # the clock checks still have to run
+        assert session.take_tick() is True
         assert session.ticked is False
     finally:
         session.close()
@@ -162,6 +167,7 @@ async def test_close_after_ticks_stops_the_rescheduled_tick() -> None:
     session = Session("r1", 0.01)
     await asyncio.sleep(0.035)
     assert session.take() == []
+    assert session.take_tick() is True
     session.close()
     await asyncio.sleep(0.05)
     assert session.ticked is False

@@ -36,6 +36,7 @@ from tidegate.subjects import Subjects
 
 BackendKind = Literal["simulator", "openai"]
 StorageKind = Literal["file", "memory"]
+QuotaFailure = Literal["closed", "open"]
 
 
 def _positive(name: str, value: float) -> None:
@@ -66,6 +67,10 @@ class ModelConfig:
     connect_timeout: float = 10.0
     first_byte_timeout: float = 300.0  # backend silence before its first byte
     idle_timeout: float = 120.0  # backend silence between two chunks
+    # Tokens reserved against quotas for the completion when the request sets
+    # no max_tokens (the prompt is estimated separately); actual usage
+    # reconciles the reservation afterwards.
+    reserve_max_tokens: int = 1024
     simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
 
     @property
@@ -145,6 +150,9 @@ class StreamsConfig:
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     batch: int = 64  # requests pulled per fetch
+    # Redis (quota store) unreachable: "closed" rejects with 503 (no request
+    # runs unmetered), "open" admits without quotas. Either way it is logged.
+    quota_failure: QuotaFailure = "closed"
     # Redelivery delay when a dispatcher dies holding a request. Dispatching takes
     # milliseconds, so this can be short; it must stay well below
     # edge.admission_timeout or clients time out just as their request is retried.
@@ -154,7 +162,11 @@ class DispatcherConfig:
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    ack_wait: float = 30.0  # JetStream redelivers a job after this without progress
+    # JetStream redelivers a job after this without progress (in-progress acks
+    # go every third of it). Below heartbeat_interval x (worker_lost_after - 1)
+    # so a job whose worker died before its first chunk restarts elsewhere
+    # before its edge gives up.
+    ack_wait: float = 20.0
     max_deliver: int = 5
     read_bytes: int = 16 << 10  # largest single read from a backend response
     fetch_timeout: float = 1.0
@@ -443,12 +455,17 @@ def _check(config: Config) -> None:
                         ("edge.keepalive_count", e.keepalive_count)):
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0 (0 turns keepalive off), got {value}")
-    lost_after = s.heartbeat_interval * s.worker_lost_after
-    if w.ack_wait >= lost_after:
+    # The edge last heard the dead worker up to one heartbeat before it died,
+    # and JetStream redelivers up to ack_wait after the death.
+    margin = s.heartbeat_interval * (s.worker_lost_after - 1)
+    if w.ack_wait >= margin:
         raise ConfigError(
             f"worker.ack_wait ({w.ack_wait:g}s) must be below session.heartbeat_interval x "
-            f"session.worker_lost_after ({lost_after:g}s): a job whose worker died before its "
-            "first chunk must be redelivered before the edge declares the worker lost")
+            f"(session.worker_lost_after - 1) ({margin:g}s): a job whose worker died before "
+            "its first chunk must be redelivered before the edge declares the worker lost")
+    if e.keepalive_idle and (e.keepalive_interval < 1 or e.keepalive_count < 1):
+        raise ConfigError("edge.keepalive_interval and edge.keepalive_count: must be >= 1 "
+                          "when edge.keepalive_idle is set")
     if s.window_msgs < 4:
         raise ConfigError(f"session.window_msgs: must be >= 4, got {s.window_msgs}")
     if s.window_bytes < 1024:
@@ -489,6 +506,9 @@ def _check(config: Config) -> None:
         if m.backend == "openai" and not m.base_url.startswith(("http://", "https://")):
             raise ConfigError(f"{where}.base_url: the openai backend needs an http(s) URL, "
                               f"got {m.base_url!r}")
+        if m.reserve_max_tokens < 1:
+            raise ConfigError(f"{where}.reserve_max_tokens: must be >= 1, got "
+                              f"{m.reserve_max_tokens}")
         if m.max_streams < 1:
             raise ConfigError(f"{where}.max_streams: must be >= 1, got {m.max_streams}")
         for name, value in (("connect_timeout", m.connect_timeout),

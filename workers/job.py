@@ -102,10 +102,12 @@ class Job:
         self.started = time.monotonic()
         self.queue_wait_ms = max(0.0, time.time() * 1000 - request.created_ms)
         self.first_chunk_at = 0.0
+        self.last_ack_at = self.started  # the edge acks at least every ack_timeout/4
 
     # -- control messages from the edge (called by the worker's demux) -------
 
     def on_ack(self, seq: int) -> None:
+        self.last_ack_at = time.monotonic()
         self._edge_confirmed.set()
         if self.window.on_ack(seq) and self.window.open:
             self._window_open.set()
@@ -180,6 +182,7 @@ class Job:
         # sends no HTTP headers before the first chunk or ping, so a backend
         # refusal remains a real HTTP status.
         metadata = self.msg.metadata
+        self.last_ack_at = time.monotonic()
         self.seq = 1
         await self._send(Head(1, self.ctx.control_subject, metadata.sequence.stream,
                               metadata.num_delivered).encode())
@@ -253,16 +256,17 @@ class Job:
                               usage.finish_reason).encode())
 
     async def _watchdog(self) -> None:
-        """Heartbeats while nothing else is sent; cancels the job when output
-        stays unacknowledged past the ack timeout (edge dead, client stuck)."""
+        """Heartbeats while nothing else is sent; cancels the job when the edge
+        has not acknowledged anything for the ack timeout (edge dead, client
+        stuck). A live edge acks at least every ack_timeout/4, output or not,
+        so this also frees the slot of a long prefill whose edge died."""
         session = self.ctx.config.session
         interval = session.heartbeat_interval
         tick = min(interval, session.ack_timeout / 4)
         while True:
             await asyncio.sleep(min(tick, max(0.0, self.last_sent + interval - time.monotonic())))
             now = time.monotonic()
-            oldest = self.window.oldest_unacked_at
-            if oldest is not None and now - oldest >= session.ack_timeout:
+            if now - self.last_ack_at >= session.ack_timeout:
                 self.cancel(ACK_TIMEOUT)
                 return
             if now - self.last_sent >= interval:
