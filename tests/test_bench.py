@@ -55,10 +55,10 @@ async def test_closed_loop_and_cancel_against_the_fake() -> None:
 def test_py_spy_raw_summary(tmp_path: Path) -> None:
     raw = tmp_path / "raw.txt"
     raw.write_text(
-        "MainThread;run (asyncio/runners.py:118);_relay (edge/relay.py:9);"
+        "MainThread;Runner.run (asyncio/runners.py:118);_relay (edge/relay.py:9);"
         "write (edge/relay.py:10) 3\n"
-        "MainThread;run (asyncio/runners.py:118);encode (tidegate/protocol.py:5) 1\n"
-        "MainThread;run (asyncio/runners.py:118) 1\n")
+        "MainThread;Runner.run (asyncio/runners.py:118);encode (tidegate/protocol.py:5) 1\n"
+        "MainThread;Runner.run (asyncio/runners.py:118) 1\n")
     summary = summarize(raw)
     assert summary["samples"] == 5
     assert summary["self_pct"][0] == ["write (edge/relay.py)", 60.0]

@@ -79,7 +79,7 @@ def summarize(raw_file: Path, top: int = 20) -> dict[str, Any]:
         leaf = _LOOP_NAME if frames[-1] == _LOOP else frames[-1]
         self_time[leaf] += count
         areas[_area(leaf)] += count
-        for f in set(frames):
+        for f in dict.fromkeys(frames):  # once per sample; outer frames first on ties
             if not any(e in f for e in _ENTRY):
                 inclusive[f] += count
 
