@@ -173,6 +173,10 @@ async def _generate(http: web.Request, api: Api) -> web.StreamResponse:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
     raw = await _read_body(http, config.edge.max_body_bytes)
     valid = validate(raw, api, state.models)
+    if principal.models and not {valid.model.name, *valid.model.aliases} & set(principal.models):
+        raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
+                            f"{', '.join(principal.models)}.", type="permission_error",
+                       code="model_not_allowed", param="model")
 
     request_id = secrets.token_hex(12)
     subjects = config.nats.subjects

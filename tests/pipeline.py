@@ -57,6 +57,7 @@ class Pipeline:
         self.config_path = workdir / "tidegate.toml"
         self.config_path.write_text(tgconfig.dump_toml(self.config))
         self.dispatcher = self._process("dispatcher")
+        self.dispatchers = [self.dispatcher]
         self.workers = [self._process("worker", f"worker{i}") for i in range(workers)]
         self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"))
 
@@ -77,10 +78,11 @@ class Pipeline:
 
     @property
     def processes(self) -> list[ManagedProcess]:
-        return [self.edge, *self.workers, self.dispatcher]
+        return [self.edge, *self.workers, *self.dispatchers]
 
     def start(self) -> None:
-        self.dispatcher.spawn()
+        for dispatcher in self.dispatchers:
+            dispatcher.spawn()
         for worker in self.workers:
             worker.spawn()
         self.edge.start()

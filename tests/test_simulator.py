@@ -16,8 +16,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.protocol import Api, Request
+from tidegate.tokens import estimate_prompt_tokens
 from workers.backends import create_backend
-from workers.backends.simulator import SimulatorBackend, SimulatorStream, estimate_prompt_tokens
+from workers.backends.simulator import SimulatorBackend, SimulatorStream
 
 CREATED_MS = 1_700_000_000_123
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -161,7 +162,8 @@ async def test_stop_strings() -> None:
 
 
 async def test_completions_stream_shape() -> None:
-    evs, stream = await run(make_request(Api.COMPLETIONS, max_tokens=6))
+    req = make_request(Api.COMPLETIONS, max_tokens=6)
+    evs, stream = await run(req)
     assert len(evs) == 7
     for e in evs:
         assert e["id"] == "cmpl-r1"
@@ -175,7 +177,8 @@ async def test_completions_stream_shape() -> None:
                                    "finish_reason": "length"}]
     text = "".join(e["choices"][0]["text"] for e in evs)
     assert len(text.split(" ")) == 6
-    assert stream.usage.prompt_tokens == 4  # ceil(16 chars / 4)
+    assert stream.usage.prompt_tokens == estimate_prompt_tokens(Api.COMPLETIONS, req.body)
+    assert stream.usage.prompt_tokens > 0
 
 
 @pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETIONS])
@@ -282,18 +285,6 @@ async def test_close_early_counts_generated_tokens() -> None:
     assert 8 <= stream.usage.completion_tokens < 50
     assert stream.usage.finish_reason == ""
     assert await stream.read(1 << 20) == b""
-
-
-async def test_estimate_prompt_tokens() -> None:
-    one = {"messages": [{"role": "user", "content": "abcde"}]}
-    assert estimate_prompt_tokens(Api.CHAT, one) == 2
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "abcdefgh"},
-                                                      {"type": "image_url", "image_url": {}}]}]}
-    assert estimate_prompt_tokens(Api.CHAT, parts) == 2
-    assert estimate_prompt_tokens(Api.COMPLETIONS, {"prompt": ["abcd", "ab"]}) == 2
-    assert estimate_prompt_tokens(Api.COMPLETIONS, {"prompt": [1, 2, 3]}) == 3
-    assert estimate_prompt_tokens(Api.COMPLETIONS, {"prompt": [[1, 2], [3]]}) == 3
-    assert estimate_prompt_tokens(Api.CHAT, {}) == 0
 
 
 # --- the official SDK reads the simulator's bytes over real HTTP ---------------------------

@@ -51,8 +51,8 @@ import aiohttp
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
 from tidegate.protocol import Api, Request
+from tidegate.tokens import estimate_prompt_tokens
 from workers.backends import Usage
-from workers.backends.simulator import estimate_prompt_tokens
 
 __all__ = ["BodyStream", "OpenAIBackend", "OpenAIStream", "SSEPassthrough", "status_error"]
 

@@ -38,9 +38,10 @@ from typing import Any
 
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.protocol import Api, Request
+from tidegate.tokens import estimate_prompt_tokens
 from workers.backends import Usage
 
-__all__ = ["SimulatorBackend", "SimulatorStream", "estimate_prompt_tokens", "plan_text"]
+__all__ = ["SimulatorBackend", "SimulatorStream", "plan_text"]
 
 _WORDS = (
     "the", "of", "and", "to", "in", "is", "that", "it", "for", "on", "with", "as", "was", "at",
@@ -59,40 +60,6 @@ _PIECE_JSON: dict[str, bytes] = {}
 for _w in _WORDS:
     for _p in (_w, " " + _w):
         _PIECE_JSON[_p] = json.dumps(_p).encode()
-
-
-def estimate_prompt_tokens(api: Api, body: Mapping[str, Any]) -> int:
-    """A cheap prompt-size estimate: ``ceil(chars / 4)`` over the text.
-
-    Chat: every message's ``content`` (a string, or the ``text`` of its parts).
-    Completions: ``prompt`` as a string, a list of strings, or token arrays
-    (each integer counts as one token). Used where no tokenizer is at hand:
-    the simulator's usage and backends that report none.
-    """
-    chars = 0
-    tokens = 0
-    if api == Api.CHAT:
-        for message in body.get("messages") or ():
-            if not isinstance(message, Mapping):
-                continue
-            content = message.get("content")
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
-    else:
-        prompt = body.get("prompt")
-        items = prompt if isinstance(prompt, list) else [prompt]
-        for item in items:
-            if isinstance(item, str):
-                chars += len(item)
-            elif isinstance(item, int):
-                tokens += 1
-            elif isinstance(item, list):
-                tokens += len(item)
-    return tokens + (chars + 3) // 4
 
 
 def _limit(api: Api, body: Mapping[str, Any]) -> int | None:
