@@ -23,6 +23,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from dispatcher.admission import AdmissionPolicy, QuotaAdmission
+from dispatcher.gate import QueueGate
+from dispatcher.queueing import QueueMode
 from dispatcher.quota import QuotaStore, QuotaUnavailable
 from dispatcher.quota import connect as connect_quota_store
 from tidegate import broker
@@ -44,6 +46,8 @@ class Dispatcher:
         self.policy = policy
         self.subjects = config.nats.subjects
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
+        self.models = config.model_index()
+        self.gate: QueueGate | None = None  # set when a model has queue mode configured
 
     def on_cancel(self, request_id: str, reason: str) -> None:
         self.cancels.add(request_id)
@@ -73,12 +77,22 @@ class Dispatcher:
             return
 
         decision = await self.policy.admit(request)
-        status = Status(decision.admission, decision.position, decision.error,
-                        headers=decision.headers or None)
-        await self.nc.publish(request.reply, status.encode())
         if decision.admission is Admission.REJECTED:
+            status = Status(decision.admission, decision.position, decision.error,
+                            headers=decision.headers or None)
+            await self.nc.publish(request.reply, status.encode())
             await msg.ack()
             return
+        model = self.models.get(request.model)
+        if (self.gate is not None and model is not None
+                and not await self.gate.admit(request, msg, decision.headers, model)):
+            return  # queued (held until granted) or answered by the gate
+        await self.dispatch(request, msg, decision.headers)
+
+    async def dispatch(self, request: Request, msg: Msg, headers: dict[str, str]) -> None:
+        """Publish the job, then ack the request: the order that loses nothing."""
+        await self.nc.publish(request.reply, Status(Admission.ADMITTED,
+                                                    headers=headers or None).encode())
         try:
             await self.js.publish(self.subjects.job(request.model), msg.data,
                                   headers={"Nats-Msg-Id": request.id})
@@ -91,15 +105,16 @@ class Dispatcher:
 
 
 async def reconcile_usage(psub: JetStreamContext.PullSubscription, store: QuotaStore,
-                          stop: asyncio.Event, fetch_timeout: float) -> None:
+                          queue: QueueMode, config: Config, stop: asyncio.Event) -> None:
     """Settle every reservation with the actual usage workers report.
 
     Shared by all dispatchers through one durable consumer. A record is acked
     only once the store applied it; reconcile is idempotent, so a redelivery
     after a crash does no harm."""
+    models = config.model_index()
     while not stop.is_set():
         try:
-            msgs = await psub.fetch(256, timeout=fetch_timeout)
+            msgs = await psub.fetch(256, timeout=config.dispatcher.fetch_timeout)
         except (TimeoutError, nats.errors.TimeoutError):
             continue
         except nats.errors.Error as exc:
@@ -116,6 +131,9 @@ async def reconcile_usage(psub: JetStreamContext.PullSubscription, store: QuotaS
             try:
                 await store.reconcile(record.id,
                                       record.prompt_tokens + record.completion_tokens)
+                model = models.get(record.model)
+                if model is not None and model.queue.ttft_p99 > 0 and record.ttft_ms > 0:
+                    await queue.record_ttft(model.name, record.ttft_ms, time.time(), model.queue)
             except QuotaUnavailable as exc:
                 log.warning("cannot reconcile %s yet: %s", record.id, exc)
                 await msg.nak(delay=2)
@@ -150,6 +168,17 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     admission = QuotaAdmission(store, policies, config.model_index(),
                                fail_open=cfg.quota_failure == "open")
     dispatcher = Dispatcher(config, nc, js, admission)
+    queue = QueueMode(redis_client, config.nats.subject_prefix)
+
+    async def refund(request_id: str) -> None:
+        try:
+            await store.reconcile(request_id, 0)
+        except QuotaUnavailable as exc:
+            log.warning("could not refund %s: %s", request_id, exc)
+
+    gate = QueueGate(config, nc, js, queue, dispatcher.dispatch, refund)
+    if gate.models():
+        dispatcher.gate = gate
     cancels = await broker.ensure_cancels_bucket(js, config)
     log.info("dispatcher pulling from %s", subjects.requests_stream)
 
@@ -158,7 +187,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
             background = [
                 tg.create_task(broker.watch_cancels(cancels, dispatcher.on_cancel)),
                 tg.create_task(watch_policies(policies_kv, policies)),
-                tg.create_task(reconcile_usage(usage_sub, store, stop, cfg.fetch_timeout)),
+                tg.create_task(reconcile_usage(usage_sub, store, queue, config, stop)),
+                tg.create_task(gate.run(stop)),
             ]
             while not stop.is_set():
                 try:

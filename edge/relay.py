@@ -248,6 +248,8 @@ class Relay:
                     raise from_info(m.error) if m.error else unavailable("Rejected.")
                 if self.phase is Phase.WAITING:
                     self.phase = Phase.ADMITTED
+                if m.admission is Admission.QUEUED and m.position and self.request.stream:
+                    await self._write(self._queue_note(m.position))
 
         if out:
             data = out[0] if len(out) == 1 else b"".join(out)
@@ -298,6 +300,14 @@ class Relay:
         self.expected_seq = head.seq + 1
         if head.job_seq:
             self.headers["x-tidegate-job-seq"] = str(head.job_seq)
+
+    def _queue_note(self, position: int) -> bytes:
+        """The client's place in its model's queue: an SSE comment, which every
+        client ignores, or, when the request asked with the
+        ``x-tidegate-queue-events`` header, an ``event: queue`` event."""
+        if self.http.headers.get("x-tidegate-queue-events", "").lower() in ("1", "true"):
+            return b'event: queue\ndata: {"position": %d}\n\n' % position
+        return b": queued position=%d\n\n" % position
 
     def _collect(self, data: bytes) -> None:
         self.body_size += len(data)

@@ -54,6 +54,21 @@ class SimulatorConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueModeConfig:
+    """When a model's backend gets slow, admit only what it handled well and
+    queue the rest fairly (see docs/queue-mode.md). Off while ``ttft_p99`` is 0."""
+
+    ttft_p99: float = 0.0  # seconds; P99 TTFT above this is a bad window (0 = never queue)
+    window: float = 10.0  # seconds per measurement window
+    enter_after: int = 3  # consecutive bad windows before queue mode
+    exit_after: int = 3  # consecutive good windows before leaving it
+    exit_ratio: float = 0.7  # a good window in queue mode has P99 below ttft_p99 x this
+    max_queued: int = 1000  # hard bound; past it, 503 + Retry-After
+    ttl: float = 60.0  # a queued request waits at most this long, then 503
+    min_concurrency: int = 1  # admission floor while in queue mode
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """One model that clients can name, and how workers reach it."""
 
@@ -72,6 +87,7 @@ class ModelConfig:
     # reconciles the reservation afterwards.
     reserve_max_tokens: int = 1024
     simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
+    queue: QueueModeConfig = field(default_factory=QueueModeConfig)
 
     @property
     def backend_model(self) -> str:
@@ -261,9 +277,11 @@ def dump_toml(config: Config) -> str:
         lines.append("")
     for model in config.models:
         lines.append("[[models]]")
-        lines.extend(_toml_items(model, skip=("simulator",)))
+        lines.extend(_toml_items(model, skip=("simulator", "queue")))
         lines.append("[models.simulator]")
         lines.extend(_toml_items(model.simulator))
+        lines.append("[models.queue]")
+        lines.extend(_toml_items(model.queue))
         lines.append("")
     return "\n".join(lines)
 
@@ -516,6 +534,15 @@ def _check(config: Config) -> None:
                             ("idle_timeout", m.idle_timeout),
                             ("simulator.tokens_per_second", m.simulator.tokens_per_second)):
             _positive(f"{where}.{name}", value)
+        q = m.queue
+        if q.ttft_p99 < 0:
+            raise ConfigError(f"{where}.queue.ttft_p99: must be >= 0 (0 = off), got {q.ttft_p99}")
+        for name, value in (("queue.window", q.window), ("queue.enter_after", q.enter_after),
+                            ("queue.exit_after", q.exit_after), ("queue.max_queued", q.max_queued),
+                            ("queue.ttl", q.ttl), ("queue.min_concurrency", q.min_concurrency)):
+            _positive(f"{where}.{name}", value)
+        if not 0 < q.exit_ratio <= 1:
+            raise ConfigError(f"{where}.queue.exit_ratio: must be in (0, 1], got {q.exit_ratio}")
         if m.simulator.ttft < 0:
             raise ConfigError(f"{where}.simulator.ttft: must be >= 0, got {m.simulator.ttft}")
         if m.simulator.length < 1:

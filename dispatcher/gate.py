@@ -1,0 +1,197 @@
+"""The dispatcher's side of queue mode: hold queued requests, release on grant.
+
+Per dispatcher process, for every model with ``queue.ttft_p99`` set:
+
+* a controller tick (every ``_TICK`` s): one dispatcher at a time (a Redis
+  lease) folds finished windows into the model's mode, reads how many jobs are
+  in flight from JetStream (``num_pending + num_ack_pending`` of the model's
+  worker consumer), grants queued requests up to the limit, and expires the
+  overdue; every dispatcher refreshes its cached mode;
+* the requests it queued stay unacked JetStream messages it holds (in-progress
+  acks keep them from redelivery); a grant on ``<p>.grant.<dispatcher>``
+  dispatches them, an expiry rejects them with 503 ``queue_timeout``;
+* queued clients get their position (a Status QUEUED) whenever it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgpack
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from dispatcher.queueing import ModeState, QueueMode
+from dispatcher.quota import QuotaUnavailable
+from tidegate.config import Config, ModelConfig
+from tidegate.protocol import Admission, ErrorInfo, Request, Status
+
+log = logging.getLogger("tidegate.dispatcher")
+
+_TICK = 0.25  # controller period, seconds
+_POSITIONS_EVERY = 2.0  # seconds between position updates to queued clients
+
+Dispatch = Callable[[Request, Msg, dict[str, str]], Awaitable[None]]
+Refund = Callable[[str], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Held:
+    request: Request
+    msg: Msg
+    headers: dict[str, str]
+    position: int = 0
+
+
+@dataclass(slots=True)
+class QueueGate:
+    config: Config
+    nc: NATS
+    js: JetStreamContext
+    queue: QueueMode
+    dispatch: Dispatch
+    refund: Refund
+    owner: str = field(default_factory=lambda: secrets.token_hex(6))
+    held: dict[str, Held] = field(default_factory=dict)
+    modes: dict[str, ModeState] = field(default_factory=dict)
+    backlog: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def grant_subject(self) -> str:
+        return f"{self.config.nats.subject_prefix}.grant.{self.owner}"
+
+    def models(self) -> list[ModelConfig]:
+        return [m for m in self.config.models if m.queue.ttft_p99 > 0]
+
+    # -- admission ---------------------------------------------------------------
+
+    async def admit(self, request: Request, msg: Msg, headers: dict[str, str],
+                    model: ModelConfig) -> bool:
+        """True: dispatch now. False: the gate took the request (queued or
+        answered it)."""
+        mode = self.modes.get(model.name, ModeState())
+        if not mode.queueing and not self.backlog.get(model.name):
+            return True
+        try:
+            state, position = await self.queue.enqueue(
+                model.name, request.id, request.tenant, request.klass == "batch", self.owner,
+                time.time(), model.queue)
+        except QuotaUnavailable as exc:
+            # Without the shared queue, queueing cannot be fair or bounded:
+            # run the request rather than lose it.
+            log.warning("queue store unavailable (%s); admitting %s", exc, request.id)
+            return True
+        if state == "granted":
+            return True
+        if state in ("full", "expired"):
+            code = "queue_full" if state == "full" else "queue_timeout"
+            message = (f"Model '{model.name}' is overloaded and its queue is full."
+                       if state == "full" else
+                       f"The request waited longer than {model.queue.ttl:g}s in the queue.")
+            await self._reject(request, msg, headers, code, message)
+            return False
+        self.held[request.id] = Held(request, msg, headers, position)
+        await self.nc.publish(request.reply, Status(Admission.QUEUED, position,
+                                                    headers=headers or None).encode())
+        return False
+
+    async def _reject(self, request: Request, msg: Msg, headers: dict[str, str], code: str,
+                      message: str) -> None:
+        error = ErrorInfo(503, "service_unavailable", code, message, True, 5.0)
+        await self.nc.publish(request.reply, Status(Admission.REJECTED, error=error,
+                                                    headers=headers or None).encode())
+        await msg.ack()
+        await self.refund(request.id)
+
+    # -- grants ------------------------------------------------------------------
+
+    async def on_grant(self, msg: Msg) -> None:
+        for request_id, granted in msgpack.unpackb(msg.data):
+            held = self.held.pop(request_id, None)
+            if held is None:
+                continue  # redelivered elsewhere meanwhile; its new owner gets it
+            if granted:
+                await self.dispatch(held.request, held.msg, held.headers)
+            else:
+                await self._reject(held.request, held.msg, held.headers, "queue_timeout",
+                                   "The request waited longer than its queue TTL.")
+
+    # -- loops ---------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Controller, positions and in-progress acks, until ``stop``."""
+        models = self.models()
+        if not models:
+            return
+        await self.nc.subscribe(self.grant_subject, cb=self.on_grant)
+        last_positions = last_progress = time.monotonic()
+        progress_every = self.config.dispatcher.ack_wait / 3
+        while not stop.is_set():
+            now = time.monotonic()
+            for model in models:
+                try:
+                    await self._control(model)
+                except QuotaUnavailable as exc:
+                    log.warning("queue mode for %s paused: %s", model.name, exc)
+            if now - last_positions >= _POSITIONS_EVERY:
+                last_positions = now
+                await self._send_positions(models)
+            if now - last_progress >= progress_every:
+                last_progress = now
+                for held in list(self.held.values()):
+                    await held.msg.in_progress()
+            await asyncio.sleep(_TICK)
+
+    async def _control(self, model: ModelConfig) -> None:
+        now = time.time()
+        if await self.queue.lead(model.name, self.owner, hold=_TICK * 4):
+            running = await self._running(model)
+            state = await self.queue.evaluate(model.name, running, now, model.queue)
+            capacity = state.limit - running if state.queueing else 1 << 30
+            grants = await self.queue.grant(model.name, capacity, now)
+            if grants:
+                by_owner: dict[str, list[tuple[str, bool]]] = {}
+                for g in grants:
+                    by_owner.setdefault(g.owner, []).append((g.request_id, g.granted))
+                for owner, items in by_owner.items():
+                    subject = f"{self.config.nats.subject_prefix}.grant.{owner}"
+                    await self.nc.publish(subject, msgpack.packb(items))
+        else:
+            state = await self.queue.state(model.name)
+        previous = self.modes.get(model.name)
+        if previous is not None and previous.queueing != state.queueing:
+            log.warning("model %s %s queue mode (p99 TTFT %.0f ms, limit %d)", model.name,
+                        "entered" if state.queueing else "left", state.p99_ms, state.limit)
+        self.modes[model.name] = state
+        self.backlog[model.name] = await self.queue.queued(model.name)
+
+    async def _running(self, model: ModelConfig) -> int:
+        """Jobs admitted and not finished: waiting in the jobs stream or running."""
+        subjects = self.config.nats.subjects
+        try:
+            info = await self.js.consumer_info(subjects.jobs_stream,
+                                               subjects.worker_consumer(model.name))
+        except Exception:
+            return 0  # no worker has created its consumer yet: nothing runs
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+    async def _send_positions(self, models: list[ModelConfig]) -> None:
+        for model in models:
+            mine = [h for h in self.held.values() if h.request.model == model.name]
+            if not mine:
+                continue
+            try:
+                positions = await self.queue.positions(model.name, [h.request.id for h in mine])
+            except QuotaUnavailable:
+                return
+            for held, position in zip(mine, positions, strict=True):
+                if position and position != held.position:
+                    held.position = position
+                    await self.nc.publish(held.request.reply,
+                                          Status(Admission.QUEUED, position).encode())

@@ -1,0 +1,266 @@
+"""Queue mode: when a model's backend gets slow, admit only what it handled well.
+
+State shared by every dispatcher lives in Redis, under the quota store's hash
+tag (one slot, so each script is atomic on Redis Cluster too):
+
+* ``qm:<model>`` - hash: ``mode`` (normal / queue), ``limit`` (admissions
+  allowed in flight while queueing), ``p99_ms`` of the last evaluated window,
+  ``bad`` / ``good`` window streaks, ``last_w`` (last evaluated window),
+  ``good_peak`` (most jobs in flight during the last healthy window).
+* ``lat:<model>:<w>`` - list of TTFT samples (ms) reported in window ``w``.
+* ``peak:<model>:<w>`` - most jobs in flight seen during window ``w``.
+* the fair queue: ``q:<model>:tenants`` (zset tenant -> service turn),
+  ``q:<model>:t:<tenant>`` (zset request -> class/arrival),
+  ``q:<model>:r:<request>`` (hash: owner, tenant, state),
+  ``q:<model>:deadlines`` (zset request -> expiry ms), ``q:<model>:n``.
+
+Fairness: tenants are served round robin (the tenant served longest ago goes
+next), so a tenant with a deep backlog cannot starve one with a shallow one.
+Within a tenant, interactive requests go before batch ones, then oldest first.
+
+Ownership: the dispatcher that queued a request keeps its JetStream message
+unacked (with in-progress acks) and is told by a core-NATS grant when the
+request may run. If it dies, JetStream redelivers the message to another
+dispatcher, whose enqueue finds the entry (already queued or granted) and takes
+it over: a queued request is never lost, and never dispatched twice, because
+the jobs stream deduplicates by request id.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from dispatcher.quota import QuotaUnavailable
+from tidegate.config import QueueModeConfig
+from tidegate.subjects import encode_token
+
+# enqueue: KEYS = base (prefix of this model's queue keys). ARGV = request id,
+# tenant, class (0 interactive, 1 batch), owner, now ms, ttl ms, bound.
+# Returns {state, position}: state is queued / granted / full.
+_ENQUEUE = """
+local base, rid, tenant, class = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
+local owner, now, ttl, bound = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local rkey = base .. ':r:' .. rid
+local state = redis.call('HGET', rkey, 'state')
+if state then
+  redis.call('HSET', rkey, 'owner', owner)
+  return {state, 0}
+end
+local n = tonumber(redis.call('GET', base .. ':n') or '0')
+if n >= bound then return {'full', n} end
+local tkey = base .. ':t:' .. tenant
+redis.call('ZADD', tkey, class * 1e15 + now, rid)
+local turn = tonumber(redis.call('GET', base .. ':turn') or '0')
+redis.call('ZADD', base .. ':tenants', 'NX', turn, tenant)
+redis.call('ZADD', base .. ':deadlines', now + ttl, rid)
+redis.call('HSET', rkey, 'owner', owner, 'tenant', tenant, 'state', 'queued')
+redis.call('PEXPIRE', rkey, ttl + 3600000)
+redis.call('INCR', base .. ':n')
+local ntenants = redis.call('ZCARD', base .. ':tenants')
+local trank = redis.call('ZRANK', base .. ':tenants', tenant)
+local rank = redis.call('ZRANK', tkey, rid)
+return {'queued', rank * ntenants + trank + 1}
+"""
+
+# grant: KEYS = base. ARGV = capacity, now ms. Expires overdue entries, then
+# grants up to capacity, round robin over tenants. Returns a flat list
+# {kind, rid, owner, ...} with kind 'g' (granted) or 'x' (expired).
+_GRANT = """
+local base, capacity, now = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
+local out = {}
+local function take(rid, kind)
+  local rkey = base .. ':r:' .. rid
+  local tenant = redis.call('HGET', rkey, 'tenant')
+  local owner = redis.call('HGET', rkey, 'owner') or ''
+  redis.call('ZREM', base .. ':deadlines', rid)
+  if tenant then
+    local tkey = base .. ':t:' .. tenant
+    redis.call('ZREM', tkey, rid)
+    if redis.call('ZCARD', tkey) == 0 then redis.call('ZREM', base .. ':tenants', tenant) end
+  end
+  redis.call('HSET', rkey, 'state', kind == 'g' and 'granted' or 'expired')
+  redis.call('DECR', base .. ':n')
+  table.insert(out, kind); table.insert(out, rid); table.insert(out, owner)
+end
+local overdue = redis.call('ZRANGEBYSCORE', base .. ':deadlines', '-inf', now, 'LIMIT', 0, 256)
+for _, rid in ipairs(overdue) do take(rid, 'x') end
+while capacity > 0 do
+  local first = redis.call('ZRANGE', base .. ':tenants', 0, 0)
+  if #first == 0 then break end
+  local tenant = first[1]
+  local head = redis.call('ZRANGE', base .. ':t:' .. tenant, 0, 0)
+  if #head == 0 then
+    redis.call('ZREM', base .. ':tenants', tenant)
+  else
+    local turn = redis.call('INCR', base .. ':turn')
+    redis.call('ZADD', base .. ':tenants', 'XX', turn, tenant)
+    take(head[1], 'g')
+    capacity = capacity - 1
+  end
+end
+return out
+"""
+
+# positions: KEYS = base. ARGV = request ids. Round-robin estimate of how many
+# requests will be granted before each (1 = next).
+_POSITIONS = """
+local base = KEYS[1]
+local ntenants = redis.call('ZCARD', base .. ':tenants')
+local out = {}
+for i, rid in ipairs(ARGV) do
+  local tenant = redis.call('HGET', base .. ':r:' .. rid, 'tenant')
+  local pos = 0
+  if tenant then
+    local rank = redis.call('ZRANK', base .. ':t:' .. tenant, rid)
+    local trank = redis.call('ZRANK', base .. ':tenants', tenant)
+    if rank and trank then pos = rank * ntenants + trank + 1 end
+  end
+  out[i] = pos
+end
+return out
+"""
+
+
+# KEYS[1] = counter; ARGV = value, ttl ms. Keeps the largest value seen.
+_KEEP_MAX = """
+local v = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if tonumber(ARGV[1]) > v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ModeState:
+    queueing: bool = False
+    limit: int = 0
+    p99_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    request_id: str
+    owner: str
+    granted: bool  # False: expired in the queue
+
+
+def p99(samples: Sequence[float]) -> float:
+    """Nearest-rank 99th percentile."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class QueueMode:
+    """Queue-mode state and the fair queue of one deployment, in Redis."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+        self.redis = redis
+        self._base = f"{prefix}:{{{prefix}q}}"
+        self._enqueue = redis.register_script(_ENQUEUE)
+        self._grant = redis.register_script(_GRANT)
+        self._positions = redis.register_script(_POSITIONS)
+
+    def state_key(self, model: str) -> str:
+        return f"{self._base}:qm:{encode_token(model)}"
+
+    def _queue(self, model: str) -> str:
+        return f"{self._base}:q:{encode_token(model)}"
+
+    async def _run(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except Exception as exc:  # redis errors of every kind: the caller degrades
+            raise QuotaUnavailable(f"queue store: {type(exc).__name__}: {exc}") from exc
+
+    # -- measurements -----------------------------------------------------------
+
+    async def record_ttft(self, model: str, ttft_ms: float, now: float,
+                          cfg: QueueModeConfig) -> None:
+        w = int(now // cfg.window)
+        key = f"{self._base}:lat:{encode_token(model)}:{w}"
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.rpush(key, round(ttft_ms, 3))
+        pipe.pexpire(key, int(cfg.window * (cfg.enter_after + cfg.exit_after + 2) * 1000))
+        await self._run(pipe.execute())
+
+    async def state(self, model: str) -> ModeState:
+        raw = await self._run(self.redis.hgetall(self.state_key(model)))
+        return ModeState(queueing=raw.get("mode") == "queue", limit=int(raw.get("limit", 0)),
+                         p99_ms=float(raw.get("p99_ms", 0.0)))
+
+    async def evaluate(self, model: str, running: int, now: float,
+                       cfg: QueueModeConfig) -> ModeState:
+        """Fold finished windows into the mode; call from one dispatcher at a
+        time (see :meth:`lead`). ``running`` is the jobs in flight now."""
+        tok = encode_token(model)
+        skey = self.state_key(model)
+        w_now = int(now // cfg.window)
+        peak_key = f"{self._base}:peak:{tok}:{w_now}"
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(skey)
+        pipe.eval(_KEEP_MAX, 1, peak_key, running, int(cfg.window * 10 * 1000))
+        raw, _ = await self._run(pipe.execute())
+        mode = raw.get("mode", "normal")
+        bad, good = int(raw.get("bad", 0)), int(raw.get("good", 0))
+        limit, good_peak = int(raw.get("limit", 0)), int(raw.get("good_peak", 0))
+        last_w = int(raw.get("last_w", w_now - 1))
+        p99_ms = float(raw.get("p99_ms", 0.0))
+        threshold_ms = cfg.ttft_p99 * 1000
+        for w in range(max(last_w + 1, w_now - 5), w_now):
+            samples = await self._run(self.redis.lrange(f"{self._base}:lat:{tok}:{w}", 0, -1))
+            peak = int(await self._run(self.redis.get(f"{self._base}:peak:{tok}:{w}")) or 0)
+            if not samples:
+                continue  # no traffic, no evidence either way
+            p99_ms = p99([float(s) for s in samples])
+            if p99_ms > threshold_ms:
+                bad, good = bad + 1, 0
+            elif mode == "normal" or p99_ms < threshold_ms * cfg.exit_ratio:
+                good, bad = good + 1, 0
+                if mode == "normal":
+                    good_peak = max(peak, 1)
+            else:
+                bad = good = 0  # in queue mode, merely under the threshold is not recovery
+            if mode == "normal" and bad >= cfg.enter_after:
+                mode, limit, good = "queue", max(cfg.min_concurrency, good_peak), 0
+            elif mode == "queue" and good >= cfg.exit_after:
+                mode, bad = "normal", 0
+        await self._run(self.redis.hset(skey, mapping={
+            "mode": mode, "bad": bad, "good": good, "limit": limit, "good_peak": good_peak,
+            "last_w": max(last_w, w_now - 1), "p99_ms": round(p99_ms, 3)}))
+        return ModeState(queueing=mode == "queue", limit=limit, p99_ms=p99_ms)
+
+    async def lead(self, model: str, owner: str, hold: float) -> bool:
+        """True if this dispatcher evaluates and grants for ``model`` now: one
+        at a time, so grants never overshoot the limit from a stale count."""
+        key = f"{self._base}:lead:{encode_token(model)}"
+        ok = await self._run(self.redis.set(key, owner, px=int(hold * 1000), nx=True))
+        if ok:
+            return True
+        return bool(await self._run(self.redis.get(key)) == owner)
+
+    # -- the fair queue ------------------------------------------------------------
+
+    async def enqueue(self, model: str, request_id: str, tenant: str, batch: bool, owner: str,
+                      now: float, cfg: QueueModeConfig) -> tuple[str, int]:
+        state, position = await self._run(self._enqueue(
+            keys=[self._queue(model)],
+            args=[request_id, encode_token(tenant), 1 if batch else 0, owner, int(now * 1000),
+                  int(cfg.ttl * 1000), cfg.max_queued]))
+        return str(state), int(position)
+
+    async def queued(self, model: str) -> int:
+        return int(await self._run(self.redis.get(f"{self._queue(model)}:n")) or 0)
+
+    async def grant(self, model: str, capacity: int, now: float) -> list[Grant]:
+        flat = await self._run(self._grant(keys=[self._queue(model)],
+                                           args=[max(0, capacity), int(now * 1000)]))
+        return [Grant(flat[i + 1], flat[i + 2], flat[i] == "g") for i in range(0, len(flat), 3)]
+
+    async def positions(self, model: str, request_ids: Sequence[str]) -> list[int]:
+        if not request_ids:
+            return []
+        out = await self._run(self._positions(keys=[self._queue(model)], args=list(request_ids)))
+        return [int(p) for p in out]
