@@ -33,6 +33,7 @@ from tidegate.config import Config
 from tidegate.errors import ProtocolError
 from tidegate.policies import PolicySet, ensure_policies_bucket, watch_policies
 from tidegate.protocol import Admission, Request, Status, UsageRecord
+from tidegate.pull import Puller
 
 log = logging.getLogger("tidegate.dispatcher")
 
@@ -104,41 +105,35 @@ class Dispatcher:
         log.debug("dispatched %s to %s", request.id, self.subjects.job(request.model))
 
 
-async def reconcile_usage(psub: JetStreamContext.PullSubscription, store: QuotaStore,
-                          queue: QueueMode, config: Config, stop: asyncio.Event) -> None:
-    """Settle every reservation with the actual usage workers report.
+class Reconciler:
+    """Settles every reservation with the actual usage workers report.
 
     Shared by all dispatchers through one durable consumer. A record is acked
     only once the store applied it; reconcile is idempotent, so a redelivery
-    after a crash does no harm."""
-    models = config.model_index()
-    while not stop.is_set():
+    after a crash does no harm. TTFT samples feed queue mode."""
+
+    def __init__(self, store: QuotaStore, queue: QueueMode, config: Config) -> None:
+        self.store = store
+        self.queue = queue
+        self.models = config.model_index()
+
+    async def handle(self, msg: Msg) -> None:
         try:
-            msgs = await psub.fetch(256, timeout=config.dispatcher.fetch_timeout)
-        except (TimeoutError, nats.errors.TimeoutError):
-            continue
-        except nats.errors.Error as exc:
-            log.warning("usage fetch failed: %s", exc)
-            await asyncio.sleep(0.5)
-            continue
-        for msg in msgs:
-            try:
-                record = UsageRecord.decode(msg.data)
-            except ProtocolError as exc:
-                log.error("terminating malformed usage record: %s", exc)
-                await msg.term()
-                continue
-            try:
-                await store.reconcile(record.id,
-                                      record.prompt_tokens + record.completion_tokens)
-                model = models.get(record.model)
-                if model is not None and model.queue.ttft_p99 > 0 and record.ttft_ms > 0:
-                    await queue.record_ttft(model.name, record.ttft_ms, time.time(), model.queue)
-            except QuotaUnavailable as exc:
-                log.warning("cannot reconcile %s yet: %s", record.id, exc)
-                await msg.nak(delay=2)
-                continue
-            await msg.ack()
+            record = UsageRecord.decode(msg.data)
+        except ProtocolError as exc:
+            log.error("terminating malformed usage record: %s", exc)
+            await msg.term()
+            return
+        try:
+            await self.store.reconcile(record.id, record.prompt_tokens + record.completion_tokens)
+            model = self.models.get(record.model)
+            if model is not None and model.queue.ttft_p99 > 0 and record.ttft_ms > 0:
+                await self.queue.record_ttft(model.name, record.ttft_ms, time.time(), model.queue)
+        except QuotaUnavailable as exc:
+            log.warning("cannot reconcile %s yet: %s", record.id, exc)
+            await msg.nak(delay=2)
+            return
+        await msg.ack()
 
 
 async def serve(config: Config, stop: asyncio.Event) -> None:
@@ -150,13 +145,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     await broker.ensure_consumer(
         js, subjects.requests_stream, subjects.dispatcher_consumer, subjects.requests_wildcard,
         ack_wait=cfg.ack_wait, max_deliver=-1, max_ack_pending=max(1000, cfg.batch * 16))
-    psub = await js.pull_subscribe_bind(durable=subjects.dispatcher_consumer,
-                                        stream=subjects.requests_stream)
     await broker.ensure_consumer(
         js, subjects.usage_stream, "reconcilers", subjects.usage_wildcard,
         ack_wait=cfg.ack_wait, max_deliver=-1, max_ack_pending=10_000)
-    usage_sub = await js.pull_subscribe_bind(durable="reconcilers",
-                                             stream=subjects.usage_stream)
 
     # The client reconnects by itself: a Redis restart needs no dispatcher
     # restart, and while it is down QuotaAdmission fails open or closed.
@@ -183,25 +174,26 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     log.info("dispatcher pulling from %s", subjects.requests_stream)
 
     try:
+        # Requests are handled as they arrive, up to dispatcher.batch at once.
+        requests = Puller(nc, subjects.requests_stream, subjects.dispatcher_consumer,
+                          dispatcher.handle_safely, capacity=cfg.batch,
+                          expires=cfg.fetch_timeout)
+        usage = Puller(nc, subjects.usage_stream, "reconcilers",
+                       Reconciler(store, queue, config).handle, capacity=256,
+                       expires=cfg.fetch_timeout)
         async with asyncio.TaskGroup() as tg:
             background = [
                 tg.create_task(broker.watch_cancels(cancels, dispatcher.on_cancel)),
                 tg.create_task(watch_policies(policies_kv, policies)),
-                tg.create_task(reconcile_usage(usage_sub, store, queue, config, stop)),
-                tg.create_task(gate.run(stop)),
             ]
-            while not stop.is_set():
-                try:
-                    msgs = await psub.fetch(cfg.batch, timeout=cfg.fetch_timeout)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    continue
-                except nats.errors.Error as exc:
-                    log.warning("fetch failed: %s", exc)
-                    await asyncio.sleep(0.5)
-                    continue
-                async with asyncio.TaskGroup() as batch:
-                    for msg in msgs:
-                        batch.create_task(dispatcher.handle_safely(msg))
+            pullers = [tg.create_task(requests.run(stop)), tg.create_task(usage.run(stop)),
+                       tg.create_task(gate.run(stop))]
+            await asyncio.wait(pullers)
+            # Let requests being dispatched finish: each is acked only after
+            # its job is published.
+            in_flight = requests.tasks | usage.tasks
+            if in_flight:
+                await asyncio.wait(in_flight, timeout=5.0)
             for task in background:
                 task.cancel()
     finally:

@@ -24,7 +24,6 @@ import logging
 import secrets
 import time
 
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -33,6 +32,7 @@ from tidegate.cancels import CancelRegistry
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ProtocolError
 from tidegate.protocol import Ack, Request, UsageRecord, decode_control
+from tidegate.pull import Puller
 from workers.backends import Backend, create_backend
 from workers.job import WORKER_SHUTDOWN, Job, JobContext
 
@@ -47,7 +47,7 @@ class Pool:
         self.ctx = ctx
         self.jobs: dict[str, Job] = {}
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.pullers: list[Puller] = []
 
     async def on_control(self, msg: Msg) -> None:
         try:
@@ -107,35 +107,20 @@ class Pool:
             js, subjects.jobs_stream, durable, subjects.job(model.name),
             ack_wait=cfg.ack_wait, max_deliver=cfg.max_deliver,
             max_ack_pending=max(10_000, model.max_streams * 64))
-        psub = await js.pull_subscribe_bind(durable=durable, stream=subjects.jobs_stream)
-        free = model.max_streams
-        slot_freed = asyncio.Event()
+        # Credit = free slots: the puller never holds more jobs than this
+        # worker can start at once.
+        puller = Puller(self.ctx.nc, subjects.jobs_stream, durable,
+                        lambda msg: self.run_job(msg, backend), capacity=model.max_streams,
+                        expires=cfg.fetch_timeout)
+        self.pullers.append(puller)
+        log.info("worker serving %s (%s backend, %d slots)", model.name, model.backend,
+                 model.max_streams)
+        await puller.run(stop)
 
-        def release(_: asyncio.Task[None]) -> None:
-            nonlocal free
-            free += 1
-            slot_freed.set()
-
-        log.info("worker serving %s (%s backend, %d slots)", model.name, model.backend, free)
-        while not stop.is_set():
-            if free == 0:
-                slot_freed.clear()
-                await slot_freed.wait()
-                continue
-            try:
-                msgs = await psub.fetch(free, timeout=cfg.fetch_timeout)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except nats.errors.Error as exc:
-                log.warning("fetch for %s failed: %s", model.name, exc)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                free -= 1
-                task = asyncio.create_task(self.run_job(msg, backend))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-                task.add_done_callback(release)
+    @property
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Every job task of every model."""
+        return set().union(*(p.tasks for p in self.pullers))
 
     async def drain(self, grace: float) -> None:
         if not self.tasks:

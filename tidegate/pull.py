@@ -1,0 +1,104 @@
+"""Continuous pull from a durable JetStream consumer, one message at a time.
+
+Why not ``PullSubscription.fetch``: once a lingering fetch has its first
+message, nats.py waits for the *whole* batch (or the expiry) before returning
+any of them, so with a batch of 64 and 10 requests arriving, those 10 sit in
+memory for up to the fetch timeout. That was most of tidegate's TTFT overhead
+under load. Here every message is handed to its handler the moment it
+arrives.
+
+Credit: the puller keeps ``capacity`` messages either requested (pull
+requests outstanding at the server) or being handled, never more: a worker
+asks exactly for its free slots, so queued work stays in JetStream where any
+worker can take it. When a pull request expires, the server's 408 status says
+how many of its messages were not delivered (``Nats-Pending-Messages``), and
+that credit is requested again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+log = logging.getLogger("tidegate.pull")
+
+Handler = Callable[[Msg], Coroutine[Any, Any, None]]
+
+
+class Puller:
+    def __init__(self, nc: NATS, stream: str, consumer: str, handler: Handler, *,
+                 capacity: int, expires: float, api_prefix: str = "$JS.API") -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self._nc = nc
+        self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._handler = handler
+        self.capacity = capacity
+        self._expires = expires
+        self.outstanding = 0  # requested from the server, not yet delivered or expired
+        self.tasks: set[asyncio.Task[None]] = set()  # handlers running
+        self._wake = asyncio.Event()
+        self._last_progress = time.monotonic()
+
+    @property
+    def busy(self) -> int:
+        return len(self.tasks)
+
+    def _on_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._wake.set()
+
+    async def _on_message(self, msg: Msg) -> None:
+        self._last_progress = time.monotonic()
+        status = JetStreamContext.is_status_msg(msg)
+        if status:
+            # 408 (request expired), 409 (e.g. consumer deleted, max waiting):
+            # the undelivered part of that request comes back as credit.
+            headers = msg.headers or {}
+            pending = int(headers.get("Nats-Pending-Messages", 0) or 0)
+            self.outstanding = max(0, self.outstanding - pending)
+            if status not in ("408", "404"):
+                log.debug("pull status %s: %s", status, headers.get("Description", ""))
+            self._wake.set()
+            return
+        self.outstanding = max(0, self.outstanding - 1)
+        task = asyncio.create_task(self._handler(msg))
+        self.tasks.add(task)
+        task.add_done_callback(self._on_done)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pull until ``stop`` is set. Handlers still running are left to the
+        caller (see :attr:`tasks`), which decides how long to let them finish."""
+        inbox = self._nc.new_inbox()
+        sub = await self._nc.subscribe(inbox, cb=self._on_message)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                want = self.capacity - self.busy - self.outstanding
+                if want > 0:
+                    request = {"batch": want, "expires": int(self._expires * 1e9)}
+                    await self._nc.publish(self._next_subject, json.dumps(request).encode(),
+                                           reply=inbox)
+                    self.outstanding += want
+                self._wake.clear()
+                wake = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({wake, stop_wait}, timeout=self._expires + 1.0,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                if (self.outstanding
+                        and time.monotonic() - self._last_progress > self._expires + 1.0):
+                    # Every request must have expired by now; a lost status
+                    # (e.g. across a reconnect) must not leak credit forever.
+                    self.outstanding = 0
+                    self._last_progress = time.monotonic()
+        finally:
+            stop_wait.cancel()
+            await sub.unsubscribe()
