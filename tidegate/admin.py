@@ -63,7 +63,9 @@ async def connect_once(cfg: NatsConfig, name: str) -> NATS:
         async with asyncio.timeout(cfg.connect_timeout + 1):
             return await nats.connect(servers=servers, name=name,
                                       connect_timeout=cfg.connect_timeout,
-                                      allow_reconnect=False, max_reconnect_attempts=0,
+                                      allow_reconnect=False,
+                                      # nats-py reads 0 as "forever"; 1 = two tries each.
+                                      max_reconnect_attempts=1, reconnect_time_wait=0.2,
                                       error_cb=on_error)
     except Exception as exc:
         cause = errors[-1] if errors else exc

@@ -1,0 +1,305 @@
+"""``tidegate keys`` and ``tidegate policy`` as a user runs them: subprocesses
+against a real nats-server, and once end to end against a running pipeline.
+
+Each test uses its own subject prefix (so its own TG_KEYS / TG_POLICIES
+buckets) on one nats-server per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.pipeline import Pipeline, running_pipeline
+from tidegate.servers import ManagedProcess, find_nats_server, free_port
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+UNREACHABLE = "nats://127.0.0.1:1"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
+    return subprocess.run([sys.executable, "-m", "tidegate", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**base, **(env or {})})
+
+
+class Cli:
+    """The CLI bound to one NATS server and one subject prefix."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.env = {"TIDEGATE__NATS__SUBJECT_PREFIX": prefix}
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return run_cli(*args, "--nats-url", self.url, env=self.env)
+
+    def ok(self, *args: str) -> str:
+        result = self(*args)
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr
+        return result.stdout
+
+    def json(self, *args: str) -> list[dict[str, object]]:
+        value = json.loads(self.ok(*args, "--json"))
+        assert isinstance(value, list)
+        return value
+
+
+@pytest.fixture
+def cli(module_nats_url: str, request: pytest.FixtureRequest) -> Cli:
+    prefix = "t" + format(abs(hash(request.node.nodeid)) % 10**8, "d")
+    return Cli(module_nats_url, prefix)
+
+
+# --------------------------------------------------------------------------
+# keys
+# --------------------------------------------------------------------------
+
+
+def test_keys_create_list_revoke(cli: Cli) -> None:
+    result = cli("keys", "create", "--tenant", "acme", "--user", "alice",
+                 "--models", "sim,other-model")
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines())
+    key, key_id = lines["key"].strip(), lines["key_id"].strip()
+    assert key.startswith("sk-tg-")
+    assert len(key_id) == 12
+    assert lines["tenant"].strip() == "acme"
+    assert lines["models"].strip() == "tidegate-sim,other-model"  # alias -> configured name
+    assert "not shown again" in result.stderr
+    assert "'other-model' is not in this config" in result.stderr
+
+    created = json.loads(cli.ok("keys", "create", "--tenant", "beta", "--json"))
+    assert set(created) == {"key", "key_id", "tenant", "user", "models", "created"}
+    assert (created["tenant"], created["user"], created["models"]) == ("beta", "", [])
+
+    listed = cli.json("keys", "list")
+    assert [k["key_id"] for k in listed] == [key_id, created["key_id"]]
+    assert listed[0] == {"key_id": key_id, "tenant": "acme", "user": "alice",
+                         "models": ["tidegate-sim", "other-model"],
+                         "created": listed[0]["created"]}
+    table = cli.ok("keys", "list")
+    assert table.splitlines()[0].split() == ["KEY_ID", "TENANT", "USER", "MODELS", "CREATED"]
+    assert key_id in table
+    assert "all" in table  # beta's key may use any model
+    for output in (table, json.dumps(listed)):
+        assert key not in output
+        assert created["key"] not in output
+
+    assert cli.ok("keys", "revoke", key_id).strip() == f"revoked key {key_id}"
+    assert [k["key_id"] for k in cli.json("keys", "list")] == [created["key_id"]]
+    again = cli("keys", "revoke", key_id)
+    assert again.returncode == 1
+    assert again.stderr.strip() == (f"tidegate: no API key with id {key_id} "
+                                    "(see `tidegate keys list`)")
+
+
+def test_empty_listings(cli: Cli) -> None:
+    assert "no API keys" in cli.ok("keys", "list")
+    assert "no policies" in cli.ok("policy", "list")
+    assert cli.json("keys", "list") == []
+    assert cli.json("policy", "list") == []
+
+
+# --------------------------------------------------------------------------
+# policy
+# --------------------------------------------------------------------------
+
+
+def test_policy_set_list_delete(cli: Cli) -> None:
+    out = cli.ok("policy", "set", "--tenant", "acme", "--tpm", "100000")
+    assert out.strip() == ("set policy for tenant 'acme': rpm unlimited, tpm 100000, "
+                           "concurrency unlimited")
+    cli.ok("policy", "set", "--tenant", "acme", "--model", "sim", "--rpm", "60")
+    cli.ok("policy", "set", "--tenant", "acme", "--user", "alice", "--concurrency", "2")
+    cli.ok("policy", "set", "--model", "meta/llama", "--rpm", "10", "--tpm", "5000")
+    listed = cli.json("policy", "list")
+    assert listed == [
+        {"tenant": "", "model": "meta/llama", "user": "", "rpm": 10, "tpm": 5000,
+         "concurrency": 0},
+        {"tenant": "acme", "model": "", "user": "", "rpm": 0, "tpm": 100000, "concurrency": 0},
+        {"tenant": "acme", "model": "", "user": "alice", "rpm": 0, "tpm": 0, "concurrency": 2},
+        {"tenant": "acme", "model": "tidegate-sim", "user": "", "rpm": 60, "tpm": 0,
+         "concurrency": 0},
+    ]
+    rows = [line.split() for line in cli.ok("policy", "list").splitlines()]
+    assert rows[0] == ["TENANT", "MODEL", "USER", "RPM", "TPM", "CONCURRENCY"]
+    assert ["acme", "*", "alice", "-", "-", "2"] in rows
+
+    # set replaces the policy at its scope
+    cli.ok("policy", "set", "--tenant", "acme", "--rpm", "5")
+    assert {"tenant": "acme", "model": "", "user": "", "rpm": 5, "tpm": 0,
+            "concurrency": 0} in cli.json("policy", "list")
+
+    out = cli.ok("policy", "delete", "--tenant", "acme", "--model", "sim")
+    assert out.strip() == "deleted policy for tenant 'acme' x model 'tidegate-sim'"
+    assert len(cli.json("policy", "list")) == 3
+    missing = cli("policy", "delete", "--tenant", "acme", "--model", "sim")
+    assert missing.returncode == 1
+    assert "no policy for tenant 'acme' x model 'tidegate-sim'" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["keys"], "required: ACTION"),
+    (["keys", "create"], "required: --tenant"),
+    (["keys", "create", "--tenant", " "], "--tenant: must not be empty"),
+    (["keys", "create", "--tenant", "a", "--models", "a,,b"], "comma-separated model names"),
+    (["keys", "create", "--tenant", "a", "--models", ""], "comma-separated model names"),
+    (["keys", "revoke"], "required: KEY_ID"),
+    (["keys", "revoke", "nothex!nothex"], "12 hex characters"),
+    (["keys", "revoke", "abc"], "12 hex characters"),
+    (["policy", "set", "--tenant", "acme"], "at least one limit"),
+    (["policy", "set", "--tenant", "acme", "--rpm", "0"], "every limit given is 0"),
+    (["policy", "set", "--tenant", "acme", "--rpm", "-1"], "--rpm: must be >= 0"),
+    (["policy", "set", "--tenant", "acme", "--tpm", "lots"], "--tpm: expected a whole number"),
+    (["policy", "set", "--rpm", "1"], "needs a tenant, a model or both"),
+    (["policy", "set", "--user", "bob", "--rpm", "1"], "user policy needs its tenant"),
+    (["policy", "set", "--model", "m", "--user", "bob", "--rpm", "1"], "needs its tenant"),
+    (["policy", "set", "--tenant", "", "--rpm", "1"], "--tenant: must not be empty"),
+    (["policy", "delete"], "needs a tenant, a model or both"),
+    (["policy", "delete", "--user", "bob"], "needs its tenant"),
+    (["policy", "bogus"], "invalid choice"),
+])
+def test_bad_input_exits_2_before_connecting(args: list[str], message: str) -> None:
+    start = time.monotonic()
+    result = run_cli(*args, env={"TIDEGATE_NATS_URL": UNREACHABLE})
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "cannot reach NATS" not in result.stderr
+    assert result.stdout == ""
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("args", [
+    ["keys", "list"], ["keys", "create", "--tenant", "a"], ["keys", "revoke", "0" * 12],
+    ["policy", "list"], ["policy", "set", "--tenant", "a", "--rpm", "1"],
+    ["policy", "delete", "--tenant", "a"],
+])
+def test_unreachable_nats_is_a_clear_error(args: list[str]) -> None:
+    start = time.monotonic()
+    result = run_cli(*args, "--nats-url", UNREACHABLE)
+    assert time.monotonic() - start < 5  # refused at once: no retry loop
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"tidegate: cannot reach NATS at {UNREACHABLE}: ")
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A TCP port that accepts connections and never says a word."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        yield f"nats://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_silent_server_times_out_quickly(silent_server: str) -> None:
+    start = time.monotonic()
+    result = run_cli("keys", "list", "--nats-url", silent_server,
+                     env={"TIDEGATE__NATS__CONNECT_TIMEOUT": "1"})
+    took = time.monotonic() - start
+    assert result.returncode == 1
+    assert f"cannot reach NATS at {silent_server}: no answer within 1s" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert took < 8  # interpreter start-up plus the 1 s timeout, not a retry loop
+
+
+@pytest.fixture
+def nats_without_jetstream(tmp_path: Path) -> Iterator[str]:
+    try:
+        binary = find_nats_server()
+    except Exception as exc:
+        pytest.skip(f"no local nats-server binary: {exc}")
+    port = free_port()
+
+    def ready() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        except OSError:
+            return False
+        return True
+
+    server = ManagedProcess("nats-no-js", [binary, "-a", "127.0.0.1", "-p", str(port)],
+                            tmp_path / "nats.log", ready=ready)
+    server.start()
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def test_nats_without_jetstream_is_a_clear_error(nats_without_jetstream: str) -> None:
+    result = run_cli("policy", "list", "--nats-url", nats_without_jetstream)
+    assert result.returncode == 1
+    assert "JetStream is not enabled" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------
+# End to end: the CLI changes what a running edge accepts, within a second
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path, module_nats_url: str, module_redis_url: str) -> Iterator[Pipeline]:
+    yield from running_pipeline(tmp_path / "pipeline", module_nats_url, module_redis_url)
+
+
+def get_status(url: str, key: str) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def within(seconds: float, check: Callable[[], bool]) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > seconds:
+            pytest.fail(f"not within {seconds}s")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@pytest.mark.pipeline
+def test_cli_key_applies_at_a_running_edge_within_a_second(pipeline: Pipeline) -> None:
+    config = ("--config", str(pipeline.config_path))
+    created = json.loads(run_cli("keys", "create", "--tenant", "acme", "--json",
+                                 *config).stdout)
+    key = created["key"]
+    models_url = f"{pipeline.base_url}/models"
+    within(1.0, lambda: get_status(models_url, key) == 200)
+    status, body = pipeline.post("/v1/chat/completions", {
+        "model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        key=key)
+    assert status == 200, body
+
+    revoked = run_cli("keys", "revoke", created["key_id"], *config)
+    assert revoked.returncode == 0, revoked.stderr
+    within(1.0, lambda: get_status(models_url, key) == 401)
+    status, body = pipeline.post("/v1/chat/completions", {
+        "model": "sim", "messages": [{"role": "user", "content": "hi"}]}, key=key)
+    assert status == 401
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
