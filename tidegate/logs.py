@@ -11,6 +11,13 @@ line that has one: the plain format appends ``key=value`` pairs, the JSON format
 writes one object per line with ``ts``, ``level``, ``logger``, ``msg`` and the
 extras as top-level keys (``exc`` holds a traceback when there is one).
 
+Request context: the edge handler, the dispatcher and a worker's job call
+:func:`bind` once per request. From then on every line logged in that task
+(and in tasks it starts) carries ``request_id``, ``session`` (the same id:
+session id == request id), ``tenant`` and ``trace_id``, added by a filter on
+the handler, so no call site has to pass them. An ``extra=`` field of the same
+name wins.
+
 Levels: the configured level applies to tidegate's own loggers (``tidegate.*``
 and the tier packages ``edge``, ``dispatcher``, ``workers``); third-party
 libraries log at WARNING and above unless the configured level is stricter, so
@@ -19,11 +26,12 @@ libraries log at WARNING and above unless the configured level is stricter, so
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from tidegate.config import LoggingConfig
 
@@ -36,6 +44,50 @@ _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None)
     "message", "asctime", "taskName",
 }
 _MARK = "_tidegate_handler"
+
+
+class RequestContext(NamedTuple):
+    request_id: str
+    tenant: str = ""
+    trace_id: str = ""
+
+
+_context: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
+    "tidegate_log_context", default=None)
+
+
+def bind(request_id: str, tenant: str = "", trace_id: str = "") -> contextvars.Token[
+        RequestContext | None]:
+    """Tag every later line of the current task with this request.
+
+    Returns the token for :func:`unbind`; a task that ends right after its
+    request (a job task) need not bother, its context ends with it.
+    """
+    return _context.set(RequestContext(request_id, tenant, trace_id))
+
+
+def unbind(token: contextvars.Token[RequestContext | None]) -> None:
+    _context.reset(token)
+
+
+def current() -> RequestContext | None:
+    return _context.get()
+
+
+class ContextFilter(logging.Filter):
+    """Adds the bound request's fields to each record (never drops one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = _context.get()
+        if ctx is not None:
+            fields = vars(record)
+            fields.setdefault("request_id", ctx.request_id)
+            fields.setdefault("session", ctx.request_id)
+            if ctx.tenant:
+                fields.setdefault("tenant", ctx.tenant)
+            if ctx.trace_id:
+                fields.setdefault("trace_id", ctx.trace_id)
+        return True
 
 
 def get(component: str) -> logging.Logger:
@@ -106,6 +158,7 @@ def setup(config: LoggingConfig, stream: IO[str] | None = None) -> None:
         raise ValueError(f"unknown log level {config.level!r}")
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if config.json else PlainFormatter())
+    handler.addFilter(ContextFilter())
     setattr(handler, _MARK, True)
 
     root = logging.getLogger()

@@ -13,6 +13,7 @@ Subject map (``<p>`` is the prefix)::
     KV <P>_CANCELS, key <request>  JetStream KV (TTL)     edge -> dispatchers, workers
     <p>.usage.<model>            JetStream  <P>_USAGE     worker/edge -> dispatchers
     KV <P>_KEYS, <P>_POLICIES    JetStream KV (watched)   CLI -> edges, dispatchers
+    KV <P>_WORKERS, key <worker>  JetStream KV (TTL)     workers -> dispatchers, status
 
 Free-form names (models, tenants) are mapped into one subject token with
 :func:`encode_token`, a reversible escape: the decoded token is always the
@@ -154,6 +155,11 @@ class Subjects:
     def usage(self, model: str) -> str:
         """Worker/edge -> dispatchers: actual usage of one finished request."""
         return f"{self.prefix}.usage.{encode_token(model)}"
+
+    @property
+    def workers_bucket(self) -> str:
+        """KV bucket where live workers heartbeat their slots (key: worker id)."""
+        return f"{self.prefix.upper()}_WORKERS"
 
     @property
     def cancels_bucket(self) -> str:

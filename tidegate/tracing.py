@@ -1,0 +1,160 @@
+"""W3C trace context across the broker, and GenAI span attributes.
+
+One trace per request: the edge starts it (continuing the client's
+``traceparent`` when it sent one) and hands the context on in two places:
+
+* the NATS headers of every publish (``traceparent``, ``tracestate``), so the
+  dispatcher's span is a child of the edge's and the worker's a child of the
+  dispatcher's;
+* ``Request.extra["traceparent"]``, which travels inside the envelope through
+  both streams: the worker's fallback parent when a hop did not forward the
+  header, and what the OpenAI backend sends to the model server (the worker
+  replaces it with its own span's context first).
+
+With tracing off, the edge still makes up a ``traceparent`` (not sampled), so
+log lines of every tier carry one trace id per request at the cost of two
+random numbers per request, and a model server that traces joins the
+client's trace when the client sent one.
+
+Span shape (GenAI semantic conventions): edge ``{operation} {model}`` (SERVER),
+dispatcher ``dispatch {model}`` (CONSUMER), worker ``{operation} {model}``
+(CLIENT: the worker is the GenAI client of the model server). Events
+``gen_ai.first_token`` and ``tidegate.cancel``; never a span per chunk, but a
+``tidegate.chunks`` attribute.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, get_current_span, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from tidegate import telemetry as tm
+from tidegate.protocol import Api, Request
+
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+
+FIRST_TOKEN_EVENT = "gen_ai.first_token"
+CANCEL_EVENT = "tidegate.cancel"
+
+REQUEST_ID = "tidegate.request.id"
+TENANT = "tidegate.tenant"
+CHUNKS = "tidegate.chunks"
+ATTEMPT = "tidegate.attempt"
+STALL_TIME = "tidegate.flow.stall_time"
+QUEUE_WAIT = "tidegate.queue.wait"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_OPERATIONS = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion"}
+
+
+def operation(api: Api) -> str:
+    """``gen_ai.operation.name`` of an endpoint."""
+    return _OPERATIONS.get(api, "chat")
+
+
+# --------------------------------------------------------------------------
+# Propagation
+# --------------------------------------------------------------------------
+
+
+def extract(carrier: Mapping[str, Any] | None) -> Context | None:
+    """The remote parent in ``carrier`` (NATS headers, HTTP headers,
+    ``Request.extra``), or None when it has no valid ``traceparent``."""
+    if not carrier:
+        return None
+    value = carrier.get(TRACEPARENT)
+    if not isinstance(value, str) or not value:
+        return None
+    headers = {TRACEPARENT: value}
+    state = carrier.get(TRACESTATE)
+    if isinstance(state, str) and state:
+        headers[TRACESTATE] = state
+    context = _PROPAGATOR.extract(headers)
+    span_context = get_current_span(context).get_span_context()
+    return context if span_context.is_valid else None
+
+
+def parent_of(headers: Mapping[str, str] | None, request: Request) -> Context | None:
+    """A job's parent: the NATS headers (the previous hop's span), else the
+    context the envelope carries (the edge's)."""
+    return extract(headers) or extract(request.extra)
+
+
+def inject(span: Span) -> dict[str, str]:
+    """``traceparent`` (and ``tracestate``) naming ``span`` as the parent."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=set_span_in_context(span))
+    return carrier
+
+
+def untraced_carrier(headers: Mapping[str, str]) -> dict[str, str]:
+    """Tracing off: the client's trace context as it came, or a fresh,
+    unsampled one, so logs still correlate across tiers."""
+    value = headers.get(TRACEPARENT)
+    if value and len(value) == 55 and value[2] == "-":
+        carrier = {TRACEPARENT: value}
+        state = headers.get(TRACESTATE)
+        if state:
+            carrier[TRACESTATE] = state
+        return carrier
+    return {TRACEPARENT: f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"}
+
+
+def trace_id(carrier: Mapping[str, Any] | None) -> str:
+    """The 32-hex-digit trace id in a carrier's ``traceparent``, or ``""``."""
+    value = carrier.get(TRACEPARENT) if carrier else None
+    return value[3:35] if isinstance(value, str) and len(value) >= 35 else ""
+
+
+def span_trace_id(span: Span) -> str:
+    context = span.get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else ""
+
+
+# --------------------------------------------------------------------------
+# GenAI attributes
+# --------------------------------------------------------------------------
+
+
+def span_name(request: Request) -> str:
+    return f"{operation(request.api)} {request.model}"
+
+
+def request_attributes(request: Request) -> dict[str, Any]:
+    """Span attributes known when a request starts (no prompt content: it
+    may be sensitive, and it is large)."""
+    attrs: dict[str, Any] = {
+        tm.OPERATION: operation(request.api),
+        tm.MODEL: request.model,
+        REQUEST_ID: request.id,
+        TENANT: request.tenant,
+        "gen_ai.request.stream": request.stream,
+    }
+    body = request.body
+    for key, attr in (("max_tokens", "gen_ai.request.max_tokens"),
+                      ("max_completion_tokens", "gen_ai.request.max_tokens"),
+                      ("temperature", "gen_ai.request.temperature"),
+                      ("top_p", "gen_ai.request.top_p"),
+                      ("seed", "gen_ai.request.seed")):
+        value = body.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            attrs[attr] = value
+    return attrs
+
+
+def usage_attributes(prompt_tokens: int, completion_tokens: int, finish_reason: str,
+                     chunks: int) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "gen_ai.usage.input_tokens": prompt_tokens,
+        "gen_ai.usage.output_tokens": completion_tokens,
+        CHUNKS: chunks,
+    }
+    if finish_reason:
+        attrs["gen_ai.response.finish_reasons"] = (finish_reason,)
+    return attrs

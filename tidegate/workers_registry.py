@@ -1,0 +1,145 @@
+"""The ``<P>_WORKERS`` KV bucket: which workers are alive, and their slots.
+
+Every worker puts one entry (key: its worker id, value: JSON) every
+:data:`HEARTBEAT` seconds; the bucket's TTL is :data:`TTL`, so a worker that
+died without saying goodbye disappears within that time, and one that stops
+cleanly deletes its entry at once. Dispatchers read it for the fleet gauges
+(``tidegate.workers.live``, which is what a "worker pool empty" alert needs:
+a worker that is gone exports nothing itself), and ``tidegate status`` shows
+it.
+
+The value is advisory (a few seconds old at most); nothing routes work by
+it. Work goes to workers only through their pull consumers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from tidegate.config import Config
+
+log = logging.getLogger("tidegate.worker")
+
+HEARTBEAT = 5.0  # seconds between a worker's puts
+TTL = 15.0  # an entry not refreshed for this long is gone: three missed heartbeats
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    slots: int
+    in_flight: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.slots - self.in_flight)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    host: str = ""
+    pid: int = 0
+    started: float = 0.0  # unix seconds
+    updated: float = 0.0  # unix seconds of this heartbeat
+    models: Mapping[str, SlotInfo] = field(default_factory=dict)
+    draining: bool = False
+
+    def encode(self) -> bytes:
+        return json.dumps({
+            "worker_id": self.worker_id, "host": self.host, "pid": self.pid,
+            "started": self.started, "updated": self.updated, "draining": self.draining,
+            "models": {m: {"slots": s.slots, "in_flight": s.in_flight}
+                       for m, s in self.models.items()},
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WorkerInfo:
+        raw: dict[str, Any] = json.loads(data)
+        models = {str(m): SlotInfo(int(s["slots"]), int(s["in_flight"]))
+                  for m, s in (raw.get("models") or {}).items()}
+        return cls(worker_id=str(raw["worker_id"]), host=str(raw.get("host", "")),
+                   pid=int(raw.get("pid", 0)), started=float(raw.get("started", 0.0)),
+                   updated=float(raw.get("updated", 0.0)), models=models,
+                   draining=bool(raw.get("draining", False)))
+
+
+async def ensure_bucket(js: JetStreamContext, config: Config) -> KeyValue:
+    bucket = config.nats.subjects.workers_bucket
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    try:
+        # Memory storage: the registry is rebuilt by the next heartbeats
+        # after a NATS restart, and it changes every few seconds.
+        return await js.create_key_value(KeyValueConfig(
+            bucket=bucket, description="tidegate: live workers and their slots", history=1,
+            ttl=TTL, storage=StorageType.MEMORY, replicas=config.streams.replicas))
+    except nats.js.errors.BadRequestError:
+        return await js.key_value(bucket)  # created concurrently
+
+
+async def heartbeat(kv: KeyValue, snapshot: Callable[[], WorkerInfo],
+                    interval: float = HEARTBEAT) -> None:
+    """Put ``snapshot()`` every ``interval`` until cancelled, then delete the
+    entry. A failed put (NATS restarting) is retried at the next beat."""
+    key = ""
+    try:
+        while True:
+            info = snapshot()
+            key = info.worker_id
+            try:
+                await kv.put(key, info.encode())
+            except Exception as exc:
+                log.warning("worker heartbeat failed: %s", exc)
+            await asyncio.sleep(interval)
+    finally:
+        if key:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(kv.delete(key))
+
+
+def local_info(worker_id: str, started: float, slots: Mapping[str, SlotInfo],
+               draining: bool = False) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, host=socket.gethostname(), pid=os.getpid(),
+                      started=started, updated=time.time(), models=dict(slots),
+                      draining=draining)
+
+
+async def read_all(kv: KeyValue, max_age: float = TTL) -> list[WorkerInfo]:
+    """Every live worker, by worker id. Entries older than ``max_age`` (a
+    stale clock or a TTL the server has yet to apply) are left out."""
+    now = time.time()
+    out: list[WorkerInfo] = []
+    watcher = await kv.watchall(ignore_deletes=True)
+    try:
+        async for entry in watcher:
+            if entry is None:  # end of the current values
+                break
+            if entry.value is None:
+                continue
+            try:
+                info = WorkerInfo.decode(entry.value)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring malformed worker entry %s: %s", entry.key, exc)
+                continue
+            if now - info.updated <= max_age:
+                out.append(info)
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()  # type: ignore[no-untyped-call]
+    return sorted(out, key=lambda w: w.worker_id)
