@@ -2,6 +2,12 @@
 
 Handlers are thin: authenticate, validate, publish the request, hand the rest
 to :class:`edge.relay.Relay`. Every error leaves through ``edge.errors``.
+
+Each generation request gets a span (or, with tracing off, a made-up trace
+context) from ``edge.instrument``; its ``traceparent`` goes into the
+envelope's ``extra`` and the publish's NATS headers, and every log line of
+the request carries its ids (``tidegate.logs.bind``). ``GET /metrics`` is the
+Prometheus exposition of this process.
 """
 
 from __future__ import annotations
@@ -21,15 +27,18 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from edge import instrument
 from edge.auth import KeyTable
 from edge.errors import error_response, from_http_exception
 from edge.relay import Publisher, Relay, RelayContext
 from edge.session import SessionTable
 from edge.validation import validate
-from tidegate import broker
+from tidegate import broker, logs, telemetry
 from tidegate.config import Config, EdgeConfig, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
+from tidegate.observability import metrics_handler
 from tidegate.protocol import Api, Request
+from tidegate.telemetry import Telemetry
 
 log = logging.getLogger("tidegate.edge")
 
@@ -62,6 +71,7 @@ class EdgeState:
     models: dict[str, ModelConfig] = field(init=False)
     relay: RelayContext = field(init=False)
     draining: bool = False
+    telemetry: Telemetry = field(default_factory=telemetry.get)
 
     def __post_init__(self) -> None:
         self.models = self.config.model_index()
@@ -96,6 +106,7 @@ def build_app(state: EdgeState) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler(state.telemetry))
     return app
 
 
@@ -166,6 +177,30 @@ def set_keepalive(transport: asyncio.BaseTransport | None, config: EdgeConfig) -
 
 async def _generate(http: web.Request, api: Api) -> web.StreamResponse:
     state = http.app[STATE]
+    rt = instrument.RequestTelemetry(state.telemetry, http.headers, api)
+    token = rt.activate()
+    status = 0
+    try:
+        response = await _handle_generate(http, api, state, rt)
+        status = response.status
+        return response
+    except ApiError as error:
+        rt.on_error(error)
+        status = error.status
+        raise
+    except asyncio.CancelledError:
+        rt.on_cancel("client_disconnected")
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        rt.finish(status)
+        instrument.deactivate(token)
+
+
+async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
+                           rt: instrument.RequestTelemetry) -> web.StreamResponse:
     config = state.config
     set_keepalive(http.transport, config.edge)
     principal = state.keys.authenticate(http.headers.get("Authorization"))
@@ -197,22 +232,26 @@ async def _generate(http: web.Request, api: Api) -> web.StreamResponse:
         user=principal.user,
         key_id=principal.key_id,
         edge=state.edge_id,
+        extra=dict(rt.carrier),
     )
+    rt.started_request(request)
     # Invariant: subscribed before publishing. The edge's inbox wildcard is
     # subscribed for the life of the process; opening the session makes the
     # dispatch table route this request's subject before anyone can answer.
     tick = min(config.session.heartbeat_interval, 1.0)
     session = state.sessions.open(request_id, tick)
+    log_token = logs.bind(request_id, principal.tenant, rt.trace_id)
     try:
-        seq = await _publish(state, request)
+        seq = await _publish(state, request, rt.carrier)
         headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
         log.debug("request %s published as %s seq %d", request_id, subjects.requests_stream, seq)
         return await Relay(http, session, request, state.relay, headers).run()
     finally:
         state.sessions.close(session)
+        logs.unbind(log_token)
 
 
-async def _publish(state: EdgeState, request: Request) -> int:
+async def _publish(state: EdgeState, request: Request, trace_headers: dict[str, str]) -> int:
     """Publish to the requests stream; returns its JetStream sequence number."""
     subject = state.config.nats.subjects.request(request.klass, request.tenant)
     try:
@@ -224,7 +263,8 @@ async def _publish(state: EdgeState, request: Request) -> int:
         raise ApiError(413, "The request is too large for the broker's message size limit.",
                        type="invalid_request_error", code="request_too_large")
     try:
-        ack = await state.js.publish(subject, payload, headers={"Nats-Msg-Id": request.id})
+        ack = await state.js.publish(subject, payload,
+                                     headers={"Nats-Msg-Id": request.id, **trace_headers})
     except nats.js.errors.APIError as exc:
         description = (exc.description or "").lower()
         if "maximum" in description or exc.code == 503:

@@ -118,6 +118,10 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=config.edge.shutdown_timeout)
     await runner.setup()
+    server = runner.server
+    state.telemetry.metrics.observe_edge(
+        streams=lambda: len(sessions),
+        connections=lambda: len(server.connections) if server is not None else 0)
     site = web.TCPSite(runner, config.edge.host, config.edge.port, backlog=4096)
     await site.start()
     log.info("edge %s listening on http://%s:%d (nats %s)", edge_id, config.edge.host,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 from tidegate import config as tgconfig
 from tidegate.fake_backend import FakeBackend, FakeRecord
+from tidegate.observability import METRICS_PORT_ENV
 from tidegate.servers import ManagedProcess, free_port, http_ok, stop_all
 
 DEV_KEY = "sk-test-pipeline-key"
@@ -34,11 +36,21 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
 
 
 class Pipeline:
-    """Edge, dispatcher and worker(s) as child processes."""
+    """Edge, dispatcher and worker(s) as child processes.
+
+    ``env`` is added to the children's environment (OTel variables, say).
+    With ``metrics``, the dispatcher and each worker serve ``/metrics`` on a
+    port of their own (:meth:`metrics_url`); the edge always does, on its
+    main port. With ``workers=0``, :meth:`start` waits for the edge only.
+    """
 
     def __init__(self, workdir: Path, nats_url: str, redis_url: str,
-                 overrides: Mapping[str, Any] | None = None, workers: int = 1) -> None:
+                 overrides: Mapping[str, Any] | None = None, workers: int = 1,
+                 env: Mapping[str, str] | None = None, metrics: bool = False) -> None:
         self.workdir = workdir
+        self.env = dict(env) if env else None
+        self.metrics = metrics
+        self.metrics_ports: dict[str, int] = {}
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         raw: dict[str, Any] = {
@@ -64,9 +76,26 @@ class Pipeline:
     def _process(self, tier: str, name: str | None = None,
                  ready: Any = None) -> ManagedProcess:
         name = name or tier
+        env: dict[str, str] | None = None
+        if self.env or (self.metrics and tier != "edge"):
+            env = {**os.environ, **(self.env or {})}
+            if self.metrics and tier != "edge":
+                port = self.metrics_ports[name] = free_port()
+                env[METRICS_PORT_ENV] = str(port)
         return ManagedProcess(
             name, [sys.executable, "-m", "tidegate", tier, "--config", str(self.config_path)],
-            self.workdir / "logs" / f"{name}.log", ready=ready, start_timeout=30.0)
+            self.workdir / "logs" / f"{name}.log", env=env, ready=ready, start_timeout=30.0)
+
+    def metrics_url(self, name: str) -> str:
+        """Where process ``name`` (``edge``, ``dispatcher``, ``worker0``, ...)
+        serves ``/metrics``."""
+        if name == "edge":
+            return f"{self.url}/metrics"
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+
+    def scrape(self, name: str, timeout: float = 5.0) -> str:
+        with urllib.request.urlopen(self.metrics_url(name), timeout=timeout) as resp:
+            return str(resp.read().decode())
 
     @property
     def url(self) -> str:
@@ -86,7 +115,8 @@ class Pipeline:
         for worker in self.workers:
             worker.spawn()
         self.edge.start()
-        self.wait_serving()
+        if self.workers:
+            self.wait_serving()
 
     def wait_serving(self, timeout: float = 30.0) -> None:
         """Until one request has made the full round trip (all tiers up)."""

@@ -250,27 +250,30 @@ def _cmd_edge(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
     from edge.service import serve
+    from tidegate.observability import instrumented
     from tidegate.runtime import run_service
 
-    return run_service(serve, config)
+    return run_service(instrumented(serve, "edge"), config)
 
 
 def _cmd_dispatcher(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
     from dispatcher.service import serve
+    from tidegate.observability import instrumented
     from tidegate.runtime import run_service
 
-    return run_service(serve, config)
+    return run_service(instrumented(serve, "dispatcher"), config)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
+    from tidegate.observability import instrumented
     from tidegate.runtime import run_service
     from workers.service import serve
 
-    return run_service(serve, config)
+    return run_service(instrumented(serve, "worker"), config)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -24,19 +24,30 @@ a retryable error, never run a second time.
 Sequence numbers: Head is 1; every later message (chunk, heartbeat, done,
 error) takes the next one. A seq is assigned and its message handed to the
 NATS client with no ``await`` in between, so the wire order is the seq order.
+
+Telemetry, all outside the per-chunk path: one span per job (a child of the
+previous hop's, from the NATS headers or the envelope), whose context replaces
+``request.extra["traceparent"]`` so the backend's HTTP request names it; an
+event at the first chunk and at a cancel; usage, TTFT, TPOT and duration
+recorded once at the end from the same numbers as the usage record; stall
+time once per stall of the flow-control window.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from tidegate import telemetry as tm
+from tidegate import tracing
 from tidegate.config import Config
 from tidegate.errors import ApiError, BackendError
 from tidegate.flow import SendWindow
@@ -50,6 +61,7 @@ from tidegate.protocol import (
     Request,
     UsageRecord,
 )
+from tidegate.telemetry import Telemetry
 from workers.backends import Backend, BackendStream, Usage
 
 log = logging.getLogger("tidegate.worker")
@@ -66,6 +78,7 @@ class JobContext:
     nc: NATS
     js: JetStreamContext
     control_subject: str
+    telemetry: Telemetry = field(default_factory=tm.get)
 
     async def report(self, record: UsageRecord) -> None:
         """Publish a usage record; a broker hiccup costs an accounting entry
@@ -103,6 +116,9 @@ class Job:
         self.queue_wait_ms = max(0.0, time.time() * 1000 - request.created_ms)
         self.first_chunk_at = 0.0
         self.last_ack_at = self.started  # the edge acks at least every ack_timeout/4
+        self.stall_time = 0.0
+        self.span: Span | None = None
+        self.attrs = {tm.MODEL: request.model, tm.OPERATION: tracing.operation(request.api)}
 
     # -- control messages from the edge (called by the worker's demux) -------
 
@@ -120,6 +136,25 @@ class Job:
     # -- the job ----------------------------------------------------------------
 
     async def run(self) -> None:
+        tel = self.ctx.telemetry
+        if not tel.tracing:
+            await self._run()
+            return
+        request = self.request
+        span = self.span = tel.tracer.start_span(
+            tracing.span_name(request), kind=SpanKind.CLIENT,
+            context=tracing.parent_of(self.msg.headers, request),
+            attributes={**tracing.request_attributes(request),
+                        tracing.ATTEMPT: self.msg.metadata.num_delivered})
+        # The backend's HTTP request continues this job's span, not the edge's.
+        self.request = dataclasses.replace(request,
+                                           extra={**request.extra, **tracing.inject(span)})
+        try:
+            await self._run()
+        finally:
+            span.end()
+
+    async def _run(self) -> None:
         self.task = asyncio.current_task()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -145,19 +180,60 @@ class Job:
         usage = self.stream.usage if self.stream is not None else Usage()
         now = time.monotonic()
         request = self.request
-        await self.ctx.report(UsageRecord(
+        record = UsageRecord(
             id=request.id, model=request.model, outcome=outcome, tenant=request.tenant,
             user=request.user, key_id=request.key_id, prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens, finish_reason=usage.finish_reason,
             queue_wait_ms=self.queue_wait_ms,
             ttft_ms=(self.first_chunk_at - self.started) * 1000 if self.first_chunk_at else 0.0,
-            duration_ms=(now - self.started) * 1000, attempt=self.msg.metadata.num_delivered))
+            duration_ms=(now - self.started) * 1000, attempt=self.msg.metadata.num_delivered)
+        self._observe(record, now)
+        await self.ctx.report(record)
+
+    def _observe(self, record: UsageRecord, now: float) -> None:
+        """The job's metrics and span attributes, from its usage record. Times
+        count from the edge accepting the request (the record's queue wait
+        plus the job's own times): what the client waited."""
+        metrics = self.ctx.telemetry.metrics
+        attrs = self.attrs
+        outcome = record.outcome
+        metrics.jobs.add(1, {**attrs, tm.OUTCOME: outcome})
+        queue_wait = record.queue_wait_ms / 1000
+        metrics.queue_wait.record(queue_wait, attrs)
+        if record.prompt_tokens:
+            metrics.token_usage.record(record.prompt_tokens, {**attrs, tm.TOKEN_TYPE: "input"})
+        if record.completion_tokens:
+            metrics.token_usage.record(record.completion_tokens,
+                                       {**attrs, tm.TOKEN_TYPE: "output"})
+        if self.first_chunk_at:
+            metrics.time_to_first_token.record(queue_wait + record.ttft_ms / 1000, attrs)
+            if outcome == "done" and record.completion_tokens > 1:
+                metrics.time_per_output_token.record(
+                    (now - self.first_chunk_at) / (record.completion_tokens - 1), attrs)
+        duration = queue_wait + record.duration_ms / 1000
+        if outcome == "done":
+            metrics.request_duration.record(duration, attrs)
+        else:
+            metrics.request_duration.record(duration, {**attrs, tm.ERROR_TYPE: outcome})
+        span = self.span
+        if span is not None:
+            span.set_attributes(tracing.usage_attributes(
+                record.prompt_tokens, record.completion_tokens, record.finish_reason,
+                self.chunks_sent))
+            span.set_attributes({tm.OUTCOME: outcome, tracing.QUEUE_WAIT: queue_wait,
+                                 tracing.STALL_TIME: self.stall_time})
+            if outcome == "error":
+                span.set_status(Status(StatusCode.ERROR, "backend_error"))
 
     async def _after_cancel(self) -> None:
         reason = self.cancel_reason
         log.info("job %s cancelled: %s (%d chunks sent)", self.request.id, reason,
                  self.chunks_sent)
+        self.ctx.telemetry.metrics.cancellations.add(1, {tm.CAUSE: reason, tm.TIER: "worker"})
+        if self.span is not None:
+            self.span.add_event(tracing.CANCEL_EVENT, {tm.CAUSE: reason})
         if reason == WORKER_SHUTDOWN and not self.chunks_sent:
+            self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: "handed_back"})
             await self.msg.nak()  # nothing reached the client: another worker takes over
             return
         await self._report("cancelled")
@@ -231,13 +307,19 @@ class Job:
                     # Backpressure: stop reading the backend until the edge
                     # acks; TCP then pushes back on the backend. The watchdog
                     # ends this wait if the acks never come.
-                    await self._window_open.wait()
+                    stalled = time.monotonic()
+                    try:
+                        await self._window_open.wait()
+                    finally:
+                        self._stalled(time.monotonic() - stalled)
                 data = await stream.read(min(read_bytes, window.available_bytes or read_bytes))
                 if not data:
                     break
                 self.seq += 1
                 if not self.chunks_sent:
                     self.first_chunk_at = time.monotonic()
+                    if self.span is not None:
+                        self.span.add_event(tracing.FIRST_TOKEN_EVENT)
                 self.chunks_sent += 1
                 window.on_send(self.seq, len(data), time.monotonic())
                 if not window.open:
@@ -254,6 +336,10 @@ class Job:
         self.seq += 1
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())
+
+    def _stalled(self, seconds: float) -> None:
+        self.stall_time += seconds
+        self.ctx.telemetry.metrics.stall_duration.record(seconds, self.attrs)
 
     async def _watchdog(self) -> None:
         """Heartbeats while nothing else is sent; cancels the job when the edge

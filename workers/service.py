@@ -15,6 +15,11 @@ Stop (SIGTERM): stop pulling, let in-flight jobs finish within
 ``worker.shutdown_timeout``, then end the rest: a job that has sent no output
 is handed back to JetStream for another worker; one that has ends with a
 retryable error event.
+
+Fleet view: every few seconds the worker puts its slots and in-flight jobs
+per model into the ``<P>_WORKERS`` KV bucket (``tidegate.workers_registry``),
+which dispatchers and ``tidegate status`` read; the same numbers are the
+``tidegate.worker.slots`` gauge of this process.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import time
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate import broker
+from tidegate import broker, logs, tracing, workers_registry
+from tidegate import telemetry as tm
 from tidegate.cancels import CancelRegistry
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ProtocolError
 from tidegate.protocol import Ack, Request, UsageRecord, decode_control
 from tidegate.pull import Puller
+from tidegate.workers_registry import SlotInfo
 from workers.backends import Backend, create_backend
 from workers.job import WORKER_SHUTDOWN, Job, JobContext
 
@@ -48,6 +55,22 @@ class Pool:
         self.jobs: dict[str, Job] = {}
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
         self.pullers: list[Puller] = []
+        self.by_model: dict[str, Puller] = {}
+        ctx.telemetry.metrics.observe_worker_slots(self._slot_observations)
+
+    def slot_info(self, models: list[ModelConfig] | None = None) -> dict[str, SlotInfo]:
+        """Slots and running jobs per served model (``models``: also those
+        whose pull loop has not started yet)."""
+        out = {m.name: SlotInfo(m.max_streams, 0) for m in models or ()}
+        out.update({m: SlotInfo(p.capacity, p.busy) for m, p in self.by_model.items()})
+        return out
+
+    def _slot_observations(self) -> list[tuple[float, tm.Attributes]]:
+        out: list[tuple[float, tm.Attributes]] = []
+        for model, info in self.slot_info().items():
+            out.append((float(info.in_flight), {tm.MODEL: model, tm.SLOT_STATE: "used"}))
+            out.append((float(info.free), {tm.MODEL: model, tm.SLOT_STATE: "free"}))
+        return out
 
     async def on_control(self, msg: Msg) -> None:
         try:
@@ -77,8 +100,19 @@ class Pool:
             log.error("terminating malformed job: %s", exc)
             await msg.term()
             return
-        if request.deadline_ms < time.time() * 1000 or request.id in self.cancels:
+        # This task is the job's: the binding ends with it.
+        logs.bind(request.id, request.tenant, tracing.trace_id(request.extra))
+        metrics = self.ctx.telemetry.metrics
+        attempt = msg.metadata.num_delivered
+        if attempt > 1:
+            metrics.redeliveries.add(1, {tm.MODEL: request.model, tm.TIER: "worker"})
+        expired = request.deadline_ms < time.time() * 1000
+        if expired or request.id in self.cancels:
             log.info("dropping job %s: its client is gone", request.id)
+            metrics.jobs.add(1, {tm.MODEL: request.model,
+                                 tm.OUTCOME: "expired" if expired else "cancelled"})
+            if not expired:
+                metrics.cancellations.add(1, {tm.CAUSE: "before_start", tm.TIER: "worker"})
             # Nothing ran: the zero-token record refunds the reservation and
             # frees the concurrency slot.
             await self.ctx.report(UsageRecord(id=request.id, model=request.model,
@@ -113,6 +147,7 @@ class Pool:
                         lambda msg: self.run_job(msg, backend), capacity=model.max_streams,
                         expires=cfg.fetch_timeout)
         self.pullers.append(puller)
+        self.by_model[model.name] = puller
         log.info("worker serving %s (%s backend, %d slots)", model.name, model.backend,
                  model.max_streams)
         await puller.run(stop)
@@ -144,6 +179,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     wanted = config.worker.models
     models = [m for m in config.models if not wanted or any(index[n] is m for n in wanted)]
 
+    started = time.time()
     nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
@@ -151,6 +187,11 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     pool = Pool(config, ctx)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
     cancels = await broker.ensure_cancels_bucket(js, config)
+    registry = await workers_registry.ensure_bucket(js, config)
+
+    def beat() -> workers_registry.WorkerInfo:
+        return workers_registry.local_info(worker_id, started, pool.slot_info(models),
+                                           draining=stop.is_set())
 
     backends = {m.name: create_backend(m, config.worker) for m in models}
     try:
@@ -158,6 +199,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         # tracked by the pool, since they must outlive the pull loops to drain.
         async with asyncio.TaskGroup() as tg:
             watcher = tg.create_task(broker.watch_cancels(cancels, pool.on_cancel))
+            heartbeat = tg.create_task(workers_registry.heartbeat(registry, beat))
             pullers = [tg.create_task(pool.pull(js, m, backends[m.name], stop))
                        for m in models]
             await stop.wait()
@@ -165,6 +207,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                 puller.cancel()
             await pool.drain(config.worker.shutdown_timeout)
             watcher.cancel()
+            heartbeat.cancel()  # deletes this worker's entry
     finally:
         for backend in backends.values():
             await backend.aclose()
