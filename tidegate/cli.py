@@ -10,6 +10,7 @@ Subcommands::
     tidegate bench       the benchmark suite (docs/benchmarks.md)
     tidegate keys        create, list and revoke API keys (NATS KV)
     tidegate policy      set, list and delete quota policies (NATS KV)
+    tidegate status      live view of models, workers, queues (``--json`` once)
     tidegate version
 
 Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
@@ -122,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a key of the benchmarked tidegate's config, e.g. "
                             "worker.fetch_timeout=0.05 (repeatable)")
+
+    status = sub.add_parser(
+        "status", help="live view of models, workers, queues and rates",
+        description="Models (workers, slots, queue depth, oldest waiting job, queue mode, "
+                    "rates) and live workers, read from NATS and Redis. Ctrl-C quits.")
+    _common(status)
+    status.add_argument("--json", action="store_true",
+                        help="print one JSON document (rates over --interval) and exit")
+    status.add_argument("--once", action="store_true",
+                        help="print the view once (rates over --interval) and exit")
+    status.add_argument("--interval", type=float, metavar="SECONDS",
+                        help="refresh interval, and the window of the rates (default: 2; "
+                             "1 with --json or --once)")
 
     _admin_parsers(sub)
     sub.add_parser("version", help="print the version")
@@ -332,6 +346,15 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     return admin.policy_delete(config, args.tenant or "", args.model or "", args.user or "")
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from tidegate import status
+
+    if args.interval is not None and args.interval <= 0:
+        raise ConfigError(f"--interval: must be > 0, got {args.interval}")
+    return status.run(load_config(args), as_json=args.json, once=args.once,
+                      interval=args.interval)
+
+
 _COMMANDS = {
     "up": _cmd_up,
     "edge": _cmd_edge,
@@ -342,6 +365,7 @@ _COMMANDS = {
     "bench": _cmd_bench,
     "keys": _cmd_keys,
     "policy": _cmd_policy,
+    "status": _cmd_status,
 }
 
 
