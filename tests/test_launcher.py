@@ -182,6 +182,13 @@ def test_banner(tmp_path: Path) -> None:
     assert '"stream": true' in text
     assert "stream=True" in text
     assert "logs" in text
+    # Every process's /metrics, and how to see the fleet.
+    assert f"Metrics:  {plan.base_url.removesuffix('/v1')}/metrics  (edge)" in text
+    for name in ("dispatcher", "worker-1"):
+        assert f"127.0.0.1:{plan.metrics_ports[name]}/metrics  ({name})" in text
+    assert f"tidegate status --config {plan.config_file}" in text
+    assert plan.env_for("worker-1")["TIDEGATE_METRICS_PORT"] == str(plan.metrics_ports["worker-1"])
+    assert "TIDEGATE_METRICS_PORT" not in plan.env_for("edge")
     # The SDK snippet is valid Python.
     snippet = text.split("(pip install openai):", 1)[1].split("Press Ctrl-C", 1)[0]
     compile("\n".join(line[2:] for line in snippet.splitlines()), "<banner>", "exec")
@@ -278,6 +285,17 @@ def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
         content = "".join(chunk.choices[0].delta.content or ""
                           for chunk in stream if chunk.choices)
     assert content.strip(), up.diagnostics()
+
+    # The banner says where every process serves /metrics, and each does.
+    metrics = dict((name, u) for u, name in
+                   re.findall(r"(http://\S+/metrics)  \((\S+)\)", out))
+    assert set(metrics) == {"edge", "dispatcher", "worker-1"}, out
+    for name, metrics_url in metrics.items():
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode()
+        assert "target_info" in text, (name, text)
+    with urllib.request.urlopen(metrics["worker-1"], timeout=5) as response:
+        assert "tidegate_worker_slots" in response.read().decode()
 
     # nats, redis, dispatcher, one worker, edge; each its own process.
     assert len(up.children) >= 5, up.children

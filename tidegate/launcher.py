@@ -26,6 +26,10 @@ Supervision invariants:
   nats), each wave SIGTERM, a bounded wait, SIGKILL; exit 0. A second signal
   SIGKILLs every child at once.
 * One launcher per data dir (a lock file): two would share a JetStream store.
+
+Metrics: the edge serves ``/metrics`` on its own port; the dispatcher and
+each worker get a free port of their own (``TIDEGATE_METRICS_PORT`` in their
+environment, on the edge's host), and the banner lists all of them.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import tidegate
 from tidegate import config as tgconfig
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
+from tidegate.observability import METRICS_HOST_ENV, METRICS_PORT_ENV
 from tidegate.servers import (
     SIGKILL,
     ManagedProcess,
@@ -105,6 +110,8 @@ class Plan:
     nats_port: int | None  # None: external NATS at config.nats.url
     redis_port: int | None  # None: external Redis at config.redis.url
     child_env: dict[str, str] = field(default_factory=dict)
+    # child name ("dispatcher", "worker-1", ...) -> its /metrics port
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def config_file(self) -> Path:
@@ -116,9 +123,27 @@ class Plan:
 
     @property
     def base_url(self) -> str:
+        return f"{self._origin(self.config.edge.port)}/v1"
+
+    def _origin(self, port: int) -> str:
         host = connect_host(self.config.edge.host)
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.config.edge.port}/v1"
+        return f"http://{host}:{port}"
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Where every child serves ``/metrics``, edge first."""
+        urls = {"edge": f"{self._origin(self.config.edge.port)}/metrics"}
+        urls.update({name: f"{self._origin(port)}/metrics"
+                     for name, port in self.metrics_ports.items()})
+        return urls
+
+    def env_for(self, name: str) -> dict[str, str]:
+        """``child_env`` plus this child's metrics address, if it has one."""
+        port = self.metrics_ports.get(name)
+        if port is None:
+            return self.child_env
+        return {**self.child_env, METRICS_PORT_ENV: str(port),
+                METRICS_HOST_ENV: self.config.edge.host}
 
 
 # --------------------------------------------------------------------------
@@ -183,8 +208,17 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
         overrides["models"] = _backend_models(options, env)
 
     config = tgconfig.load(config_path, env, overrides)
+    taken = {config.edge.port, nats_port, redis_port}
+    metrics_ports: dict[str, int] = {}
+    for name in ("dispatcher", *(f"worker-{i}" for i in range(1, options.workers + 1))):
+        port = free_port(host)
+        while port in taken:  # free_port may hand out a port picked above, not yet bound
+            port = free_port(host)
+        taken.add(port)
+        metrics_ports[name] = port
     return Plan(options=options, config=config, data_dir=data_dir, nats_port=nats_port,
-                redis_port=redis_port, child_env=child_environment(env))
+                redis_port=redis_port, child_env=child_environment(env),
+                metrics_ports=metrics_ports)
 
 
 def _raw_toml(path: str | None) -> dict[str, Any]:
@@ -370,7 +404,7 @@ class Launcher:
               ready: Callable[[], bool] | None = None) -> ManagedProcess:
         argv = [sys.executable, "-m", "tidegate", tier, "--config", str(self.plan.config_file)]
         child = ManagedProcess(name, argv, self.plan.log_dir / f"{name}.log",
-                               env=self.plan.child_env, ready=ready)
+                               env=self.plan.env_for(name), ready=ready)
         child.spawn()
         return child
 
@@ -480,6 +514,8 @@ def banner(plan: Plan) -> str:
         f"  NATS:     {cfg.nats.url}{'' if plan.nats_port is None else ' (embedded)'}",
         f"  Redis:    {cfg.redis.url}{'' if plan.redis_port is None else ' (embedded)'}",
         f"  Logs:     tail -f {shlex.quote(str(plan.log_dir))}/*.log",
+        *_metrics_lines(plan),
+        f"  Status:   tidegate status --config {shlex.quote(str(plan.config_file))}",
         "",
         "Stream a chat completion:",
         "",
@@ -491,6 +527,11 @@ def banner(plan: Plan) -> str:
         "",
         "Press Ctrl-C to stop.",
     ])
+
+
+def _metrics_lines(plan: Plan) -> list[str]:
+    return [f"  {'Metrics:' if i == 0 else '':<10}{url}  ({name})"
+            for i, (name, url) in enumerate(plan.metrics_urls().items())]
 
 
 def _indent(text: str) -> str:
