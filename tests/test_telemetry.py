@@ -289,3 +289,35 @@ def test_created_ms_of_an_envelope() -> None:
     assert _created_ms(request(created_ms=1234).encode()) == 1234
     assert _created_ms(b"\xc1") == 0
     assert _created_ms(None) == 0
+
+
+# -- the dispatcher's helpers ------------------------------------------------------------
+
+
+def test_dispatch_span_is_the_jobs_parent_and_passes_through_when_off() -> None:
+    from opentelemetry.metrics import NoOpMeter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tel = Telemetry(provider.get_tracer("t"), NoOpMeter("t"), tracing=True)
+    incoming = {"traceparent": TRACEPARENT, "Nats-Msg-Id": "r1"}
+    with tracing.dispatch_span(tel, incoming, request()) as span:
+        assert span is not None
+        headers = tracing.job_headers(incoming)
+    (finished,) = exporter.get_finished_spans()
+    assert finished.name == "dispatch m"
+    assert finished.parent is not None
+    assert finished.parent.span_id == 0x00f067aa0ba902b7
+    assert headers["traceparent"].split("-")[2] == f"{finished.context.span_id:016x}"
+    assert finished.attributes is not None
+    assert finished.attributes["gen_ai.request.model"] == "m"
+
+    off = telemetry.noop()
+    with tracing.dispatch_span(off, incoming, request()) as span:
+        assert span is None
+        assert tracing.job_headers(incoming) == {"traceparent": TRACEPARENT}
+    assert tracing.job_headers(None) == {}

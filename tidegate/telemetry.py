@@ -212,6 +212,9 @@ class Metrics:
         self.queue_mode_limit = meter.create_gauge(
             "tidegate.queue_mode.limit", unit="{request}",
             description="The admission limit queue mode currently applies to the model")
+        self.queue_mode_queued = meter.create_gauge(
+            "tidegate.queue_mode.queued", unit="{request}",
+            description="Requests held in the model's queue-mode fair queue")
         self.quota_rejections = meter.create_counter(
             "tidegate.quota.rejections", unit="{request}",
             description="Requests rejected by a quota, by tidegate.quota.limit (requests, "

@@ -25,16 +25,18 @@ dispatcher ``dispatch {model}`` (CONSUMER), worker ``{operation} {model}``
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, get_current_span, set_span_in_context
+from opentelemetry.trace import Span, SpanKind, get_current_span, set_span_in_context, use_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tidegate import telemetry as tm
 from tidegate.protocol import Api, Request
+from tidegate.telemetry import Telemetry
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -104,6 +106,33 @@ def untraced_carrier(headers: Mapping[str, str]) -> dict[str, str]:
             carrier[TRACESTATE] = state
         return carrier
     return {TRACEPARENT: f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"}
+
+
+def job_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """Trace headers for a job publish: the current span's context when one
+    records (the dispatcher's span), else the request's own trace headers
+    passed on unchanged (tracing off, or a queued request granted later)."""
+    span = get_current_span()
+    if span.is_recording():
+        return inject(span)
+    if not headers:
+        return {}
+    return {k: headers[k] for k in (TRACEPARENT, TRACESTATE) if k in headers}
+
+
+@contextlib.contextmanager
+def dispatch_span(tel: Telemetry, headers: Mapping[str, str] | None,
+                  request: Request) -> Iterator[Span | None]:
+    """The dispatcher's span for one request, current while the block runs
+    (so :func:`job_headers` names it); ``None`` with tracing off."""
+    if not tel.tracing:
+        yield None
+        return
+    span = tel.tracer.start_span(f"dispatch {request.model}", kind=SpanKind.CONSUMER,
+                                 context=parent_of(headers, request),
+                                 attributes=request_attributes(request))
+    with use_span(span, end_on_exit=True):
+        yield span
 
 
 def trace_id(carrier: Mapping[str, Any] | None) -> str:
