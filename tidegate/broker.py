@@ -8,7 +8,6 @@ every tier can be started alone and in any order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ from nats.js.kv import KeyValue
 
 from tidegate.config import Config, NatsConfig
 from tidegate.errors import BrokerError
+from tidegate.kvwatch import follow_bucket
 
 log = logging.getLogger("tidegate.broker")
 
@@ -192,16 +192,13 @@ async def ensure_cancels_bucket(js: JetStreamContext, config: Config) -> KeyValu
 
 async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None]) -> None:
     """Call ``on_cancel(request_id, reason)`` for every tombstone, existing ones
-    first (a tier that starts late still learns of earlier cancels). Runs until
-    cancelled."""
-    watcher = await kv.watchall(ignore_deletes=True)
-    try:
-        async for entry in watcher:
-            if entry is not None and entry.value is not None:
-                on_cancel(entry.key, entry.value.decode(errors="replace"))
-    finally:
-        with contextlib.suppress(Exception):
-            await watcher.stop()  # type: ignore[no-untyped-call]
+    first (a tier that starts late still learns of earlier cancels). Survives
+    NATS restarts (see tidegate.kvwatch). Runs until cancelled."""
+
+    def put(key: str, value: bytes) -> None:
+        on_cancel(key, value.decode(errors="replace"))
+
+    await follow_bucket(kv, put, lambda key: None)
 
 
 async def streams_exist(js: JetStreamContext, config: Config) -> bool:
