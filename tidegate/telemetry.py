@@ -350,7 +350,7 @@ def setup(settings: TelemetrySettings, instance_id: str = "") -> Telemetry:
         return _current
 
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
     from prometheus_client import CollectorRegistry
@@ -370,7 +370,11 @@ def setup(settings: TelemetrySettings, instance_id: str = "") -> Telemetry:
                                                           scope_info_enabled=False)]
     if settings.otlp_metrics:
         readers.append(PeriodicExportingMetricReader(_metric_exporter(settings.metrics_protocol)))
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource)
+    # Exemplars link a sample to the trace current when it was recorded; with
+    # no tracing there is none, and the filter would only cost time per call.
+    meter_provider = MeterProvider(
+        metric_readers=readers, resource=resource,
+        exemplar_filter=None if settings.traces else AlwaysOffExemplarFilter())
     shutdown: list[Callable[[], object]] = [meter_provider.shutdown]
 
     tracer: Tracer = trace.NoOpTracer()
