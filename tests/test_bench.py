@@ -25,6 +25,9 @@ def test_parse_scenarios() -> None:
     assert runner.parse_scenarios("a,b,c,d,e") == "abcde"
     with pytest.raises(TidegateError):
         runner.parse_scenarios("a,x")
+    # q runs only when asked for: the default stays a..e
+    assert runner.parse_scenarios("q,a") == "aq"
+    assert "q" not in runner.SCENARIOS
 
 
 async def test_closed_loop_and_cancel_against_the_fake() -> None:
@@ -93,3 +96,24 @@ def test_quick_bench_writes_results(tmp_path: Path) -> None:
     assert all("rss_kib" in r for r in results["scenarios"]["d"]["runs"])
     assert [row["key"] for row in results["targets"]] == [t[0] for t in report.TARGETS]
     assert "## Targets" in (out / "results.md").read_text()
+
+
+@pytest.mark.pipeline
+def test_quota_scenario_counts_round_trips(tmp_path: Path) -> None:
+    from tidegate.bench import quota
+
+    profile = quota.QuotaProfile(name="test", runs=((1, 4, True), (2, 4, False)), warmup=0.2,
+                                 duration=0.5, window=1.0)
+    results = quota.run(tmp_path, profile=profile)
+    one, two = results["runs"]
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert one["requests"] > 0
+    assert two["requests"] > 0
+    assert one["rejected"] == 0
+    # reserve: one EVALSHA; reconcile: HGET + EVALSHA
+    assert one["round_trips_per_request"]["reserve"] == pytest.approx(1.0, abs=0.02)
+    assert one["round_trips_per_request"]["reconcile"] == pytest.approx(2.0, abs=0.02)
+    assert two["round_trips_per_request"].get("reconcile", 0) == 0
+    assert one["redis_calls_per_request"]["evalsha"] == pytest.approx(2.0, abs=0.05)
+    assert one["admit_us"]["count"] == one["requests"]
+    assert "## (q) Quota check cost" in "\n".join(quota.markdown(results))

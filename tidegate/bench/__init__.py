@@ -4,7 +4,8 @@ Modules: :mod:`~tidegate.bench.loadgen` (closed- and open-loop SSE load),
 :mod:`~tidegate.bench.targets` (the fake backend, tidegate, the plain proxy
 and LiteLLM as child processes), :mod:`~tidegate.bench.scenarios` (what is
 measured), :mod:`~tidegate.bench.procstats` (CPU and RSS from ``/proc``),
-:mod:`~tidegate.bench.report` (JSON, markdown, plots) and
+:mod:`~tidegate.bench.report` (JSON, markdown, plots),
+:mod:`~tidegate.bench.quota` (scenario q, the cost of a quota check) and
 :mod:`~tidegate.bench.runner` (the command). See ``docs/benchmarks.md``.
 
 This module stays import-light: the child processes start from it.

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tidegate.bench import quota
+
 __all__ = ["check_targets", "markdown", "plot", "write"]
 
 # The targets for this 2-core machine; ``higher`` says which way is better.
@@ -193,6 +195,8 @@ def markdown(results: dict[str, Any]) -> str:
         out += _table(["target", "process", "client read B (p50)", "backend wrote B (p50)",
                        "backend total B at half time", "at end", "RSS start KiB", "RSS max",
                        "RSS end"], rows)
+    if "q" in scen:
+        out += quota.markdown(scen["q"])
     for key, prof in results.get("profiles", {}).items():
         out += [f"## Profile {key} ({prof['samples']} busy samples)", ""]
         out += _table(["library (self time)", "%"], prof.get("area_pct", []))

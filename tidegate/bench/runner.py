@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -13,14 +14,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tidegate.bench import procstats, report, run_async, scenarios
+from tidegate.bench import procstats, quota, report, run_async, scenarios
 from tidegate.bench.profiling import PySpy
 from tidegate.bench.targets import Target, Targets
 from tidegate.errors import TidegateError
 
-__all__ = ["SCENARIOS", "BenchOptions", "machine", "run"]
+__all__ = ["KNOWN_SCENARIOS", "SCENARIOS", "BenchOptions", "machine", "run"]
 
-SCENARIOS = "abcde"
+SCENARIOS = "abcde"  # the default run
+KNOWN_SCENARIOS = SCENARIOS + "q"  # q (quota check cost) runs only when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +68,10 @@ class BenchOptions:
 def parse_scenarios(text: str) -> str:
     """``"a,c"`` -> ``"ac"``; raises TidegateError for unknown letters."""
     letters = "".join(sorted({s.strip().lower() for s in text.split(",") if s.strip()}))
-    unknown = set(letters) - set(SCENARIOS)
+    unknown = set(letters) - set(KNOWN_SCENARIOS)
     if unknown or not letters:
         raise TidegateError(f"--scenarios takes a comma-separated subset of "
-                            f"{','.join(SCENARIOS)}, not {text!r}")
+                            f"{','.join(KNOWN_SCENARIOS)}, not {text!r}")
     return letters
 
 
@@ -102,7 +104,7 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     out: dict[str, Any] = {}
     letters = options.scenarios
     gateways = [t for t in targets if t.name != "direct"]
-    if "a" in letters or letters == "e":
+    if "a" in letters or letters.replace("q", "") == "e":
         out["a"] = await scenarios.overhead(targets, profile, spy)
     if "b" in letters:
         out["b"] = await scenarios.idle(gateways, profile)
@@ -110,6 +112,8 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["c"] = await scenarios.cancel(env, targets, profile)
     if "d" in letters:
         out["d"] = await scenarios.slow_clients(env, gateways, profile)
+    if "q" in letters:
+        out["q"] = await asyncio.to_thread(quota.run, options.out, options.quick)
     return out
 
 
@@ -139,7 +143,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                       2 * max(profile.concurrencies) + 256)
     with Targets(out, heartbeat_interval=profile.heartbeat_interval,
                  max_streams=max_streams, overrides=dict(options.tidegate_config)) as env:
-        targets = [env.start_fake()]
+        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS) else []
         if set(options.scenarios) & set("abcd"):
             targets.append(env.start_tidegate())
         if "e" in options.scenarios:
@@ -149,10 +153,11 @@ def run(options: BenchOptions) -> dict[str, Any]:
                 targets.append(litellm)
         results_by_scenario = run_async(_scenarios(env, targets, options, profile, spy))
         notes += env.notes
-    notes.append(f"{os.cpu_count()} cores shared by the load generator (one process), the "
-                 "fake backend (one process) and the gateway under test: at high "
-                 "concurrency the machine, not the gateway alone, is the limit (see "
-                 "'cores busy').")
+    if targets:
+        notes.append(f"{os.cpu_count()} cores shared by the load generator (one process), "
+                     "the fake backend (one process) and the gateway under test: at high "
+                     "concurrency the machine, not the gateway alone, is the limit (see "
+                     "'cores busy').")
     results: dict[str, Any] = {
         "meta": {"profile": profile.name, "command": options.command(), "started": started,
                  "duration_s": round(time.monotonic() - t_start, 1), "machine": machine(),
