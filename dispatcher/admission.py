@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dispatcher.quota import Limits, QuotaResult, QuotaStore, QuotaUnavailable, Scope
+from tidegate import telemetry as tm
 from tidegate.config import ModelConfig
 from tidegate.policies import PolicySet
 from tidegate.protocol import Admission, ErrorInfo, Request
@@ -119,6 +120,8 @@ class QuotaAdmission:
         if result.admitted:
             return Decision(Admission.ADMITTED, headers=headers)
         log.info("request %s rejected: %s limit of %s", request.id, result.limit, result.scope)
+        tm.get().metrics.quota_rejections.add(1, {tm.LIMIT: result.limit,
+                                                  tm.MODEL: request.model})
         return Decision(Admission.REJECTED, error=_rejection(result, tokens), headers=headers)
 
     def _outage(self, request: Request, exc: QuotaUnavailable) -> Decision:
@@ -130,6 +133,8 @@ class QuotaAdmission:
                       "closed (rejecting with 503)")
         if self.fail_open:
             return ADMIT
+        tm.get().metrics.quota_rejections.add(1, {tm.LIMIT: "store_unavailable",
+                                                  tm.MODEL: request.model})
         return Decision(Admission.REJECTED, error=ErrorInfo(
             503, "service_unavailable", "quota_store_unavailable",
             "Rate limits cannot be checked right now (quota store unavailable); retry shortly.",

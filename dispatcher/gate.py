@@ -29,6 +29,7 @@ from nats.js import JetStreamContext
 
 from dispatcher.queueing import ModeState, QueueMode
 from dispatcher.quota import QuotaUnavailable
+from tidegate import telemetry as tm
 from tidegate.config import Config, ModelConfig
 from tidegate.protocol import Admission, ErrorInfo, Request, Status
 
@@ -99,10 +100,12 @@ class QueueGate:
         self.held[request.id] = Held(request, msg, headers, position)
         await self.nc.publish(request.reply, Status(Admission.QUEUED, position,
                                                     headers=headers or None).encode())
+        tm.get().metrics.dispatch_decisions.add(1, {tm.MODEL: model.name, tm.OUTCOME: "queued"})
         return False
 
     async def _reject(self, request: Request, msg: Msg, headers: dict[str, str], code: str,
                       message: str) -> None:
+        tm.get().metrics.dispatch_decisions.add(1, {tm.MODEL: request.model, tm.OUTCOME: code})
         error = ErrorInfo(503, "service_unavailable", code, message, True, 5.0)
         await self.nc.publish(request.reply, Status(Admission.REJECTED, error=error,
                                                     headers=headers or None).encode())
@@ -170,6 +173,10 @@ class QueueGate:
                         "entered" if state.queueing else "left", state.p99_ms, state.limit)
         self.modes[model.name] = state
         self.backlog[model.name] = await self.queue.queued(model.name)
+        metrics, attrs = tm.get().metrics, {tm.MODEL: model.name}
+        metrics.queue_mode.set(1 if state.queueing else 0, attrs)
+        metrics.queue_mode_limit.set(state.limit if state.queueing else 0, attrs)
+        metrics.queue_mode_queued.set(self.backlog[model.name], attrs)
 
     async def _running(self, model: ModelConfig) -> int:
         """Jobs admitted and not finished: waiting in the jobs stream or running."""

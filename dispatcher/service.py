@@ -27,7 +27,8 @@ from dispatcher.gate import QueueGate
 from dispatcher.queueing import QueueMode
 from dispatcher.quota import QuotaStore, QuotaUnavailable
 from dispatcher.quota import connect as connect_quota_store
-from tidegate import broker
+from tidegate import broker, logs, tracing
+from tidegate import telemetry as tm
 from tidegate.cancels import CancelRegistry
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
@@ -49,6 +50,7 @@ class Dispatcher:
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
         self.models = config.model_index()
         self.gate: QueueGate | None = None  # set when a model has queue mode configured
+        self.metrics = tm.get().metrics
 
     def on_cancel(self, request_id: str, reason: str) -> None:
         self.cancels.add(request_id)
@@ -68,17 +70,32 @@ class Dispatcher:
             log.error("terminating malformed request message: %s", exc)
             await msg.term()
             return
+        # Each message runs in its own task (tidegate.pull), so the log
+        # context needs no reset.
+        logs.bind(request.id, request.tenant, tracing.trace_id(request.extra))
+        if msg.metadata.num_delivered > 1:
+            self.metrics.redeliveries.add(1, {tm.MODEL: request.model, tm.TIER: "dispatcher"})
+        with tracing.dispatch_span(tm.get(), msg.headers, request):
+            await self._decide(request, msg)
+
+    async def _decide(self, request: Request, msg: Msg) -> None:
         if request.deadline_ms < time.time() * 1000:
             log.info("dropping request %s: its deadline passed while queued", request.id)
+            self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model,
+                                                    tm.OUTCOME: "expired"})
             await msg.ack()
             return
         if request.id in self.cancels:
             log.info("dropping request %s: cancelled by the client", request.id)
+            self.metrics.cancellations.add(1, {tm.CAUSE: "before_dispatch",
+                                               tm.TIER: "dispatcher"})
             await msg.ack()
             return
 
         decision = await self.policy.admit(request)
         if decision.admission is Admission.REJECTED:
+            self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model,
+                                                    tm.OUTCOME: "rejected"})
             status = Status(decision.admission, decision.position, decision.error,
                             headers=decision.headers or None)
             await self.nc.publish(request.reply, status.encode())
@@ -96,12 +113,14 @@ class Dispatcher:
                                                     headers=headers or None).encode())
         try:
             await self.js.publish(self.subjects.job(request.model), msg.data,
-                                  headers={"Nats-Msg-Id": request.id})
+                                  headers={"Nats-Msg-Id": request.id,
+                                           **tracing.job_headers(msg.headers)})
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not publish job for %s (%s); will retry", request.id, exc)
             await msg.nak(delay=1)
             return
         await msg.ack()
+        self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model, tm.OUTCOME: "admitted"})
         log.debug("dispatched %s to %s", request.id, self.subjects.job(request.model))
 
 

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from edge import instrument
 from edge.errors import error_response, from_info, sse_error_event
 from edge.session import Session
 from tidegate.config import Config
@@ -135,6 +136,7 @@ class Relay:
                 await self._cancel_upstream("client_disconnected")
 
     async def _fail(self, error: ApiError) -> web.StreamResponse:
+        instrument.failed(error)
         if self.response is None:
             response = error_response(error)
             # Request id and rate-limit headers belong on errors too: a 429
@@ -155,6 +157,7 @@ class Relay:
         if self.upstream_done:
             return
         self.upstream_done = True
+        instrument.cancelled(reason)
         try:
             if self.control:
                 await self.ctx.publisher.publish(self.control,
@@ -255,6 +258,8 @@ class Relay:
             data = out[0] if len(out) == 1 else b"".join(out)
             if self.request.stream:
                 await self._write(data)
+                if not self.wrote_chunks:
+                    instrument.first_byte()
                 self.wrote_chunks = True
             else:
                 self._collect(data)

@@ -157,8 +157,6 @@ def test_one_trace_spans_every_tier_and_reaches_the_backend(
     assert traceparent.split("-")[1:3] == [worker.trace_id, worker.span_id]
 
 
-@pytest.mark.xfail(reason="dispatch span: dispatcher/service.py instrumentation pending",
-                   strict=False)
 def test_dispatcher_span_sits_between_edge_and_worker(traced: Pipeline,
                                                       sink: OtlpSink) -> None:
     request_id, _ = stream(traced, MODEL, "three tiers")
