@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +75,28 @@ def test_llamacpp() -> None:
     # llama-server holds 8080, so the edge must listen elsewhere.
     assert config.edge.port == 8090
     assert model.max_streams == 4
+
+
+def test_full_example_in_the_docs_loads_and_has_every_key() -> None:
+    # docs/configuration.md promises "every key"; a key added to the config
+    # dataclasses without its line there fails here.
+    doc = (EXAMPLES.parent / "docs" / "configuration.md").read_text()
+    block = doc.split("## Full example", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    raw = tomllib.loads(block)
+    tgconfig.from_dict(raw)
+
+    def missing(cls: Any, tables: list[dict[str, Any]], path: str) -> list[str]:
+        return [path + f.name for f in dataclasses.fields(cls)
+                if not any(f.name in t for t in tables)]
+
+    gaps = []
+    defaults = tgconfig.Config()
+    for section in dataclasses.fields(tgconfig.Config):
+        if section.name != "models":
+            gaps += missing(type(getattr(defaults, section.name)), [raw.get(section.name, {})],
+                            f"{section.name}.")
+    models = raw.get("models", [])
+    gaps += missing(tgconfig.ModelConfig, models, "models.")
+    for sub, cls in (("simulator", tgconfig.SimulatorConfig), ("queue", tgconfig.QueueModeConfig)):
+        gaps += missing(cls, [m[sub] for m in models if sub in m], f"models.{sub}.")
+    assert not gaps, f"keys missing from the full example in docs/configuration.md: {gaps}"
