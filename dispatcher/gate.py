@@ -198,6 +198,16 @@ class QueueGate:
             except QuotaUnavailable:
                 return
             for held, position in zip(mine, positions, strict=True):
+                if position < 0 and self.held.pop(held.request.id, None) is not None:
+                    # Granted or expired, but the grant message never came
+                    # (core NATS is at most once): act on what Redis says.
+                    if position == -1:
+                        await self.dispatch(held.request, held.msg, held.headers)
+                    else:
+                        await self._reject(held.request, held.msg, held.headers,
+                                           "queue_timeout",
+                                           "The request waited longer than its queue TTL.")
+                    continue
                 if position and position != held.position:
                     held.position = position
                     await self.nc.publish(held.request.reply,

@@ -107,15 +107,20 @@ return out
 """
 
 # positions: KEYS = base. ARGV = request ids. Round-robin estimate of how many
-# requests will be granted before each (1 = next).
+# requests will be granted before each (1 = next); -1 = already granted,
+# -2 = expired (so an owner whose grant message was lost still learns it).
 _POSITIONS = """
 local base = KEYS[1]
 local ntenants = redis.call('ZCARD', base .. ':tenants')
 local out = {}
 for i, rid in ipairs(ARGV) do
-  local tenant = redis.call('HGET', base .. ':r:' .. rid, 'tenant')
+  local rkey = base .. ':r:' .. rid
+  local state = redis.call('HGET', rkey, 'state')
+  local tenant = redis.call('HGET', rkey, 'tenant')
   local pos = 0
-  if tenant then
+  if state == 'granted' then pos = -1
+  elseif state == 'expired' then pos = -2
+  elseif tenant then
     local rank = redis.call('ZRANK', base .. ':t:' .. tenant, rid)
     local trank = redis.call('ZRANK', base .. ':tenants', tenant)
     if rank and trank then pos = rank * ntenants + trank + 1 end

@@ -163,7 +163,12 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     await broker.ensure_streams(js, config)
     await broker.ensure_consumer(
         js, subjects.requests_stream, subjects.dispatcher_consumer, subjects.requests_wildcard,
-        ack_wait=cfg.ack_wait, max_deliver=-1, max_ack_pending=max(1000, cfg.batch * 16))
+        # Requests waiting in a queue-mode queue stay unacked (held by their
+        # dispatcher), so the consumer must allow all of them on top of the
+        # ones being dispatched, or queueing models would stall every model.
+        ack_wait=cfg.ack_wait, max_deliver=-1,
+        max_ack_pending=max(1000, cfg.batch * 16) + sum(
+            m.queue.max_queued for m in config.models if m.queue.ttft_p99 > 0))
     await broker.ensure_consumer(
         js, subjects.usage_stream, "reconcilers", subjects.usage_wildcard,
         ack_wait=cfg.ack_wait, max_deliver=-1, max_ack_pending=10_000)

@@ -167,9 +167,11 @@ class UsageRecord:
 
     Workers publish one per job they ran (``outcome`` done / error /
     cancelled), with the actual tokens, including the partial output of a
-    cancelled stream; dispatchers reconcile the quota reservation with it.
-    An edge publishes one with ``outcome = "lost"`` and no tokens when a
-    worker vanished, so the request's concurrency slot is released.
+    cancelled stream, and one with ``outcome = "dropped"`` and no tokens for a
+    job they did not run (client gone, or a redelivered job its edge did not
+    confirm); dispatchers reconcile the quota reservation with it. A job whose
+    worker died is settled by its redelivery's record or, failing that, by the
+    concurrency lease expiring.
     Timings are milliseconds; ``queue_wait_ms`` runs from the edge accepting
     the request to the worker picking it up.
     """
