@@ -173,10 +173,11 @@ async def ensure_streams(js: JetStreamContext, config: Config) -> None:
             raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
 
 
-async def ensure_cancels_bucket(js: JetStreamContext, config: Config) -> KeyValue:
-    """The KV bucket of cancel tombstones; entries expire after streams.max_age,
-    by which time no stream holds the request any more."""
-    bucket = config.nats.subjects.cancels_bucket
+async def ensure_bucket(js: JetStreamContext, config: Config, bucket: str, description: str,
+                        ttl: float | None = None) -> KeyValue:
+    """A KV bucket with one value per key, created when missing (with the
+    streams' storage and replicas). Idempotent, and safe when several
+    processes start at once."""
     try:
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
@@ -184,10 +185,17 @@ async def ensure_cancels_bucket(js: JetStreamContext, config: Config) -> KeyValu
     storage = StorageType.FILE if config.streams.storage == "file" else StorageType.MEMORY
     try:
         return await js.create_key_value(KeyValueConfig(
-            bucket=bucket, description="tidegate: cancelled request ids", history=1,
-            ttl=config.streams.max_age, storage=storage, replicas=config.streams.replicas))
+            bucket=bucket, description=description, history=1, ttl=ttl, storage=storage,
+            replicas=config.streams.replicas))
     except nats.js.errors.BadRequestError:
-        return await js.key_value(bucket)  # created concurrently by another tier
+        return await js.key_value(bucket)  # created concurrently by another process
+
+
+async def ensure_cancels_bucket(js: JetStreamContext, config: Config) -> KeyValue:
+    """The KV bucket of cancel tombstones; entries expire after streams.max_age,
+    by which time no stream holds the request any more."""
+    return await ensure_bucket(js, config, config.nats.subjects.cancels_bucket,
+                               "tidegate: cancelled request ids", ttl=config.streams.max_age)
 
 
 async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None]) -> None:

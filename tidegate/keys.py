@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from tidegate.broker import ensure_bucket
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
 from tidegate.kvwatch import follow_bucket, snapshot
@@ -96,18 +95,8 @@ class KeyRecord:
 
 async def ensure_keys_bucket(js: JetStreamContext, config: Config) -> KeyValue:
     """The ``<P>_KEYS`` bucket, created when missing. Idempotent."""
-    bucket = config.nats.subjects.keys_bucket
-    try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        pass
-    storage = StorageType.FILE if config.streams.storage == "file" else StorageType.MEMORY
-    try:
-        return await js.create_key_value(KeyValueConfig(
-            bucket=bucket, description="tidegate: API keys by SHA-256 digest", history=1,
-            storage=storage, replicas=config.streams.replicas))
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(bucket)  # created concurrently by another process
+    return await ensure_bucket(js, config, config.nats.subjects.keys_bucket,
+                               "tidegate: API keys by SHA-256 digest")
 
 
 async def create_key(kv: KeyValue, tenant: str, user: str = "", models: Iterable[str] = (),

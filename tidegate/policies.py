@@ -31,9 +31,9 @@ from typing import Any
 
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from tidegate.broker import ensure_bucket
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
 from tidegate.kvwatch import follow_bucket, snapshot
@@ -195,18 +195,8 @@ def _scopes(tenant: str, model: str, user: str) -> Iterator[tuple[str, str, str]
 
 async def ensure_policies_bucket(js: JetStreamContext, config: Config) -> KeyValue:
     """The ``<P>_POLICIES`` bucket, created when missing. Idempotent."""
-    bucket = config.nats.subjects.policies_bucket
-    try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        pass
-    storage = StorageType.FILE if config.streams.storage == "file" else StorageType.MEMORY
-    try:
-        return await js.create_key_value(KeyValueConfig(
-            bucket=bucket, description="tidegate: quota policies by scope", history=1,
-            storage=storage, replicas=config.streams.replicas))
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(bucket)  # created concurrently by another process
+    return await ensure_bucket(js, config, config.nats.subjects.policies_bucket,
+                               "tidegate: quota policies by scope")
 
 
 async def set_policy(kv: KeyValue, policy: Policy) -> int:
