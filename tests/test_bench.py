@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.bench import loadgen, report, runner
+from tidegate.bench import loadgen, report, runner, scenarios
 from tidegate.bench.profiling import summarize
 from tidegate.errors import TidegateError
 from tidegate.fake_backend import FakeBackend
@@ -25,9 +25,51 @@ def test_parse_scenarios() -> None:
     assert runner.parse_scenarios("a,b,c,d,e") == "abcde"
     with pytest.raises(TidegateError):
         runner.parse_scenarios("a,x")
-    # q runs only when asked for: the default stays a..e
+    # q and t run only when asked for: the default stays a..e
     assert runner.parse_scenarios("q,a") == "aq"
+    assert runner.parse_scenarios("a,b,c,d,e,q,t") == "abcdeqt"
     assert "q" not in runner.SCENARIOS
+    assert "t" not in runner.SCENARIOS
+
+
+def test_telemetry_env_sets_only_the_variant() -> None:
+    base = {"PATH": "/bin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://elsewhere:4318",
+            "OTEL_SDK_DISABLED": "false"}
+    off = scenarios.telemetry_env("off", "http://127.0.0.1:9", base)
+    metrics = scenarios.telemetry_env("metrics", "http://127.0.0.1:9", base)
+    traced = scenarios.telemetry_env("traced", "http://127.0.0.1:9", base)
+
+    def otel(env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k.startswith("OTEL_")}
+
+    assert otel(off) == {"OTEL_SDK_DISABLED": "true"}
+    assert otel(metrics) == {}
+    assert otel(traced) == {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                            "OTEL_TRACES_SAMPLER": "always_on"}
+    assert traced["PATH"] == "/bin"
+    assert "127.0.0.1" in traced["NO_PROXY"]
+    with pytest.raises(ValueError, match="variant"):
+        scenarios.telemetry_env("loud", "", base)
+
+
+def test_telemetry_summary_deltas() -> None:
+    def run(variant: str, us_chunk: float, ms_req: float) -> dict[str, object]:
+        return {"variant": variant, "cpu_us_per_chunk": us_chunk, "cpu_ms_per_request": ms_req,
+                "window_chunks": 1000, "streams_per_s": 10.0, "chunks_per_s": 600.0,
+                "ttft_ms": {"p50": 50.0, "p99": 60.0}, "error_count": 0, "env_ok": True,
+                "spans_per_request": 3.0 if variant == "traced" else 0.0,
+                "cpu_s": {"edge": us_chunk / 2e3, "dispatcher": 0.0, "worker": us_chunk / 2e3,
+                          "nats-server": 0.0, "otlp-sink": 0.1}}
+
+    summary = scenarios.telemetry_summary([run("off", 40, 2.0), run("metrics", 42, 2.1),
+                                           run("traced", 46, 2.4), run("traced", 48, 2.6)])
+    assert summary["variants"]["traced"]["cpu_us_per_chunk"] == 47
+    assert summary["variants"]["traced"]["rounds"] == 2
+    assert summary["variants"]["off"]["process_us_per_chunk"]["edge"] == 20
+    deltas = {(d["variant"], d["against"]): d for d in summary["deltas"]}
+    assert deltas["metrics", "off"]["cpu_us_per_chunk"] == 2
+    assert deltas["traced", "off"]["cpu_us_per_request"] == 500
+    assert deltas["traced", "metrics"]["cpu_us_per_chunk_pct"] == pytest.approx(11.9)
 
 
 async def test_closed_loop_and_cancel_against_the_fake() -> None:
@@ -96,6 +138,33 @@ def test_quick_bench_writes_results(tmp_path: Path) -> None:
     assert all("rss_kib" in r for r in results["scenarios"]["d"]["runs"])
     assert [row["key"] for row in results["targets"]] == [t[0] for t in report.TARGETS]
     assert "## Targets" in (out / "results.md").read_text()
+
+
+@pytest.mark.pipeline
+def test_quick_telemetry_scenario(tmp_path: Path) -> None:
+    """Scenario t: three stacks, each with its own OTEL_* environment, and
+    the effects show (no /metrics when off, spans only when traced)."""
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TIDEGATE_", "OTEL_"))}
+    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+                           "t", "--out", str(out)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    t = results["scenarios"]["t"]
+    runs = {r["variant"]: r for r in t["runs"]}
+    assert set(runs) == {"off", "metrics", "traced"}
+    assert all(r["env_ok"] and r["error_count"] == 0 and r["cpu_us_per_chunk"]
+               for r in runs.values())
+    assert runs["off"]["edge_metrics_bytes"] == 0
+    assert runs["metrics"]["edge_metrics_bytes"] > 0
+    assert runs["off"]["spans"] == runs["metrics"]["spans"] == 0
+    assert set(runs["traced"]["spans_by_service"]) == {
+        "tidegate-edge", "tidegate-dispatcher", "tidegate-worker"}
+    assert {(d["variant"], d["against"]) for d in t["summary"]["deltas"]} == {
+        ("metrics", "off"), ("traced", "off"), ("traced", "metrics")}
+    assert "## (t) Telemetry overhead" in (out / "results.md").read_text()
 
 
 @pytest.mark.pipeline

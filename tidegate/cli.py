@@ -111,13 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run of every scenario in under a minute")
     bench.add_argument("--scenarios", default="a,b,c,d,e", metavar="LIST",
-                       help="comma-separated subset of a (overhead), b (idle streams), "
-                            "c (cancel), d (slow clients), e (other gateways) "
-                            "(default: all)")
+                       help="comma-separated list of a (overhead), b (idle streams), "
+                            "c (cancel), d (slow clients), e (other gateways), "
+                            "q (quota check cost), t (telemetry overhead: off, metrics, "
+                            "traced) (default: a,b,c,d,e; q and t only when named)")
     bench.add_argument("--out", default="bench-results", metavar="DIR",
                        help="results folder (default: ./bench-results)")
     bench.add_argument("--idle-streams", type=int, metavar="N",
-                       help="streams held open in scenario b (default: 2000, quick: 100)")
+                       help="streams held open in scenario b (default: 10000, quick: 100)")
     bench.add_argument("--py-spy", action="store_true",
                        help="profile the edge and worker with py-spy during scenario a")
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -4,14 +4,23 @@ For tests (one trace across the tiers) and the benchmark (tracing on, with an
 exporter that really sends). It accepts ``POST /v1/traces`` and
 ``POST /v1/metrics`` with protobuf bodies (gzip or not), decodes spans into
 :class:`ReceivedSpan` and answers 200 with an empty export response, as a
-collector would. Not a collector: no retries, no persistence, no auth.
+collector would. ``GET /stats`` answers what it received so far as JSON
+(spans by service, distinct traces, metric exports). Not a collector: no
+retries, no persistence, no auth.
+
+``python -m tidegate.otlp_sink --port N`` runs one as its own process (the
+benchmark's traced run does, so the receiver's CPU is not counted as the
+gateway's); there it only counts spans, it does not keep them.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gzip
+import signal
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,8 +70,12 @@ def _attributes(kvs: Any) -> dict[str, Any]:
 
 
 class OtlpSink:
-    def __init__(self) -> None:
+    def __init__(self, *, keep_spans: bool = True) -> None:
+        self.keep_spans = keep_spans  # False: count spans, do not keep them
         self.spans: list[ReceivedSpan] = []
+        self.span_counts: Counter[str] = Counter()  # by service.name
+        self.trace_ids: set[str] = set()
+        self.trace_exports = 0
         self.metric_exports = 0
         self.metric_names: set[str] = set()
         self.url = ""
@@ -74,6 +87,7 @@ class OtlpSink:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/traces", self._traces)
         app.router.add_post("/v1/metrics", self._metrics)
+        app.router.add_get("/stats", self._stats)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -113,7 +127,11 @@ class OtlpSink:
                         events=tuple((e.name, _attributes(e.attributes)) for e in s.events),
                         status_code=int(s.status.code)))
         with self._lock:
-            self.spans.extend(spans)
+            self.trace_exports += 1
+            self.span_counts.update(s.service for s in spans)
+            self.trace_ids.update(s.trace_id for s in spans)
+            if self.keep_spans:
+                self.spans.extend(spans)
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
                             content_type="application/x-protobuf")
 
@@ -127,6 +145,18 @@ class OtlpSink:
             self.metric_names |= names
         return web.Response(body=ExportMetricsServiceResponse().SerializeToString(),
                             content_type="application/x-protobuf")
+
+    def stats(self) -> dict[str, Any]:
+        """What arrived so far: spans by service, distinct traces, exports."""
+        with self._lock:
+            return {"spans": sum(self.span_counts.values()),
+                    "spans_by_service": dict(self.span_counts),
+                    "traces": len(self.trace_ids), "trace_exports": self.trace_exports,
+                    "metric_exports": self.metric_exports,
+                    "metric_names": sorted(self.metric_names)}
+
+    async def _stats(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
 
 
 @contextmanager
@@ -154,3 +184,31 @@ def threaded_sink() -> Iterator[OtlpSink]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+async def _serve(host: str, port: int) -> None:
+    sink = OtlpSink(keep_spans=False)
+    await sink.start(host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"OTLP sink on {sink.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await sink.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tidegate.otlp_sink",
+                                     description="Receive OTLP/HTTP spans and metrics and "
+                                                 "count them (GET /stats).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=4318)
+    args = parser.parse_args(argv)
+    asyncio.run(_serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -101,6 +101,58 @@ def _pair(d: dict[str, Any], a: str = "p50", b: str = "p99") -> str:
     return f"{_fmt(d.get(a))} / {_fmt(d.get(b))}"
 
 
+def _telemetry_markdown(t: dict[str, Any]) -> list[str]:
+    p = t["params"]
+    env = "; ".join(f"{name}: " + (", ".join(f"`{k}={v}`" for k, v in e.items()) or "none")
+                    for name, e in p["variants"].items())
+    out = ["## (t) Telemetry overhead", "",
+           f"(a)'s closed loop on tidegate at c={p['concurrency']} ({p['tokens']} tokens at "
+           f"{p['itl_s'] * 1000:g} ms ITL; {p['warmup_s']:g} s warm-up, {p['window_s']:g} s "
+           f"window), each variant {p['rounds']} time(s) on a fresh stack, the order "
+           "alternating between rounds. OTEL_* variables of the tiers by variant "
+           f"({env}; SINK is an OTLP/HTTP receiver in its own process, whose CPU is not "
+           "counted as the gateway's). CPU sums edge, dispatcher, worker and nats-server.",
+           ""]
+    rows = []
+    for r in t["runs"]:
+        rows.append([r["variant"], r["round"], r["streams_per_s"], r["chunks_per_s"],
+                     _pair(r["ttft_ms"]), r["error_count"], r.get("cpu_us_per_chunk"),
+                     r.get("cpu_ms_per_request"),
+                     ", ".join(f"{k} {_fmt(r['cpu_s'].get(k), 2)}"
+                               for k in ("edge", "dispatcher", "worker", "nats-server",
+                                         "otlp-sink")),
+                     r.get("edge_metrics_bytes"), r.get("spans_per_request"),
+                     "yes" if r.get("env_ok") else "**no**"])
+    out += _table(["variant", "round", "streams/s", "chunks/s", "TTFT p50/p99", "errors",
+                   "CPU µs/chunk", "CPU ms/req", "CPU s by process", "edge /metrics bytes",
+                   "spans/request", "env checked"], rows)
+    summary = t.get("summary", {})
+    rows = []
+    for name, v in summary.get("variants", {}).items():
+        procs = v["process_us_per_chunk"]
+        rows.append([name, v["rounds"], v["cpu_us_per_chunk"],
+                     " / ".join(_fmt(x) for x in v["cpu_us_per_chunk_runs"]),
+                     v["cpu_us_per_request"],
+                     " / ".join(_fmt(procs.get(k)) for k in ("edge", "dispatcher", "worker",
+                                                             "nats-server")),
+                     v["streams_per_s"], v["spans_per_request"], v["sink_cpu_s"]])
+    out += ["Means over the rounds (µs per chunk of each round after the slash list):", ""]
+    out += _table(["variant", "rounds", "CPU µs/chunk", "each round", "CPU µs/request",
+                   "µs/chunk edge / dispatcher / worker / nats", "streams/s", "spans/request",
+                   "sink CPU s"], rows)
+    rows = [[f"{d['variant']} - {d['against']}", d["cpu_us_per_chunk"],
+             f"{d['cpu_us_per_chunk_pct']:+.1f} %", d.get("cpu_us_per_request"),
+             "-" if d.get("cpu_us_per_request_pct") is None
+             else f"{d['cpu_us_per_request_pct']:+.1f} %",
+             " / ".join(_fmt(d["process_us_per_chunk"].get(k)) for k in
+                        ("edge", "dispatcher", "worker", "nats-server"))]
+            for d in summary.get("deltas", [])]
+    out += ["Differences:", ""]
+    out += _table(["difference", "µs/chunk", "share", "µs/request", "share",
+                   "µs/chunk edge / dispatcher / worker / nats"], rows)
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     m = meta["machine"]
@@ -195,6 +247,8 @@ def markdown(results: dict[str, Any]) -> str:
         out += _table(["target", "process", "client read B (p50)", "backend wrote B (p50)",
                        "backend total B at half time", "at end", "RSS start KiB", "RSS max",
                        "RSS end"], rows)
+    if "t" in scen:
+        out += _telemetry_markdown(scen["t"])
     if "q" in scen:
         out += quota.markdown(scen["q"])
     for key, prof in results.get("profiles", {}).items():

@@ -22,7 +22,8 @@ from tidegate.errors import TidegateError
 __all__ = ["KNOWN_SCENARIOS", "SCENARIOS", "BenchOptions", "machine", "run"]
 
 SCENARIOS = "abcde"  # the default run
-KNOWN_SCENARIOS = SCENARIOS + "q"  # q (quota check cost) runs only when asked for
+# Only when asked for: q (quota check cost), t (telemetry overhead).
+KNOWN_SCENARIOS = SCENARIOS + "qt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,7 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     out: dict[str, Any] = {}
     letters = options.scenarios
     gateways = [t for t in targets if t.name != "direct"]
-    if "a" in letters or letters.replace("q", "") == "e":
+    if "a" in letters or letters.replace("q", "").replace("t", "") == "e":
         out["a"] = await scenarios.overhead(targets, profile, spy)
     if "b" in letters:
         out["b"] = await scenarios.idle(gateways, profile)
@@ -112,6 +113,10 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["c"] = await scenarios.cancel(env, targets, profile)
     if "d" in letters:
         out["d"] = await scenarios.slow_clients(env, gateways, profile)
+    if "t" in letters:
+        if "tidegate" in env.available:  # (a)-(d) are done with it: a quiet machine for (t)
+            await asyncio.to_thread(env.stop_stack, "tidegate")
+        out["t"] = await scenarios.telemetry_overhead(env, profile)
     if "q" in letters:
         out["q"] = await asyncio.to_thread(quota.run, options.out, options.quick)
     return out
@@ -131,6 +136,10 @@ def run(options: BenchOptions) -> dict[str, Any]:
     if fd_limit < 4 * profile.idle_streams:
         notes.append(f"open-files limit is {fd_limit}; (b) may fail to open "
                      f"{profile.idle_streams} streams.")
+    otel = sorted(k for k in os.environ if k.startswith("OTEL_"))
+    if otel:
+        notes.append(f"The environment sets {', '.join(otel)}: the tidegate tiers of (a)-(d) "
+                     "inherit them; (t) sets its own.")
     started, t_start = time.strftime("%Y-%m-%d %H:%M:%S"), time.monotonic()
     load_before = os.getloadavg()[0]
     spy: PySpy | None = None
@@ -143,7 +152,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
                       2 * max(profile.concurrencies) + 256)
     with Targets(out, heartbeat_interval=profile.heartbeat_interval,
                  max_streams=max_streams, overrides=dict(options.tidegate_config)) as env:
-        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS) else []
+        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "t") else []
         if set(options.scenarios) & set("abcd"):
             targets.append(env.start_tidegate())
         if "e" in options.scenarios:

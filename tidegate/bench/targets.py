@@ -7,6 +7,11 @@
   streaming proxy.
 * ``litellm`` - LiteLLM's proxy, only when ``litellm`` is importable.
 
+Scenario (t) starts further tidegate stacks, each with its own nats-server
+and redis-server and with a given environment for the tiers (telemetry off,
+default, traced), one at a time, and stops each after its run; and an OTLP
+receiver (``python -m tidegate.otlp_sink``) as a process of its own.
+
 Everything binds 127.0.0.1 on free ports. :class:`Targets` owns every child;
 its :meth:`Targets.close` stops them all (SIGTERM, then SIGKILL), and every
 child also gets SIGKILL from the kernel if the benchmark process dies
@@ -104,12 +109,13 @@ class Targets:
         self.fake_url = ""
         self.control_url = ""
         self.available: dict[str, Target] = {}
+        self._stacks: dict[str, list[ManagedProcess]] = {}  # target name -> its processes
         self.notes: list[str] = []
 
     def _proc(self, name: str, argv: list[str], ready: Callable[[], bool] | None = None,
-              ) -> ManagedProcess:
+              env: Mapping[str, str] | None = None) -> ManagedProcess:
         p = ManagedProcess(name, argv, self.logs / f"{name}.log", ready=ready,
-                           start_timeout=30.0)
+                           start_timeout=30.0, env=env)
         self._procs.append(p)
         return p
 
@@ -164,11 +170,21 @@ class Targets:
 
     # -- tidegate ----------------------------------------------------------
 
-    def start_tidegate(self) -> Target:
-        nats = NatsServer(self._tmp / "nats", host=_HOST, log_path=self.logs / "nats-server.log")
+    def start_tidegate(self, name: str = "tidegate",
+                       env: Mapping[str, str] | None = None) -> Target:
+        """A whole tidegate stack (its own nats-server and redis-server too).
+
+        ``env`` is the tiers' complete environment (None: inherit the
+        benchmark's); the servers always inherit. Several stacks can run at
+        once, each on its own ports; logs and config of a stack other than
+        ``tidegate`` carry its name as a prefix.
+        """
+        prefix = "" if name == "tidegate" else f"{name}-"
+        nats = NatsServer(self._tmp / f"{prefix}nats", host=_HOST,
+                          log_path=self.logs / f"{prefix}nats-server.log")
         self._procs.append(nats)
-        redis = RedisServer(self._tmp / "redis", host=_HOST,
-                            log_path=self.logs / "redis-server.log")
+        redis = RedisServer(self._tmp / f"{prefix}redis", host=_HOST,
+                            log_path=self.logs / f"{prefix}redis-server.log")
         self._procs.append(redis)
         nats.spawn()
         redis.spawn()
@@ -194,25 +210,49 @@ class Targets:
                 node = node.setdefault(part, {})
             node[key] = value
         config = tgconfig.from_dict(raw)
-        path = self.workdir / "tidegate.toml"
+        path = self.workdir / f"{prefix}tidegate.toml"
         path.write_text(tgconfig.dump_toml(config))
-        tiers = {tier: self._proc(tier, _python("tidegate", tier, "--config", str(path)))
+        tiers = {tier: self._proc(f"{prefix}{tier}",
+                                  _python("tidegate", tier, "--config", str(path)), env=env)
                  for tier in ("dispatcher", "worker", "edge")}
+        self._stacks[name] = [nats, redis, *tiers.values()]
         for p in tiers.values():
             p.spawn()
         base = f"http://{_HOST}:{port}"
         procs = [nats, redis, *tiers.values()]
         _wait("waiting for the edge to be ready", lambda: http_ok(f"{base}/readyz"), procs, 30)
-        endpoint = Endpoint("tidegate", f"{base}/v1", MODEL,
+        endpoint = Endpoint(name, f"{base}/v1", MODEL,
                             {"Authorization": f"Bearer {BENCH_KEY}"})
         _wait("waiting for a first request through tidegate",
               lambda: _round_trip(endpoint), procs, 30)
-        target = Target("tidegate", endpoint, port,
+        target = Target(name, endpoint, port,
                         cpu={"edge": tiers["edge"], "dispatcher": tiers["dispatcher"],
                              "worker": tiers["worker"], "nats-server": nats},
                         memory={"edge": tiers["edge"], "worker": tiers["worker"]})
         target.extra["redis-server"] = redis
         return self._with_backend(target)
+
+    def stop_stack(self, name: str) -> None:
+        """Stop a tidegate stack started by :meth:`start_tidegate`: the tiers
+        (SIGTERM, so they flush their telemetry), then its servers."""
+        procs = self._stacks.pop(name, [])
+        servers = [p for p in procs if isinstance(p, NatsServer | RedisServer)]
+        stop_all([p for p in procs if p not in servers], 10.0)
+        stop_all(servers, 10.0)
+        self._procs = [p for p in self._procs if p not in procs]
+        self.available.pop(name, None)
+
+    # -- an OTLP receiver (scenario t) -------------------------------------
+
+    def start_otlp_sink(self) -> tuple[ManagedProcess, str]:
+        """``python -m tidegate.otlp_sink`` on a free port: the process and its URL."""
+        port = free_port(_HOST)
+        url = f"http://{_HOST}:{port}"
+        proc = self._proc("otlp-sink", _python("tidegate.otlp_sink", "--host", _HOST,
+                                               "--port", str(port)),
+                          ready=lambda: http_ok(f"{url}/stats"))
+        proc.start()
+        return proc, url
 
     # -- LiteLLM -----------------------------------------------------------
 
