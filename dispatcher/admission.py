@@ -36,6 +36,7 @@ class Decision:
     position: int = 0
     error: ErrorInfo | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    reserved: bool = False  # quota was reserved: its usage must be reconciled
 
 
 ADMIT = Decision(Admission.ADMITTED)
@@ -118,7 +119,7 @@ class QuotaAdmission:
             return self._outage(request, exc)
         headers = rate_limit_headers(result)
         if result.admitted:
-            return Decision(Admission.ADMITTED, headers=headers)
+            return Decision(Admission.ADMITTED, headers=headers, reserved=True)
         log.info("request %s rejected: %s limit of %s", request.id, result.limit, result.scope)
         tm.get().metrics.quota_rejections.add(1, {tm.LIMIT: result.limit,
                                                   tm.MODEL: request.model})

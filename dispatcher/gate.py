@@ -38,7 +38,7 @@ log = logging.getLogger("tidegate.dispatcher")
 _TICK = 0.25  # controller period, seconds
 _POSITIONS_EVERY = 2.0  # seconds between position updates to queued clients
 
-Dispatch = Callable[[Request, Msg, dict[str, str]], Awaitable[None]]
+Dispatch = Callable[[Request, Msg, dict[str, str], bool], Awaitable[None]]
 Refund = Callable[[str], Awaitable[None]]
 
 
@@ -47,6 +47,7 @@ class Held:
     request: Request
     msg: Msg
     headers: dict[str, str]
+    reserved: bool
     position: int = 0
 
 
@@ -73,7 +74,7 @@ class QueueGate:
     # -- admission ---------------------------------------------------------------
 
     async def admit(self, request: Request, msg: Msg, headers: dict[str, str],
-                    model: ModelConfig) -> bool:
+                    model: ModelConfig, reserved: bool) -> bool:
         """True: dispatch now. False: the gate took the request (queued or
         answered it)."""
         mode = self.modes.get(model.name, ModeState())
@@ -97,7 +98,7 @@ class QueueGate:
                        f"The request waited longer than {model.queue.ttl:g}s in the queue.")
             await self._reject(request, msg, headers, code, message)
             return False
-        self.held[request.id] = Held(request, msg, headers, position)
+        self.held[request.id] = Held(request, msg, headers, reserved, position)
         await self.nc.publish(request.reply, Status(Admission.QUEUED, position,
                                                     headers=headers or None).encode())
         tm.get().metrics.dispatch_decisions.add(1, {tm.MODEL: model.name, tm.OUTCOME: "queued"})
@@ -120,7 +121,7 @@ class QueueGate:
             if held is None:
                 continue  # redelivered elsewhere meanwhile; its new owner gets it
             if granted:
-                await self.dispatch(held.request, held.msg, held.headers)
+                await self.dispatch(held.request, held.msg, held.headers, held.reserved)
             else:
                 await self._reject(held.request, held.msg, held.headers, "queue_timeout",
                                    "The request waited longer than its queue TTL.")
@@ -202,7 +203,7 @@ class QueueGate:
                     # Granted or expired, but the grant message never came
                     # (core NATS is at most once): act on what Redis says.
                     if position == -1:
-                        await self.dispatch(held.request, held.msg, held.headers)
+                        await self.dispatch(held.request, held.msg, held.headers, held.reserved)
                     else:
                         await self._reject(held.request, held.msg, held.headers,
                                            "queue_timeout",

@@ -33,7 +33,7 @@ from tidegate.cancels import CancelRegistry
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
 from tidegate.policies import PolicySet, ensure_policies_bucket, watch_policies
-from tidegate.protocol import Admission, Request, Status, UsageRecord
+from tidegate.protocol import RESERVED_HEADER, Admission, Request, Status, UsageRecord
 from tidegate.pull import Puller
 
 log = logging.getLogger("tidegate.dispatcher")
@@ -103,17 +103,20 @@ class Dispatcher:
             return
         model = self.models.get(request.model)
         if (self.gate is not None and model is not None
-                and not await self.gate.admit(request, msg, decision.headers, model)):
+                and not await self.gate.admit(request, msg, decision.headers, model,
+                                              decision.reserved)):
             return  # queued (held until granted) or answered by the gate
-        await self.dispatch(request, msg, decision.headers)
+        await self.dispatch(request, msg, decision.headers, decision.reserved)
 
-    async def dispatch(self, request: Request, msg: Msg, headers: dict[str, str]) -> None:
+    async def dispatch(self, request: Request, msg: Msg, headers: dict[str, str],
+                       reserved: bool) -> None:
         """Publish the job, then ack the request: the order that loses nothing."""
         await self.nc.publish(request.reply, Status(Admission.ADMITTED,
                                                     headers=headers or None).encode())
         try:
             await self.js.publish(self.subjects.job(request.model), msg.data,
                                   headers={"Nats-Msg-Id": request.id,
+                                           **({RESERVED_HEADER: "1"} if reserved else {}),
                                            **tracing.job_headers(msg.headers)})
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not publish job for %s (%s); will retry", request.id, exc)
@@ -144,7 +147,9 @@ class Reconciler:
             await msg.term()
             return
         try:
-            await self.store.reconcile(record.id, record.prompt_tokens + record.completion_tokens)
+            if record.reserved:
+                await self.store.reconcile(record.id,
+                                           record.prompt_tokens + record.completion_tokens)
             model = self.models.get(record.model)
             if model is not None and model.queue.ttft_p99 > 0 and record.ttft_ms > 0:
                 await self.queue.record_ttft(model.name, record.ttft_ms, time.time(), model.queue)

@@ -25,6 +25,7 @@ from tidegate.protocol import (
     Kind,
     Request,
     Status,
+    UsageRecord,
     decode_control,
     decode_session,
 )
@@ -429,3 +430,14 @@ def test_protocol_error_is_a_tidegate_error() -> None:
 
     with pytest.raises(TidegateError):
         decode_control(b"\xc1")
+
+
+def test_usage_record_round_trip_and_reserved_default() -> None:
+    record = UsageRecord(id="r", model="m", outcome="done", prompt_tokens=3,
+                         completion_tokens=5, ttft_ms=12.5, reserved=False)
+    assert UsageRecord.decode(record.encode()) == record
+    # A record from a worker that predates the flag is reconciled (the safe side).
+    legacy = msgpack.packb({"v": 1, "id": "r", "model": "m", "outcome": "done"})
+    assert UsageRecord.decode(legacy).reserved is True
+    with pytest.raises(ProtocolError):
+        UsageRecord.decode(b"\x93garbage")

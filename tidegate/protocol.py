@@ -33,6 +33,10 @@ from tidegate.errors import ProtocolError
 
 VERSION = 1
 
+# NATS header on a job whose admission reserved quota: its usage record must be
+# reconciled. Without it the reconciler skips Redis for that request.
+RESERVED_HEADER = "Tg-Reserved"
+
 
 class Kind(IntEnum):
     STATUS = 0
@@ -189,6 +193,10 @@ class UsageRecord:
     ttft_ms: float = 0.0
     duration_ms: float = 0.0
     attempt: int = 1
+    # Whether admission reserved quota for the request (the dispatcher marks
+    # the job with the RESERVED_HEADER). Unknown means yes: settling a
+    # reservation that does not exist is harmless, skipping one is not.
+    reserved: bool = True
 
     def encode(self) -> bytes:
         fields = {f: getattr(self, f) for f in self.__slots__}

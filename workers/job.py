@@ -52,6 +52,7 @@ from tidegate.config import Config
 from tidegate.errors import ApiError, BackendError
 from tidegate.flow import SendWindow
 from tidegate.protocol import (
+    RESERVED_HEADER,
     Chunk,
     Done,
     Error,
@@ -88,6 +89,11 @@ class JobContext:
                                   record.encode(), headers={"Nats-Msg-Id": f"u-{record.id}"})
         except Exception as exc:
             log.warning("could not publish usage for %s: %s", record.id, exc)
+
+
+def reserved(msg: Msg) -> bool:
+    """Whether the dispatcher reserved quota for this job (see RESERVED_HEADER)."""
+    return bool(msg.headers and msg.headers.get(RESERVED_HEADER))
 
 
 def _info(error: ApiError) -> ErrorInfo:
@@ -186,7 +192,8 @@ class Job:
             completion_tokens=usage.completion_tokens, finish_reason=usage.finish_reason,
             queue_wait_ms=self.queue_wait_ms,
             ttft_ms=(self.first_chunk_at - self.started) * 1000 if self.first_chunk_at else 0.0,
-            duration_ms=(now - self.started) * 1000, attempt=self.msg.metadata.num_delivered)
+            duration_ms=(now - self.started) * 1000, attempt=self.msg.metadata.num_delivered,
+            reserved=reserved(self.msg))
         self._observe(record, now)
         await self.ctx.report(record)
 

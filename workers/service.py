@@ -41,7 +41,7 @@ from tidegate.protocol import Ack, Request, UsageRecord, decode_control
 from tidegate.pull import Puller
 from tidegate.workers_registry import SlotInfo
 from workers.backends import Backend, create_backend
-from workers.job import WORKER_SHUTDOWN, Job, JobContext
+from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
 
 log = logging.getLogger("tidegate.worker")
 
@@ -117,7 +117,8 @@ class Pool:
             # frees the concurrency slot.
             await self.ctx.report(UsageRecord(id=request.id, model=request.model,
                                               outcome="dropped", tenant=request.tenant,
-                                              user=request.user, key_id=request.key_id))
+                                              user=request.user, key_id=request.key_id,
+                                              reserved=reserved(msg)))
             await msg.ack()
             return
         job = Job(msg, request, backend, self.ctx)
