@@ -108,3 +108,13 @@ def run_service(serve: Serve, config: Config) -> int:
     finally:
         sys.stdout.flush()
     return 0
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGINT or SIGTERM (helper processes such as the
+    bench's fake backend and proxy, which clean up after it)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -13,14 +13,13 @@ connection is closed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import signal
 
 import aiohttp
 from aiohttp import web
 
 from tidegate.bench import run_async
+from tidegate.runtime import wait_for_signal
 
 _SESSION = web.AppKey("session", aiohttp.ClientSession)
 _UPSTREAM = web.AppKey("upstream", str)
@@ -63,12 +62,8 @@ async def _serve(host: str, port: int, upstream: str) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=4096).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_signal()
     finally:
         await runner.cleanup()
         await session.close()

@@ -13,14 +13,13 @@ process, so the load generator can subtract its own close times from it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import signal
 
 from aiohttp import web
 
 from tidegate.bench import run_async
 from tidegate.fake_backend import FakeBackend, FakeConfig
+from tidegate.runtime import wait_for_signal
 
 
 def _control_app(fake: FakeBackend) -> web.Application:
@@ -50,12 +49,8 @@ async def _serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(_control_app(fake), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.control_port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_signal()
     finally:
         await runner.cleanup()
         await fake.stop()
