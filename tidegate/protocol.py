@@ -301,7 +301,13 @@ class Chunk(NamedTuple):
     data: bytes
 
     def encode(self) -> bytes:
-        return _pack([VERSION, Kind.CHUNK, self.seq, self.data])
+        return encode_chunk(self.seq, self.data)
+
+
+def encode_chunk(seq: int, data: bytes) -> bytes:
+    """:class:`Chunk` encoding without building the tuple first: the worker
+    sends one per backend read, so it skips that allocation."""
+    return _pack([VERSION, Kind.CHUNK, seq, data])
 
 
 class Heartbeat(NamedTuple):

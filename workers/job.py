@@ -53,7 +53,6 @@ from tidegate.errors import ApiError, BackendError
 from tidegate.flow import SendWindow
 from tidegate.protocol import (
     RESERVED_HEADER,
-    Chunk,
     Done,
     Error,
     ErrorInfo,
@@ -61,6 +60,7 @@ from tidegate.protocol import (
     Heartbeat,
     Request,
     UsageRecord,
+    encode_chunk,
 )
 from tidegate.telemetry import Telemetry
 from workers.backends import Backend, BackendStream, Usage
@@ -308,6 +308,7 @@ class Job:
     async def _pump(self, stream: BackendStream) -> None:
         window = self.window
         read_bytes = self.ctx.config.worker.read_bytes
+        publish, reply = self.ctx.nc.publish, self.request.reply
         try:
             while True:
                 if not window.open:
@@ -322,16 +323,20 @@ class Job:
                 data = await stream.read(min(read_bytes, window.available_bytes or read_bytes))
                 if not data:
                     break
-                self.seq += 1
+                # Per-chunk path: one clock read, no envelope object, and the
+                # publish awaited directly (not through _send).
+                now = time.monotonic()
+                seq = self.seq = self.seq + 1
                 if not self.chunks_sent:
-                    self.first_chunk_at = time.monotonic()
+                    self.first_chunk_at = now
                     if self.span is not None:
                         self.span.add_event(tracing.FIRST_TOKEN_EVENT)
                 self.chunks_sent += 1
-                window.on_send(self.seq, len(data), time.monotonic())
+                window.on_send(seq, len(data), now)
                 if not window.open:
                     self._window_open.clear()
-                await self._send(Chunk(self.seq, data).encode())
+                self.last_sent = now
+                await publish(reply, encode_chunk(seq, data))
         except BackendError as error:
             log.info("job %s: backend failed mid-stream: %s", self.request.id, error.message)
             self.outcome = "error"
