@@ -232,6 +232,7 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         user=principal.user,
         key_id=principal.key_id,
         edge=state.edge_id,
+        mux=subjects.edge_mux(state.edge_id),
         extra=dict(rt.carrier),
     )
     rt.started_request(request)

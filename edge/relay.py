@@ -15,7 +15,10 @@ afterwards it is a final SSE error event (see ``edge.errors``).
 
 Hot path: a batch of chunk messages becomes one socket write of their bytes,
 which the edge never parses. Acks go back cumulatively, after the write has
-drained, at most once per quarter window (``tidegate.flow.AckPolicy``).
+drained, at most once per quarter window (``tidegate.flow.AckPolicy``). Once a
+stream is flowing, most chunks do not even wake the relay: the NATS callback
+writes them straight to the socket (:meth:`Relay._direct`), and the relay
+wakes only for acks, ticks, a full socket buffer and the other messages.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 
 from edge import instrument
 from edge.errors import error_response, from_info, sse_error_event
@@ -178,11 +183,16 @@ class Relay:
             now = time.monotonic()
             messages = session.take()
             if messages:
+                # While this relay holds taken messages, a chunk arriving
+                # behind them must queue too, not overtake them to the socket.
+                session.direct = None
                 done = await self._handle(messages, now)
                 if self.phase is Phase.STREAMING:
                     self.last_worker_msg = now
                 if done:
                     return await self._finish()
+                if self.wrote_chunks:
+                    session.direct = self._direct_writer()
             if session.take_tick():
                 await self._on_tick(now)
 
@@ -358,6 +368,38 @@ class Relay:
         except TimeoutError:
             transport.abort()
             raise SlowClient() from None
+
+    def _direct_writer(self) -> Callable[[Chunk], bool] | None:
+        """:meth:`_direct`, when this response can take raw chunked frames:
+        headers sent, chunked transfer encoding (HTTP/1.1), no compression."""
+        writer = self.response._payload_writer if self.response is not None else None
+        if (writer is None or not isinstance(writer, StreamWriter) or not writer.chunked
+                or not writer._headers_written or writer._compress is not None
+                or writer.length is not None):
+            return None
+        return self._direct
+
+    def _direct(self, chunk: Chunk) -> bool:
+        """Write one chunk to the client from the NATS callback, bypassing the
+        relay task and aiohttp's write path (one ``transport.write`` of the
+        chunked frame). Only the steady state qualifies: the next chunk in
+        sequence, room under the socket's high-water mark (so it counts as
+        drained, as in :meth:`_write`) and no ack due after it (acks publish,
+        which needs the task). Anything else returns False and the relay
+        handles the chunk, after everything queued before it."""
+        data = chunk.data
+        n = len(data)
+        transport = self.http.transport
+        if (chunk.seq != self.expected_seq or transport is None or transport.is_closing()
+                or transport.get_write_buffer_size() + n > self.high_water
+                or not self.acks.quiet_after(n)):
+            return False
+        # aiohttp's chunked framing, byte for byte; its write_eof ends the body.
+        transport.write(b"%x\r\n%b\r\n" % (n, data))
+        self.expected_seq = chunk.seq + 1
+        self.acks.on_written(chunk.seq, n)
+        self.last_worker_msg = self.last_write = time.monotonic()
+        return True
 
     async def _finish(self) -> web.StreamResponse:
         if not self.request.stream:

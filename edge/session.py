@@ -5,6 +5,17 @@ messages of every open request; :class:`SessionTable` routes each to its
 :class:`Session` by the subject's last token. That costs one dict lookup per
 message instead of a SUB/UNSUB round trip per request, and the edge is always
 subscribed before it publishes (the invariant that no early answer is lost).
+Workers send most of their messages multiplexed, many sessions' in one NATS
+message on ``<p>.out.<edge>.mux`` (``tidegate.mux``); the table unpacks those
+and routes each the same way.
+
+Hot path: a session whose relay is streaming and keeping up installs a
+``direct`` writer, and a chunk that arrives with nothing queued before it is
+written to the client socket right here in the NATS callback, without waking
+the relay task (see ``Relay._direct``). Anything else (a gap, a full socket
+buffer, an ack due, any other message) queues and wakes the relay, and the
+relay removes ``direct`` while it holds taken messages, so the socket always
+gets chunks in sequence order.
 
 A session is woken either by messages or by its periodic tick, which is how
 timeouts and ``: ping`` comments are driven without arming a timer per chunk.
@@ -15,16 +26,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from tidegate.errors import ApiError, ProtocolError
-from tidegate.protocol import SessionMessage, decode_session
+from tidegate.mux import decode_mux
+from tidegate.protocol import Chunk, SessionMessage, decode_session
+from tidegate.subjects import MUX_TOKEN
 
 log = logging.getLogger("tidegate.edge")
 
 
 class Session:
     __slots__ = ("_loop", "_pending", "_tick_handle", "_tick_interval", "_waiter",
-                 "aborted", "request_id", "ticked")
+                 "aborted", "direct", "request_id", "ticked")
 
     def __init__(self, request_id: str, tick_interval: float) -> None:
         self.request_id = request_id
@@ -34,9 +48,15 @@ class Session:
         self._tick_interval = tick_interval
         self.ticked = False
         self.aborted: ApiError | None = None
+        # Writes an in-order chunk to the client at once; False = not now, queue it.
+        self.direct: Callable[[Chunk], bool] | None = None
         self._tick_handle = self._loop.call_later(tick_interval, self._on_tick)
 
     def feed(self, message: SessionMessage) -> None:
+        direct = self.direct
+        if (direct is not None and not self._pending and type(message) is Chunk
+                and direct(message)):
+            return
         self._pending.append(message)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -124,7 +144,11 @@ class SessionTable:
         return True
 
     def dispatch(self, subject: str, data: bytes) -> None:
-        session = self._sessions.get(subject[self._prefix_len:])
+        request_id = subject[self._prefix_len:]
+        if request_id == MUX_TOKEN:
+            self._dispatch_mux(data)
+            return
+        session = self._sessions.get(request_id)
         if session is None:
             # Late message for a finished request (e.g. a heartbeat racing the
             # end of the stream). The worker learns of the end through the
@@ -134,3 +158,18 @@ class SessionTable:
             session.feed(decode_session(data))
         except ProtocolError as exc:
             log.error("dropping malformed message for %s: %s", session.request_id, exc)
+
+    def _dispatch_mux(self, data: bytes) -> None:
+        sessions = self._sessions
+        try:
+            for request_id, message in decode_mux(data):
+                session = sessions.get(request_id)
+                if session is None:
+                    continue  # finished request, as in dispatch
+                try:
+                    session.feed(decode_session(message))
+                except ProtocolError as exc:
+                    log.error("dropping malformed message for %s: %s", request_id, exc)
+        except ProtocolError as exc:
+            # The sessions it was for see a sequence gap, or go silent and time out.
+            log.error("dropping malformed mux message: %s", exc)

@@ -185,6 +185,9 @@ class WorkerConfig:
     ack_wait: float = 20.0
     max_deliver: int = 5
     read_bytes: int = 16 << 10  # largest single read from a backend response
+    # Messages to one edge within one loop iteration go as one NATS message of
+    # at most this many bytes (tidegate.mux); 0 = one NATS message each.
+    coalesce_bytes: int = 128 << 10
     fetch_timeout: float = 1.0
     shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
     max_response_bytes: int = 8 << 20  # non-streaming backend body cap
@@ -468,6 +471,10 @@ def _check(config: Config) -> None:
         raise ConfigError(f"dispatcher.ack_wait ({config.dispatcher.ack_wait:g}s) must be below "
                           f"edge.admission_timeout ({e.admission_timeout:g}s): a request held "
                           "by a dead dispatcher is redelivered only after ack_wait")
+    # nats-server's default max_payload is 1 MiB: a batch must stay well under it.
+    if not 0 <= w.coalesce_bytes <= 512 << 10:
+        raise ConfigError(f"worker.coalesce_bytes: must be between 0 (off) and 524288, "
+                          f"got {w.coalesce_bytes}")
     for name, value in (("edge.keepalive_idle", e.keepalive_idle),
                         ("edge.keepalive_interval", e.keepalive_interval),
                         ("edge.keepalive_count", e.keepalive_count)):

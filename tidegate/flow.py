@@ -120,6 +120,12 @@ class AckPolicy:
             return self.ack_now()
         return None
 
+    def quiet_after(self, nbytes: int, nmsgs: int = 1) -> bool:
+        """Whether :meth:`on_written` with these would *not* ask for an ack
+        (the edge's direct write path handles only such chunks)."""
+        return (self.unacked_bytes + nbytes < self._bytes_threshold
+                and self.unacked_msgs + nmsgs < self._msgs_threshold)
+
     def ack_now(self) -> int:
         self.acked_seq = self.written_seq
         self.unacked_bytes = 0

@@ -47,6 +47,7 @@ class Kind(IntEnum):
     ERROR = 5
     ACK = 6
     CANCEL = 7
+    MUX = 8  # several sessions' messages in one NATS message (tidegate.mux)
 
 
 class Api(IntEnum):
@@ -96,6 +97,11 @@ class Request:
     key_id: str = ""
     klass: str = "interactive"
     edge: str = ""
+    # Where the edge also accepts its sessions' messages multiplexed (several
+    # requests' in one NATS message, see tidegate.mux); "" = only on ``reply``.
+    # A capability the edge advertises per request, so edges and workers of
+    # different versions mix during a rolling upgrade.
+    mux: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
@@ -126,6 +132,7 @@ class Request:
                 "key_id": self.key_id,
                 "class": self.klass,
                 "edge": self.edge,
+                "mux": self.mux,
                 "extra": self.extra,
             }
         )
@@ -159,6 +166,7 @@ class Request:
                 key_id=str(m.get("key_id", "")),
                 klass=str(m.get("class", "interactive")),
                 edge=str(m.get("edge", "")),
+                mux=str(m.get("mux", "")),
                 extra=dict(m.get("extra") or {}),
             )
         except (KeyError, ValueError, TypeError, OverflowError) as exc:

@@ -9,6 +9,7 @@ Subject map (``<p>`` is the prefix)::
     <p>.req.<class>.<tenant>     JetStream  <P>_REQUESTS  edge -> dispatcher
     <p>.job.<model>              JetStream  <P>_JOBS      dispatcher -> workers
     <p>.out.<edge>.<request>     core NATS                worker/dispatcher -> edge
+    <p>.out.<edge>.mux           core NATS                workers -> edge, many sessions
     <p>.ctl.<worker>             core NATS                edge -> worker (acks, cancel)
     KV <P>_CANCELS, key <request>  JetStream KV (TTL)     edge -> dispatchers, workers
     <p>.usage.<model>            JetStream  <P>_USAGE     worker/edge -> dispatchers
@@ -33,6 +34,9 @@ _KEEP = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 _HEX = b"0123456789ABCDEF"
 _ESCAPE = ord("_")
 _PREFIX = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+# Last token of an edge's multiplexed subject; request ids are hex, never this.
+MUX_TOKEN = "mux"
 
 
 def encode_token(name: str) -> str:
@@ -130,6 +134,12 @@ class Subjects:
 
     def out(self, edge_id: str, request_id: str) -> str:
         return f"{self.prefix}.out.{edge_id}.{request_id}"
+
+    def edge_mux(self, edge_id: str) -> str:
+        """Where workers send an edge the messages of many sessions in one NATS
+        message. Inside the inbox wildcard; ``MUX_TOKEN`` is never a request id
+        (those are hex)."""
+        return f"{self.prefix}.out.{edge_id}.{MUX_TOKEN}"
 
     def control(self, worker_id: str) -> str:
         return f"{self.prefix}.ctl.{worker_id}"

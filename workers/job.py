@@ -51,6 +51,7 @@ from tidegate import tracing
 from tidegate.config import Config
 from tidegate.errors import ApiError, BackendError
 from tidegate.flow import SendWindow
+from tidegate.mux import Outbox
 from tidegate.protocol import (
     RESERVED_HEADER,
     Done,
@@ -80,6 +81,9 @@ class JobContext:
     js: JetStreamContext
     control_subject: str
     telemetry: Telemetry = field(default_factory=tm.get)
+    # Coalesces messages to the same edge (None: one NATS message per session
+    # message, as with an edge that does not advertise a mux subject).
+    outbox: Outbox | None = None
 
     async def report(self, record: UsageRecord) -> None:
         """Publish a usage record; a broker hiccup costs an accounting entry
@@ -125,6 +129,8 @@ class Job:
         self.stall_time = 0.0
         self.span: Span | None = None
         self.attrs = {tm.MODEL: request.model, tm.OPERATION: tracing.operation(request.api)}
+        # Every message to the edge goes one way, so the wire order is the seq order.
+        self.outbox = ctx.outbox if request.mux else None
 
     # -- control messages from the edge (called by the worker's demux) -------
 
@@ -256,7 +262,10 @@ class Job:
 
     async def _send(self, payload: bytes) -> None:
         self.last_sent = time.monotonic()
-        await self.ctx.nc.publish(self.request.reply, payload)
+        if self.outbox is not None:
+            self.outbox.put(self.request.mux, self.request.id, payload)
+        else:
+            await self.ctx.nc.publish(self.request.reply, payload)
 
     async def _relay(self) -> None:
         # Head goes out before the backend call: the edge learns the control
@@ -309,6 +318,7 @@ class Job:
         window = self.window
         read_bytes = self.ctx.config.worker.read_bytes
         publish, reply = self.ctx.nc.publish, self.request.reply
+        outbox, mux, request_id = self.outbox, self.request.mux, self.request.id
         try:
             while True:
                 if not window.open:
@@ -324,7 +334,7 @@ class Job:
                 if not data:
                     break
                 # Per-chunk path: one clock read, no envelope object, and the
-                # publish awaited directly (not through _send).
+                # message handed over directly (not through _send).
                 now = time.monotonic()
                 seq = self.seq = self.seq + 1
                 if not self.chunks_sent:
@@ -336,7 +346,10 @@ class Job:
                 if not window.open:
                     self._window_open.clear()
                 self.last_sent = now
-                await publish(reply, encode_chunk(seq, data))
+                if outbox is not None:
+                    outbox.put(mux, request_id, encode_chunk(seq, data))
+                else:
+                    await publish(reply, encode_chunk(seq, data))
         except BackendError as error:
             log.info("job %s: backend failed mid-stream: %s", self.request.id, error.message)
             self.outcome = "error"

@@ -37,6 +37,7 @@ from tidegate import telemetry as tm
 from tidegate.cancels import CancelRegistry
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ProtocolError
+from tidegate.mux import Outbox
 from tidegate.protocol import Ack, Request, UsageRecord, decode_control
 from tidegate.pull import Puller
 from tidegate.workers_registry import SlotInfo
@@ -184,7 +185,12 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
-    ctx = JobContext(config=config, nc=nc, js=js, control_subject=subjects.control(worker_id))
+    outbox = None
+    if config.worker.coalesce_bytes:
+        outbox = Outbox(nc.publish, config.worker.coalesce_bytes)
+        outbox.start()
+    ctx = JobContext(config=config, nc=nc, js=js, control_subject=subjects.control(worker_id),
+                     outbox=outbox)
     pool = Pool(config, ctx)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
     cancels = await broker.ensure_cancels_bucket(js, config)
@@ -212,5 +218,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     finally:
         for backend in backends.values():
             await backend.aclose()
+        if outbox is not None:
+            await outbox.close()  # the last jobs' Done and Error messages
         await broker.close(nc)
         log.info("worker %s stopped", worker_id)
