@@ -125,16 +125,21 @@ class Relay:
             return response
         except ApiError as error:
             finished = True
+            # From here on only this task writes (an error event, the end of
+            # the body): a chunk arriving meanwhile must not follow it out.
+            self.session.direct = None
             await self._cancel_upstream(f"edge:{error.code or error.type}")
             return await self._fail(error)
         except SlowClient:
             finished = True
+            self.session.direct = None
             log.info("request %s: client did not drain for %.0fs; disconnected", self.request.id,
                      self.ctx.config.edge.slow_client_timeout)
             await self._cancel_upstream("slow_client")
             assert self.response is not None
             return self.response
         finally:
+            self.session.direct = None
             if not finished:
                 # Client went away (handler cancelled) or an unexpected error:
                 # whatever runs upstream for this request is now waste.
@@ -389,6 +394,8 @@ class Relay:
         handles the chunk, after everything queued before it."""
         data = chunk.data
         n = len(data)
+        if not n:
+            return False  # an empty chunk frame would end the body: the relay skips it
         transport = self.http.transport
         if (chunk.seq != self.expected_seq or transport is None or transport.is_closing()
                 or transport.get_write_buffer_size() + n > self.high_water

@@ -264,3 +264,207 @@ async def test_dispatch_with_the_service_prefix_convention() -> None:
         assert session.take() == [Chunk(2, b"x")]
     finally:
         table.close(session)
+
+
+# --------------------------------------------------------------------------
+# Session.direct: chunks written without waking the relay
+# --------------------------------------------------------------------------
+
+
+class FakeDirect:
+    """Stands in for Relay._direct: records what it is offered, accepts while
+    ``accept`` is true."""
+
+    def __init__(self, accept: bool = True) -> None:
+        self.accept = accept
+        self.offered: list[Chunk] = []
+
+    def __call__(self, chunk: Chunk) -> bool:
+        self.offered.append(chunk)
+        return self.accept
+
+
+async def test_direct_takes_a_chunk_without_queueing_or_waking(session: Session) -> None:
+    direct = FakeDirect()
+    session.direct = direct
+    waiter = asyncio.create_task(session.wait())
+    await asyncio.sleep(0)
+    session.feed(Chunk(2, b"a"))
+    session.feed(Chunk(3, b"b"))
+    await asyncio.sleep(0.01)
+    assert direct.offered == [Chunk(2, b"a"), Chunk(3, b"b")]
+    assert not waiter.done(), "a chunk written directly must not wake the relay"
+    assert session.take() == []
+    waiter.cancel()
+
+
+async def test_direct_declining_queues_and_wakes(session: Session) -> None:
+    direct = FakeDirect(accept=False)
+    session.direct = direct
+    waiter = asyncio.create_task(session.wait())
+    await asyncio.sleep(0)
+    session.feed(Chunk(2, b"a"))
+    async with asyncio.timeout(1):
+        await waiter
+    assert direct.offered == [Chunk(2, b"a")]
+    assert session.take() == [Chunk(2, b"a")]
+
+
+@pytest.mark.parametrize("message", [
+    Head(1, "tg.ctl.w1"), Heartbeat(4), Done(4, 1, 2, "stop"), Status(Admission.QUEUED, 3),
+])
+async def test_direct_is_offered_only_chunks(session: Session, message: SessionMessage) -> None:
+    direct = FakeDirect()
+    session.direct = direct
+    session.feed(message)
+    assert direct.offered == []
+    assert session.take() == [message]
+
+
+async def test_nothing_overtakes_a_queued_message(session: Session) -> None:
+    direct = FakeDirect(accept=False)
+    session.direct = direct
+    session.feed(Chunk(2, b"a"))  # declined: queued
+    direct.accept = True
+    session.feed(Chunk(3, b"b"))  # would be accepted, but 2 waits in the queue
+    session.feed(Heartbeat(4))
+    session.feed(Chunk(5, b"c"))
+    assert direct.offered == [Chunk(2, b"a")]
+    assert session.take() == [Chunk(2, b"a"), Chunk(3, b"b"), Heartbeat(4), Chunk(5, b"c")]
+    session.feed(Chunk(6, b"d"))  # queue empty again: offered
+    assert direct.offered == [Chunk(2, b"a"), Chunk(6, b"d")]
+    assert session.take() == []
+
+
+async def test_without_direct_every_chunk_queues(session: Session) -> None:
+    direct = FakeDirect()
+    session.direct = direct
+    session.feed(Chunk(2, b"a"))
+    session.direct = None  # the relay holds taken messages
+    session.feed(Chunk(3, b"b"))
+    assert direct.offered == [Chunk(2, b"a")]
+    assert session.take() == [Chunk(3, b"b")]
+
+
+# --------------------------------------------------------------------------
+# SessionTable: multiplexed messages (<p>.out.<edge>.mux)
+# --------------------------------------------------------------------------
+
+
+def mux(*frames: tuple[str, bytes]) -> bytes:
+    from tidegate.protocol import VERSION, Kind
+
+    return msgpack.packb([VERSION, Kind.MUX, *(x for frame in frames for x in frame)])
+
+
+async def test_dispatch_mux_routes_each_frame_in_order(table: SessionTable) -> None:
+    a, b = table.open("a1", NEVER), table.open("b2", NEVER)
+    table.dispatch(INBOX + "mux", mux(
+        ("a1", Head(1, "tg.ctl.w1").encode()),
+        ("b2", Head(1, "tg.ctl.w2").encode()),
+        ("a1", Chunk(2, b"a-2").encode()),
+        ("b2", Chunk(2, b"b-2").encode()),
+        ("a1", Chunk(3, b"a-3").encode()),
+        ("a1", Done(4, 1, 2, "stop").encode()),
+        ("b2", Heartbeat(3).encode()),
+    ))
+    assert a.take() == [Head(1, "tg.ctl.w1"), Chunk(2, b"a-2"), Chunk(3, b"a-3"),
+                        Done(4, 1, 2, "stop")]
+    assert b.take() == [Head(1, "tg.ctl.w2"), Chunk(2, b"b-2"), Heartbeat(3)]
+
+
+async def test_dispatch_mux_wakes_each_waiting_session(table: SessionTable) -> None:
+    sessions = [table.open(f"r{i}", NEVER) for i in range(3)]
+    waiters = [asyncio.create_task(s.wait()) for s in sessions]
+    await asyncio.sleep(0)
+    table.dispatch(INBOX + "mux", mux(*((f"r{i}", Heartbeat(2).encode()) for i in range(3))))
+    async with asyncio.timeout(1):
+        await asyncio.gather(*waiters)
+    assert [s.take() for s in sessions] == [[Heartbeat(2)]] * 3
+
+
+async def test_dispatch_mux_uses_a_sessions_direct_writer(table: SessionTable) -> None:
+    session = table.open("r1", NEVER)
+    direct = FakeDirect()
+    session.direct = direct
+    table.dispatch(INBOX + "mux", mux(("r1", Chunk(5, b"x").encode()),
+                                      ("r1", Chunk(6, b"y").encode()),
+                                      ("r1", Done(7, 1, 2, "stop").encode())))
+    assert direct.offered == [Chunk(5, b"x"), Chunk(6, b"y")]
+    assert session.take() == [Done(7, 1, 2, "stop")]
+
+
+async def test_dispatch_mux_drops_frames_of_unknown_sessions(table: SessionTable) -> None:
+    session = table.open("r1", NEVER)
+    closed = table.open("gone", NEVER)
+    table.close(closed)
+    table.dispatch(INBOX + "mux", mux(("unknown", Chunk(2, b"?").encode()),
+                                      ("r1", Chunk(2, b"mine").encode()),
+                                      ("gone", Chunk(9, b"late").encode()),
+                                      ("r1", Chunk(3, b"mine too").encode())))
+    assert session.take() == [Chunk(2, b"mine"), Chunk(3, b"mine too")]
+    assert closed.take() == []
+    assert len(table) == 1
+
+
+async def test_dispatch_mux_skips_a_malformed_frame(table: SessionTable,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    a, b = table.open("a1", NEVER), table.open("b2", NEVER)
+    with caplog.at_level(logging.ERROR, logger="tidegate.edge"):
+        table.dispatch(INBOX + "mux", mux(("a1", Chunk(2, b"first").encode()),
+                                          ("b2", b"garbage"),
+                                          ("a1", msgpack.packb([1, 6, 0, "a1", 3])),  # an Ack
+                                          ("b2", Chunk(2, b"after").encode()),
+                                          ("a1", Chunk(3, b"last").encode())))
+    assert a.take() == [Chunk(2, b"first"), Chunk(3, b"last")]
+    assert b.take() == [Chunk(2, b"after")]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 2
+    assert "b2" in errors[0]
+    assert "a1" in errors[1]
+
+
+@pytest.mark.parametrize("payload", [
+    b"",
+    b"garbage",
+    msgpack.packb({"v": 1}),
+    msgpack.packb([1, 8, "r1"]),  # odd length
+    msgpack.packb([99, 8, "r1", Chunk(2, b"x").encode()]),  # future version
+    Chunk(2, b"x").encode(),  # a plain session message on the mux subject
+])
+async def test_dispatch_mux_drops_a_malformed_mux_message(
+        table: SessionTable, payload: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    session = table.open("r1", NEVER)
+    with caplog.at_level(logging.ERROR, logger="tidegate.edge"):
+        table.dispatch(INBOX + "mux", payload)
+    assert session.take() == []
+    assert any("mux" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+    # The table still works afterwards, for mux and plain messages alike.
+    table.dispatch(INBOX + "mux", mux(("r1", Chunk(2, b"ok").encode())))
+    table.dispatch(INBOX + "r1", Chunk(3, b"ok too").encode())
+    assert session.take() == [Chunk(2, b"ok"), Chunk(3, b"ok too")]
+
+
+async def test_dispatch_mux_with_a_bad_frame_structure_logs(
+        table: SessionTable, caplog: pytest.LogCaptureFixture) -> None:
+    session = table.open("r1", NEVER)
+    bad = msgpack.packb([1, 8, "r1", Chunk(2, b"x").encode(), 7, b"not an id"])
+    with caplog.at_level(logging.ERROR, logger="tidegate.edge"):
+        table.dispatch(INBOX + "mux", bad)
+    assert any("malformed mux message" in r.getMessage() for r in caplog.records)
+    session.take()
+    table.dispatch(INBOX + "mux", mux(("r1", Chunk(3, b"ok").encode())))
+    assert session.take() == [Chunk(3, b"ok")]
+
+
+async def test_only_the_mux_token_is_unpacked(table: SessionTable) -> None:
+    """A session message on a per-request subject is never read as a mux message,
+    nor a mux message on a per-request subject as a session message."""
+    session = table.open("r1", NEVER)
+    table.dispatch(INBOX + "r1", mux(("r1", Chunk(2, b"x").encode())))
+    assert session.take() == []
+    from tidegate.subjects import MUX_TOKEN, Subjects
+
+    assert Subjects("tg").edge_mux("edge-1") == INBOX + MUX_TOKEN
+    table.dispatch(Subjects("tg").edge_mux("edge-1"), mux(("r1", Chunk(2, b"y").encode())))
+    assert session.take() == [Chunk(2, b"y")]

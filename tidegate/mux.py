@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -140,9 +140,10 @@ class Outbox:
             self.frames += (len(batch) - 2) // 2
 
 
-def decode_mux(data: bytes) -> Iterator[tuple[str, bytes]]:
-    """``(request_id, message)`` pairs of a mux message, in order. Raises
-    :class:`ProtocolError` on anything that is not one."""
+def decode_mux(data: bytes) -> list[tuple[str, bytes]]:
+    """``(request_id, message)`` pairs of a mux message, in order. All or
+    nothing: raises :class:`ProtocolError` if any part is malformed (the
+    sessions it was for then see a sequence gap, a clear error)."""
     try:
         t = msgpack.unpackb(data)
     except Exception as exc:
@@ -153,9 +154,8 @@ def decode_mux(data: bytes) -> Iterator[tuple[str, bytes]]:
         raise ProtocolError(f"unsupported mux envelope version {t[0]!r}")
     if t[1] != Kind.MUX:
         raise ProtocolError(f"unexpected message kind {t[1]!r} on a mux subject")
-    it = iter(t)
-    next(it), next(it)
-    for request_id, message in zip(it, it, strict=True):
-        if not isinstance(request_id, str) or not isinstance(message, bytes):
+    frames = list(zip(t[2::2], t[3::2], strict=True))
+    for request_id, message in frames:
+        if type(request_id) is not str or type(message) is not bytes:
             raise ProtocolError("mux frame is not (str, bytes)")
-        yield request_id, message
+    return frames

@@ -1,0 +1,699 @@
+"""Many sessions' messages in one NATS message (tidegate.mux): the Outbox with a
+recording publish, decode_mux, the Outbox on a real nats-server, and the
+whole pipeline with coalescing on and off."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgpack
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from edge.session import SessionTable
+from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend
+from tests.servers import ServerHandle
+from tidegate.errors import ProtocolError
+from tidegate.fake_backend import FakeBackend
+from tidegate.mux import Outbox, decode_mux
+from tidegate.protocol import (
+    VERSION,
+    Admission,
+    Chunk,
+    Done,
+    Head,
+    Heartbeat,
+    Kind,
+    Status,
+    decode_session,
+    encode_chunk,
+)
+from tidegate.subjects import MUX_TOKEN, Subjects
+
+NEVER = 3600.0  # a session tick interval that never fires within a test
+
+
+class RecordingPublish:
+    """Stands in for ``nc.publish``: records every (subject, data); raises for
+    the calls numbered in ``fail_calls`` (1-based)."""
+
+    def __init__(self, fail_calls: tuple[int, ...] = ()) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+        self.attempts = 0
+        self.fail_calls = fail_calls
+
+    async def __call__(self, subject: str, data: bytes) -> None:
+        self.attempts += 1
+        if self.attempts in self.fail_calls:
+            raise ConnectionError("connection closed")
+        self.calls.append((subject, data))
+
+    def subjects(self) -> list[str]:
+        return [subject for subject, _ in self.calls]
+
+    def frames(self, subject: str | None = None) -> list[tuple[str, bytes]]:
+        return [frame for s, data in self.calls if subject in (None, s)
+                for frame in decode_mux(data)]
+
+
+@pytest.fixture
+async def publish() -> RecordingPublish:
+    return RecordingPublish()
+
+
+@pytest.fixture
+async def outbox(publish: RecordingPublish) -> AsyncIterator[Outbox]:
+    box = Outbox(publish)
+    box.start()
+    yield box
+    await box.close()
+
+
+def msg(i: int, size: int = 8) -> bytes:
+    """A distinct message body of about ``size`` bytes."""
+    return (b"%06d" % i).ljust(size, b".")
+
+
+# --------------------------------------------------------------------------
+# Outbox with a recording publish
+# --------------------------------------------------------------------------
+
+
+async def test_one_iteration_gives_one_publish_per_subject(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    outbox.put("tg.out.e1.mux", "r1", msg(1))
+    outbox.put("tg.out.e2.mux", "r2", msg(2))
+    outbox.put("tg.out.e1.mux", "r3", msg(3))
+    outbox.put("tg.out.e2.mux", "r2", msg(4))
+    outbox.put("tg.out.e1.mux", "r1", msg(5))
+    assert publish.calls == []  # put never publishes by itself
+    await outbox.flush()
+    assert sorted(publish.subjects()) == ["tg.out.e1.mux", "tg.out.e2.mux"]
+    assert publish.frames("tg.out.e1.mux") == [("r1", msg(1)), ("r3", msg(3)), ("r1", msg(5))]
+    assert publish.frames("tg.out.e2.mux") == [("r2", msg(2)), ("r2", msg(4))]
+    assert outbox.published == 2
+    assert outbox.frames == 5
+
+
+async def test_the_wire_format_is_one_flat_array(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    outbox.put("s", "r1", b"a")
+    outbox.put("s", "r2", b"bc")
+    await outbox.flush()
+    [(_, data)] = publish.calls
+    assert msgpack.unpackb(data) == [VERSION, int(Kind.MUX), "r1", b"a", "r2", b"bc"]
+
+
+async def test_puts_after_a_flush_go_in_a_new_message(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    outbox.put("s", "r1", msg(1))
+    outbox.put("s", "r1", msg(2))
+    await outbox.flush()
+    assert len(publish.calls) == 1
+    outbox.put("s", "r1", msg(3))
+    await outbox.flush()
+    assert len(publish.calls) == 2
+    assert list(decode_mux(publish.calls[1][1])) == [("r1", msg(3))]
+    assert publish.frames() == [("r1", msg(1)), ("r1", msg(2)), ("r1", msg(3))]
+    assert (outbox.published, outbox.frames) == (2, 3)
+
+
+async def test_flush_with_nothing_put_publishes_nothing(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    async with asyncio.timeout(1):
+        await outbox.flush()
+    await asyncio.sleep(0.01)
+    assert publish.calls == []
+    assert (outbox.published, outbox.frames) == (0, 0)
+
+
+async def test_flusher_publishes_without_being_asked(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    """No flush(): the running flusher publishes within a few loop iterations."""
+    outbox.put("s", "r1", msg(1))
+    for _ in range(10):
+        await asyncio.sleep(0)
+        if publish.calls:
+            break
+    assert publish.frames() == [("r1", msg(1))]
+
+
+async def test_puts_from_several_tasks_in_one_iteration_share_a_message(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    """Jobs woken in the same loop iteration add to the same batch."""
+    go = asyncio.Event()
+
+    async def job(rid: str) -> None:
+        await go.wait()
+        outbox.put("s", rid, msg(int(rid[1:])))
+
+    jobs = [asyncio.create_task(job(f"r{i}")) for i in range(20)]
+    await asyncio.sleep(0)  # every job now waits on the event
+    go.set()  # wakes all twenty in the next iteration
+    await asyncio.gather(*jobs)
+    await outbox.flush()
+    assert len(publish.calls) == 1
+    assert sorted(publish.frames()) == sorted((f"r{i}", msg(i)) for i in range(20))
+
+
+async def test_the_flusher_waits_for_the_rest_of_the_iteration(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    """A put scheduled behind the flusher's wake-up, in the same loop
+    iteration, still joins the batch (the flusher yields once first)."""
+    outbox.put("s", "r1", msg(1))
+    asyncio.get_running_loop().call_soon(outbox.put, "s", "r2", msg(2))
+    await outbox.flush()
+    assert len(publish.calls) == 1
+    assert publish.frames() == [("r1", msg(1)), ("r2", msg(2))]
+
+
+async def test_batches_are_cut_at_max_bytes_in_order(publish: RecordingPublish) -> None:
+    max_bytes = 1000
+    box = Outbox(publish, max_bytes=max_bytes)
+    box.start()
+    try:
+        frames = [(f"{i % 3:024x}", msg(i, 100)) for i in range(50)]
+        for rid, m in frames:
+            box.put("s", rid, m)
+        await box.flush()
+    finally:
+        await box.close()
+    # 50 frames of 100 + 40 counted bytes: 7 per 1000-byte batch.
+    assert len(publish.calls) == 8
+    assert publish.subjects() == ["s"] * 8
+    for _, data in publish.calls:
+        assert len(data) <= max_bytes
+    assert [len(list(decode_mux(data))) for _, data in publish.calls] == [7] * 7 + [1]
+    assert publish.frames() == frames
+    assert (box.published, box.frames) == (8, 50)
+
+
+async def test_an_oversized_message_goes_alone(publish: RecordingPublish) -> None:
+    box = Outbox(publish, max_bytes=1000)
+    box.start()
+    try:
+        box.put("s", "r1", msg(1))
+        box.put("s", "r1", msg(2, 5000))
+        box.put("s", "r1", msg(3))
+        box.put("s", "r1", msg(4))
+        await box.flush()
+    finally:
+        await box.close()
+    batches = [list(decode_mux(data)) for _, data in publish.calls]
+    assert batches == [[("r1", msg(1))], [("r1", msg(2, 5000))],
+                       [("r1", msg(3)), ("r1", msg(4))]]
+    for batch, (_, data) in zip(batches, publish.calls, strict=True):
+        assert len(data) <= 1000 or len(batch) == 1
+
+
+async def test_cut_batches_of_several_subjects_keep_each_subjects_order(
+        publish: RecordingPublish) -> None:
+    box = Outbox(publish, max_bytes=600)
+    box.start()
+    try:
+        sent: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
+        for i in range(90):
+            subject = f"tg.out.e{i % 3}.mux"
+            frame = (f"r{i % 7}", msg(i, 60 + i))
+            sent[subject].append(frame)
+            box.put(subject, *frame)
+            if i % 25 == 24:
+                await asyncio.sleep(0)  # some in later iterations
+        await box.flush()
+    finally:
+        await box.close()
+    assert len(publish.calls) > 3  # cut, not one message per subject
+    for subject, frames in sent.items():
+        assert publish.frames(subject) == frames
+
+
+async def test_close_publishes_what_is_pending(publish: RecordingPublish) -> None:
+    box = Outbox(publish)
+    box.start()
+    box.put("a", "r1", msg(1))
+    box.put("b", "r2", msg(2))
+    await box.close()
+    assert sorted(publish.subjects()) == ["a", "b"]
+    assert publish.frames("a") == [("r1", msg(1))]
+    assert publish.frames("b") == [("r2", msg(2))]
+    assert box._task is None
+    await box.close()  # twice is harmless
+
+
+async def test_flush_without_start_publishes_directly(publish: RecordingPublish) -> None:
+    box = Outbox(publish)
+    box.put("s", "r1", msg(1))
+    box.put("s", "r2", msg(2))
+    await box.flush()
+    assert publish.frames() == [("r1", msg(1)), ("r2", msg(2))]
+    assert (box.published, box.frames) == (1, 2)
+
+
+async def test_a_failed_publish_is_logged_and_the_outbox_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    publish = RecordingPublish(fail_calls=(1,))
+    box = Outbox(publish)
+    box.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tidegate.mux"):
+            box.put("tg.out.e1.mux", "r1", msg(1))
+            box.put("tg.out.e1.mux", "r1", msg(2))
+            async with asyncio.timeout(2):
+                await box.flush()
+        assert publish.attempts == 1
+        assert publish.calls == []
+        warnings = [r for r in caplog.records if r.name == "tidegate.mux"]
+        assert len(warnings) == 1
+        assert warnings[0].levelno == logging.WARNING
+        assert "2 messages" in warnings[0].getMessage()
+        assert "tg.out.e1.mux" in warnings[0].getMessage()
+        assert (box.published, box.frames) == (0, 0)
+        # Later puts still go out.
+        box.put("tg.out.e1.mux", "r1", msg(3))
+        async with asyncio.timeout(2):
+            await box.flush()
+        assert publish.frames() == [("r1", msg(3))]
+        assert (box.published, box.frames) == (1, 1)
+        assert box._task is not None
+        assert not box._task.done()
+    finally:
+        await box.close()
+
+
+async def test_a_failed_publish_spoils_only_its_own_batch(
+        caplog: pytest.LogCaptureFixture) -> None:
+    publish = RecordingPublish(fail_calls=(2,))
+    box = Outbox(publish, max_bytes=200)
+    box.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tidegate.mux"):
+            for i in range(9):  # three batches of three 20-byte messages
+                box.put("s", "r1", msg(i, 20))
+            async with asyncio.timeout(2):
+                await box.flush()
+    finally:
+        await box.close()
+    assert publish.attempts == 3
+    assert publish.frames() == [("r1", msg(i, 20)) for i in (0, 1, 2, 6, 7, 8)]
+    assert (box.published, box.frames) == (2, 6)
+    assert any("could not publish 3 messages" in r.getMessage() for r in caplog.records)
+
+
+async def test_round_trip_of_real_session_messages(
+        outbox: Outbox, publish: RecordingPublish) -> None:
+    messages = [
+        ("a" * 24, Head(1, "tg.ctl.w1", 17, 1).encode()),
+        ("b" * 24, Status(Admission.ADMITTED).encode()),
+        ("a" * 24, encode_chunk(2, b'data: {"x": 1}\n\n')),
+        ("a" * 24, Heartbeat(3).encode()),
+        ("a" * 24, Chunk(4, b"\x00\xff binary").encode()),
+        ("a" * 24, Done(5, 3, 2, "stop").encode()),
+    ]
+    for rid, m in messages:
+        outbox.put("tg.out.e1.mux", rid, m)
+    await outbox.flush()
+    [(_, data)] = publish.calls
+    decoded = [(rid, decode_session(m)) for rid, m in decode_mux(data)]
+    assert decoded == [
+        ("a" * 24, Head(1, "tg.ctl.w1", 17, 1)),
+        ("b" * 24, Status(Admission.ADMITTED)),
+        ("a" * 24, Chunk(2, b'data: {"x": 1}\n\n')),
+        ("a" * 24, Heartbeat(3)),
+        ("a" * 24, Chunk(4, b"\x00\xff binary")),
+        ("a" * 24, Done(5, 3, 2, "stop")),
+    ]
+
+
+async def test_outbox_feeds_an_edge_session_table(publish: RecordingPublish) -> None:
+    """What the worker puts, the edge's table routes: Outbox -> dispatch."""
+    subjects = Subjects("tg")
+    table = SessionTable(subjects.edge_inbox("e1")[:-1])
+    a, b = table.open("aa11", NEVER), table.open("bb22", NEVER)
+    box = Outbox(publish)
+    box.start()
+    try:
+        mux = subjects.edge_mux("e1")
+        box.put(mux, "aa11", Head(1, "tg.ctl.w").encode())
+        box.put(mux, "bb22", Head(1, "tg.ctl.w").encode())
+        for seq in range(2, 6):
+            box.put(mux, "aa11", encode_chunk(seq, b"a%d" % seq))
+            box.put(mux, "bb22", encode_chunk(seq, b"b%d" % seq))
+        box.put(mux, "aa11", Done(6, 1, 4, "stop").encode())
+        await box.flush()
+        for subject, data in publish.calls:
+            table.dispatch(subject, data)
+        assert a.take() == [Head(1, "tg.ctl.w"), *(Chunk(s, b"a%d" % s) for s in range(2, 6)),
+                            Done(6, 1, 4, "stop")]
+        assert b.take() == [Head(1, "tg.ctl.w"), *(Chunk(s, b"b%d" % s) for s in range(2, 6))]
+    finally:
+        await box.close()
+        table.close(a)
+        table.close(b)
+
+
+# --------------------------------------------------------------------------
+# decode_mux
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"\xc1", id="never-used-byte"),
+    pytest.param(b"garbage", id="not-msgpack"),
+    pytest.param(msgpack.packb([1, 8, "r", b"x"]) + b"\x01", id="trailing-bytes"),
+    pytest.param(msgpack.packb({"v": 1, "kind": 8}), id="map"),
+    pytest.param(msgpack.packb(8), id="int"),
+    pytest.param(msgpack.packb(b"bytes"), id="bin"),
+    pytest.param(msgpack.packb([]), id="empty-array"),
+    pytest.param(msgpack.packb([1]), id="version-only"),
+    pytest.param(msgpack.packb([1, 8, "r1"]), id="odd-length"),
+    pytest.param(msgpack.packb([1, 8, "r1", b"x", "r2"]), id="odd-length-longer"),
+    pytest.param(msgpack.packb([2, 8, "r1", b"x"]), id="future-version"),
+    pytest.param(msgpack.packb([0, 8, "r1", b"x"]), id="version-zero"),
+    pytest.param(msgpack.packb([1, 2, "r1", b"x"]), id="chunk-kind"),
+    pytest.param(msgpack.packb([1, 9, "r1", b"x"]), id="unknown-kind"),
+    pytest.param(msgpack.packb([1, 8, b"r1", b"x"]), id="bin-request-id"),
+    pytest.param(msgpack.packb([1, 8, 5, b"x"]), id="int-request-id"),
+    pytest.param(msgpack.packb([1, 8, "r1", "x"]), id="str-message"),
+    pytest.param(msgpack.packb([1, 8, "r1", None]), id="nil-message"),
+    pytest.param(msgpack.packb([1, 8, "r1", b"x", "r2", [b"y"]]), id="bad-second-frame"),
+])
+def test_decode_mux_rejects(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        list(decode_mux(data))
+
+
+def test_decode_mux_of_no_frames() -> None:
+    assert list(decode_mux(msgpack.packb([VERSION, Kind.MUX]))) == []
+
+
+def test_decode_mux_yields_frames_in_order() -> None:
+    data = msgpack.packb([1, 8, "r2", b"two", "r1", b"one", "r2", b""], use_bin_type=True)
+    assert list(decode_mux(data)) == [("r2", b"two"), ("r1", b"one"), ("r2", b"")]
+
+
+# --------------------------------------------------------------------------
+# Against a real nats-server
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def nc_pair(nats_server: ServerHandle) -> AsyncIterator[tuple[NATS, NATS]]:
+    """(publisher, subscriber): two connections, as worker and edge have."""
+    pub = await nats.connect(nats_server.url)
+    sub = await nats.connect(nats_server.url)
+    try:
+        yield pub, sub
+    finally:
+        await pub.close()
+        await sub.close()
+
+
+async def wait_for(predicate: Any, within: float, step: float = 0.01) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(step)
+    return bool(predicate())
+
+
+async def subscribed(nc: NATS) -> None:
+    """Return once the server has every subscription made on ``nc``. One
+    flush is not enough with nats-py 2.16: its PING is written to the socket
+    at once while the SUBs wait in the client's pending buffer for the flusher
+    task, so the PONG can come back before the server has the SUBs. A second
+    flush's PING goes out behind them."""
+    await nc.flush()
+    await nc.flush()
+
+
+class Inbox:
+    """A subscription that keeps every message it gets."""
+
+    def __init__(self) -> None:
+        self.messages: list[Msg] = []
+
+    async def cb(self, m: Msg) -> None:
+        self.messages.append(m)
+
+    def frames(self) -> list[tuple[str, bytes]]:
+        return [frame for m in self.messages for frame in decode_mux(m.data)]
+
+    async def wait_frames(self, n: int, within: float = 5.0) -> None:
+        await wait_for(lambda: len(self.frames()) >= n, within)
+
+
+async def test_real_nats_one_iteration_is_one_message(nc_pair: tuple[NATS, NATS]) -> None:
+    pub, sub = nc_pair
+    subject = Subjects("mx").edge_mux("edge1")
+    inbox = Inbox()
+    await sub.subscribe(subject, cb=inbox.cb)
+    await subscribed(sub)
+    box = Outbox(pub.publish)
+    box.start()
+    try:
+        sent = [(f"{i % 20:024x}", encode_chunk(i + 2, b'data: {"token": %d}\n\n' % i))
+                for i in range(200)]
+        for rid, m in sent:
+            box.put(subject, rid, m)
+        await box.flush()
+        await pub.flush()
+        await inbox.wait_frames(200)
+    finally:
+        await box.close()
+    assert inbox.frames() == sent
+    assert len(inbox.messages) == 1
+    assert inbox.messages[0].subject == subject
+    assert (box.published, box.frames) == (1, 200)
+
+
+async def test_real_nats_each_edge_gets_only_its_frames_in_order(
+        nc_pair: tuple[NATS, NATS]) -> None:
+    pub, sub = nc_pair
+    subjects = Subjects("mx")
+    edges = ["e1", "e2", "e3"]
+    inboxes = {e: Inbox() for e in edges}
+    for e in edges:
+        await sub.subscribe(subjects.edge_mux(e), cb=inboxes[e].cb)
+    await subscribed(sub)
+    box = Outbox(pub.publish, max_bytes=4096)  # small: several cut batches per edge
+    box.start()
+    sent: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
+    try:
+        for i in range(600):
+            e = edges[i % 3] if i % 5 else edges[(i // 5) % 3]  # interleaved, unevenly
+            frame = (f"{e}-{i % 4}", encode_chunk(i, b"x" * (i % 97)))
+            sent[e].append(frame)
+            box.put(subjects.edge_mux(e), *frame)
+            if i % 50 == 49:
+                await asyncio.sleep(0)  # and over several loop iterations
+        await box.flush()
+        await pub.flush()
+        for e in edges:
+            await inboxes[e].wait_frames(len(sent[e]))
+    finally:
+        await box.close()
+    for e in edges:
+        assert inboxes[e].frames() == sent[e], f"edge {e} got the wrong frames"
+        assert all(m.subject == subjects.edge_mux(e) for m in inboxes[e].messages)
+        assert all(len(m.data) <= 4096 for m in inboxes[e].messages)
+    total = sum(len(i.messages) for i in inboxes.values())
+    assert box.published == total
+    assert box.frames == 600
+    assert total < 600 // 4  # coalesced
+
+
+async def test_real_nats_outbox_to_edge_session_table(nc_pair: tuple[NATS, NATS]) -> None:
+    """Worker-side Outbox -> nats-server -> the edge's inbox wildcard and table."""
+    pub, sub = nc_pair
+    subjects = Subjects("mx")
+    table = SessionTable(subjects.edge_inbox("edge9")[:-1])
+    ids = [uuid.uuid4().hex[:24] for _ in range(5)]
+    sessions = {rid: table.open(rid, NEVER) for rid in ids}
+    got: dict[str, list[Any]] = defaultdict(list)
+
+    async def on_out(m: Msg) -> None:
+        table.dispatch(m.subject, m.data)
+        for rid, s in sessions.items():
+            got[rid].extend(s.take())
+
+    await sub.subscribe(subjects.edge_inbox("edge9"), cb=on_out)
+    await subscribed(sub)
+    box = Outbox(pub.publish)
+    box.start()
+    try:
+        mux = subjects.edge_mux("edge9")
+        for rid in ids:
+            box.put(mux, rid, Head(1, "mx.ctl.w").encode())
+        for seq in range(2, 42):
+            for rid in ids:
+                box.put(mux, rid, encode_chunk(seq, f"{rid}:{seq}".encode()))
+            if seq % 10 == 0:
+                await asyncio.sleep(0)
+        for rid in ids:
+            box.put(mux, rid, Done(42, 1, 40, "stop").encode())
+        # A plain per-request message on the same wildcard still works.
+        await pub.publish(subjects.out("edge9", ids[0]), Heartbeat(43).encode())
+        await box.flush()
+        await pub.flush()
+        await wait_for(lambda: sum(len(v) for v in got.values()) >= 5 * 42 + 1, 5.0)
+    finally:
+        await box.close()
+        for s in sessions.values():
+            table.close(s)
+    for rid in ids:
+        expected: list[Any] = [Head(1, "mx.ctl.w"),
+                               *(Chunk(seq, f"{rid}:{seq}".encode()) for seq in range(2, 42)),
+                               Done(42, 1, 40, "stop")]
+        if rid == ids[0]:
+            # Different subject, different publish call: only its place among
+            # this session's worker messages is not ordered against the mux.
+            assert Heartbeat(43) in got[rid]
+            got[rid].remove(Heartbeat(43))
+        assert got[rid] == expected
+
+
+# --------------------------------------------------------------------------
+# The whole pipeline: edge, dispatcher, worker on real nats-server and redis
+# --------------------------------------------------------------------------
+
+TOKEN_TEXTS = [" " + c * 3 for c in "abcdefghijklmnopqrstuvwxyz"]  # the fake's 4-byte tokens
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeBackend]:
+    with threaded_fake_backend(models=["fake"], ttft=0.01, itl=0.004, tokens=10**6) as backend:
+        yield backend
+
+
+def start_pipeline(workdir: Path, nats_url: str, redis_url: str, backend: FakeBackend,
+                   worker: dict[str, Any] | None = None) -> Pipeline:
+    pipeline = Pipeline(workdir, nats_url, redis_url, overrides={
+        "nats": {"subject_prefix": "m" + uuid.uuid4().hex[:8]},
+        "worker": {"ack_wait": 3.0, "shutdown_timeout": 3.0, **(worker or {})},
+        "edge": {"shutdown_timeout": 3.0},
+        "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
+                    "max_streams": 64}],
+    })
+    pipeline.start()
+    return pipeline
+
+
+class OutTap:
+    """A separate NATS connection watching everything sent to edges."""
+
+    def __init__(self) -> None:
+        self.mux_messages = 0
+        self.mux_frames = 0
+        self.mux_kinds: dict[str, int] = defaultdict(int)  # session message kinds in mux
+        self.direct_kinds: dict[str, int] = defaultdict(int)  # on per-request subjects
+        self.errors: list[str] = []
+
+    async def cb(self, m: Msg) -> None:
+        try:
+            if m.subject.rsplit(".", 1)[1] == MUX_TOKEN:
+                self.mux_messages += 1
+                for _, message in decode_mux(m.data):
+                    self.mux_frames += 1
+                    self.mux_kinds[type(decode_session(message)).__name__] += 1
+            else:
+                self.direct_kinds[type(decode_session(m.data)).__name__] += 1
+        except ProtocolError as exc:
+            self.errors.append(f"{m.subject}: {exc}")
+
+
+async def stream_chat(session: aiohttp.ClientSession, pipeline: Pipeline, marker: str,
+                      max_tokens: int) -> list[str]:
+    body = {"model": "fake", "stream": True, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": marker}]}
+    async with session.post(f"{pipeline.url}/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {DEV_KEY}"}) as resp:
+        text = await resp.text()
+        assert resp.status == 200, text
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def check_stream(backend: FakeBackend, marker: str, max_tokens: int, events: list[str]) -> None:
+    """Every token, in order, from this request's own backend response, then [DONE]."""
+    assert events, f"{marker}: no events"
+    assert events[-1] == "[DONE]", f"{marker}: ends with {events[-1][:200]!r}"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert not [p for p in payloads if "error" in p], f"{marker}: error event"
+    [record] = record_for(backend, marker)
+    ids = {p["id"] for p in payloads}
+    assert ids == {f"chatcmpl-fake{record.id}"}, f"{marker}: events of another stream: {ids}"
+    content = "".join(c["delta"].get("content") or "" for p in payloads for c in p["choices"])
+    assert content == "".join(TOKEN_TEXTS[i % 26] for i in range(max_tokens)), marker
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def run_load(pipeline: Pipeline, backend: FakeBackend, nats_url: str,
+                   n: int = 20) -> OutTap:
+    tap = OutTap()
+    nc = await nats.connect(nats_url)
+    try:
+        prefix = pipeline.config.nats.subject_prefix
+        await nc.subscribe(f"{prefix}.out.>", cb=tap.cb)
+        await subscribed(nc)
+        run = uuid.uuid4().hex[:8]
+        # Distinct lengths, so a stream that got another's output would show.
+        jobs = {f"mux-{run}-{i}-end": 40 + i for i in range(n)}
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=timeout) as session:
+            results = await asyncio.gather(
+                *(stream_chat(session, pipeline, m, k) for m, k in jobs.items()))
+        await nc.flush()
+        await asyncio.sleep(0.2)  # the tap's last messages
+    finally:
+        await nc.close()
+    for (marker, max_tokens), events in zip(jobs.items(), results, strict=True):
+        check_stream(backend, marker, max_tokens, events)
+    assert not tap.errors, tap.errors[:3]
+    return tap
+
+
+@pytest.mark.pipeline
+async def test_pipeline_streams_are_coalesced_and_complete(
+        tmp_path: Path, module_nats_url: str, module_redis_url: str, fake: FakeBackend) -> None:
+    pipeline = start_pipeline(tmp_path, module_nats_url, module_redis_url, fake)
+    try:
+        tap = await run_load(pipeline, fake, module_nats_url)
+    finally:
+        pipeline.stop()
+    print(f"mux: {tap.mux_frames} frames in {tap.mux_messages} messages; "
+          f"kinds {dict(tap.mux_kinds)}; per-request {dict(tap.direct_kinds)}")
+    assert tap.mux_messages > 0
+    assert tap.mux_frames > tap.mux_messages, "no two session messages ever shared a message"
+    # Every worker -> edge message of these jobs went through the outbox; only
+    # the dispatcher's Status messages use the per-request subjects.
+    assert set(tap.direct_kinds) <= {"Status"}
+    assert tap.mux_kinds["Head"] == tap.mux_kinds["Done"] == 20
+    assert tap.mux_kinds["Chunk"] >= 20
+
+
+@pytest.mark.pipeline
+async def test_pipeline_without_coalescing_sends_no_mux_messages(
+        tmp_path: Path, module_nats_url: str, module_redis_url: str, fake: FakeBackend) -> None:
+    pipeline = start_pipeline(tmp_path, module_nats_url, module_redis_url, fake,
+                              worker={"coalesce_bytes": 0})
+    try:
+        tap = await run_load(pipeline, fake, module_nats_url)
+    finally:
+        pipeline.stop()
+    assert tap.mux_messages == 0
+    assert tap.mux_frames == 0
+    assert tap.direct_kinds["Head"] == tap.direct_kinds["Done"] == 20
+    assert tap.direct_kinds["Chunk"] >= 20
