@@ -174,9 +174,28 @@ class SSEPassthrough:
             tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
             buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
             buf += tail
-        if b"\n\n" not in buf:
+        end = buf.rfind(b"\n\n")
+        if end < 0:
             self._buf = buf
             return b""
+        # Fast path, nearly every read of a healthy stream: whole single-line
+        # data events (the only newlines are the separators), none of them
+        # [DONE] or of interest (usage, a finish reason, an error). They pass
+        # as the input slice, scanned once per read instead of once per event.
+        block = buf[:end + 2]
+        n = block.count(b"\n\n")
+        if (block.count(b"\n") == 2 * n and block.startswith(b"data:")
+                and block.count(b"\n\ndata:") == n - 1 and b"[DONE]" not in block
+                and _INTEREST_RE.search(block) is None):
+            self._buf = buf[end + 2:]
+            self.events += n
+            if not self.usage_reported:
+                if n == 1:
+                    self.usage.completion_tokens += _CONTENT_RE.search(block) is not None
+                else:
+                    self.usage.completion_tokens += sum(
+                        1 for event in block.split(b"\n\n") if _CONTENT_RE.search(event))
+            return block
         *events, rest = buf.split(b"\n\n")
         self._buf = rest
         kept: list[bytes] = []
