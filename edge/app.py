@@ -17,6 +17,7 @@ import logging
 import secrets
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -156,12 +157,21 @@ def _too_large(limit: int) -> ApiError:
                     type="invalid_request_error", code="request_too_large")
 
 
+# Client transports whose keepalive is set: a keep-alive connection carries
+# many requests, and the options need setting once (four syscalls saved each).
+_keepalive_set: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+
+
 def set_keepalive(transport: asyncio.BaseTransport | None, config: EdgeConfig) -> None:
     """TCP keepalive on the client socket, so a peer that vanished without a
     FIN (NAT timeout, pulled cable) is noticed even on an idle stream, and
     middleboxes see traffic. Linux option names; elsewhere SO_KEEPALIVE only."""
-    if transport is None or not config.keepalive_idle:
+    if transport is None or not config.keepalive_idle or transport in _keepalive_set:
         return
+    try:
+        _keepalive_set.add(transport)
+    except TypeError:  # a transport without weakrefs: configure it every request
+        pass
     sock = transport.get_extra_info("socket")
     if sock is None:
         return

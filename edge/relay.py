@@ -95,6 +95,12 @@ class RelayContext:
 class Relay:
     """Drives one request. ``run`` returns the response aiohttp should finish."""
 
+    # One per open stream, 10,000 of them on an edge: no per-instance dict.
+    __slots__ = ("acks", "body_parts", "body_size", "control", "ctx", "expected_seq",
+                 "headers", "high_water", "http", "last_ack", "last_worker_msg", "last_write",
+                 "phase", "request", "response", "session", "started", "upstream_done",
+                 "wrote_chunks")
+
     def __init__(self, http: web.Request, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
         self.http = http
