@@ -39,6 +39,7 @@ from tidegate.config import Config, EdgeConfig, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
 from tidegate.observability import metrics_handler
 from tidegate.protocol import Api, Request
+from tidegate.subjects import Subjects
 from tidegate.telemetry import Telemetry
 
 log = logging.getLogger("tidegate.edge")
@@ -47,15 +48,20 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class NatsPublisher(Publisher):
-    def __init__(self, nc: NATS, cancels: KeyValue) -> None:
+    def __init__(self, nc: NATS, subjects: Subjects) -> None:
         self._nc = nc
-        self._cancels = cancels
+        self._subjects = subjects
 
     async def publish(self, subject: str, payload: bytes) -> None:
         await self._nc.publish(subject, payload)
 
     async def tombstone(self, request_id: str, reason: str) -> None:
-        await self._cancels.put(request_id, reason.encode())
+        # A KV put without waiting for JetStream's ack: the tombstone is the
+        # safety net behind the direct Cancel, and a mass disconnect (10,000
+        # clients of an edge at once) must not wait on 10,000 acked writes: the
+        # bench saw them time out after nats.request_timeout, each holding its
+        # handler that long.
+        await self._nc.publish(self._subjects.cancel_key(request_id), reason.encode())
 
 
 @dataclass(slots=True)
@@ -76,7 +82,7 @@ class EdgeState:
 
     def __post_init__(self) -> None:
         self.models = self.config.model_index()
-        self.relay = RelayContext(self.config, NatsPublisher(self.nc, self.cancels))
+        self.relay = RelayContext(self.config, NatsPublisher(self.nc, self.config.nats.subjects))
 
 
 STATE: web.AppKey[EdgeState] = web.AppKey("tidegate_edge_state", EdgeState)

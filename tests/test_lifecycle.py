@@ -318,3 +318,48 @@ async def test_edge_drain_finishes_short_streams_and_ends_long_ones(
     record = record_for(backend, long)[0]
     assert await wait_for(lambda: record.closed_at is not None, 5.0), \
         "the long stream's backend work was not cancelled"
+
+
+async def test_cancel_while_queued_stops_the_job_before_it_runs(
+        tmp_path: Path, module_nats_url: str, module_redis_url: str,
+        backend: FakeBackend) -> None:
+    """A client that leaves while its request waits for a worker: the edge has
+    no worker to tell directly, so the tombstone is the only cancel, and the
+    worker that later pulls the job must drop it without calling the backend."""
+    overrides: dict[str, Any] = {
+        "nats": {"subject_prefix": "t" + uuid.uuid4().hex[:8]},
+        "session": {"heartbeat_interval": HEARTBEAT, "worker_lost_after": 4,
+                    "ack_timeout": 6.0},
+        "worker": {"ack_wait": 2.0, "shutdown_timeout": 3.0, "resume_timeout": 2.0},
+        "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
+                    "max_streams": 8}],
+    }
+    pipeline = Pipeline(tmp_path, module_nats_url, module_redis_url, overrides=overrides,
+                        workers=1)
+    pipeline.dispatcher.spawn()
+    pipeline.edge.start()  # no worker yet: the job waits in TG_JOBS
+    try:
+        gone, kept = f"queued-gone-{uuid.uuid4().hex}", f"queued-kept-{uuid.uuid4().hex}"
+        async with aiohttp.ClientSession() as session:
+            async def post(marker: str) -> list[str]:
+                async with session.post(f"{pipeline.url}/v1/chat/completions",
+                                        json=body(marker, max_tokens=3),
+                                        headers={"Authorization": f"Bearer {DEV_KEY}"}) as resp:
+                    return await read_events(resp)
+
+            leaver = asyncio.create_task(post(gone))
+            await asyncio.sleep(1.5)  # admitted and queued; the client now hangs up
+            leaver.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaver
+            await asyncio.sleep(0.5)  # the tombstone is written
+            pipeline.workers[0].spawn()
+            # A request sent after the worker is up completes: the worker is
+            # pulling, so the cancelled job was pulled (it was first in line).
+            events = await asyncio.wait_for(post(kept), 20.0)
+            assert events[-1] == "[DONE]"
+            await asyncio.sleep(1.0)
+        assert record_for(backend, kept)
+        assert not record_for(backend, gone), "a cancelled queued job reached the backend"
+    finally:
+        pipeline.stop()

@@ -175,3 +175,8 @@ class Subjects:
     def cancels_bucket(self) -> str:
         """KV bucket of cancel tombstones (key: request id, value: reason)."""
         return f"{self.prefix.upper()}_CANCELS"
+
+    def cancel_key(self, request_id: str) -> str:
+        """The subject a tombstone is stored under: NATS KV maps key ``k`` of
+        bucket ``B`` to ``$KV.B.k``, so a plain publish there is a put."""
+        return f"$KV.{self.cancels_bucket}.{request_id}"
