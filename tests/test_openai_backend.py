@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.pipeline import threaded_fake_backend
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
 from tidegate.fake_backend import FakeBackend, FakeConfig, FakeRecord
@@ -504,3 +505,24 @@ async def test_fake_backend_header_injection_and_models() -> None:
             assert resp.status == 418
             assert (await resp.json())["error"]["message"] == "teapot"
     assert server.records[0].status == 418
+
+
+async def test_aclose_reaches_the_backend_before_the_loop_iteration_ends() -> None:
+    """A worker cancelling many jobs at once runs all their cancel handling in
+    one loop iteration; the backend must see its connection close at the
+    cancel, not after that work (transport.close() alone defers the close)."""
+    with threaded_fake_backend(models=["m"], ttft=0.01, itl=0.5, tokens=8) as fake:
+        backend = OpenAIBackend(model_config(fake.base_url, upstream_model="m"),
+                                WorkerConfig())
+        try:
+            stream = await backend.open(make_request())
+            assert (await stream.read(1 << 16)).startswith(b"data: ")
+            closed = time.monotonic()
+            await stream.aclose()
+            time.sleep(0.3)  # noqa: ASYNC251 - the rest of a busy iteration: nothing yields
+            await wait_for(lambda: bool(fake.records) and fake.records[0].closed_at is not None)
+            closed_at = fake.records[0].closed_at
+            assert closed_at is not None
+            assert closed_at - closed < 0.2, f"backend saw the close {closed_at - closed:.3f}s late"
+        finally:
+            await backend.aclose()

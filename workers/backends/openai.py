@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import re
+import socket
 from typing import Any
 
 import aiohttp
@@ -387,6 +388,7 @@ class OpenAIStream:
     def _abort(self) -> None:
         self._ended = True
         self._watchdog.cancel()
+        _shutdown_now(self._resp)
         self._resp.close()
 
     async def aclose(self) -> None:
@@ -394,6 +396,31 @@ class OpenAIStream:
         if not self._ended:
             self._abort()
         self._resp.close()
+
+
+def _shutdown_now(resp: aiohttp.ClientResponse) -> None:
+    """Send the backend our FIN now. ``resp.close()`` closes the socket only
+    after the rest of this event-loop iteration has run, and a worker
+    cancelling 200 jobs at once runs every job's cancel handling (log line,
+    metrics, usage record) in that iteration: the bench measured the last
+    backend seeing its close 200 ms late. shutdown() acts at once, on a
+    duplicate of the descriptor (transport sockets refuse shutdown()); the
+    transport still closes the socket itself."""
+    connection = resp.connection
+    transport = connection.transport if connection is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return
+    try:
+        dup = socket.socket(fileno=os.dup(sock.fileno()))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by the peer
+    finally:
+        dup.close()
 
 
 class BodyStream:
