@@ -13,6 +13,7 @@ Prometheus exposition of this process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import socket
@@ -150,12 +151,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes. Read from the payload stream, not
+    with ``request.read()``, which keeps a copy on the request object for the
+    whole response: on a long stream that is a prompt per open connection."""
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(limit) from None
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.content.iter_any():
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _too_large(limit: int) -> ApiError:
@@ -252,6 +260,7 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         extra=dict(rt.carrier),
     )
     rt.started_request(request)
+    del raw, valid  # the prompt lives on in `request` until it is published, no longer
     # Invariant: subscribed before publishing. The edge's inbox wildcard is
     # subscribed for the life of the process; opening the session makes the
     # dispatch table route this request's subject before anyone can answer.
@@ -265,6 +274,9 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         seq = await _publish(state, request, rt.carrier)
         headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
         log.debug("request %s published as %s seq %d", request_id, subjects.requests_stream, seq)
+        # The relay needs the request's id, flags and window, not its prompt:
+        # an edge holding 10,000 streams must not hold 10,000 prompts.
+        request = dataclasses.replace(request, body={})
         return await Relay(http, session, request, state.relay, headers).run()
     finally:
         state.sessions.close(session)

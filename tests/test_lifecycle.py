@@ -363,3 +363,38 @@ async def test_cancel_while_queued_stops_the_job_before_it_runs(
         assert not record_for(backend, gone), "a cancelled queued job reached the backend"
     finally:
         pipeline.stop()
+
+
+async def test_edge_does_not_hold_prompts_of_open_streams(pipelines: Any) -> None:
+    """Once a request is published the edge needs its id and window, not its
+    prompt: 40 open streams with 400 KB prompts must not grow the edge by the
+    prompts (they would be 16 MB as bytes and as much again parsed)."""
+    pipeline = pipelines()
+    n, prompt = 40, "p" * 400_000
+    async with aiohttp.ClientSession() as session:
+        baseline = rss_kib(pipeline.edge.pid)  # type: ignore[arg-type]
+
+        async def open_stream(i: int) -> aiohttp.ClientResponse:
+            resp = await session.post(
+                f"{pipeline.url}/v1/chat/completions",
+                json={"model": "fake", "stream": True, "max_tokens": 1, "fake_ttft": 60,
+                      "messages": [{"role": "user", "content": f"{i} {prompt}"}]},
+                headers={"Authorization": f"Bearer {DEV_KEY}"})
+            assert resp.status == 200  # headers went out with the first ping
+            return resp
+
+        # One at a time, so what a request needs only while it is published
+        # is freed (and reused by the allocator) before the next arrives:
+        # what stays is what the edge holds per open stream.
+        tasks = []
+        for i in range(n):
+            tasks.append(asyncio.create_task(open_stream(i)))
+            await asyncio.sleep(0.05)
+        responses = await asyncio.gather(*tasks)
+        held = rss_kib(pipeline.edge.pid)  # type: ignore[arg-type]
+        for resp in responses:
+            resp.close()
+    grown_mib = (held - baseline) / 1024
+    print(f"edge RSS grew {grown_mib:.1f} MiB for {n} open streams with "
+          f"{len(prompt) // 1000} KB prompts")
+    assert grown_mib < 8, f"the edge holds the prompts of open streams ({grown_mib:.1f} MiB)"

@@ -5,6 +5,7 @@ checks the HTTP surface end to end: status, JSON shape, headers)."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +71,35 @@ def test_body_over_limit_is_413(pipeline: Pipeline) -> None:
     big = {**GOOD, "messages": [{"role": "user", "content": "x" * 10_000}]}
     status, body = pipeline.post("/v1/chat/completions", big)
     check_error(status, body, 413, "request_too_large")
+
+
+def test_chunked_body_over_limit_is_413(pipeline: Pipeline) -> None:
+    """No Content-Length to check up front: the limit holds while reading."""
+    big = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * 10_000}]})
+    parts = [big[i:i + 1000].encode() for i in range(0, len(big), 1000)]
+    req = urllib.request.Request(f"{pipeline.url}/v1/chat/completions", data=iter(parts),
+                                 method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Transfer-Encoding", "chunked")
+    req.add_header("Authorization", f"Bearer {DEV_KEY}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            status, body = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read()
+    check_error(status, body, 413, "request_too_large")
+
+
+def test_chunked_body_under_limit_is_served(pipeline: Pipeline) -> None:
+    raw = json.dumps({**GOOD, "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{pipeline.url}/v1/chat/completions",
+                                 data=iter([raw[:10], raw[10:]]), method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Transfer-Encoding", "chunked")
+    req.add_header("Authorization", f"Bearer {DEV_KEY}")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+        assert json.loads(resp.read())["object"] == "chat.completion"
 
 
 def test_completions_without_prompt(pipeline: Pipeline) -> None:
