@@ -199,3 +199,13 @@ def threaded_fake_backend(**kwargs: Any) -> Iterator[FakeBackend]:
 def record_for(backend: FakeBackend, marker: str) -> list[FakeRecord]:
     """The backend's records of requests whose messages contain ``marker``."""
     return [r for r in list(backend.records) if marker in json.dumps(r.body.get("messages"))]
+
+
+async def wait_for(predicate: Any, within: float, step: float = 0.01) -> bool:
+    """Poll ``predicate`` every ``step`` seconds; whether it held within ``within``."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(step)
+    return bool(predicate())

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend
+from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
 from tidegate.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
@@ -93,15 +93,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-async def wait_for(predicate: Any, within: float, step: float = 0.01) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(step)
-    return bool(predicate())
 
 
 # ---------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
@@ -22,7 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from edge.session import SessionTable
-from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend
+from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
 from tests.servers import ServerHandle
 from tidegate.errors import ProtocolError
 from tidegate.fake_backend import FakeBackend
@@ -418,15 +417,6 @@ async def nc_pair(nats_server: ServerHandle) -> AsyncIterator[tuple[NATS, NATS]]
     finally:
         await pub.close()
         await sub.close()
-
-
-async def wait_for(predicate: Any, within: float, step: float = 0.01) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(step)
-    return bool(predicate())
 
 
 async def subscribed(nc: NATS) -> None:
