@@ -400,12 +400,12 @@ class OpenAIStream:
 
 def _shutdown_now(resp: aiohttp.ClientResponse) -> None:
     """Send the backend our FIN now. ``resp.close()`` closes the socket only
-    after the rest of this event-loop iteration has run, and a worker
-    cancelling 200 jobs at once runs every job's cancel handling (log line,
-    metrics, usage record) in that iteration: the bench measured the last
-    backend seeing its close 200 ms late. shutdown() acts at once, on a
-    duplicate of the descriptor (transport sockets refuse shutdown()); the
-    transport still closes the socket itself."""
+    after the rest of this event-loop iteration has run, and a loaded worker's
+    iteration is long: every other job woken with it relays its chunks, and
+    every other cancelled job runs its cancel handling (log line, metrics,
+    usage record) first. shutdown() acts at once, on a duplicate of the
+    descriptor (transport sockets refuse shutdown()); the transport still
+    closes the socket itself."""
     connection = resp.connection
     transport = connection.transport if connection is not None else None
     sock = transport.get_extra_info("socket") if transport is not None else None
