@@ -25,7 +25,7 @@ from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend,
 from tests.servers import ServerHandle
 from tidegate.errors import ProtocolError
 from tidegate.fake_backend import FakeBackend
-from tidegate.mux import Outbox, decode_mux
+from tidegate.mux import Outbox, batch_limit, decode_mux
 from tidegate.protocol import (
     VERSION,
     Admission,
@@ -38,6 +38,7 @@ from tidegate.protocol import (
     decode_session,
     encode_chunk,
 )
+from tidegate.servers import NatsServer
 from tidegate.subjects import MUX_TOKEN, Subjects
 
 NEVER = 3600.0  # a session tick interval that never fires within a test
@@ -687,3 +688,46 @@ async def test_pipeline_without_coalescing_sends_no_mux_messages(
     assert tap.mux_frames == 0
     assert tap.direct_kinds["Head"] == tap.direct_kinds["Done"] == 20
     assert tap.direct_kinds["Chunk"] >= 20
+
+
+def test_batch_limit_stays_under_the_servers_max_payload() -> None:
+    assert batch_limit(128 << 10, 1 << 20) == 128 << 10  # the configured bound
+    assert batch_limit(128 << 10, 64 << 10) == (64 << 10) - 1024  # a small server limit
+    assert batch_limit(128 << 10, 100) == 1  # absurd server limit: one frame per batch
+
+
+async def test_batches_fit_a_server_with_a_small_max_payload(tmp_path: Path) -> None:
+    """Against a real nats-server whose max_payload (8 KiB) is below the
+    configured coalesce_bytes: every batch is accepted and nothing is lost."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 8192\n")
+    server = NatsServer(tmp_path / "nats", extra_args=["-c", str(conf)])
+    server.start()
+    try:
+        pub, sub = await nats.connect(server.url), await nats.connect(server.url)
+        try:
+            got: list[bytes] = []
+
+            async def on_msg(msg: Any) -> None:
+                got.append(msg.data)
+
+            await sub.subscribe("small.mux", cb=on_msg)
+            await sub.flush()
+            await sub.flush()
+            assert pub.max_payload == 8192
+            outbox = Outbox(pub.publish, batch_limit(128 << 10, pub.max_payload))
+            outbox.start()
+            for i in range(200):
+                outbox.put("small.mux", f"r{i:03d}", b"x" * 200)
+            await outbox.close()
+            await pub.flush()
+            await wait_for(lambda: sum(len(decode_mux(d)) for d in got) >= 200, 5.0)
+            frames = [rid for d in got for rid, _ in decode_mux(d)]
+            assert frames == [f"r{i:03d}" for i in range(200)]
+            assert len(got) > 1
+            assert all(len(d) <= 8192 for d in got)
+        finally:
+            await pub.close()
+            await sub.close()
+    finally:
+        server.stop()

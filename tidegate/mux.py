@@ -49,6 +49,13 @@ _FRAME_OVERHEAD = 40  # request id (24 hex) and msgpack framing, per message
 Publish = Callable[[str, bytes], Any]  # NATS Client.publish (a coroutine function)
 
 
+def batch_limit(configured: int, max_payload: int) -> int:
+    """The byte bound for a batch: ``worker.coalesce_bytes``, but under the
+    server's ``max_payload`` (a batch over it would be refused and its
+    messages lost), with room for the envelope and one frame's estimate."""
+    return max(1, min(configured, max_payload - 1024))
+
+
 class Outbox:
     """Coalesces session messages per destination subject, one NATS message
     per subject per loop iteration. ``put`` is synchronous: the caller's

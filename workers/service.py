@@ -37,7 +37,7 @@ from tidegate import telemetry as tm
 from tidegate.cancels import CancelRegistry
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ProtocolError
-from tidegate.mux import Outbox
+from tidegate.mux import Outbox, batch_limit
 from tidegate.protocol import Ack, Request, UsageRecord, decode_control
 from tidegate.pull import Puller
 from tidegate.workers_registry import SlotInfo
@@ -187,7 +187,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     await broker.ensure_streams(js, config)
     outbox = None
     if config.worker.coalesce_bytes:
-        outbox = Outbox(nc.publish, config.worker.coalesce_bytes)
+        outbox = Outbox(nc.publish, batch_limit(config.worker.coalesce_bytes, nc.max_payload))
         outbox.start()
     ctx = JobContext(config=config, nc=nc, js=js, control_subject=subjects.control(worker_id),
                      outbox=outbox)
