@@ -22,7 +22,9 @@ from tidegate.errors import BackendError, ConfigError
 from tidegate.fake_backend import FakeBackend, FakeConfig, FakeRecord
 from tidegate.protocol import Api, Request
 from workers.backends import BackendStream, create_backend
-from workers.backends.openai import BodyStream, OpenAIBackend, SSEPassthrough, status_error
+from workers.backends.openai import BodyStream, OpenAIBackend
+from workers.backends.sse import SSEPassthrough
+from workers.backends.upstream import status_error
 
 DONE = b"data: [DONE]\n\n"
 MESSAGES = [{"role": "user", "content": "Hello there, backend."}]

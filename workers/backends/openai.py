@@ -19,22 +19,8 @@ Closing a stream early closes the TCP connection (``resp.close()``, not
 ``release()``): that is how vLLM and friends learn the client left and abort
 the generation, freeing its KV cache.
 
-Error mapping (all raise :class:`tidegate.errors.BackendError`; before the
-first byte from :meth:`OpenAIBackend.open`, so the edge answers with the HTTP
-status):
-
-=====================  =====  ===========================  =========
-upstream               HTTP   type / code                  retryable
-=====================  =====  ===========================  =========
-400, 404, 413, 422     400    invalid_request_error        no
-401, 403               502    backend_auth_failed          no
-429                    429    rate_limit_error             yes
-503                    502    backend_error                yes
-other 5xx / non-2xx    502    backend_error                no
-connect failure        502    backend_unavailable          yes
-no headers in time     504    backend_timeout              no
-silence mid-stream     504    backend_timeout              no
-=====================  =====  ===========================  =========
+Errors map to HTTP statuses as ``workers.backends.upstream`` lists; the
+SSE handling is ``workers.backends.sse``.
 """
 
 from __future__ import annotations
@@ -43,7 +29,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import socket
 from typing import Any
 
@@ -53,240 +38,21 @@ from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
 from tidegate.protocol import Api, Request
 from tidegate.tokens import estimate_prompt_tokens
-from workers.backends import Usage
+from workers.backends import Usage, upstream
+from workers.backends.sse import SSEPassthrough, loads
+from workers.backends.upstream import status_error
 
-__all__ = ["BodyStream", "OpenAIBackend", "OpenAIStream", "SSEPassthrough", "status_error"]
+__all__ = ["BodyStream", "OpenAIBackend", "OpenAIStream"]
 
 log = logging.getLogger("tidegate.workers.backend")
 
 ERROR_BODY_LIMIT = 64 << 10  # bytes of an upstream error body read for its message
-_MESSAGE_LIMIT = 1000  # characters of an upstream message quoted to the client
 # Below uvicorn's default 5 s keep-alive (vLLM), so an idle pooled connection is
 # never reused just as the server closes it.
 _KEEPALIVE = 4.0
 # After [DONE] the chunked terminator normally follows at once; wait this long
 # for it so the connection goes back to the pool, else close it.
 _DRAIN_TIMEOUT = 0.05
-
-# One search finds every event worth parsing; most events match none of it.
-_INTEREST_RE = re.compile(rb'"(?:usage"\s*:\s*\{|finish_reason"\s*:\s*"|error")')
-_USAGE_RE = re.compile(rb'"usage"\s*:\s*\{')
-_FINISH_RE = re.compile(rb'"finish_reason"\s*:\s*"')
-_CONTENT_RE = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
-
-
-def _upstream_message(raw: bytes) -> str:
-    """The message of an OpenAI-style (or FastAPI/TGI-style, or plain text) error body."""
-    text = raw.decode("utf-8", "replace").strip()
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        obj = None
-    if isinstance(obj, dict):
-        err = obj.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            text = str(err["message"])
-        elif isinstance(err, str) and err:
-            text = err
-        elif obj.get("detail"):
-            text = str(obj["detail"])
-        elif obj.get("message"):
-            text = str(obj["message"])
-    text = " ".join(text.split())
-    if len(text) > _MESSAGE_LIMIT:
-        text = text[:_MESSAGE_LIMIT] + "..."
-    return text or "(empty response body)"
-
-
-def status_error(status: int, message: str, *, model: str,
-                 retry_after: float = 0.0) -> BackendError:
-    """Map an upstream HTTP error status to the error the client sees."""
-    if status in (400, 404, 413, 422):
-        return BackendError(400, f"The model backend rejected the request (HTTP {status}): "
-                            f"{message}", type="invalid_request_error", code="invalid_request")
-    if status in (401, 403):
-        return BackendError(502, f"The model backend for {model!r} refused the gateway's "
-                            f"credentials (HTTP {status}): {message}", type="server_error",
-                            code="backend_auth_failed")
-    if status == 429:
-        return BackendError(429, f"The model backend for {model!r} is rate limiting "
-                            f"(HTTP 429): {message}", type="rate_limit_error",
-                            code="backend_rate_limited", retryable=True,
-                            retry_after=retry_after or 1.0)
-    return BackendError(502, f"The model backend for {model!r} failed (HTTP {status}): "
-                        f"{message}", type="server_error", code="backend_error",
-                        retryable=status == 503, retry_after=retry_after)
-
-
-def _unavailable(model: str, exc: BaseException) -> BackendError:
-    return BackendError(502, f"The model backend for {model!r} is unreachable: "
-                        f"{str(exc) or type(exc).__name__}", type="server_error",
-                        code="backend_unavailable", retryable=True, retry_after=1.0)
-
-
-def _timeout(model: str, what: str, seconds: float) -> BackendError:
-    return BackendError(504, f"The model backend for {model!r} {what} within {seconds:g} s",
-                        type="server_error", code="backend_timeout")
-
-
-def _broken(model: str, what: str) -> BackendError:
-    return BackendError(502, f"The model backend for {model!r} {what}", type="server_error",
-                        code="backend_error")
-
-
-def _retry_after(headers: Any) -> float:
-    try:
-        return max(0.0, float(headers.get("Retry-After", "")))
-    except ValueError:
-        return 0.0
-
-
-class SSEPassthrough:
-    """Sans-I/O: upstream SSE bytes in, client-ready SSE bytes out, usage noted.
-
-    Invariants: output is only complete events, each the upstream's own
-    ``data:`` line(s) plus ``\\n\\n``; JSON is parsed only for the rare events
-    that carry usage, a finish reason or an error. ``\\r\\n`` and lone ``\\r``
-    line ends are normalised only when the input holds a ``\\r``.
-    """
-
-    __slots__ = ("_buf", "_include_usage", "_model", "done", "events", "usage",
-                 "usage_reported")
-
-    def __init__(self, *, include_usage: bool, prompt_tokens: int, model: str) -> None:
-        self._buf = b""
-        self._include_usage = include_usage
-        self._model = model
-        self.done = False  # data: [DONE] seen; later bytes are ignored
-        self.events = 0  # data events seen (any), to tell "first byte" from "idle"
-        self.usage = Usage(prompt_tokens=prompt_tokens)
-        self.usage_reported = False
-
-    @property
-    def finish_reason(self) -> str:
-        return self.usage.finish_reason
-
-    def feed(self, data: bytes) -> bytes:
-        """Take upstream bytes; return the complete events to pass on (maybe ``b""``)."""
-        if self.done:
-            return b""
-        buf = self._buf + data if self._buf else data
-        if b"\r" in buf:
-            tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
-            buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            buf += tail
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            self._buf = buf
-            return b""
-        # Fast path, nearly every read of a healthy stream: whole single-line
-        # data events (the only newlines are the separators), none of them
-        # [DONE] or of interest (usage, a finish reason, an error). They pass
-        # as the input slice, scanned once per read instead of once per event.
-        block = buf[:end + 2]
-        n = block.count(b"\n\n")
-        if (block.count(b"\n") == 2 * n and block.startswith(b"data:")
-                and block.count(b"\n\ndata:") == n - 1 and b"[DONE]" not in block
-                and _INTEREST_RE.search(block) is None):
-            self._buf = buf[end + 2:]
-            self.events += n
-            if not self.usage_reported:
-                if n == 1:
-                    self.usage.completion_tokens += _CONTENT_RE.search(block) is not None
-                else:
-                    self.usage.completion_tokens += sum(
-                        1 for event in block.split(b"\n\n") if _CONTENT_RE.search(event))
-            return block
-        *events, rest = buf.split(b"\n\n")
-        self._buf = rest
-        kept: list[bytes] = []
-        intact = True  # every event passes unchanged: hand back the input slice as is
-        for event in events:
-            passed = self._event(event)
-            if passed is None:
-                intact = False
-            else:
-                intact = intact and passed is event
-                kept.append(passed)
-            if self.done:
-                intact = False
-                self._buf = b""
-                break
-        if intact:
-            return buf[: len(buf) - len(rest)]
-        return b"\n\n".join(kept) + b"\n\n" if kept else b""
-
-    def flush(self) -> bytes:
-        """End of input: treat an unterminated last event as complete (lenient)."""
-        rest, self._buf = self._buf.rstrip(b"\r\n"), b""
-        if not rest or self.done:
-            return b""
-        passed = self._event(rest)
-        return passed + b"\n\n" if passed else b""
-
-    def _event(self, event: bytes) -> bytes | None:
-        """One event without its blank line: ``event`` itself when it passes
-        unchanged, its ``data:`` lines when other lines were dropped, or None."""
-        if event.startswith(b"data:") and b"\n" not in event:
-            payload = event[6:] if event[5:6] == b" " else event[5:]
-            out = event
-        else:
-            lines = [line for line in event.split(b"\n") if line.startswith(b"data:")]
-            if not lines:
-                return None  # comment, event:/id:/retry: only, or blank
-            payload = b"\n".join(ln[6:] if ln[5:6] == b" " else ln[5:] for ln in lines)
-            out = b"\n".join(lines)
-        self.events += 1
-        if payload == b"[DONE]":
-            self.done = True
-            return None
-        if _INTEREST_RE.search(payload) is not None and not self._inspect(payload):
-            return None
-        if not self.usage_reported and _CONTENT_RE.search(payload):
-            self.usage.completion_tokens += 1
-        return out
-
-    def _inspect(self, payload: bytes) -> bool:
-        """The rare events: parse once, note usage / finish reason, raise on error.
-
-        Returns whether the event goes to the client.
-        """
-        keep = True
-        obj: Any = None
-        if b'"error"' in payload:
-            obj = _loads(payload)
-            if isinstance(obj, dict) and obj.get("error") is not None:
-                message = _upstream_message(payload)
-                raise _broken(self._model, f"reported an error mid-stream: {message}")
-        if _USAGE_RE.search(payload):
-            obj = obj if obj is not None else _loads(payload)
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                self._record_usage(obj["usage"])
-                keep = obj.get("choices") != [] or self._include_usage
-        if _FINISH_RE.search(payload):
-            obj = obj if obj is not None else _loads(payload)
-            if isinstance(obj, dict):
-                for choice in obj.get("choices") or ():
-                    if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
-                        self.usage.finish_reason = choice["finish_reason"]
-                        break
-        return keep
-
-    def _record_usage(self, usage: dict[str, Any]) -> None:
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if isinstance(completion, int):
-            self.usage.completion_tokens = completion
-            self.usage_reported = True
-        if isinstance(prompt, int):
-            self.usage.prompt_tokens = prompt
-
-
-def _loads(payload: bytes) -> Any:
-    try:
-        return json.loads(payload)
-    except ValueError:
-        return None
-
 
 class OpenAIStream:
     """A streaming response being relayed. Implements ``BackendStream``.
@@ -347,11 +113,11 @@ class OpenAIStream:
             except aiohttp.ClientError as exc:
                 self._abort()
                 if self._silent is not None:
-                    raise _timeout(self._model.name, *self._silent) from None
-                raise _broken(self._model.name,
+                    raise upstream.timeout(self._model.name, *self._silent) from None
+                raise upstream.broken(self._model.name,
                               f"connection broke mid-stream: {exc}") from exc
             if self._silent is not None:
-                raise _timeout(self._model.name, *self._silent)
+                raise upstream.timeout(self._model.name, *self._silent)
             self._last_data = self._loop.time()
             try:
                 out = parser.feed(data) if data else parser.flush()
@@ -364,7 +130,7 @@ class OpenAIStream:
             if not data:
                 if not parser.finish_reason:
                     self._abort()
-                    raise _broken(self._model.name,
+                    raise upstream.broken(self._model.name,
                                   "closed the stream early (no [DONE], no finish_reason)")
                 await self._finish()
                 return out
@@ -509,13 +275,13 @@ class OpenAIBackend:
                     self._urls[request.api], data=self._payload(request),
                     headers=self._headers(request), allow_redirects=False)
         except aiohttp.ConnectionTimeoutError as exc:
-            raise _unavailable(model.name, exc) from exc
+            raise upstream.unavailable(model.name, exc) from exc
         except TimeoutError:
-            raise _timeout(model.name, "sent no response headers", limit) from None
+            raise upstream.timeout(model.name, "sent no response headers", limit) from None
         except aiohttp.ClientError as exc:
-            raise _unavailable(model.name, exc) from exc
+            raise upstream.unavailable(model.name, exc) from exc
         except OSError as exc:
-            raise _unavailable(model.name, exc) from exc
+            raise upstream.unavailable(model.name, exc) from exc
         if not 200 <= resp.status < 300:
             raise await self._status_error(resp)
         prompt_tokens = estimate_prompt_tokens(request.api, request.body)
@@ -542,8 +308,9 @@ class OpenAIBackend:
         finally:
             resp.close()
         log.info("model backend %s answered HTTP %d", self._model.name, resp.status)
-        return status_error(resp.status, _upstream_message(raw), model=self._model.name,
-                            retry_after=_retry_after(resp.headers))
+        return status_error(resp.status, upstream.upstream_message(raw),
+                            model=self._model.name,
+                            retry_after=upstream.retry_after(resp.headers))
 
     async def _body(self, resp: aiohttp.ClientResponse, request: Request,
                     prompt_tokens: int) -> BodyStream:
@@ -558,27 +325,29 @@ class OpenAIBackend:
                     break
                 size += len(data)
                 if size > cap:
-                    raise _broken(model.name, f"sent a response larger than "
+                    raise upstream.broken(model.name, f"sent a response larger than "
                                   f"worker.max_response_bytes ({cap} bytes)")
                 parts.append(data)
         except TimeoutError:
             resp.close()
-            raise _timeout(model.name, "went silent while sending its response",
+            raise upstream.timeout(model.name, "went silent while sending its response",
                            model.idle_timeout) from None
         except aiohttp.ClientError as exc:
             resp.close()
-            raise _broken(model.name, f"connection broke while sending its response: "
+            raise upstream.broken(model.name, f"connection broke while sending its response: "
                           f"{exc}") from exc
         except BackendError:
             resp.close()
             raise
         resp.release()
         body = b"".join(parts)
-        obj = _loads(body)
+        obj = loads(body)
         if not isinstance(obj, dict):
-            raise _broken(model.name, "returned a response body that is not a JSON object")
+            raise upstream.broken(model.name,
+                                  "returned a response body that is not a JSON object")
         if obj.get("error") is not None:
-            raise _broken(model.name, f"reported an error: {_upstream_message(body)}")
+            raise upstream.broken(model.name,
+                                  f"reported an error: {upstream.upstream_message(body)}")
         return BodyStream(body, _body_usage(obj, request.api, prompt_tokens))
 
     async def aclose(self) -> None:

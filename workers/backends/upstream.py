@@ -1,0 +1,94 @@
+"""What an OpenAI-compatible backend's failures become for the client.
+
+Error mapping (all raise :class:`tidegate.errors.BackendError`; before the
+first byte from :meth:`OpenAIBackend.open`, so the edge answers with the HTTP
+status):
+
+=====================  =====  ===========================  =========
+upstream               HTTP   type / code                  retryable
+=====================  =====  ===========================  =========
+400, 404, 413, 422     400    invalid_request_error        no
+401, 403               502    backend_auth_failed          no
+429                    429    rate_limit_error             yes
+503                    502    backend_error                yes
+other 5xx / non-2xx    502    backend_error                no
+connect failure        502    backend_unavailable          yes
+no headers in time     504    backend_timeout              no
+silence mid-stream     504    backend_timeout              no
+=====================  =====  ===========================  =========
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tidegate.errors import BackendError
+
+MESSAGE_LIMIT = 1000  # characters of an upstream message quoted to the client
+
+
+def upstream_message(raw: bytes) -> str:
+    """The message of an OpenAI-style (or FastAPI/TGI-style, or plain text) error body."""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            text = str(err["message"])
+        elif isinstance(err, str) and err:
+            text = err
+        elif obj.get("detail"):
+            text = str(obj["detail"])
+        elif obj.get("message"):
+            text = str(obj["message"])
+    text = " ".join(text.split())
+    if len(text) > MESSAGE_LIMIT:
+        text = text[:MESSAGE_LIMIT] + "..."
+    return text or "(empty response body)"
+
+
+def status_error(status: int, message: str, *, model: str,
+                 retry_after: float = 0.0) -> BackendError:
+    """Map an upstream HTTP error status to the error the client sees."""
+    if status in (400, 404, 413, 422):
+        return BackendError(400, f"The model backend rejected the request (HTTP {status}): "
+                            f"{message}", type="invalid_request_error", code="invalid_request")
+    if status in (401, 403):
+        return BackendError(502, f"The model backend for {model!r} refused the gateway's "
+                            f"credentials (HTTP {status}): {message}", type="server_error",
+                            code="backend_auth_failed")
+    if status == 429:
+        return BackendError(429, f"The model backend for {model!r} is rate limiting "
+                            f"(HTTP 429): {message}", type="rate_limit_error",
+                            code="backend_rate_limited", retryable=True,
+                            retry_after=retry_after or 1.0)
+    return BackendError(502, f"The model backend for {model!r} failed (HTTP {status}): "
+                        f"{message}", type="server_error", code="backend_error",
+                        retryable=status == 503, retry_after=retry_after)
+
+
+def unavailable(model: str, exc: BaseException) -> BackendError:
+    return BackendError(502, f"The model backend for {model!r} is unreachable: "
+                        f"{str(exc) or type(exc).__name__}", type="server_error",
+                        code="backend_unavailable", retryable=True, retry_after=1.0)
+
+
+def timeout(model: str, what: str, seconds: float) -> BackendError:
+    return BackendError(504, f"The model backend for {model!r} {what} within {seconds:g} s",
+                        type="server_error", code="backend_timeout")
+
+
+def broken(model: str, what: str) -> BackendError:
+    return BackendError(502, f"The model backend for {model!r} {what}", type="server_error",
+                        code="backend_error")
+
+
+def retry_after(headers: Any) -> float:
+    try:
+        return max(0.0, float(headers.get("Retry-After", "")))
+    except ValueError:
+        return 0.0
