@@ -15,9 +15,11 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from aiohttp import web
 
 from tidegate import config as tgconfig
 from tidegate.fake_backend import FakeBackend, FakeRecord
@@ -209,3 +211,16 @@ async def wait_for(predicate: Any, within: float, step: float = 0.01) -> bool:
             return True
         await asyncio.sleep(step)
     return bool(predicate())
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: web.Application) -> AsyncIterator[str]:
+    """Serve ``app`` on a free loopback port; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()

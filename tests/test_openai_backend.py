@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.pipeline import threaded_fake_backend
+from tests.pipeline import serve_app, threaded_fake_backend
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
 from tidegate.fake_backend import FakeBackend, FakeConfig, FakeRecord
@@ -355,13 +355,8 @@ async def eof_server() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}/v1"
-    await runner.cleanup()
+    async with serve_app(app) as base_url:
+        yield f"{base_url}/v1"
 
 
 @pytest.mark.parametrize("finish", [False, True])

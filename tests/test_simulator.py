@@ -14,6 +14,7 @@ from aiohttp import web
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
+from tests.pipeline import serve_app
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.protocol import Api, Request
 from tidegate.tokens import estimate_prompt_tokens
@@ -317,13 +318,8 @@ async def sdk_server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_post("/v1/completions", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}/v1"
-    await runner.cleanup()
+    async with serve_app(app) as base_url:
+        yield f"{base_url}/v1"
 
 
 SDK_MESSAGES: list[ChatCompletionMessageParam] = [
