@@ -83,8 +83,15 @@ class Outbox:
         batch = self._open.get(subject)
         size = len(message) + _FRAME_OVERHEAD
         if batch is None:
+            # The iteration's first message for this subject. Only now can the
+            # outbox have been idle (the flusher waits only when nothing is
+            # open), so only now does it need waking: later puts skip both.
             batch = self._open[subject] = [VERSION, Kind.MUX]
             self._sizes[subject] = 0
+            self._idle.clear()
+            wake = self._wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
         elif self._sizes[subject] + size > self._max_bytes:
             self._full.append((subject, batch))
             batch = self._open[subject] = [VERSION, Kind.MUX]
@@ -92,10 +99,6 @@ class Outbox:
         batch.append(request_id)
         batch.append(message)
         self._sizes[subject] += size
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
-        self._idle.clear()
 
     async def flush(self) -> None:
         """Return once everything put so far has been handed to NATS (before
