@@ -131,21 +131,16 @@ class Relay:
             return response
         except ApiError as error:
             finished = True
-            # From here on only this task writes (an error event, the end of
-            # the body): a chunk arriving meanwhile must not follow it out.
-            self.session.direct = None
             await self._cancel_upstream(f"edge:{error.code or error.type}")
             return await self._fail(error)
         except SlowClient:
             finished = True
-            self.session.direct = None
             log.info("request %s: client did not drain for %.0fs; disconnected", self.request.id,
                      self.ctx.config.edge.slow_client_timeout)
             await self._cancel_upstream("slow_client")
             assert self.response is not None
             return self.response
         finally:
-            self.session.direct = None
             if not finished:
                 # Client went away (handler cancelled) or an unexpected error:
                 # whatever runs upstream for this request is now waste.
@@ -185,6 +180,15 @@ class Relay:
     # -- the loop --------------------------------------------------------------
 
     async def _relay(self) -> web.StreamResponse:
+        try:
+            return await self._loop()
+        finally:
+            # However the relay ends, only this task writes from now on (the
+            # end of the body, an error event): a chunk arriving meanwhile
+            # must not follow it out.
+            self.session.direct = None
+
+    async def _loop(self) -> web.StreamResponse:
         session = self.session
 
         while True:
