@@ -145,9 +145,19 @@ class SessionTable:
 
     def dispatch(self, subject: str, data: bytes) -> None:
         request_id = subject[self._prefix_len:]
-        if request_id == MUX_TOKEN:
-            self._dispatch_mux(data)
+        if request_id != MUX_TOKEN:
+            self._deliver(request_id, data)
             return
+        try:
+            frames = decode_mux(data)
+        except ProtocolError as exc:
+            # The sessions it was for see a sequence gap, or go silent and time out.
+            log.error("dropping malformed mux message: %s", exc)
+            return
+        for request_id, message in frames:
+            self._deliver(request_id, message)
+
+    def _deliver(self, request_id: str, data: bytes) -> None:
         session = self._sessions.get(request_id)
         if session is None:
             # Late message for a finished request (e.g. a heartbeat racing the
@@ -157,19 +167,4 @@ class SessionTable:
         try:
             session.feed(decode_session(data))
         except ProtocolError as exc:
-            log.error("dropping malformed message for %s: %s", session.request_id, exc)
-
-    def _dispatch_mux(self, data: bytes) -> None:
-        sessions = self._sessions
-        try:
-            for request_id, message in decode_mux(data):
-                session = sessions.get(request_id)
-                if session is None:
-                    continue  # finished request, as in dispatch
-                try:
-                    session.feed(decode_session(message))
-                except ProtocolError as exc:
-                    log.error("dropping malformed message for %s: %s", request_id, exc)
-        except ProtocolError as exc:
-            # The sessions it was for see a sequence gap, or go silent and time out.
-            log.error("dropping malformed mux message: %s", exc)
+            log.error("dropping malformed message for %s: %s", request_id, exc)
