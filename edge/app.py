@@ -27,7 +27,6 @@ import nats.js.errors
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 
 from edge import instrument
 from edge.auth import KeyTable
@@ -75,7 +74,6 @@ class EdgeState:
     js: JetStreamContext
     keys: KeyTable
     sessions: SessionTable
-    cancels: KeyValue
     models: dict[str, ModelConfig] = field(init=False)
     relay: RelayContext = field(init=False)
     draining: bool = False

@@ -102,9 +102,11 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
                     "or auth.keys)")
     inbox = subjects.edge_inbox(edge_id)
     sessions = SessionTable(inbox[:-1])  # strip the "*": "<p>.out.<edge>."
-    cancels = await broker.ensure_cancels_bucket(js, config)
+    # Tombstones are published straight to the bucket's subject (see
+    # NatsPublisher.tombstone): the bucket must exist for them to be stored.
+    await broker.ensure_cancels_bucket(js, config)
     state = EdgeState(config=config, edge_id=edge_id, nc=nc, js=js, keys=keys,
-                      sessions=sessions, cancels=cancels)
+                      sessions=sessions)
 
     async def on_out(msg: Msg) -> None:
         sessions.dispatch(msg.subject, msg.data)
