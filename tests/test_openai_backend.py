@@ -412,15 +412,17 @@ async def test_non_stream_body_over_the_cap(fake: FakeBackend) -> None:
 async def test_connections_are_pooled(fake: FakeBackend, backend: OpenAIBackend) -> None:
     for _ in range(3):
         await read_all(await backend.open(make_request()))
+        # A stream ends at [DONE]; its connection returns to the pool once
+        # the chunked terminator behind it arrives.
+        await wait_for(lambda: backend._pool is not None and backend._pool.idle == 1)
         await read_all(await backend.open(make_request(stream=False)))
     # One client connection served all six: each response ended cleanly and the
     # connection went back to the pool.
     assert len(fake.records) == 6
     assert len({r.peer for r in fake.records}) == 1
     assert all(r.completed for r in fake.records)
-    assert backend._http is not None
-    assert backend._http.connector is not None
-    assert backend._http.connector.limit == model_config("").max_streams
+    assert backend._pool is not None
+    assert backend._pool.idle == 1
 
 
 # --- the passthrough parser, without sockets ----------------------------------------------

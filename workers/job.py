@@ -64,7 +64,7 @@ from tidegate.protocol import (
     encode_chunk,
 )
 from tidegate.telemetry import Telemetry
-from workers.backends import Backend, BackendStream, Usage
+from workers.backends import Backend, BackendStream, PushStream, Usage
 
 log = logging.getLogger("tidegate.worker")
 
@@ -131,14 +131,23 @@ class Job:
         self.attrs = {tm.MODEL: request.model, tm.OPERATION: tracing.operation(request.api)}
         # Every message to the edge goes one way, so the wire order is the seq order.
         self.outbox = ctx.outbox if request.mux else None
+        self._end: asyncio.Future[None] | None = None  # set by a PushStream's end()
+        self._pushing: PushStream | None = None
+        self._stalled_at = 0.0  # when a pushed stream's window filled (0: open)
 
     # -- control messages from the edge (called by the worker's demux) -------
 
     def on_ack(self, seq: int) -> None:
-        self.last_ack_at = time.monotonic()
+        now = self.last_ack_at = time.monotonic()
         self._edge_confirmed.set()
         if self.window.on_ack(seq) and self.window.open:
             self._window_open.set()
+            pushing = self._pushing
+            if pushing is not None:
+                if self._stalled_at:
+                    self._stalled(now - self._stalled_at)
+                    self._stalled_at = 0.0
+                pushing.resume()
 
     def cancel(self, reason: str) -> None:
         if self.task is not None and not self.task.done() and not self.cancel_reason:
@@ -310,9 +319,29 @@ class Job:
             await self._send(Error(self.seq, _info(error)).encode())
             return
         try:
-            await self._pump(stream)
+            if self.outbox is not None and isinstance(stream, PushStream):
+                await self._push(stream)
+            else:
+                await self._pump(stream)
         finally:
             await stream.aclose()
+
+    async def _push(self, stream: PushStream) -> None:
+        """The hot path: the stream calls :meth:`data` from its socket callback
+        and this task only waits for the end. Messages go through the outbox,
+        whose ``put`` does not await, so a chunk is handed to NATS in the same
+        callback that read it."""
+        self._end = asyncio.get_running_loop().create_future()
+        self._pushing = stream
+        stream.start(self)
+        try:
+            await self._end
+        except BackendError as error:
+            await self._fail(error)
+            return
+        finally:
+            self._pushing = None
+        await self._done(stream)
 
     async def _pump(self, stream: BackendStream) -> None:
         window = self.window
@@ -351,16 +380,55 @@ class Job:
                 else:
                     await publish(reply, encode_chunk(seq, data))
         except BackendError as error:
-            log.info("job %s: backend failed mid-stream: %s", self.request.id, error.message)
-            self.outcome = "error"
-            self.seq += 1
-            await self._send(Error(self.seq, _info(error)).encode())
+            await self._fail(error)
             return
+        await self._done(stream)
+
+    async def _fail(self, error: BackendError) -> None:
+        log.info("job %s: backend failed mid-stream: %s", self.request.id, error.message)
+        self.outcome = "error"
+        self.seq += 1
+        await self._send(Error(self.seq, _info(error)).encode())
+
+    async def _done(self, stream: BackendStream) -> None:
         self.outcome = "done"
         usage = stream.usage
         self.seq += 1
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())
+
+    # -- Sink: what a PushStream calls, from its socket callback -------------------
+
+    def credit(self) -> int:
+        window = self.window
+        return window.available_bytes if window.open else 0
+
+    def data(self, data: bytes) -> None:
+        # Per-chunk path, as in _pump: one clock read, no envelope object.
+        now = time.monotonic()
+        seq = self.seq = self.seq + 1
+        if not self.chunks_sent:
+            self.first_chunk_at = now
+            if self.span is not None:
+                self.span.add_event(tracing.FIRST_TOKEN_EVENT)
+        self.chunks_sent += 1
+        window = self.window
+        window.on_send(seq, len(data), now)
+        if not window.open:
+            self._window_open.clear()
+            self._stalled_at = now
+        self.last_sent = now
+        assert self.outbox is not None
+        self.outbox.put(self.request.mux, self.request.id, encode_chunk(seq, data))
+
+    def end(self, error: BackendError | None) -> None:
+        end = self._end
+        if end is None or end.done():
+            return
+        if error is None:
+            end.set_result(None)
+        else:
+            end.set_exception(error)
 
     def _stalled(self, seconds: float) -> None:
         self.stall_time += seconds

@@ -26,9 +26,10 @@ Contract of :meth:`BackendStream.read`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tidegate.config import ModelConfig, WorkerConfig
+from tidegate.errors import BackendError
 from tidegate.protocol import Request
 
 
@@ -51,6 +52,36 @@ class BackendStream(Protocol):
     async def read(self, max_bytes: int) -> bytes: ...
 
     async def aclose(self) -> None: ...
+
+
+class Sink(Protocol):
+    """Where a :class:`PushStream` delivers: in practice the worker's job.
+
+    ``credit`` is how many bytes the sink takes in the next :meth:`data` call
+    (0: none now; the stream then holds what it has, stops reading the
+    backend, and waits for :meth:`PushStream.resume`). Each :meth:`data` call
+    is one message of complete SSE events (or body slice), as ``read``
+    returns. :meth:`end` comes once: None after the last byte, or the error
+    that ended the stream. All three are called from socket callbacks and
+    must not block.
+    """
+
+    def credit(self) -> int: ...
+
+    def data(self, data: bytes) -> None: ...
+
+    def end(self, error: BackendError | None) -> None: ...
+
+
+@runtime_checkable
+class PushStream(BackendStream, Protocol):
+    """A stream that can push into a :class:`Sink` instead of being read:
+    the hot path of the worker, with no task wake-up per chunk. A stream is
+    consumed one way only: either :meth:`start` or ``read``."""
+
+    def start(self, sink: Sink) -> None: ...
+
+    def resume(self) -> None: ...
 
 
 class Backend(Protocol):

@@ -15,9 +15,14 @@ into, each found by a cheap byte search before any JSON is parsed:
 * An event with a top-level ``error`` becomes a :class:`BackendError`.
 * SSE comments and non-``data`` lines are dropped; the edge sends its own pings.
 
-Closing a stream early closes the TCP connection (``resp.close()``, not
-``release()``): that is how vLLM and friends learn the client left and abort
-the generation, freeing its KV cache.
+Closing a stream early closes the TCP connection (never hands it back to the
+pool): that is how vLLM and friends learn the client left and abort the
+generation, freeing its KV cache.
+
+HTTP goes through ``workers.backends.http1``, which pushes body bytes from the
+socket callback: :class:`OpenAIStream` is a push stream (``start(sink)``; see
+``workers.backends``), and its ``read`` is the same machinery with a sink that
+takes one message per call.
 
 Errors map to HTTP statuses as ``workers.backends.upstream`` lists; the
 SSE handling is ``workers.backends.sse``.
@@ -29,16 +34,14 @@ import asyncio
 import json
 import logging
 import os
-import socket
 from typing import Any
-
-import aiohttp
 
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
 from tidegate.protocol import Api, Request
 from tidegate.tokens import estimate_prompt_tokens
-from workers.backends import Usage, upstream
+from workers.backends import Sink, Usage, upstream
+from workers.backends.http1 import BodyTooLarge, Http1Pool, Response
 from workers.backends.sse import SSEPassthrough, loads
 from workers.backends.upstream import status_error
 
@@ -47,38 +50,70 @@ __all__ = ["BodyStream", "OpenAIBackend", "OpenAIStream"]
 log = logging.getLogger("tidegate.workers.backend")
 
 ERROR_BODY_LIMIT = 64 << 10  # bytes of an upstream error body read for its message
-# Below uvicorn's default 5 s keep-alive (vLLM), so an idle pooled connection is
-# never reused just as the server closes it.
-_KEEPALIVE = 4.0
 # After [DONE] the chunked terminator normally follows at once; wait this long
 # for it so the connection goes back to the pool, else close it.
-_DRAIN_TIMEOUT = 0.05
+_DRAIN_TIMEOUT = 0.5
+
+
+class _Reader:
+    """The sink behind :meth:`OpenAIStream.read`: one message per call."""
+
+    __slots__ = ("done", "error", "got", "waiter", "want")
+
+    def __init__(self) -> None:
+        self.want = 0  # credit while a read() waits
+        self.got: bytes | None = None
+        self.done = False
+        self.error: BackendError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def credit(self) -> int:
+        return self.want
+
+    def data(self, data: bytes) -> None:
+        self.got, self.want = data, 0
+        self._wake()
+
+    def end(self, error: BackendError | None) -> None:
+        self.done, self.error = True, error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
 
 class OpenAIStream:
-    """A streaming response being relayed. Implements ``BackendStream``.
+    """A streaming response being relayed. Implements ``PushStream``.
 
-    ``read`` reads at most ``min(max_bytes, worker.read_bytes)`` bytes per
-    upstream read and reads again only when no complete event is buffered, so
-    what it holds is bounded by one event plus one read. While the worker does
-    not call ``read``, nothing is read and TCP pushes back on the backend.
+    Pushed: each socket read is decoded (HTTP framing, then
+    :class:`SSEPassthrough`) in the connection's callback, and the complete
+    events go to the sink at once, as many per message as its credit allows,
+    cut at event boundaries (one event larger than the credit goes whole).
+    With no credit, the rest of that read is kept and the socket is paused, so
+    what the stream holds is bounded by one socket read and TCP pushes back on
+    the backend.
 
     Silence limits (first_byte_timeout, then idle_timeout) are enforced by one
     watchdog timer per stream that wakes every quarter limit, not by a timeout
-    scope per read: reads are per chunk, the hot path, and arming a timer for
-    each cost about 8% of a worker's CPU. The price is precision: a silent
-    backend is cut off between 1 and 1.25 times the limit.
+    per chunk. The price is precision: a silent backend is cut off between 1
+    and 1.25 times the limit. Time paused for lack of credit is not silence.
     """
 
-    def __init__(self, resp: aiohttp.ClientResponse, parser: SSEPassthrough,
-                 model: ModelConfig, read_bytes: int) -> None:
+    def __init__(self, resp: Response, parser: SSEPassthrough, model: ModelConfig,
+                 read_bytes: int) -> None:
         self._resp = resp
         self._parser = parser
         self._model = model
         self._read_bytes = read_bytes
-        self._ended = False
+        self._sink: Sink | None = None
+        self._reader: _Reader | None = None
+        self._pending = b""  # complete events waiting for credit
+        self._paused = False  # socket paused for lack of credit
+        self._body_done = False  # the HTTP body ended cleanly
+        self._ended = False  # the sink was told the end, or the stream was closed
         self._loop = asyncio.get_running_loop()
         self._last_data = self._loop.time()
-        self._silent: tuple[str, float] | None = None  # set when the watchdog fired
         self._watchdog = self._loop.call_later(self._limit()[1] / 4, self._check_silence)
 
     def _limit(self) -> tuple[str, float]:
@@ -87,14 +122,13 @@ class OpenAIStream:
         return "sent no first event", self._model.first_byte_timeout
 
     def _check_silence(self) -> None:
-        what, limit = self._limit()
         if self._ended:
             return
-        if self._loop.time() - self._last_data >= limit:
-            # Closing the response makes the pending read fail; read() then
-            # reports the timeout rather than a broken connection.
-            self._silent = (what, limit)
-            self._abort()
+        what, limit = self._limit()
+        if self._paused:
+            self._last_data = self._loop.time()
+        elif self._loop.time() - self._last_data >= limit:
+            self._fail(upstream.timeout(self._model.name, what, limit))
             return
         self._watchdog = self._loop.call_later(limit / 4, self._check_silence)
 
@@ -102,91 +136,127 @@ class OpenAIStream:
     def usage(self) -> Usage:
         return self._parser.usage
 
-    async def read(self, max_bytes: int) -> bytes:
+    # -- push --------------------------------------------------------------
+
+    def start(self, sink: Sink) -> None:
+        """Deliver to ``sink`` from now on; call :meth:`resume` when its credit
+        returns after it had none."""
+        self._sink = sink
+        self._resp.start(self._on_data, self._on_end)
+
+    def resume(self) -> None:
         if self._ended:
-            return b""
-        parser = self._parser
-        n = max(1, min(max_bytes, self._read_bytes))
-        while True:
-            try:
-                data = await self._resp.content.read(n)
-            except aiohttp.ClientError as exc:
-                self._abort()
-                if self._silent is not None:
-                    raise upstream.timeout(self._model.name, *self._silent) from None
-                raise upstream.broken(self._model.name,
-                              f"connection broke mid-stream: {exc}") from exc
-            if self._silent is not None:
-                raise upstream.timeout(self._model.name, *self._silent)
-            self._last_data = self._loop.time()
-            try:
-                out = parser.feed(data) if data else parser.flush()
-            except BackendError:
-                self._abort()
-                raise
-            if parser.done:
-                await self._finish()
-                return out
-            if not data:
-                if not parser.finish_reason:
-                    self._abort()
-                    raise upstream.broken(self._model.name,
-                                  "closed the stream early (no [DONE], no finish_reason)")
-                await self._finish()
-                return out
-            if out:
-                return out
-
-    async def _finish(self) -> None:
-        """Normal end: hand the connection back to the pool if the body is complete."""
-        self._ended = True
-        self._watchdog.cancel()
-        resp = self._resp
-        try:
-            async with asyncio.timeout(_DRAIN_TIMEOUT):
-                while await resp.content.read(ERROR_BODY_LIMIT):
-                    pass
-        except (TimeoutError, aiohttp.ClientError):
-            resp.close()
             return
-        resp.release()
+        self._forward()
+        if self._paused and not self._pending and not self._ended:
+            self._paused = False
+            self._last_data = self._loop.time()
+            self._resp.resume()
 
-    def _abort(self) -> None:
+    def _on_data(self, data: bytes) -> None:
+        if self._ended:
+            return
+        self._last_data = self._loop.time()
+        try:
+            out = self._parser.feed(data)
+        except BackendError as exc:
+            self._fail(exc)
+            return
+        if out:
+            self._pending = self._pending + out if self._pending else out
+        self._forward()
+
+    def _on_end(self, exc: BaseException | None) -> None:
+        if self._ended:
+            return
+        if exc is not None:
+            self._fail(upstream.broken(self._model.name, f"connection broke mid-stream: {exc}"))
+            return
+        self._body_done = True
+        try:
+            out = self._parser.flush()
+        except BackendError as error:
+            self._fail(error)
+            return
+        if out:
+            self._pending += out
+        self._forward()
+
+    def _forward(self) -> None:
+        sink = self._sink
+        assert sink is not None
+        pending = self._pending
+        while pending:
+            credit = min(sink.credit(), self._read_bytes)
+            if credit <= 0:
+                self._pending = pending
+                if not self._paused:
+                    self._paused = True
+                    self._resp.pause()
+                return
+            if len(pending) <= credit:
+                part, pending = pending, b""
+            else:
+                cut = pending.rfind(b"\n\n", 0, credit)
+                if cut < 0:  # one event larger than the credit goes whole
+                    cut = pending.find(b"\n\n")
+                part, pending = pending[:cut + 2], pending[cut + 2:]
+            self._pending = pending
+            sink.data(part)
+            if self._ended:  # the sink closed the stream
+                return
+        if self._parser.done or self._body_done:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Everything is forwarded and the stream is over: end it normally or,
+        for a body that ended without [DONE] or a finish reason, as broken."""
+        if not self._parser.done and not self._parser.finish_reason:
+            self._fail(upstream.broken(self._model.name,
+                                       "closed the stream early (no [DONE], no finish_reason)"))
+            return
         self._ended = True
         self._watchdog.cancel()
-        _shutdown_now(self._resp)
-        self._resp.close()
+        if not self._body_done:
+            self._resp.finish(_DRAIN_TIMEOUT)  # [DONE] seen: reuse the connection if it ends
+        assert self._sink is not None
+        self._sink.end(None)
+
+    def _fail(self, error: BackendError) -> None:
+        self._ended = True
+        self._watchdog.cancel()
+        self._resp.abort()
+        if self._sink is not None:
+            self._sink.end(error)
 
     async def aclose(self) -> None:
         """Close the upstream connection at once (aborts the generation). Idempotent."""
         if not self._ended:
-            self._abort()
-        self._resp.close()
+            self._ended = True
+            self._watchdog.cancel()
+            self._resp.abort()
 
+    # -- pull ------------------------------------------------------------------
 
-def _shutdown_now(resp: aiohttp.ClientResponse) -> None:
-    """Send the backend our FIN now. ``resp.close()`` closes the socket only
-    after the rest of this event-loop iteration has run, and a loaded worker's
-    iteration is long: every other job woken with it relays its chunks, and
-    every other cancelled job runs its cancel handling (log line, metrics,
-    usage record) first. shutdown() acts at once, on a duplicate of the
-    descriptor (transport sockets refuse shutdown()); the transport still
-    closes the socket itself."""
-    connection = resp.connection
-    transport = connection.transport if connection is not None else None
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
-        return
-    try:
-        dup = socket.socket(fileno=os.dup(sock.fileno()))
-    except OSError:
-        return
-    try:
-        dup.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed by the peer
-    finally:
-        dup.close()
+    async def read(self, max_bytes: int) -> bytes:
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = _Reader()
+            self.start(reader)
+        while reader.got is None and not reader.done:
+            if self._ended:  # closed by aclose()
+                return b""
+            reader.want = max(1, max_bytes)
+            reader.waiter = self._loop.create_future()
+            self.resume()
+            if reader.got is None and not reader.done:
+                await reader.waiter
+        if reader.got is not None:
+            data, reader.got = reader.got, None
+            return data
+        if reader.error is not None:
+            raise reader.error
+        return b""
 
 
 class BodyStream:
@@ -213,35 +283,37 @@ class BodyStream:
 class OpenAIBackend:
     """Implements ``Backend`` for one model on an OpenAI-compatible server.
 
-    One pooled :class:`aiohttp.ClientSession` per instance, created on first
-    use inside the running loop, sized for ``model.max_streams`` concurrent
-    streams, closed by :meth:`aclose`.
+    One keep-alive pool (:class:`~workers.backends.http1.Http1Pool`) per
+    instance, created on first use inside the running loop, closed by
+    :meth:`aclose`.
     """
 
     def __init__(self, model: ModelConfig, worker: WorkerConfig) -> None:
         self._model = model
         self._worker = worker
-        self._http: aiohttp.ClientSession | None = None
-        base = model.base_url.rstrip("/")
-        self._urls = {Api.CHAT: base + "/chat/completions", Api.COMPLETIONS: base + "/completions"}
-        self._auth = ""
+        self._pool: Http1Pool | None = None
+        self._paths = {Api.CHAT: "/chat/completions", Api.COMPLETIONS: "/completions"}
+        auth = ""
         if model.api_key_env:
             key = os.environ.get(model.api_key_env, "")
             if not key:
                 raise ConfigError(f"model {model.name!r}: api_key_env names "
                                   f"{model.api_key_env!r}, which is not set")
-            self._auth = f"Bearer {key}"
+            if not _header_safe(key):
+                raise ConfigError(f"model {model.name!r}: the key in {model.api_key_env!r} "
+                                  f"holds characters an HTTP header cannot carry")
+            auth = f"Authorization: Bearer {key}\r\n"
+        common = ("Content-Type: application/json\r\nAccept-Encoding: identity\r\n"
+                  f"User-Agent: tidegate\r\n{auth}")
+        self._base_headers = {
+            True: (common + "Accept: text/event-stream\r\n").encode("latin-1"),
+            False: (common + "Accept: application/json\r\n").encode("latin-1")}
 
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            connector = aiohttp.TCPConnector(limit=max(1, self._model.max_streams),
-                                             keepalive_timeout=_KEEPALIVE)
-            # Only the socket connect has its own limit; the time to response
-            # headers and between reads is bounded per call, in open()/read().
-            timeout = aiohttp.ClientTimeout(total=None,
-                                            sock_connect=self._model.connect_timeout)
-            self._http = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        return self._http
+    def _http(self) -> Http1Pool:
+        if self._pool is None:
+            self._pool = Http1Pool(self._model.base_url,
+                                   connect_timeout=self._model.connect_timeout)
+        return self._pool
 
     def _payload(self, request: Request) -> bytes:
         body = dict(request.body)
@@ -255,15 +327,12 @@ class OpenAIBackend:
             body.pop("stream_options", None)  # OpenAI rejects it without stream
         return json.dumps(body, separators=(",", ":")).encode()
 
-    def _headers(self, request: Request) -> dict[str, str]:
-        headers = {"Content-Type": "application/json",
-                   "Accept": "text/event-stream" if request.stream else "application/json"}
-        if self._auth:
-            headers["Authorization"] = self._auth
+    def _headers(self, request: Request) -> bytes:
+        headers = self._base_headers[request.stream]
         for name in ("traceparent", "tracestate"):
             value = request.extra.get(name)
-            if isinstance(value, str) and value:
-                headers[name] = value
+            if isinstance(value, str) and value and _header_safe(value):
+                headers += f"{name}: {value}\r\n".encode("latin-1")
         return headers
 
     async def open(self, request: Request) -> OpenAIStream | BodyStream:
@@ -271,16 +340,12 @@ class OpenAIBackend:
         limit = model.connect_timeout + model.first_byte_timeout
         try:
             async with asyncio.timeout(limit):
-                resp = await self._session().post(
-                    self._urls[request.api], data=self._payload(request),
-                    headers=self._headers(request), allow_redirects=False)
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise upstream.unavailable(model.name, exc) from exc
+                resp = await self._http().request("POST", self._paths[request.api],
+                                                  self._headers(request),
+                                                  self._payload(request))
         except TimeoutError:
             raise upstream.timeout(model.name, "sent no response headers", limit) from None
-        except aiohttp.ClientError as exc:
-            raise upstream.unavailable(model.name, exc) from exc
-        except OSError as exc:
+        except OSError as exc:  # refused, connect timeout, closed, not HTTP
             raise upstream.unavailable(model.name, exc) from exc
         if not 200 <= resp.status < 300:
             raise await self._status_error(resp)
@@ -294,53 +359,34 @@ class OpenAIBackend:
                                 model=model.name)
         return OpenAIStream(resp, parser, model, self._worker.read_bytes)
 
-    async def _status_error(self, resp: aiohttp.ClientResponse) -> BackendError:
+    async def _status_error(self, resp: Response) -> BackendError:
         raw = b""
         try:
             async with asyncio.timeout(min(self._model.idle_timeout, 10.0)):
-                while len(raw) < ERROR_BODY_LIMIT:
-                    data = await resp.content.read(ERROR_BODY_LIMIT - len(raw))
-                    if not data:
-                        break
-                    raw += data
-        except (TimeoutError, aiohttp.ClientError):
+                raw = await resp.read_all(ERROR_BODY_LIMIT, truncate=True)
+        except (TimeoutError, OSError):
             pass  # the status alone still tells what happened
         finally:
-            resp.close()
+            resp.abort()
         log.info("model backend %s answered HTTP %d", self._model.name, resp.status)
         return status_error(resp.status, upstream.upstream_message(raw),
                             model=self._model.name,
                             retry_after=upstream.retry_after(resp.headers))
 
-    async def _body(self, resp: aiohttp.ClientResponse, request: Request,
-                    prompt_tokens: int) -> BodyStream:
+    async def _body(self, resp: Response, request: Request, prompt_tokens: int) -> BodyStream:
         model, cap = self._model, self._worker.max_response_bytes
-        parts: list[bytes] = []
-        size = 0
         try:
-            while True:
-                async with asyncio.timeout(model.idle_timeout):
-                    data = await resp.content.read(self._worker.read_bytes)
-                if not data:
-                    break
-                size += len(data)
-                if size > cap:
-                    raise upstream.broken(model.name, f"sent a response larger than "
-                                  f"worker.max_response_bytes ({cap} bytes)")
-                parts.append(data)
+            async with asyncio.timeout(model.idle_timeout):
+                body = await resp.read_all(cap)
         except TimeoutError:
-            resp.close()
             raise upstream.timeout(model.name, "went silent while sending its response",
-                           model.idle_timeout) from None
-        except aiohttp.ClientError as exc:
-            resp.close()
+                                   model.idle_timeout) from None
+        except BodyTooLarge:
+            raise upstream.broken(model.name, f"sent a response larger than "
+                                  f"worker.max_response_bytes ({cap} bytes)") from None
+        except OSError as exc:
             raise upstream.broken(model.name, f"connection broke while sending its response: "
-                          f"{exc}") from exc
-        except BackendError:
-            resp.close()
-            raise
-        resp.release()
-        body = b"".join(parts)
+                                  f"{exc}") from exc
         obj = loads(body)
         if not isinstance(obj, dict):
             raise upstream.broken(model.name,
@@ -351,9 +397,15 @@ class OpenAIBackend:
         return BodyStream(body, _body_usage(obj, request.api, prompt_tokens))
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            http, self._http = self._http, None
-            await http.close()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.close()
+
+
+def _header_safe(value: str) -> bool:
+    """Whether ``value`` can be sent as a header value as it is (no line
+    breaks to inject headers with, nothing outside latin-1)."""
+    return value.isprintable() and all(ord(c) < 256 for c in value)
 
 
 def _body_usage(obj: dict[str, Any], api: Api, prompt_tokens: int) -> Usage:

@@ -88,7 +88,8 @@ def broken(model: str, what: str) -> BackendError:
 
 
 def retry_after(headers: Any) -> float:
+    """Seconds from a Retry-After header (``headers``: lower-case names)."""
     try:
-        return max(0.0, float(headers.get("Retry-After", "")))
+        return max(0.0, float(headers.get("retry-after", "")))
     except ValueError:
         return 0.0
