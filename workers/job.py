@@ -86,10 +86,17 @@ class JobContext:
     outbox: Outbox | None = None
 
     async def report(self, record: UsageRecord) -> None:
-        """Publish a usage record; a broker hiccup costs an accounting entry
-        (the reservation then expires), never the job's answer."""
+        """Publish a usage record to the TG_USAGE stream.
+
+        A plain publish, not JetStream's acked one: waiting for the stream's
+        ack cost every job a request/reply (a reply message, an inbox future
+        and a timer), and a record that does not make it could only be logged
+        anyway. It goes out on the same connection before the job's ack, so
+        the server stores it first; ``Nats-Msg-Id`` still deduplicates a
+        redelivered job's record. A lost record (broker unreachable) costs an
+        accounting entry (the reservation then expires), never the answer."""
         try:
-            await self.js.publish(self.config.nats.subjects.usage(record.model),
+            await self.nc.publish(self.config.nats.subjects.usage(record.model),
                                   record.encode(), headers={"Nats-Msg-Id": f"u-{record.id}"})
         except Exception as exc:
             log.warning("could not publish usage for %s: %s", record.id, exc)
