@@ -15,7 +15,7 @@ afterwards it is a final SSE error event (see ``edge.errors``).
 
 Hot path: a batch of chunk messages becomes one socket write of their bytes,
 which the edge never parses. Acks go back cumulatively, after the write has
-drained, at most once per quarter window (``tidegate.flow.AckPolicy``). Once a
+drained, at most once per half window (``tidegate.flow.AckPolicy``). Once a
 stream is flowing, most chunks do not even wake the relay: the NATS callback
 writes them straight to the socket (:meth:`Relay._direct`), and the relay
 wakes only for acks, ticks, a full socket buffer and the other messages.
@@ -234,7 +234,7 @@ class Relay:
             await self._write(_PING)
         if self.control and now - self.last_ack >= cfg.session.ack_timeout / 4:
             # Ack on time as well as on volume, even with nothing new: slow
-            # output never reaches a quarter window, and a worker in a long
+            # output never reaches half a window, and a worker in a long
             # prefill must still learn that this edge is alive.
             await self._ack(self.acks.ack_now())
 

@@ -298,8 +298,8 @@ def test_ack_policy_initial_state() -> None:
     assert p.unacked_msgs == 0
 
 
-def test_ack_policy_acks_after_a_quarter_of_bytes() -> None:
-    p = AckPolicy(400, 1000)  # bytes threshold 100, msgs threshold 250
+def test_ack_policy_acks_after_half_the_bytes() -> None:
+    p = AckPolicy(200, 1000)  # bytes threshold 100, msgs threshold 500
     assert p.on_written(2, 60) is None
     assert p.unacked_bytes == 60
     assert p.unacked_msgs == 1
@@ -312,8 +312,8 @@ def test_ack_policy_acks_after_a_quarter_of_bytes() -> None:
     assert p.on_written(6, 1) == 6
 
 
-def test_ack_policy_acks_after_a_quarter_of_messages() -> None:
-    p = AckPolicy(1 << 20, 8)  # msgs threshold 2
+def test_ack_policy_acks_after_half_the_messages() -> None:
+    p = AckPolicy(1 << 20, 4)  # msgs threshold 2
     assert p.on_written(2, 1) is None
     assert p.on_written(3, 1) == 3
     assert p.on_written(4, 1) is None
@@ -335,7 +335,7 @@ def test_ack_policy_tiny_windows_ack_every_message(window_bytes: int, window_msg
 
 
 def test_ack_policy_zero_byte_messages_counted_by_number() -> None:
-    p = AckPolicy(1000, 12)  # msgs threshold 3
+    p = AckPolicy(1000, 6)  # msgs threshold 3
     assert p.on_written(2, 0) is None
     assert p.on_written(3, 0) is None
     assert p.on_written(4, 0) == 4
@@ -472,9 +472,9 @@ def test_window_reopens_when_edge_has_written_all_in_flight(window: tuple[int, i
         while loop.acks:
             loop.deliver_ack()
         assert loop.window.open or loop.next == len(sizes)
-        # What stays unacknowledged is below a quarter window (at least one).
-        assert loop.window.in_flight_bytes < max(1, window[0] // 4)
-        assert loop.window.in_flight_msgs < max(1, window[1] // 4)
+        # What stays unacknowledged is below half a window (at least one).
+        assert loop.window.in_flight_bytes < max(1, window[0] // 2)
+        assert loop.window.in_flight_msgs < max(1, window[1] // 2)
 
 
 def test_batched_edge_writes_never_deadlock() -> None:

@@ -232,14 +232,14 @@ async def test_direct_writer_takes_in_order_chunks(harness: Harness) -> None:
     assert body == b"".join(sent) + DONE
     assert event_indexes(body) == [*range(n + 1), "[DONE]"]
     # Every chunk after the first was offered to the direct writer, and only
-    # those after which an ack was due (a quarter of window_msgs) went to the
+    # those after which an ack was due (half of window_msgs) went to the
     # relay; the rest never woke it.
     calls = harness.direct_calls
     assert [seq for seq, *_ in calls] == list(range(3, n + 3))
     declined = [seq for seq, written, *_ in calls if not written]
     assert declined == queued
-    quarter = harness.request.window_msgs // 4
-    assert declined == list(range(2 + quarter - 1, n + 3, quarter))
+    half = harness.request.window_msgs // 2
+    assert declined == list(range(2 + half - 1, n + 3, half))
     assert len(calls) - len(declined) == n - len(declined) > 0.9 * n
     assert opened.session.direct is None  # removed for the end of the stream
     assert harness.publisher.tombstones == []
@@ -253,11 +253,11 @@ async def test_acks_are_cumulative_and_published_to_the_control_subject(
     assert messages, "no ack published"
     assert all(isinstance(m, Ack) and m.request_id == "r-direct" for m in messages)
     acks = harness.publisher.acks()
-    quarter = harness.request.window_msgs // 4
-    assert n > quarter
+    half = harness.request.window_msgs // 2
+    assert n > half
     # Acks cover everything the direct path wrote before them, exactly as the
-    # relay alone would have acked: once a quarter window has been written.
-    assert acks == list(range(2 + quarter - 1, n + 3, quarter))
+    # relay alone would have acked: once half a window has been written.
+    assert acks == list(range(2 + half - 1, n + 3, half))
     assert acks == queued
     assert acks == sorted(set(acks))
 
@@ -273,8 +273,8 @@ async def test_burst_is_queued_behind_the_first_declined_chunk(harness: Harness)
         data = event(i)
         sent.append(data)
         session.feed(Chunk(i + 2, data))
-    quarter = harness.request.window_msgs // 4
-    first_declined = 2 + quarter - 1
+    half = harness.request.window_msgs // 2
+    first_declined = 2 + half - 1
     assert [seq for seq, *_ in harness.direct_calls] == list(range(3, first_declined + 1))
     assert [m.seq for m in session._pending] == list(range(first_declined, n + 3))
     session.feed(Done(n + 3, 1, n + 1, "stop"))
