@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -326,8 +327,10 @@ class Job:
             await self._send(Error(self.seq, _info(error)).encode())
             return
         try:
-            if self.outbox is not None and isinstance(stream, PushStream):
-                await self._push(stream)
+            # A method lookup, not isinstance(): a runtime Protocol check
+            # walks the protocol's members, per job.
+            if self.outbox is not None and getattr(stream, "start", None) is not None:
+                await self._push(cast(PushStream, stream))
             else:
                 await self._pump(stream)
         finally:

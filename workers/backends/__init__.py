@@ -26,7 +26,7 @@ Contract of :meth:`BackendStream.read`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError
@@ -73,7 +73,6 @@ class Sink(Protocol):
     def end(self, error: BackendError | None) -> None: ...
 
 
-@runtime_checkable
 class PushStream(BackendStream, Protocol):
     """A stream that can push into a :class:`Sink` instead of being read:
     the hot path of the worker, with no task wake-up per chunk. A stream is
