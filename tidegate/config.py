@@ -184,7 +184,7 @@ class WorkerConfig:
     # before its edge gives up.
     ack_wait: float = 20.0
     max_deliver: int = 5
-    read_bytes: int = 16 << 10  # largest single read from a backend response
+    read_bytes: int = 16 << 10  # largest chunk message (whole SSE events) to the edge
     # Messages to one edge within one loop iteration go as one NATS message of
     # at most this many bytes (tidegate.mux); 0 = one NATS message each.
     coalesce_bytes: int = 128 << 10
