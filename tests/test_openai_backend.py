@@ -22,7 +22,7 @@ from tidegate.errors import BackendError, ConfigError
 from tidegate.fake_backend import FakeBackend, FakeConfig, FakeRecord
 from tidegate.protocol import Api, Request
 from workers.backends import BackendStream, create_backend
-from workers.backends.openai import BodyStream, OpenAIBackend
+from workers.backends.openai import BodyStream, OpenAIBackend, OpenAIStream
 from workers.backends.sse import SSEPassthrough
 from workers.backends.upstream import status_error
 
@@ -153,6 +153,55 @@ async def test_small_reads_return_whole_events(fake: FakeBackend,
         for event in chunk[:-2].split(b"\n\n"):
             json.loads(event[6:])
     assert b"".join(chunks) == bytes(only_record(fake).output[: -len(DONE)])
+
+
+class CreditSink:
+    """A job stand-in for the push path: a byte credit the test hands out."""
+
+    def __init__(self) -> None:
+        self.credit_bytes = 0
+        self.messages: list[bytes] = []
+        self.ended: asyncio.Future[BackendError | None] = (
+            asyncio.get_running_loop().create_future())
+
+    def credit(self) -> int:
+        return self.credit_bytes
+
+    def data(self, data: bytes) -> None:
+        assert data
+        assert not self.ended.done()
+        assert len(data) <= max(self.credit_bytes, data.index(b"\n\n") + 2)
+        self.credit_bytes -= len(data)
+        self.messages.append(data)
+
+    def end(self, error: BackendError | None) -> None:
+        self.ended.set_result(error)
+
+
+async def test_push_respects_credit_and_resumes(fake: FakeBackend,
+                                                backend: OpenAIBackend) -> None:
+    """With no credit the stream delivers nothing and holds what it read; each
+    grant is filled with whole events up to the credit, and the end comes only
+    after everything was taken."""
+    stream = await backend.open(make_request(include_usage=True, fake={"itl": 0.0}))
+    assert isinstance(stream, OpenAIStream)
+    sink = CreditSink()
+    stream.start(sink)
+    await asyncio.sleep(0.2)  # the backend wrote everything; none of it may pass
+    assert sink.messages == []
+    assert not sink.ended.done()
+    async with asyncio.timeout(5):
+        while not sink.ended.done():
+            sink.credit_bytes = 150  # a bit more than one event: one per message
+            stream.resume()
+            await asyncio.sleep(0.01)
+    assert await sink.ended is None
+    for message in sink.messages:
+        assert message.startswith(b"data: {")
+        assert message.endswith(b"}\n\n")
+    assert b"".join(sink.messages) == bytes(only_record(fake).output[: -len(DONE)])
+    assert len(sink.messages) >= 8  # the 8 token events never fit one grant together
+    assert stream.usage.completion_tokens == 8
 
 
 async def test_max_tokens_and_completions_api(fake: FakeBackend,

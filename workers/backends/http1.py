@@ -10,8 +10,9 @@ the body is *pushed*: the connection's ``data_received`` decodes the HTTP
 framing and calls the consumer synchronously, so a chunk reaches the NATS
 outbox in the same callback that read it from the socket.
 
-What it does: one request at a time per connection, ``Content-Length`` and
-``Transfer-Encoding: chunked`` request/response framing, bodies delimited by
+What it does: one request at a time per connection, requests with
+``Content-Length``, responses with ``Content-Length``, ``Transfer-Encoding:
+chunked`` (extensions and trailers skipped), or bodies delimited by
 the connection's close, keep-alive pooling (idle connections are reused for
 :data:`KEEPALIVE` seconds), TLS for ``https://`` URLs, and one retry on a fresh
 connection when a reused one turns out to have been closed by the server
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import ssl
 from collections.abc import Callable
@@ -87,16 +89,20 @@ class Response:
     def start(self, on_data: DataCallback, on_end: EndCallback) -> None:
         self._on_data, self._on_end = on_data, on_end
         early, self._early = self._early, []
+        if early and not self.ended:
+            # Paused when the early bytes came. Resume first: the consumer
+            # may pause again while taking them, and that pause must hold
+            # (resuming only re-arms reading, no bytes arrive in between).
+            self._conn.resume()
         for data in early:
             on_data(data)
         if self.ended:
             on_end(self._error)
-        elif early:
-            self._conn.resume()  # paused when the early bytes came
 
     def pause(self) -> None:
         """Stop reading the socket (TCP then pushes back on the server)."""
-        self._conn.pause()
+        if not self.ended:
+            self._conn.pause()
 
     def resume(self) -> None:
         if not self.ended and self._on_data is not None:
@@ -180,6 +186,8 @@ def _ignore(exc: BaseException | None) -> None:
     pass
 
 
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
 # Body framing states of a connection.
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _IDLE = range(8)
 
@@ -198,6 +206,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = True
         self.paused = False
         self.closed = False
+        self.aborted = False  # closed by us, not by the server
         self.reused = False
         self.received = False  # any byte of the current response
         self.idle_since = 0.0
@@ -226,8 +235,8 @@ class _Connection(asyncio.Protocol):
         if self._close_timer is not None:
             self._close_timer.cancel()
         self._pool._forget(self)
-        if self._state == _UNTIL_CLOSE:
-            self._complete()
+        if self._state == _UNTIL_CLOSE and not self.aborted:
+            self._complete()  # the server's close is what ends such a body
             return
         self._fail(ServerDisconnected("the server closed the connection"
                                       + (f": {exc}" if exc else "")))
@@ -267,7 +276,7 @@ class _Connection(asyncio.Protocol):
         once (transport sockets refuse shutdown() themselves)."""
         if self.closed or self.transport is None:
             return
-        self.closed = True
+        self.closed = self.aborted = True
         self._pool._forget(self)
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
@@ -294,9 +303,9 @@ class _Connection(asyncio.Protocol):
         while state == _HEAD:
             data = self._buf + data if self._buf else data
             end = data.find(b"\r\n\r\n")
+            if end > MAX_HEAD or (end < 0 and len(data) > MAX_HEAD):
+                raise ProtocolViolation("response headers over 64 KiB")
             if end < 0:
-                if len(data) > MAX_HEAD:
-                    raise ProtocolViolation("response headers over 64 KiB")
                 self._buf = data
                 return
             self._buf = b""
@@ -350,7 +359,7 @@ class _Connection(asyncio.Protocol):
             self._state = _CHUNK_SIZE
         elif "content-length" in headers:
             length = headers["content-length"]
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):
                 raise ProtocolViolation(f"bad Content-Length: {length[:40]!r}")
             self._state = _LENGTH
             self._remaining = int(length)
@@ -398,10 +407,11 @@ class _Connection(asyncio.Protocol):
                     pos = size
                     break
                 line = buf[pos:eol].split(b";", 1)[0].strip()
-                try:
-                    n = int(line, 16)
-                except ValueError:
-                    raise ProtocolViolation(f"bad chunk size: {line[:40]!r}") from None
+                # int(x, 16) alone would take "-6", "+5", "0x5" or "0_5": a
+                # negative size would step back and parse the same line forever.
+                if _HEX.fullmatch(line) is None:
+                    raise ProtocolViolation(f"bad chunk size: {line[:40]!r}")
+                n = int(line, 16)
                 pos = eol + 2
                 if n == 0:
                     state = _TRAILER
@@ -411,6 +421,8 @@ class _Connection(asyncio.Protocol):
             else:  # _TRAILER: header lines until an empty one
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
+                    if size - pos > MAX_HEAD:
+                        raise ProtocolViolation("trailer over 64 KiB")
                     self._buf = buf[pos:]
                     pos = size
                     break
@@ -442,6 +454,9 @@ class _Connection(asyncio.Protocol):
         if response is not None:
             response._end(None)
         if self._keep_alive and not self.closed:
+            # Reading while idle: bytes the server sends now are a protocol
+            # violation that closes this connection, never the next answer.
+            self.resume()
             self._pool._release(self)
         elif not self.closed:
             self.abort()
@@ -480,9 +495,10 @@ class Http1Pool:
     async def request(self, method: str, path: str, headers: bytes, body: bytes) -> Response:
         """Send a request and return once its status and headers arrived.
 
-        ``headers`` are ready ``Name: value\\r\\n`` lines (Host, Content-Length
-        and Connection are added here). Raises :class:`OSError` (incl.
-        ``TimeoutError`` for the connect) when no connection could be made,
+        ``headers`` are ready ``Name: value\\r\\n`` lines (Host and
+        Content-Length are added here; HTTP/1.1 keeps the connection alive).
+        Raises :class:`OSError` (:class:`ConnectTimeout` for the connect) when
+        no connection could be made,
         :class:`ServerDisconnected` / :class:`ProtocolViolation` for a broken
         answer. The caller bounds the wait for the headers.
         """
