@@ -10,14 +10,36 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tidegate.bench import loadgen, report, runner, scenarios
+from tidegate.bench import loadgen, procstats, report, runner, scenarios
 from tidegate.bench.profiling import summarize
 from tidegate.errors import TidegateError
 from tidegate.fake_backend import FakeBackend
+
+
+def test_wait_seconds_sees_processes_waiting_for_a_core() -> None:
+    """More CPU-bound processes than cores: together they must have waited."""
+    n = (os.cpu_count() or 1) + 1
+    spin = "import time\nend = time.monotonic() + 0.6\nwhile time.monotonic() < end: pass"
+    children = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        window = procstats.CpuWindow({f"spin{i}": p.pid for i, p in enumerate(children)})
+        window.start()
+        time.sleep(0.4)
+        window.stop()
+    finally:
+        for child in children:
+            child.wait()
+    assert window.waited is not None
+    waited = [w for w in window.waited.values() if w is not None]
+    assert len(waited) == n
+    assert all(w >= 0 for w in waited)
+    assert sum(waited) > 0.05  # n spinners on n - 1 cores: at least one waits
+    assert procstats.wait_seconds(children[0].pid) is None  # gone
 
 
 def test_parse_scenarios() -> None:
@@ -128,7 +150,9 @@ def test_quick_bench_writes_results(tmp_path: Path) -> None:
     a = results["scenarios"]["a"]["runs"]
     assert {r["target"] for r in a} >= {"direct", "tidegate", "proxy"}
     for run in a:
-        assert {"streams_per_s", "chunks_per_s", "ttft_ms", "itl_ms", "cpu_s"} <= set(run)
+        assert {"streams_per_s", "chunks_per_s", "ttft_ms", "itl_ms", "cpu_s",
+                "runqueue_wait_s"} <= set(run)
+        assert set(run["runqueue_wait_s"]) == set(run["cpu_s"])
     tidegate = [r for r in a if r["target"] == "tidegate"]
     assert all("cpu_us_per_chunk" in r and "ttft_overhead_ms" in r for r in tidegate)
     b = results["scenarios"]["b"]["runs"]

@@ -198,9 +198,14 @@ def markdown(results: dict[str, Any]) -> str:
                        "cores busy"], rows)
         cpu_rows = [[r["target"], r.get("concurrency", r.get("rate")),
                      ", ".join(f"{k} {_fmt(v, 2)}" for k, v in r["cpu_s"].items()),
+                     ", ".join(f"{k} {_fmt(v, 2)}"
+                               for k, v in r.get("runqueue_wait_s", {}).items()),
                      r["loadgen_cpu_s"]] for r in scen["a"]["runs"]]
-        out += ["CPU seconds per process over the window:", ""]
-        out += _table(["target", "load", "processes", "load generator"], cpu_rows)
+        out += ["CPU seconds per process over the window, and seconds each was runnable "
+                "but waiting for a core (run-queue wait, from /proc/<pid>/task/*/schedstat: "
+                "where latency comes from when the machine has more work than cores):", ""]
+        out += _table(["target", "load", "CPU s", "run-queue wait s", "load generator CPU s"],
+                      cpu_rows)
     if "b" in scen:
         p = scen["b"]["params"]
         out += ["## (b) Idle streams", "",

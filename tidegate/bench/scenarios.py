@@ -130,6 +130,8 @@ async def _load_run(target: Target, profile: Profile, mode: str, load: float,
     window = rec.t1 - rec.t0
     used = rec.cpu.used or {}
     result["cpu_s"] = {k: None if v is None else round(v, 3) for k, v in used.items()}
+    result["runqueue_wait_s"] = {k: None if v is None else round(v, 3)
+                                 for k, v in (rec.cpu.waited or {}).items()}
     result["loadgen_cpu_s"] = round(rec.cpu.self_used, 3)
     known = [v for v in used.values() if v is not None]
     result["machine_cores_busy"] = round((sum(known) + rec.cpu.self_used) / window, 2)
