@@ -7,6 +7,7 @@ forwards untouched like any unknown field.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import time
@@ -21,7 +22,7 @@ from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
 from tidegate.fake_backend import FakeBackend, FakeConfig, FakeRecord
 from tidegate.protocol import Api, Request
-from workers.backends import BackendStream, create_backend
+from workers.backends import BackendStream, create_backend, http1
 from workers.backends.openai import BodyStream, OpenAIBackend, OpenAIStream
 from workers.backends.sse import SSEPassthrough
 from workers.backends.upstream import status_error
@@ -202,6 +203,43 @@ async def test_push_respects_credit_and_resumes(fake: FakeBackend,
     assert b"".join(sink.messages) == bytes(only_record(fake).output[: -len(DONE)])
     assert len(sink.messages) >= 8  # the 8 token events never fit one grant together
     assert stream.usage.completion_tokens == 8
+
+
+async def test_an_ended_stream_leaves_no_reference_cycles(fake: FakeBackend,
+                                                         backend: OpenAIBackend) -> None:
+    """A stream, its response and its connection must be freed by reference
+    counting when they end: a cycle among them (callbacks one way, the sink
+    and response the other) kept every cancelled stream until a full
+    collection, which after a mass disconnect stopped a worker for most of a
+    second. Closed mid-stream, failed, and finished normally."""
+    ours = (OpenAIStream, http1.Response, http1._Connection, SSEPassthrough, CreditSink)
+    gc.collect()
+    gc.disable()
+    try:
+        for how in ("closed", "failed", "finished"):
+            fault = {"itl": 0.02, "fail_after": 3} if how == "failed" else {"itl": 0.0}
+            stream = await backend.open(make_request(fake=fault))
+            sink = CreditSink()
+            sink.credit_bytes = 1 << 20
+            assert isinstance(stream, OpenAIStream)
+            stream.start(sink)
+            if how == "closed":
+                messages = sink.messages
+                await wait_for(lambda: bool(messages))  # noqa: B023
+                del messages
+            else:
+                await asyncio.wait_for(asyncio.shield(sink.ended), 5)
+            await stream.aclose()
+            await asyncio.sleep(0.1)  # the connection's close callbacks run
+            del stream, sink
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, ours)]
+        assert cyclic == [], f"left for the cyclic GC: {cyclic}"
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
 
 
 async def test_max_tokens_and_completions_api(fake: FakeBackend,

@@ -1,10 +1,19 @@
 """One job: call the backend, stream its output to the edge under flow control.
 
-Per job, inside one TaskGroup: the backend relay (this coroutine), a watchdog
-(heartbeats while the backend is silent, and the ack timeout) and an
-in-progress ack task (so JetStream does not redeliver a long but healthy
-generation). Cancelling the job task closes the backend response at once,
-which is what makes the backend abort the generation and free its KV cache.
+Per job: the backend relay (this coroutine) and two helper tasks it starts and
+cancels, a watchdog (heartbeats while the backend is silent, and the ack
+timeout) and an in-progress ack task (so JetStream does not redeliver a long
+but healthy generation). Cancelling the job task closes the backend response
+at once, which is what makes the backend abort the generation and free its KV
+cache.
+
+Plain tasks, not ``asyncio.TaskGroup``: on Python 3.11 a task group that a
+cancellation passes through keeps the exception in a frame that its own
+traceback holds, a reference cycle that only the cyclic GC frees, and with it
+the whole job (request, message, stream, transport): about 80 objects per
+cancelled job. After a mass disconnect those piled up until one full
+collection of close to a million objects stopped the worker for 0.7-0.8 s,
+delaying every cancel that arrived meanwhile (`docs/benchmarks.md`, (c)).
 
 Why a job ends early, and what the edge and JetStream are told:
 
@@ -39,8 +48,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -103,6 +113,20 @@ class JobContext:
             log.warning("could not publish usage for %s: %s", record.id, exc)
 
 
+def _helper(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A job's helper task; a failure is logged (the job goes on without it:
+    a lost watchdog leaves the edge's limits, a lost in-progress ack leaves
+    redelivery, which the resume handshake keeps from running the job twice)."""
+    task = asyncio.create_task(coro)
+    task.add_done_callback(_log_helper_failure)
+    return task
+
+
+def _log_helper_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("job helper task failed", exc_info=task.exception())
+
+
 def reserved(msg: Msg) -> bool:
     """Whether the dispatcher reserved quota for this job (see RESERVED_HEADER)."""
     return bool(msg.headers and msg.headers.get(RESERVED_HEADER))
@@ -142,6 +166,16 @@ class Job:
         self._end: asyncio.Future[None] | None = None  # set by a PushStream's end()
         self._pushing: PushStream | None = None
         self._stalled_at = 0.0  # when a pushed stream's window filled (0: open)
+
+    def release(self) -> None:
+        """Drop what the ended job points at. The job, its stream and the
+        stream's response point at each other (sink, callbacks); cut here, the
+        whole graph is freed by reference counting when the job ends instead
+        of waiting for a full cyclic collection (see the module docstring)."""
+        self.stream = None
+        self.task = None
+        self._end = None
+        self._pushing = None
 
     # -- control messages from the edge (called by the worker's demux) -------
 
@@ -185,13 +219,9 @@ class Job:
 
     async def _run(self) -> None:
         self.task = asyncio.current_task()
+        progress = _helper(self._keep_in_progress())
         try:
-            async with asyncio.TaskGroup() as tg:
-                progress = tg.create_task(self._keep_in_progress())
-                try:
-                    await self._relay()
-                finally:
-                    progress.cancel()
+            await self._relay()
         except asyncio.CancelledError:
             if not self.cancel_reason:
                 raise  # cancelled from outside: leave the job unacked for redelivery
@@ -199,8 +229,11 @@ class Job:
             # ends here, so the task must not stay marked as cancelling.
             assert self.task is not None
             self.task.uncancel()
+            progress.cancel()
             await self._after_cancel()
             return
+        finally:
+            progress.cancel()
         if self.outcome:
             await self._report(self.outcome)
         await self.msg.ack()
@@ -299,12 +332,11 @@ class Job:
             log.info("dropping redelivered job %s: its edge did not confirm", self.request.id)
             self.outcome = "dropped"
             return
-        async with asyncio.TaskGroup() as tg:
-            watchdog = tg.create_task(self._watchdog())
-            try:
-                await self._call_backend()
-            finally:
-                watchdog.cancel()
+        watchdog = _helper(self._watchdog())
+        try:
+            await self._call_backend()
+        finally:
+            watchdog.cancel()
 
     async def _edge_still_waiting(self) -> bool:
         """A redelivered job runs only if its edge confirms (Ack seq 0) that the

@@ -133,6 +133,7 @@ class Pool:
             log.exception("job %s failed", request.id)
         finally:
             del self.jobs[request.id]
+            job.release()
 
     async def pull(self, js: JetStreamContext, model: ModelConfig, backend: Backend,
                    stop: asyncio.Event) -> None:

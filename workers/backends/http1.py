@@ -109,7 +109,11 @@ class Response:
             self._conn.resume()
 
     def abort(self) -> None:
-        """Close the connection now; the server sees it at once. Idempotent."""
+        """Close the connection now; the server sees it at once. Idempotent.
+        The consumer hears nothing more (its callbacks are dropped, which also
+        keeps response and consumer from holding each other alive)."""
+        self._on_data = _discard
+        self._on_end = _ignore
         self._conn.abort()
 
     def finish(self, grace: float) -> None:
@@ -174,8 +178,10 @@ class Response:
         if self.ended:
             return
         self.ended, self._error = True, exc
-        if self._on_end is not None:
-            self._on_end(exc)
+        on_end = self._on_end
+        if on_end is not None:
+            self._on_data = self._on_end = None  # done with the consumer
+            on_end(exc)
 
 
 def _discard(data: bytes) -> None:

@@ -208,6 +208,12 @@ class OpenAIStream:
         if self._parser.done or self._body_done:
             self._finish()
 
+    def _detach(self) -> None:
+        """Ended: drop the sink (the job) so stream and job do not keep each
+        other alive; every entry point checks ``_ended`` first."""
+        self._sink = None
+        self._reader = None
+
     def _finish(self) -> None:
         """Everything is forwarded and the stream is over: end it normally or,
         for a body that ended without [DONE] or a finish reason, as broken."""
@@ -219,15 +225,24 @@ class OpenAIStream:
         self._watchdog.cancel()
         if not self._body_done:
             self._resp.finish(_DRAIN_TIMEOUT)  # [DONE] seen: reuse the connection if it ends
-        assert self._sink is not None
-        self._sink.end(None)
+        sink = self._sink
+        assert sink is not None
+        sink.end(None)
+        self._detach_later(sink)
 
     def _fail(self, error: BackendError) -> None:
         self._ended = True
         self._watchdog.cancel()
         self._resp.abort()
-        if self._sink is not None:
-            self._sink.end(error)
+        sink = self._sink
+        if sink is not None:
+            sink.end(error)
+            self._detach_later(sink)
+
+    def _detach_later(self, sink: Sink) -> None:
+        # A read() in progress still needs its reader after end(): keep it.
+        if sink is not self._reader:
+            self._detach()
 
     async def aclose(self) -> None:
         """Close the upstream connection at once (aborts the generation). Idempotent."""
@@ -235,6 +250,8 @@ class OpenAIStream:
             self._ended = True
             self._watchdog.cancel()
             self._resp.abort()
+        if self._reader is None:
+            self._detach()
 
     # -- pull ------------------------------------------------------------------
 
