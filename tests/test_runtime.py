@@ -73,3 +73,29 @@ def test_second_signal_forces_exit() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=20)
     assert result.returncode == 128 + signal.SIGINT, result.stderr
+
+
+def test_freeze_startup_heap_collects_then_freezes() -> None:
+    """Run in a child: freezing the test runner's heap would outlive this test."""
+    code = textwrap.dedent("""
+        import gc, weakref
+        from tidegate.runtime import freeze_startup_heap
+
+        class Node:
+            pass
+
+        kept = [Node() for _ in range(50_000)]
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # garbage only the cyclic GC can free
+        gone = weakref.ref(a)
+        del a, b
+        gc.disable()  # nothing collects it but freeze_startup_heap's own pass
+        freeze_startup_heap()
+        assert gone() is None, "garbage was frozen instead of collected"
+        assert gc.get_freeze_count() >= len(kept), gc.get_freeze_count()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

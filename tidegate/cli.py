@@ -266,8 +266,9 @@ def _cmd_edge(args: argparse.Namespace) -> int:
     logs.setup(config.logging)
     from edge.service import serve
     from tidegate.observability import instrumented
-    from tidegate.runtime import run_service
+    from tidegate.runtime import freeze_startup_heap, run_service
 
+    freeze_startup_heap()
     return run_service(instrumented(serve, "edge"), config)
 
 
@@ -276,8 +277,9 @@ def _cmd_dispatcher(args: argparse.Namespace) -> int:
     logs.setup(config.logging)
     from dispatcher.service import serve
     from tidegate.observability import instrumented
-    from tidegate.runtime import run_service
+    from tidegate.runtime import freeze_startup_heap, run_service
 
+    freeze_startup_heap()
     return run_service(instrumented(serve, "dispatcher"), config)
 
 
@@ -285,9 +287,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
     from tidegate.observability import instrumented
-    from tidegate.runtime import run_service
+    from tidegate.runtime import freeze_startup_heap, run_service
     from workers.service import serve
 
+    freeze_startup_heap()
     return run_service(instrumented(serve, "worker"), config)
 
 

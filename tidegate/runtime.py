@@ -20,6 +20,7 @@ anything else (logged with its traceback, since that is a bug).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -86,6 +87,20 @@ async def _main(serve: Serve, config: Config) -> None:
             loop.remove_signal_handler(sig)
         for sig, old in previous.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
+
+
+def freeze_startup_heap() -> None:
+    """Exempt what exists now (modules, config, the app's long-lived objects)
+    from the cyclic GC, after collecting any garbage among it.
+
+    A full collection walks every tracked object; a tier's startup heap is
+    most of them and never becomes garbage, so walking it is pure pause. At
+    c=200 the edge's full collections took 23-67 ms (a stall of every stream
+    on that edge, and the tail of TTFT); after freezing, 3 ms. For a tier
+    process's entry point only (the CLI), not for library callers: frozen
+    objects stay out of cyclic collection for the life of the process."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_service(serve: Serve, config: Config) -> int:
