@@ -404,19 +404,7 @@ class Job:
                 data = await stream.read(min(read_bytes, window.available_bytes or read_bytes))
                 if not data:
                     break
-                # Per-chunk path: one clock read, no envelope object, and the
-                # message handed over directly (not through _send).
-                now = time.monotonic()
-                seq = self.seq = self.seq + 1
-                if not self.chunks_sent:
-                    self.first_chunk_at = now
-                    if self.span is not None:
-                        self.span.add_event(tracing.FIRST_TOKEN_EVENT)
-                self.chunks_sent += 1
-                window.on_send(seq, len(data), now)
-                if not window.open:
-                    self._window_open.clear()
-                self.last_sent = now
+                seq = self._account(len(data))
                 if outbox is not None:
                     outbox.put(mux, request_id, encode_chunk(seq, data))
                 else:
@@ -439,15 +427,11 @@ class Job:
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())
 
-    # -- Sink: what a PushStream calls, from its socket callback -------------------
-
-    def credit(self) -> int:
-        window = self.window
-        return window.available_bytes if window.open else 0
-
-    def data(self, data: bytes) -> None:
-        # Per-chunk path, as in _pump: one clock read, no envelope object.
-        now = time.monotonic()
+    def _account(self, nbytes: int) -> int:
+        """A chunk of ``nbytes`` is about to go out: its seq, the window, the
+        first-chunk time. Per-chunk path: one clock read, no envelope object;
+        the caller hands the message over directly (not through _send)."""
+        now = self.last_sent = time.monotonic()
         seq = self.seq = self.seq + 1
         if not self.chunks_sent:
             self.first_chunk_at = now
@@ -455,11 +439,21 @@ class Job:
                 self.span.add_event(tracing.FIRST_TOKEN_EVENT)
         self.chunks_sent += 1
         window = self.window
-        window.on_send(seq, len(data), now)
+        window.on_send(seq, nbytes, now)
         if not window.open:
             self._window_open.clear()
-            self._stalled_at = now
-        self.last_sent = now
+        return seq
+
+    # -- Sink: what a PushStream calls, from its socket callback -------------------
+
+    def credit(self) -> int:
+        window = self.window
+        return window.available_bytes if window.open else 0
+
+    def data(self, data: bytes) -> None:
+        seq = self._account(len(data))
+        if not self.window.open:
+            self._stalled_at = self.last_sent
         assert self.outbox is not None
         self.outbox.put(self.request.mux, self.request.id, encode_chunk(seq, data))
 
