@@ -25,7 +25,6 @@ from tidegate.protocol import Api, Request
 from workers.backends import BackendStream, create_backend, http1
 from workers.backends.openai import BodyStream, OpenAIBackend, OpenAIStream
 from workers.backends.sse import SSEPassthrough
-from workers.backends.upstream import status_error
 
 DONE = b"data: [DONE]\n\n"
 MESSAGES = [{"role": "user", "content": "Hello there, backend."}]
@@ -510,66 +509,6 @@ async def test_connections_are_pooled(fake: FakeBackend, backend: OpenAIBackend)
     assert all(r.completed for r in fake.records)
     assert backend._pool is not None
     assert backend._pool.idle == 1
-
-
-# --- the passthrough parser, without sockets ----------------------------------------------
-
-
-def passthrough(include_usage: bool = False) -> SSEPassthrough:
-    return SSEPassthrough(include_usage=include_usage, prompt_tokens=7, model="m")
-
-
-CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}'
-FINISH = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}'
-USAGE = (b'data: {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 22,'
-         b' "total_tokens": 33}}')
-
-
-def test_parser_byte_at_a_time_equals_whole() -> None:
-    stream = b"\n\n".join([CHUNK, CHUNK, FINISH, USAGE, b"data: [DONE]", CHUNK]) + b"\n\n"
-    whole = passthrough()
-    out_whole = whole.feed(stream)
-    split = passthrough()
-    out_split = b"".join(split.feed(stream[i:i + 1]) for i in range(len(stream)))
-    assert out_whole == out_split == b"\n\n".join([CHUNK, CHUNK, FINISH]) + b"\n\n"
-    for p in (whole, split):
-        assert p.done
-        assert p.usage.completion_tokens == 22
-        assert p.usage.prompt_tokens == 11
-        assert p.finish_reason == "length"
-
-
-def test_parser_normalises_crlf_and_drops_non_data_lines() -> None:
-    p = passthrough(include_usage=True)
-    raw = (b": ping\r\n\r\nevent: message\r\nid: 4\r\n" + CHUNK + b"\r\n\r\n"
-           + USAGE + b"\r\n\r")
-    out = p.feed(raw[:-1]) + p.feed(raw[-1:]) + p.feed(b"\n")
-    assert out == CHUNK + b"\n\n" + USAGE + b"\n\n"
-    assert p.usage.completion_tokens == 22
-
-
-def test_parser_estimates_without_usage_and_raises_on_error() -> None:
-    p = passthrough()
-    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
-    assert p.feed(role + (CHUNK + b"\n\n") * 3) == role + (CHUNK + b"\n\n") * 3
-    assert p.usage.completion_tokens == 3
-    assert p.usage.prompt_tokens == 7
-    with pytest.raises(BackendError, match="out of memory") as info:
-        p.feed(b'data: {"error": {"message": "out of memory", "code": 500}}\n\n')
-    assert info.value.status == 502
-
-
-def test_parser_flush_takes_unterminated_last_event() -> None:
-    p = passthrough()
-    assert p.feed(FINISH) == b""
-    assert p.flush() == FINISH + b"\n\n"
-    assert p.finish_reason == "length"
-
-
-def test_status_error_retry_after() -> None:
-    error = status_error(429, "slow down", model="m", retry_after=3.0)
-    assert (error.status, error.retry_after, error.retryable) == (429, 3.0, True)
-    assert status_error(418, "teapot", model="m").status == 502
 
 
 def test_fake_backend_keyword_overrides() -> None:
