@@ -54,7 +54,6 @@ from typing import Any, cast
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from tidegate import telemetry as tm
@@ -89,7 +88,6 @@ class JobContext:
 
     config: Config
     nc: NATS
-    js: JetStreamContext
     control_subject: str
     telemetry: Telemetry = field(default_factory=tm.get)
     # Coalesces messages to the same edge (None: one NATS message per session
@@ -442,6 +440,7 @@ class Job:
         window.on_send(seq, nbytes, now)
         if not window.open:
             self._window_open.clear()
+            self._stalled_at = now  # read by on_ack for a pushed stream only
         return seq
 
     # -- Sink: what a PushStream calls, from its socket callback -------------------
@@ -452,8 +451,6 @@ class Job:
 
     def data(self, data: bytes) -> None:
         seq = self._account(len(data))
-        if not self.window.open:
-            self._stalled_at = self.last_sent
         assert self.outbox is not None
         self.outbox.put(self.request.mux, self.request.id, encode_chunk(seq, data))
 

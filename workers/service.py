@@ -190,7 +190,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     if config.worker.coalesce_bytes:
         outbox = Outbox(nc.publish, batch_limit(config.worker.coalesce_bytes, nc.max_payload))
         outbox.start()
-    ctx = JobContext(config=config, nc=nc, js=js, control_subject=subjects.control(worker_id),
+    ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
                      outbox=outbox)
     pool = Pool(config, ctx)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)

@@ -213,7 +213,6 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.closed = False
         self.aborted = False  # closed by us, not by the server
-        self.reused = False
         self.received = False  # any byte of the current response
         self.idle_since = 0.0
         self._close_timer: asyncio.TimerHandle | None = None
@@ -534,7 +533,6 @@ class Http1Pool:
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < KEEPALIVE:
-                conn.reused = True
                 return conn
             conn.abort()
         return None
