@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import nats.errors
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 log = logging.getLogger("tidegate.kvwatch")
@@ -30,15 +31,41 @@ OnPut = Callable[[str, bytes], None]
 OnDelete = Callable[[str], None]
 
 
+# After nats-py's "no more values" marker, how long entries already on their
+# way are still taken (see current_entries).
+_LATE_ENTRY_GRACE = 0.1
+
+
+async def current_entries(watcher: Any) -> AsyncIterator[Any]:
+    """The entries a fresh watcher replays, up to its "no more values" marker
+    and then any that still arrive within a short grace.
+
+    Why the grace: nats-py decides that marker from the consumer's
+    ``num_pending`` and its own delivered count. When the server has already
+    sent an entry that the client has not yet counted, both read 0 and the
+    marker comes *before* that entry; a loaded CI machine hit it, and a live
+    worker went missing from ``tidegate status``. Every one-off read of a
+    bucket goes through here."""
+    async for entry in watcher:
+        if entry is None:
+            break
+        yield entry
+    while True:
+        try:
+            entry = await watcher.updates(timeout=_LATE_ENTRY_GRACE)
+        except nats.errors.TimeoutError:
+            return
+        if entry is not None:
+            yield entry
+
+
 async def snapshot(kv: KeyValue) -> dict[str, bytes]:
     """Every live key of the bucket with its value (deleted keys left out).
     Callers bound it with ``asyncio.timeout``."""
     out: dict[str, bytes] = {}
     watcher = await kv.watchall(ignore_deletes=True)
     try:
-        async for entry in watcher:
-            if entry is None:  # end of the initial replay
-                break
+        async for entry in current_entries(watcher):
             out[entry.key] = entry.value or b""
     finally:
         await _stop(watcher)

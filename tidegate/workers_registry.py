@@ -21,17 +21,17 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from tidegate.config import Config
+from tidegate.kvwatch import current_entries
 
 log = logging.getLogger("tidegate.worker")
 
@@ -121,33 +121,6 @@ def local_info(worker_id: str, started: float, slots: Mapping[str, SlotInfo],
                       draining=draining)
 
 
-# After nats-py's "no more values" marker, how long entries already on their
-# way are still taken (see _current_entries).
-_LATE_ENTRY_GRACE = 0.1
-
-
-async def _current_entries(watcher: Any) -> AsyncIterator[Any]:
-    """The entries a fresh watcher replays, up to its "no more values" marker
-    and then any that still arrive within a short grace.
-
-    Why the grace: nats-py decides that marker from the consumer's
-    ``num_pending`` and its own delivered count. When the server has already
-    sent an entry that the client has not yet counted, both read 0 and the
-    marker comes *before* that entry; a loaded CI machine hit it, and a live
-    worker went missing from ``tidegate status``."""
-    async for entry in watcher:
-        if entry is None:
-            break
-        yield entry
-    while True:
-        try:
-            entry = await watcher.updates(timeout=_LATE_ENTRY_GRACE)
-        except nats.errors.TimeoutError:
-            return
-        if entry is not None:
-            yield entry
-
-
 async def read_all(kv: KeyValue, max_age: float = TTL) -> list[WorkerInfo]:
     """Every live worker, by worker id. Entries older than ``max_age`` (a
     stale clock or a TTL the server has yet to apply) are left out."""
@@ -155,7 +128,7 @@ async def read_all(kv: KeyValue, max_age: float = TTL) -> list[WorkerInfo]:
     out: list[WorkerInfo] = []
     watcher = await kv.watchall(ignore_deletes=True)
     try:
-        async for entry in _current_entries(watcher):
+        async for entry in current_entries(watcher):
             if entry.value is None:
                 continue
             try:
