@@ -1,10 +1,18 @@
-"""Recently cancelled request ids (tidegate.cancels), with a fake clock."""
+"""Recently cancelled request ids (tidegate.cancels), with a fake clock; the
+tombstone bucket's replay (tidegate.broker.watch_cancels) on a real nats-server."""
 
 from __future__ import annotations
 
+import asyncio
+
+import nats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.pipeline import wait_for
+from tests.servers import ServerHandle
+from tidegate import broker
+from tidegate import config as tgconfig
 from tidegate.cancels import CancelRegistry
 
 
@@ -176,3 +184,46 @@ def test_matches_reference_model(ttl: float, max_entries: int,
         for candidate in "abcdefghij":
             expected = candidate in recent and added[candidate] + ttl > clock.now
             assert (candidate in registry) == expected, candidate
+
+
+# --------------------------------------------------------------------------
+# The tombstone bucket on a real nats-server
+# --------------------------------------------------------------------------
+
+
+async def test_cancels_synced_returns_after_existing_tombstones(
+        nats_server: ServerHandle) -> None:
+    """A worker or dispatcher waits for this before it pulls: every tombstone
+    written before it started must be known by then, or a request cancelled
+    while nobody was pulling would run anyway."""
+    config = tgconfig.from_dict({"nats": {"url": nats_server.url}})
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        kv = await broker.ensure_cancels_bucket(js, config)
+        ids = [f"req-{i}" for i in range(50)]
+        for request_id in ids:
+            await kv.put(request_id, b"client_disconnected")
+        registry = CancelRegistry(ttl=60.0)
+        synced = asyncio.Event()
+        watcher = asyncio.create_task(broker.watch_cancels(
+            kv, lambda request_id, reason: registry.add(request_id), on_synced=synced.set))
+        try:
+            await broker.cancels_synced(synced, 10.0, "test")
+            assert synced.is_set()
+            assert all(request_id in registry for request_id in ids)
+            await kv.put("req-late", b"client_disconnected")  # live ones follow
+            assert await wait_for(lambda: "req-late" in registry, 5.0)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+    finally:
+        await nc.close()
+
+
+async def test_cancels_synced_gives_up_after_its_limit() -> None:
+    """A bucket that never replays (broker trouble) delays pulling by the
+    limit, not forever."""
+    started = asyncio.get_running_loop().time()
+    await broker.cancels_synced(asyncio.Event(), 0.2, "test")
+    assert 0.2 <= asyncio.get_running_loop().time() - started < 2.0

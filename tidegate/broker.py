@@ -198,15 +198,29 @@ async def ensure_cancels_bucket(js: JetStreamContext, config: Config) -> KeyValu
                                "tidegate: cancelled request ids", ttl=config.streams.max_age)
 
 
-async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None]) -> None:
+async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None], *,
+                        on_synced: Callable[[], None] | None = None) -> None:
     """Call ``on_cancel(request_id, reason)`` for every tombstone, existing ones
-    first (a tier that starts late still learns of earlier cancels). Survives
-    NATS restarts (see tidegate.kvwatch). Runs until cancelled."""
+    first (a tier that starts late still learns of earlier cancels), then
+    ``on_synced()`` once. Survives NATS restarts (see tidegate.kvwatch). Runs
+    until cancelled."""
 
     def put(key: str, value: bytes) -> None:
         on_cancel(key, value.decode(errors="replace"))
 
-    await follow_bucket(kv, put, lambda key: None)
+    await follow_bucket(kv, put, lambda key: None, on_synced=on_synced)
+
+
+async def cancels_synced(synced: asyncio.Event, limit: float, tier: str) -> None:
+    """Wait (up to ``limit`` seconds) until a :func:`watch_cancels` has replayed the
+    existing tombstones. A tier must not pull work before that: a request
+    cancelled while nobody was pulling would otherwise run anyway."""
+    try:
+        async with asyncio.timeout(limit):
+            await synced.wait()
+    except TimeoutError:
+        log.warning("%s: existing cancels not loaded within %.0fs; pulling anyway, the "
+                    "rest follows", tier, limit)
 
 
 async def streams_exist(js: JetStreamContext, config: Config) -> bool:
