@@ -67,14 +67,24 @@ class SendWindow:
         is gone: this is what the ack timeout is measured from."""
         return self._in_flight[0][2] if self._in_flight else None
 
-    def on_send(self, seq: int, nbytes: int, now: float = 0.0) -> None:
+    @property
+    def credit(self) -> int:
+        """:attr:`available_bytes` while the window is :attr:`open`, else 0:
+        what a pushed stream may hand over now (one call per backend read)."""
+        if len(self._in_flight) >= self.max_msgs:
+            return 0
+        return max(0, self.max_bytes - self.in_flight_bytes)
+
+    def on_send(self, seq: int, nbytes: int, now: float = 0.0) -> bool:
         """Record a message sent with sequence ``seq`` (strictly increasing) at
-        time ``now``."""
+        time ``now``. Returns :attr:`open` after it."""
         if seq <= self.sent_seq:
             raise ValueError(f"sequence {seq} not after {self.sent_seq}")
         self.sent_seq = seq
-        self._in_flight.append((seq, nbytes, now))
+        in_flight = self._in_flight
+        in_flight.append((seq, nbytes, now))
         self.in_flight_bytes += nbytes
+        return self.in_flight_bytes < self.max_bytes and len(in_flight) < self.max_msgs
 
     def on_ack(self, seq: int) -> bool:
         """Apply a cumulative ack. Returns True if it freed anything.

@@ -436,9 +436,7 @@ class Job:
             if self.span is not None:
                 self.span.add_event(tracing.FIRST_TOKEN_EVENT)
         self.chunks_sent += 1
-        window = self.window
-        window.on_send(seq, nbytes, now)
-        if not window.open:
+        if not self.window.on_send(seq, nbytes, now):
             self._window_open.clear()
             self._stalled_at = now  # read by on_ack for a pushed stream only
         return seq
@@ -446,8 +444,7 @@ class Job:
     # -- Sink: what a PushStream calls, from its socket callback -------------------
 
     def credit(self) -> int:
-        window = self.window
-        return window.available_bytes if window.open else 0
+        return self.window.credit
 
     def data(self, data: bytes) -> None:
         seq = self._account(len(data))

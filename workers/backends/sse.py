@@ -51,6 +51,17 @@ class SSEPassthrough:
         """Take upstream bytes; return the complete events to pass on (maybe ``b""``)."""
         if self.done:
             return b""
+        # Fastest path, one read = one event, as a backend streaming at token
+        # pace writes them: a single-line event, nothing buffered. bytes.find
+        # scans with memchr; ``in`` and the general path's checks below cost
+        # about twice as much per event.
+        if (not self._buf and data.find(b"\n") == len(data) - 2 and data.endswith(b"\n\n")
+                and data.startswith(b"data:") and data.find(b"\r") < 0
+                and data.find(b"[DONE]") < 0 and _INTEREST_RE.search(data) is None):
+            self.events += 1
+            if not self.usage_reported and _CONTENT_RE.search(data) is not None:
+                self.usage.completion_tokens += 1
+            return data
         buf = self._buf + data if self._buf else data
         if b"\r" in buf:
             tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
