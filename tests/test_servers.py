@@ -8,6 +8,7 @@ process management itself (stop, kill, restart, start failure, parent death).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 import subprocess
@@ -127,6 +128,30 @@ async def test_nats_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) ->
     _assert_gone(server, identity, server.port)
     assert port_is_free(server.monitor_port)
     assert (tmp_path / "nats-server.log").exists()
+
+
+def test_nats_gomaxprocs_reaches_the_server_and_only_it(tmp_path: Path) -> None:
+    """The benchmark runs nats-server with one Go thread: the setting must be
+    in the server's environment, the rest of the environment kept, and the
+    default must leave GOMAXPROCS to whoever started us."""
+    capped = NatsServer(tmp_path / "capped", gomaxprocs=1)
+    default = NatsServer(tmp_path / "default")
+    try:
+        capped.start()
+        default.start()
+        assert capped.pid is not None
+        assert default.pid is not None
+        environ = Path(f"/proc/{capped.pid}/environ").read_bytes().split(b"\0")
+        assert b"GOMAXPROCS=1" in environ
+        assert f"PATH={os.environ['PATH']}".encode() in environ
+        inherited = os.environ.get("GOMAXPROCS")
+        defaults = Path(f"/proc/{default.pid}/environ").read_bytes().split(b"\0")
+        assert [e for e in defaults if e.startswith(b"GOMAXPROCS=")] == (
+            [] if inherited is None else [f"GOMAXPROCS={inherited}".encode()])
+        assert capped.is_ready()  # JetStream up with one Go thread
+    finally:
+        capped.stop(timeout=10)
+        default.stop(timeout=10)
 
 
 async def test_redis_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) -> None:

@@ -430,6 +430,7 @@ class NatsServer(ManagedProcess):
         binary: str | None = None,
         extra_args: Sequence[str] = (),
         start_timeout: float = 15.0,
+        gomaxprocs: int | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
@@ -438,8 +439,11 @@ class NatsServer(ManagedProcess):
         self.data_dir.mkdir(parents=True, exist_ok=True)
         argv = [binary or find_nats_server(), "-a", host, "-p", str(self.port),
                 "-js", "-sd", str(self.data_dir), "-m", str(self.monitor_port), *extra_args]
+        # GOMAXPROCS caps the OS threads running Go code at once (default: one
+        # per core). None leaves it to the environment.
+        env = None if gomaxprocs is None else {**os.environ, "GOMAXPROCS": str(gomaxprocs)}
         super().__init__("nats-server", argv, log_path or self.data_dir / "nats-server.log",
-                         start_timeout=start_timeout)
+                         start_timeout=start_timeout, env=env)
 
     @property
     def url(self) -> str:

@@ -50,6 +50,7 @@ __all__ = ["BENCH_KEY", "MODEL", "Target", "Targets"]
 MODEL = "fake-model"
 BENCH_KEY = "sk-tg-bench-key"
 _HOST = "127.0.0.1"
+NATS_GOMAXPROCS = 1  # the benchmarked nats-server's GOMAXPROCS (see start_tidegate)
 
 
 @dataclass(slots=True)
@@ -180,8 +181,14 @@ class Targets:
         ``tidegate`` carry its name as a prefix.
         """
         prefix = "" if name == "tidegate" else f"{name}-"
+        # One Go thread for nats-server: the machine's cores are shared with
+        # the load generator, the backend and three Python tiers, and a second
+        # P mostly spins looking for work (docs/benchmarks.md, "nats-server").
         nats = NatsServer(self._tmp / f"{prefix}nats", host=_HOST,
-                          log_path=self.logs / f"{prefix}nats-server.log")
+                          log_path=self.logs / f"{prefix}nats-server.log",
+                          gomaxprocs=NATS_GOMAXPROCS)
+        if not prefix:
+            self.notes.append(f"nats-server runs with GOMAXPROCS={NATS_GOMAXPROCS}.")
         self._procs.append(nats)
         redis = RedisServer(self._tmp / f"{prefix}redis", host=_HOST,
                             log_path=self.logs / f"{prefix}redis-server.log")
