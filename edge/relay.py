@@ -362,23 +362,26 @@ class Relay:
         self.response = response
         return response
 
-    async def _write(self, data: bytes) -> None:
-        """Write and wait until the socket drains below the high-water mark.
+    async def _write(self, data: bytes, *, last: bool = False) -> None:
+        """Write and wait until the socket drains below the high-water mark;
+        ``last`` ends the body with the same write (one system call, and one
+        packet for the client, instead of two).
 
         Only a write that can block (it takes the buffer past high water) pays
         for a timeout scope; a client that does not drain within
         edge.slow_client_timeout is disconnected (``SlowClient``)."""
         response = self.response or await self._start_stream()
         self.last_write = time.monotonic()
+        send = response.write_eof if last else response.write
         transport = self.http.transport
         if transport is None or transport.get_write_buffer_size() + len(data) <= self.high_water:
-            await response.write(data)
+            await send(data)
             return
         writer = response._payload_writer  # aiohttp has no public drain on responses
         try:
             async with asyncio.timeout(self.ctx.config.edge.slow_client_timeout):
-                await response.write(data)
-                if writer is not None:
+                await send(data)
+                if writer is not None and not last:  # write_eof drains by itself
                     await writer.drain()
         except TimeoutError:
             transport.abort()
@@ -422,8 +425,7 @@ class Relay:
         if not self.request.stream:
             return web.Response(body=b"".join(self.body_parts), content_type="application/json",
                                 headers=self.headers)
-        await self._write(_DONE)
+        await self._write(_DONE, last=True)
         assert self.response is not None
-        await self.response.write_eof()
         return self.response
 
