@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.bench import loadgen, procstats, report, runner, scenarios
+from tidegate.bench import alternate, loadgen, procstats, report, runner, scenarios
 from tidegate.bench.profiling import summarize
 from tidegate.errors import TidegateError
 from tidegate.fake_backend import FakeBackend
@@ -210,3 +210,31 @@ def test_quota_scenario_counts_round_trips(tmp_path: Path) -> None:
     assert one["redis_calls_per_request"]["evalsha"] == pytest.approx(2.0, abs=0.05)
     assert one["admit_us"]["count"] == one["requests"]
     assert "## (q) Quota check cost" in "\n".join(quota.markdown(results))
+
+
+def test_alternate_variants_parse_and_reject_clearly(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    tree = alternate.parse_variant(f"base=tree:{repo}")
+    assert tree.name == "base"
+    assert tree.env == {"PYTHONPATH": str(repo)}
+    one = alternate.parse_variant("one=env:GOMAXPROCS=1,TG_X=a=b")
+    assert one.env == {"GOMAXPROCS": "1", "TG_X": "a=b"}
+    assert one.environ()["GOMAXPROCS"] == "1"
+    for bad in ("base", "base=", "base=tree:", "x=sh:ls", "y=env:NOEQUALS",
+                f"z=tree:{tmp_path}"):
+        with pytest.raises(TidegateError):
+            alternate.parse_variant(bad)
+
+
+def test_alternate_runs_a_variant_end_to_end() -> None:
+    """A real (tiny) round: a fresh stack in a child process whose tiers come
+    from the named tree, and a line of CPU per chunk for it."""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "tidegate.bench.alternate", "--rounds", "1",
+         "--concurrency", "5", "--window", "0.8", "--warmup", "0.3", f"here=tree:{repo}"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.strip().startswith("here")]
+    assert len(lines) == 1, done.stdout
+    assert float(lines[0].split()[1]) > 0  # µs of CPU per chunk, summed over the tiers

@@ -5,8 +5,10 @@ Modules: :mod:`~tidegate.bench.loadgen` (closed- and open-loop SSE load),
 and LiteLLM as child processes), :mod:`~tidegate.bench.scenarios` (what is
 measured), :mod:`~tidegate.bench.procstats` (CPU and RSS from ``/proc``),
 :mod:`~tidegate.bench.report` (JSON, markdown, plots),
-:mod:`~tidegate.bench.quota` (scenario q, the cost of a quota check) and
-:mod:`~tidegate.bench.runner` (the command). See ``docs/benchmarks.md``.
+:mod:`~tidegate.bench.quota` (scenario q, the cost of a quota check),
+:mod:`~tidegate.bench.runner` (the command) and
+:mod:`~tidegate.bench.alternate` (alternating A/B runs of two trees or
+settings). See ``docs/benchmarks.md``.
 
 This module stays import-light: the child processes start from it.
 """
