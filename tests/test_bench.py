@@ -220,8 +220,11 @@ def test_alternate_variants_parse_and_reject_clearly(tmp_path: Path) -> None:
     one = alternate.parse_variant("one=env:GOMAXPROCS=1,TG_X=a=b")
     assert one.env == {"GOMAXPROCS": "1", "TG_X": "a=b"}
     assert one.environ()["GOMAXPROCS"] == "1"
+    wide = alternate.parse_variant("wide=set:dispatcher.batch=256,worker.read_bytes=8192")
+    assert wide.env == {}
+    assert wide.settings == ("dispatcher.batch=256", "worker.read_bytes=8192")
     for bad in ("base", "base=", "base=tree:", "x=sh:ls", "y=env:NOEQUALS",
-                f"z=tree:{tmp_path}"):
+                f"z=tree:{tmp_path}", "w=set:nodot"):
         with pytest.raises(TidegateError):
             alternate.parse_variant(bad)
 
@@ -232,9 +235,11 @@ def test_alternate_runs_a_variant_end_to_end() -> None:
     repo = Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, "-m", "tidegate.bench.alternate", "--rounds", "1",
-         "--concurrency", "5", "--window", "0.8", "--warmup", "0.3", f"here=tree:{repo}"],
+         "--concurrency", "5", "--window", "0.8", "--warmup", "0.3", f"here=tree:{repo}",
+         "small=set:worker.read_bytes=4096"],
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.strip().startswith("here")]
-    assert len(lines) == 1, done.stdout
-    assert float(lines[0].split()[1]) > 0  # µs of CPU per chunk, summed over the tiers
+    for name in ("here", "small"):
+        lines = [line for line in done.stdout.splitlines() if line.strip().startswith(name)]
+        assert len(lines) == 1, done.stdout
+        assert float(lines[0].split()[1]) > 0  # µs of CPU per chunk, summed over the tiers

@@ -2,17 +2,19 @@
 costs less CPU per chunk, on a machine whose speed drifts by minutes.
 
     python -m tidegate.bench.alternate --rounds 3 \\
-        base=tree:/tmp/base  work=tree:.  one=env:GOMAXPROCS=1
+        base=tree:/tmp/base  work=tree:.  one=env:GOMAXPROCS=1 \\
+        wide=set:dispatcher.batch=256
 
 Each variant is ``NAME=tree:PATH`` (a source checkout: its ``tidegate``,
-``edge``, ``dispatcher`` and ``workers`` come first on ``PYTHONPATH``) or
-``NAME=env:KEY=VALUE[,KEY=VALUE...]`` (added to the environment). A round
-runs every variant once, in the order given, each in a process of its own
-with a fresh stack (fake backend, nats-server, redis-server and the three
-tiers): the direct run and then tidegate at one concurrency. Single runs on
-a shared 2-core machine differ by a few percent; only a difference that
-holds in every round means something (docs/benchmarks.md reports these
-pairs).
+``edge``, ``dispatcher`` and ``workers`` come first on ``PYTHONPATH``),
+``NAME=env:KEY=VALUE[,KEY=VALUE...]`` (added to the environment) or
+``NAME=set:SECTION.KEY=VALUE[,...]`` (tidegate config overrides, as
+``tidegate bench --set``). A round runs every variant once, in the order
+given, each in a process of its own with a fresh stack (fake backend,
+nats-server, redis-server and the three tiers): the direct run and then
+tidegate at one concurrency. Single runs on a shared 2-core machine differ
+by a few percent; only a difference that holds in every round means
+something (docs/benchmarks.md reports these pairs).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tidegate.bench.runner import BenchOptions
 from tidegate.errors import TidegateError
 
 __all__ = ["Variant", "parse_variant", "summary_line"]
@@ -36,6 +39,7 @@ __all__ = ["Variant", "parse_variant", "summary_line"]
 class Variant:
     name: str
     env: dict[str, str]
+    settings: tuple[str, ...] = ()  # SECTION.KEY=VALUE, for the child's --set
 
     def environ(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
@@ -45,12 +49,13 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``base=tree:/src`` or ``one=env:GOMAXPROCS=1,X=2``; TidegateError if not."""
+    """``base=tree:/src``, ``one=env:GOMAXPROCS=1,X=2`` or
+    ``wide=set:dispatcher.batch=256``; TidegateError if not."""
     name, sep, spec = text.partition("=")
     kind, _, value = spec.partition(":")
-    if not sep or not name or not value or kind not in ("tree", "env"):
-        raise TidegateError(f"a variant is NAME=tree:PATH or NAME=env:KEY=VALUE[,...], "
-                            f"not {text!r}")
+    if not sep or not name or not value or kind not in ("tree", "env", "set"):
+        raise TidegateError(f"a variant is NAME=tree:PATH, NAME=env:KEY=VALUE[,...] or "
+                            f"NAME=set:SECTION.KEY=VALUE[,...], not {text!r}")
     if kind == "tree":
         root = Path(value).resolve()
         if not (root / "tidegate" / "__init__.py").is_file():
@@ -59,7 +64,11 @@ def parse_variant(text: str) -> Variant:
         return Variant(name, {"PYTHONPATH": str(root)})
     pairs = [item.partition("=") for item in value.split(",")]
     if any(not key or not eq for key, eq, _ in pairs):
-        raise TidegateError(f"env variant {name!r} takes KEY=VALUE pairs, not {value!r}")
+        raise TidegateError(f"{kind} variant {name!r} takes KEY=VALUE pairs, not {value!r}")
+    if kind == "set":
+        settings = tuple(value.split(","))
+        BenchOptions.parse_set(list(settings))  # the same rules as tidegate bench --set
+        return Variant(name, {}, settings)
     return Variant(name, {key: val for key, _, val in pairs})
 
 
@@ -72,7 +81,8 @@ def summary_line(name: str, result: dict[str, Any]) -> str:
             f"p99 {result['ttft_overhead_ms'][1]:.1f} ms  vs direct {result['ratio']:.3f}")
 
 
-def _one(concurrency: int, window: float, warmup: float) -> dict[str, Any]:
+def _one(concurrency: int, window: float, warmup: float,
+         overrides: dict[str, Any]) -> dict[str, Any]:
     """One direct run and one tidegate run on fresh stacks (this process's tree)."""
     from tidegate.bench import run_async, scenarios
     from tidegate.bench.targets import Targets
@@ -80,7 +90,7 @@ def _one(concurrency: int, window: float, warmup: float) -> dict[str, Any]:
     profile = dataclasses.replace(scenarios.FULL, concurrencies=(concurrency,),
                                   duration=window, warmup=warmup)
     with Targets(Path(tempfile.mkdtemp(prefix="tidegate-alternate-")), heartbeat_interval=5.0,
-                 max_streams=max(2048, 2 * concurrency)) as env:
+                 max_streams=max(2048, 2 * concurrency), overrides=overrides) as env:
         fake, tidegate = env.start_fake(), env.start_tidegate()
 
         async def both() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -107,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=6.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(_one(args.concurrency, args.window, args.warmup)))
+        overrides = dict(BenchOptions.parse_set(args.set))
+        print(json.dumps(_one(args.concurrency, args.window, args.warmup, overrides)))
         return 0
     try:
         variants = [parse_variant(v) for v in args.variants]
@@ -123,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             child = subprocess.run(
                 [sys.executable, "-m", "tidegate.bench.alternate", "--one",
                  "--concurrency", str(args.concurrency), "--window", str(args.window),
-                 "--warmup", str(args.warmup)],
+                 "--warmup", str(args.warmup),
+                 *(arg for setting in variant.settings for arg in ("--set", setting))],
                 env=variant.environ(), capture_output=True, text=True, check=False)
             if child.returncode != 0:
                 print(f"{variant.name:>10}  failed:\n{child.stderr[-2000:]}", flush=True)
