@@ -285,6 +285,27 @@ def test_greedy_sender_respects_bounds(max_bytes: int, max_msgs: int, sizes: lis
     assert w.open
 
 
+@given(
+    max_bytes=st.integers(1, 1000),
+    max_msgs=st.integers(1, 20),
+    steps=st.lists(st.tuples(st.booleans(), st.integers(0, 2000)), min_size=1, max_size=80),
+)
+def test_credit_and_on_send_agree_with_open(max_bytes: int, max_msgs: int,
+                                             steps: list[tuple[bool, int]]) -> None:
+    """The pushed stream's per-read shortcuts: ``credit`` is what may be sent
+    now (0 while closed) and ``on_send`` returns whether the window is still
+    open, the same answers as ``open`` and ``available_bytes``."""
+    w = SendWindow(max_bytes, max_msgs)
+    seq = 0
+    for ack, size in steps:
+        if ack:
+            w.on_ack(max(0, seq - 1))
+        elif w.open:
+            seq += 1
+            assert w.on_send(seq, size) is w.open
+        assert w.credit == (w.available_bytes if w.open else 0)
+
+
 # --------------------------------------------------------------------------
 # AckPolicy: examples
 # --------------------------------------------------------------------------

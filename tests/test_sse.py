@@ -36,6 +36,34 @@ def test_parser_byte_at_a_time_equals_whole() -> None:
         assert p.finish_reason == "length"
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_parser_one_event_per_read_equals_whole(include_usage: bool) -> None:
+    """One read = one event is the fast path (a token stream's usual read); it
+    must see [DONE], usage, finish reasons, errors, CRLF and comments exactly
+    as the general path does."""
+    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}'
+    events = [role, CHUNK, b": keep-alive", CHUNK.replace(b'"x"', b'"[DONE] is text"'),
+              b"data:" + CHUNK[6:], FINISH, USAGE, b"data: [DONE]", CHUNK]
+    reads = [e + b"\n\n" for e in events]
+    reads[2] = b": keep-alive\r\n\r\n"
+    whole, single = passthrough(include_usage), passthrough(include_usage)
+    out_whole = whole.feed(b"".join(reads))
+    out_single = b"".join(single.feed(r) for r in reads)
+    assert out_single == out_whole
+    assert out_single.count(b"\n\n") == (6 if include_usage else 5)  # no comment, no [DONE]
+    for p in (whole, single):
+        assert p.done
+        assert p.events == whole.events
+        assert p.usage.completion_tokens == 22
+        assert p.finish_reason == "length"
+    counted = passthrough()
+    for r in reads[:5]:
+        counted.feed(r)
+    assert counted.usage.completion_tokens == 3  # the role event has no content
+    with pytest.raises(BackendError, match="overloaded"):
+        passthrough().feed(b'data: {"error": {"message": "overloaded"}}\n\n')
+
+
 def test_parser_normalises_crlf_and_drops_non_data_lines() -> None:
     p = passthrough(include_usage=True)
     raw = (b": ping\r\n\r\nevent: message\r\nid: 4\r\n" + CHUNK + b"\r\n\r\n"
