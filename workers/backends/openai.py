@@ -422,7 +422,13 @@ class OpenAIBackend:
 def _header_safe(value: str) -> bool:
     """Whether ``value`` can be sent as a header value as it is (no line
     breaks to inject headers with, nothing outside latin-1)."""
-    return value.isprintable() and all(ord(c) < 256 for c in value)
+    if not value.isprintable():
+        return False
+    try:
+        value.encode("latin-1")  # in C, not a Python loop per character
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _body_usage(obj: dict[str, Any], api: Api, prompt_tokens: int) -> Usage:
