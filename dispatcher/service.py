@@ -211,13 +211,11 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                        Reconciler(store, queue, config).handle, capacity=256,
                        expires=cfg.fetch_timeout)
         async with asyncio.TaskGroup() as tg:
-            synced = asyncio.Event()
             background = [
-                tg.create_task(broker.watch_cancels(cancels, dispatcher.on_cancel,
-                                                    on_synced=synced.set)),
                 tg.create_task(watch_policies(policies_kv, policies)),
+                await broker.follow_cancels(tg, cancels, dispatcher.on_cancel,
+                                            config.nats.request_timeout, "dispatcher"),
             ]
-            await broker.cancels_synced(synced, config.nats.request_timeout, "dispatcher")
             pullers = [tg.create_task(requests.run(stop)), tg.create_task(usage.run(stop)),
                        tg.create_task(gate.run(stop))]
             await asyncio.wait(pullers)

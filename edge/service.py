@@ -26,6 +26,7 @@ from tidegate import broker
 from tidegate.config import Config
 from tidegate.errors import ApiError
 from tidegate.keys import ensure_keys_bucket, watch_keys
+from tidegate.kvwatch import wait_synced
 
 log = logging.getLogger("tidegate.edge")
 
@@ -57,13 +58,8 @@ async def _keys_watch(js: JetStreamContext, config: Config,
                                name="tidegate-edge-keys-watch")
     task.add_done_callback(_report_watch_exit)
     try:
-        try:
-            async with asyncio.timeout(config.nats.request_timeout):
-                await synced.wait()
-        except TimeoutError:
-            log.warning("API keys from %s not loaded within %.0fs; serving with what has "
-                        "arrived, the rest follows", config.nats.subjects.keys_bucket,
-                        config.nats.request_timeout)
+        await wait_synced(synced, config.nats.request_timeout,
+                          f"API keys from {config.nats.subjects.keys_bucket}")
         yield
     finally:
         task.cancel()

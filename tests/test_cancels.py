@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.pipeline import wait_for
 from tests.servers import ServerHandle
-from tidegate import broker
+from tidegate import broker, kvwatch
 from tidegate import config as tgconfig
 from tidegate.cancels import CancelRegistry
 
@@ -191,7 +191,7 @@ def test_matches_reference_model(ttl: float, max_entries: int,
 # --------------------------------------------------------------------------
 
 
-async def test_cancels_synced_returns_after_existing_tombstones(
+async def test_follow_cancels_returns_after_existing_tombstones(
         nats_server: ServerHandle) -> None:
     """A worker or dispatcher waits for this before it pulls: every tombstone
     written before it started must be known by then, or a request cancelled
@@ -205,25 +205,26 @@ async def test_cancels_synced_returns_after_existing_tombstones(
         for request_id in ids:
             await kv.put(request_id, b"client_disconnected")
         registry = CancelRegistry(ttl=60.0)
-        synced = asyncio.Event()
-        watcher = asyncio.create_task(broker.watch_cancels(
-            kv, lambda request_id, reason: registry.add(request_id), on_synced=synced.set))
-        try:
-            await broker.cancels_synced(synced, 10.0, "test")
-            assert synced.is_set()
+        async with asyncio.TaskGroup() as tg:
+            started = asyncio.get_running_loop().time()
+            watcher = await broker.follow_cancels(
+                tg, kv, lambda request_id, reason: registry.add(request_id), 10.0, "test")
+            # Returned on the replay, not on the 10 s limit.
+            assert asyncio.get_running_loop().time() - started < 5.0
             assert all(request_id in registry for request_id in ids)
             await kv.put("req-late", b"client_disconnected")  # live ones follow
             assert await wait_for(lambda: "req-late" in registry, 5.0)
-        finally:
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
     finally:
         await nc.close()
 
 
-async def test_cancels_synced_gives_up_after_its_limit() -> None:
+async def test_wait_synced_gives_up_after_its_limit() -> None:
     """A bucket that never replays (broker trouble) delays pulling by the
     limit, not forever."""
     started = asyncio.get_running_loop().time()
-    await broker.cancels_synced(asyncio.Event(), 0.2, "test")
+    assert not await kvwatch.wait_synced(asyncio.Event(), 0.2, "test")
     assert 0.2 <= asyncio.get_running_loop().time() - started < 2.0
+    synced = asyncio.Event()
+    synced.set()
+    assert await kvwatch.wait_synced(synced, 0.2, "test")

@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 
 from tidegate.config import Config, NatsConfig
 from tidegate.errors import BrokerError
-from tidegate.kvwatch import follow_bucket
+from tidegate.kvwatch import follow_bucket, wait_synced
 
 log = logging.getLogger("tidegate.broker")
 
@@ -211,16 +211,17 @@ async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None], *,
     await follow_bucket(kv, put, lambda key: None, on_synced=on_synced)
 
 
-async def cancels_synced(synced: asyncio.Event, limit: float, tier: str) -> None:
-    """Wait (up to ``limit`` seconds) until a :func:`watch_cancels` has replayed the
-    existing tombstones. A tier must not pull work before that: a request
-    cancelled while nobody was pulling would otherwise run anyway."""
-    try:
-        async with asyncio.timeout(limit):
-            await synced.wait()
-    except TimeoutError:
-        log.warning("%s: existing cancels not loaded within %.0fs; pulling anyway, the "
-                    "rest follows", tier, limit)
+async def follow_cancels(tg: asyncio.TaskGroup, kv: KeyValue,
+                         on_cancel: Callable[[str, str], None], limit: float,
+                         tier: str) -> asyncio.Task[None]:
+    """Start :func:`watch_cancels` in ``tg`` and return its task once the
+    existing tombstones are replayed (or after ``limit`` seconds). A tier must
+    not pull work before that: a request cancelled while nobody was pulling
+    would otherwise run anyway."""
+    synced = asyncio.Event()
+    task = tg.create_task(watch_cancels(kv, on_cancel, on_synced=synced.set))
+    await wait_synced(synced, limit, f"{tier}: existing cancels")
+    return task
 
 
 async def streams_exist(js: JetStreamContext, config: Config) -> bool:

@@ -59,6 +59,21 @@ async def current_entries(watcher: Any) -> AsyncIterator[Any]:
             yield entry
 
 
+async def wait_synced(synced: asyncio.Event, limit: float, what: str) -> bool:
+    """Wait up to ``limit`` seconds for a :func:`follow_bucket`'s ``on_synced``
+    (``synced.set``): a tier starts serving or pulling only once it knows the
+    bucket's existing entries. Past the limit it logs and goes on (False):
+    what arrives later still applies."""
+    try:
+        async with asyncio.timeout(limit):
+            await synced.wait()
+    except TimeoutError:
+        log.warning("%s not loaded within %.0fs; going on with what has arrived, the rest "
+                    "follows", what, limit)
+        return False
+    return True
+
+
 async def snapshot(kv: KeyValue) -> dict[str, bytes]:
     """Every live key of the bucket with its value (deleted keys left out).
     Callers bound it with ``asyncio.timeout``."""

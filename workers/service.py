@@ -206,11 +206,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         # The pull loops are owned by this TaskGroup and end at stop; jobs are
         # tracked by the pool, since they must outlive the pull loops to drain.
         async with asyncio.TaskGroup() as tg:
-            synced = asyncio.Event()
-            watcher = tg.create_task(broker.watch_cancels(cancels, pool.on_cancel,
-                                                          on_synced=synced.set))
             heartbeat = tg.create_task(workers_registry.heartbeat(registry, beat))
-            await broker.cancels_synced(synced, config.nats.request_timeout, "worker")
+            watcher = await broker.follow_cancels(tg, cancels, pool.on_cancel,
+                                                  config.nats.request_timeout, "worker")
             pullers = [tg.create_task(pool.pull(js, m, backends[m.name], stop))
                        for m in models]
             await stop.wait()
