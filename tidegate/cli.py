@@ -30,12 +30,15 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidegate import config as tgconfig
 from tidegate import logs
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
+
+if TYPE_CHECKING:
+    from tidegate.runtime import Serve
 
 PROG = "tidegate"
 
@@ -261,37 +264,38 @@ def _cmd_version(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_edge(args: argparse.Namespace) -> int:
-    config = load_config(args)
-    logs.setup(config.logging)
-    from edge.service import serve
+def _run_tier(tier: str, serve: Serve, config: Config) -> int:
+    """A tier process's last step: freeze the startup heap (imports, config)
+    out of the cyclic GC, then serve until stopped."""
     from tidegate.observability import instrumented
     from tidegate.runtime import freeze_startup_heap, run_service
 
     freeze_startup_heap()
-    return run_service(instrumented(serve, "edge"), config)
+    return run_service(instrumented(serve, tier), config)
+
+
+def _cmd_edge(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    logs.setup(config.logging)
+    from edge.service import serve
+
+    return _run_tier("edge", serve, config)
 
 
 def _cmd_dispatcher(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
     from dispatcher.service import serve
-    from tidegate.observability import instrumented
-    from tidegate.runtime import freeze_startup_heap, run_service
 
-    freeze_startup_heap()
-    return run_service(instrumented(serve, "dispatcher"), config)
+    return _run_tier("dispatcher", serve, config)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
-    from tidegate.observability import instrumented
-    from tidegate.runtime import freeze_startup_heap, run_service
     from workers.service import serve
 
-    freeze_startup_heap()
-    return run_service(instrumented(serve, "worker"), config)
+    return _run_tier("worker", serve, config)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
