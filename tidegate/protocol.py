@@ -52,6 +52,7 @@ class Kind(IntEnum):
 
 _CHUNK = int(Kind.CHUNK)  # a plain int packs faster than the enum member (per chunk)
 
+
 class Api(IntEnum):
     """Which OpenAI endpoint the request came in on (decides the chunk format)."""
 
