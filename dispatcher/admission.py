@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dispatcher.quota import Limits, QuotaResult, QuotaStore, QuotaUnavailable, Scope
-from tidegate import telemetry as tm
 from tidegate.config import ModelConfig
-from tidegate.policies import PolicySet
-from tidegate.protocol import Admission, ErrorInfo, Request
-from tidegate.tokens import reservation
+from tidegate.control.policies import PolicySet
+from tidegate.telemetry import telemetry as tm
+from tidegate.wire.protocol import Admission, ErrorInfo, Request
+from tidegate.wire.tokens import reservation
 
 log = logging.getLogger("tidegate.dispatcher")
 

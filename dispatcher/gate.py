@@ -29,9 +29,9 @@ from nats.js import JetStreamContext
 
 from dispatcher.queueing import ModeState, QueueMode
 from dispatcher.quota import QuotaUnavailable
-from tidegate import telemetry as tm
 from tidegate.config import Config, ModelConfig
-from tidegate.protocol import Admission, ErrorInfo, Request, Status
+from tidegate.telemetry import telemetry as tm
+from tidegate.wire.protocol import Admission, ErrorInfo, Request, Status
 
 log = logging.getLogger("tidegate.dispatcher")
 

@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 
 from dispatcher.quota import QuotaUnavailable
 from tidegate.config import QueueModeConfig
-from tidegate.subjects import encode_token
+from tidegate.wire.subjects import encode_token
 
 # enqueue: KEYS = base (prefix of this model's queue keys). ARGV = request id,
 # tenant, class (0 interactive, 1 batch), owner, now ms, ttl ms, bound.

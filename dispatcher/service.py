@@ -27,14 +27,15 @@ from dispatcher.gate import QueueGate
 from dispatcher.queueing import QueueMode
 from dispatcher.quota import QuotaStore, QuotaUnavailable
 from dispatcher.quota import connect as connect_quota_store
-from tidegate import broker, logs, tracing
-from tidegate import telemetry as tm
-from tidegate.cancels import CancelRegistry
+from tidegate.broker import broker
+from tidegate.broker.pull import Puller
 from tidegate.config import Config
+from tidegate.control.policies import PolicySet, ensure_policies_bucket, watch_policies
 from tidegate.errors import ProtocolError
-from tidegate.policies import PolicySet, ensure_policies_bucket, watch_policies
-from tidegate.protocol import RESERVED_HEADER, Admission, Request, Status, UsageRecord
-from tidegate.pull import Puller
+from tidegate.telemetry import logs, tracing
+from tidegate.telemetry import telemetry as tm
+from tidegate.wire.cancels import CancelRegistry
+from tidegate.wire.protocol import RESERVED_HEADER, Admission, Request, Status, UsageRecord
 
 log = logging.getLogger("tidegate.dispatcher")
 

@@ -6,7 +6,7 @@ to :class:`edge.relay.Relay`. Every error leaves through ``edge.errors``.
 Each generation request gets a span (or, with tracing off, a made-up trace
 context) from ``edge.instrument``; its ``traceparent`` goes into the
 envelope's ``extra`` and the publish's NATS headers, and every log line of
-the request carries its ids (``tidegate.logs.bind``). ``GET /metrics`` is the
+the request carries its ids (``tidegate.telemetry.logs.bind``). ``GET /metrics`` is the
 Prometheus exposition of this process.
 """
 
@@ -34,13 +34,14 @@ from edge.errors import error_response, from_http_exception
 from edge.relay import Publisher, Relay, RelayContext
 from edge.session import SessionTable
 from edge.validation import validate
-from tidegate import broker, logs, telemetry
+from tidegate.broker import broker
 from tidegate.config import Config, EdgeConfig, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
-from tidegate.observability import metrics_handler
-from tidegate.protocol import Api, Request
-from tidegate.subjects import Subjects
-from tidegate.telemetry import Telemetry
+from tidegate.telemetry import logs, telemetry
+from tidegate.telemetry.observability import metrics_handler
+from tidegate.telemetry.telemetry import Telemetry
+from tidegate.wire.protocol import Api, Request
+from tidegate.wire.subjects import Subjects
 
 log = logging.getLogger("tidegate.edge")
 

@@ -3,7 +3,7 @@
 Keys are compared by SHA-256 digest, never as plain strings. The table holds
 two kinds: static keys from the config (``auth.keys``, ``auth.dev_key``; tenant
 ``default``, any model) and keys from the NATS KV bucket ``<P>_KEYS``, which
-:func:`tidegate.keys.watch_keys` feeds in with :meth:`KeyTable.apply` and
+:func:`tidegate.control.keys.watch_keys` feeds in with :meth:`KeyTable.apply` and
 :meth:`KeyTable.remove` as they are created and revoked. A static key stays
 valid whatever the bucket says: it is the operator's way in.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tidegate.control.keys import KEY_ID_LENGTH, KeyRecord, key_digest
 from tidegate.errors import ApiError
-from tidegate.keys import KEY_ID_LENGTH, KeyRecord, key_digest
 
 __all__ = ["KeyTable", "Principal", "key_digest"]
 

@@ -18,7 +18,7 @@ import math
 from aiohttp import web
 
 from tidegate.errors import ApiError
-from tidegate.protocol import ErrorInfo
+from tidegate.wire.protocol import ErrorInfo
 
 _STATUS_TYPES = {
     400: "invalid_request_error",

@@ -20,11 +20,11 @@ from collections.abc import Mapping
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from tidegate import telemetry as tm
-from tidegate import tracing
 from tidegate.errors import ApiError
-from tidegate.protocol import Api, Request
-from tidegate.telemetry import Telemetry
+from tidegate.telemetry import telemetry as tm
+from tidegate.telemetry import tracing
+from tidegate.telemetry.telemetry import Telemetry
+from tidegate.wire.protocol import Api, Request
 
 _current: contextvars.ContextVar[RequestTelemetry | None] = contextvars.ContextVar(
     "tidegate_edge_request", default=None)

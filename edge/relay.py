@@ -15,7 +15,7 @@ afterwards it is a final SSE error event (see ``edge.errors``).
 
 Hot path: a batch of chunk messages becomes one socket write of their bytes,
 which the edge never parses. Acks go back cumulatively, after the write has
-drained, at most once per half window (``tidegate.flow.AckPolicy``). Once a
+drained, at most once per half window (``tidegate.wire.flow.AckPolicy``). Once a
 stream is flowing, most chunks do not even wake the relay: the NATS callback
 writes them straight to the socket (:meth:`Relay._direct`), and the relay
 wakes only for acks, ticks, a full socket buffer and the other messages.
@@ -39,8 +39,8 @@ from edge.errors import error_response, from_info, sse_error_event
 from edge.session import Session
 from tidegate.config import Config
 from tidegate.errors import ApiError, unavailable
-from tidegate.flow import AckPolicy
-from tidegate.protocol import (
+from tidegate.wire.flow import AckPolicy
+from tidegate.wire.protocol import (
     Ack,
     Admission,
     Cancel,

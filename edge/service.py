@@ -22,11 +22,11 @@ from nats.js import JetStreamContext
 from edge.app import EdgeState, build_app
 from edge.auth import KeyTable
 from edge.session import SessionTable
-from tidegate import broker
+from tidegate.broker import broker
+from tidegate.broker.kvwatch import wait_synced
 from tidegate.config import Config
+from tidegate.control.keys import ensure_keys_bucket, watch_keys
 from tidegate.errors import ApiError
-from tidegate.keys import ensure_keys_bucket, watch_keys
-from tidegate.kvwatch import wait_synced
 
 log = logging.getLogger("tidegate.edge")
 

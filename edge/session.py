@@ -6,7 +6,7 @@ messages of every open request; :class:`SessionTable` routes each to its
 message instead of a SUB/UNSUB round trip per request, and the edge is always
 subscribed before it publishes (the invariant that no early answer is lost).
 Workers send most of their messages multiplexed, many sessions' in one NATS
-message on ``<p>.out.<edge>.mux`` (``tidegate.mux``); the table unpacks those
+message on ``<p>.out.<edge>.mux`` (``tidegate.wire.mux``); the table unpacks those
 and routes each the same way.
 
 Hot path: a session whose relay is streaming and keeping up installs a
@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Callable
 
 from tidegate.errors import ApiError, ProtocolError
-from tidegate.mux import decode_mux
-from tidegate.protocol import Chunk, SessionMessage, decode_session
-from tidegate.subjects import MUX_TOKEN
+from tidegate.wire.mux import decode_mux
+from tidegate.wire.protocol import Chunk, SessionMessage, decode_session
+from tidegate.wire.subjects import MUX_TOKEN
 
 log = logging.getLogger("tidegate.edge")
 

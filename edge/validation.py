@@ -17,7 +17,7 @@ from typing import Any
 
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError, invalid_request
-from tidegate.protocol import Api
+from tidegate.wire.protocol import Api
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 

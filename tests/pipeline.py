@@ -22,9 +22,9 @@ from typing import Any
 from aiohttp import web
 
 from tidegate import config as tgconfig
-from tidegate.fake_backend import FakeBackend, FakeRecord
-from tidegate.observability import METRICS_PORT_ENV
-from tidegate.servers import ManagedProcess, free_port, http_ok, stop_all
+from tidegate.bench.fake_backend import FakeBackend, FakeRecord
+from tidegate.run.servers import ManagedProcess, free_port, http_ok, stop_all
+from tidegate.telemetry.observability import METRICS_PORT_ENV
 
 DEV_KEY = "sk-test-pipeline-key"
 

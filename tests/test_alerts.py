@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidegate import telemetry
-from tidegate import telemetry as tm
-from tidegate.telemetry import TelemetrySettings
+from tidegate.telemetry import telemetry
+from tidegate.telemetry import telemetry as tm
+from tidegate.telemetry.telemetry import TelemetrySettings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RULES = DEPLOY / "prometheus" / "alerts.yml"

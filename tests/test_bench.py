@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from tidegate.bench import alternate, loadgen, procstats, report, runner, scenarios
+from tidegate.bench.fake_backend import FakeBackend
 from tidegate.bench.profiling import summarize
 from tidegate.errors import TidegateError
-from tidegate.fake_backend import FakeBackend
 
 
 def test_wait_seconds_sees_processes_waiting_for_a_core() -> None:

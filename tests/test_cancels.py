@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from tests.pipeline import wait_for
 from tests.servers import ServerHandle
-from tidegate import broker, kvwatch
 from tidegate import config as tgconfig
-from tidegate.cancels import CancelRegistry
+from tidegate.broker import broker, kvwatch
+from tidegate.wire.cancels import CancelRegistry
 
 
 class FakeClock:

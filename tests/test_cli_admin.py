@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.pipeline import Pipeline, running_pipeline
-from tidegate.servers import ManagedProcess, find_nats_server, free_port
+from tidegate.run.servers import ManagedProcess, find_nats_server, free_port
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 

@@ -16,7 +16,7 @@ from edge.errors import (
     to_info,
 )
 from tidegate.errors import ApiError, BackendError, invalid_request, unavailable
-from tidegate.protocol import ErrorInfo
+from tidegate.wire.protocol import ErrorInfo
 
 
 def body_of(response: web.Response) -> dict[str, Any]:

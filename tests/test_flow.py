@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tidegate.flow import AckPolicy, SendWindow
+from tidegate.wire.flow import AckPolicy, SendWindow
 
 # --------------------------------------------------------------------------
 # SendWindow: examples

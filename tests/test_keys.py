@@ -22,10 +22,9 @@ from nats.js.kv import KeyValue
 
 from edge.auth import KeyTable, Principal
 from tests.servers import ServerHandle
-from tidegate import broker
 from tidegate import config as tgconfig
-from tidegate.errors import ApiError, ProtocolError
-from tidegate.keys import (
+from tidegate.broker import broker
+from tidegate.control.keys import (
     KEY_PREFIX,
     KeyRecord,
     create_key,
@@ -36,6 +35,7 @@ from tidegate.keys import (
     revoke_key,
     watch_keys,
 )
+from tidegate.errors import ApiError, ProtocolError
 
 STATIC = "sk-static-config-key-0123"
 

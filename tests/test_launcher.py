@@ -26,14 +26,14 @@ import pytest
 from tests.servers import descendants, is_alive, kill_all, wait_until
 from tidegate import config as tgconfig
 from tidegate.errors import ConfigError, TidegateError
-from tidegate.launcher import (
+from tidegate.run.launcher import (
     DEV_KEY_PREFIX,
     UpOptions,
     banner,
     child_environment,
     prepare,
 )
-from tidegate.servers import free_port, http_ok, port_is_free
+from tidegate.run.servers import free_port, http_ok, port_is_free
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -363,7 +363,7 @@ def fake_backend_process(tmp_path: Path) -> Iterator[str]:
     port = free_port()
     log = open(tmp_path / "fake-backend.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tidegate.fake_backend", "--port", str(port),
+        [sys.executable, "-m", "tidegate.bench.fake_backend", "--port", str(port),
          "--model", "acme/llama-fake:8b", "--tokens", "12", "--itl", "0.001"],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"

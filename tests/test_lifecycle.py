@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
-from tidegate.fake_backend import FakeBackend
+from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
 

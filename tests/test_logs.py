@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tidegate import logs
 from tidegate.config import LoggingConfig
+from tidegate.telemetry import logs
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import pytest
 
 from edge.session import SessionTable
 from tidegate.errors import ProtocolError
-from tidegate.mux import Outbox, batch_limit, decode_mux
-from tidegate.protocol import (
+from tidegate.wire.mux import Outbox, batch_limit, decode_mux
+from tidegate.wire.protocol import (
     VERSION,
     Admission,
     Chunk,
@@ -27,7 +27,7 @@ from tidegate.protocol import (
     decode_session,
     encode_chunk,
 )
-from tidegate.subjects import Subjects
+from tidegate.wire.subjects import Subjects
 
 NEVER = 3600.0  # a session tick interval that never fires within a test
 

@@ -21,10 +21,11 @@ from nats.aio.msg import Msg
 from edge.session import SessionTable
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
 from tests.servers import ServerHandle
+from tidegate.bench.fake_backend import FakeBackend
 from tidegate.errors import ProtocolError
-from tidegate.fake_backend import FakeBackend
-from tidegate.mux import Outbox, batch_limit, decode_mux
-from tidegate.protocol import (
+from tidegate.run.servers import NatsServer
+from tidegate.wire.mux import Outbox, batch_limit, decode_mux
+from tidegate.wire.protocol import (
     Chunk,
     Done,
     Head,
@@ -32,8 +33,7 @@ from tidegate.protocol import (
     decode_session,
     encode_chunk,
 )
-from tidegate.servers import NatsServer
-from tidegate.subjects import MUX_TOKEN, Subjects
+from tidegate.wire.subjects import MUX_TOKEN, Subjects
 
 NEVER = 3600.0  # a session tick interval that never fires within a test
 

@@ -1,7 +1,7 @@
 """Traces, metrics and log context through the real pipeline (processes).
 
 * Traces: the children export over OTLP/HTTP to an in-process receiver
-  (``tidegate.otlp_sink``); one request's spans from every tier share one
+  (``tidegate.bench.otlp_sink``); one request's spans from every tier share one
   trace id, parent links run edge -> (dispatcher ->) worker, the backend's
   HTTP request names the worker's span, and the GenAI attributes and events
   are there.
@@ -26,8 +26,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, threaded_fake_backend
-from tidegate.fake_backend import FakeBackend
-from tidegate.otlp_sink import OtlpSink, ReceivedSpan, threaded_sink
+from tidegate.bench.fake_backend import FakeBackend
+from tidegate.bench.otlp_sink import OtlpSink, ReceivedSpan, threaded_sink
 
 pytestmark = pytest.mark.pipeline
 

@@ -18,10 +18,10 @@ import pytest
 from aiohttp import web
 
 from tests.pipeline import serve_app, threaded_fake_backend
+from tidegate.bench.fake_backend import FakeBackend, FakeConfig, FakeRecord
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
-from tidegate.fake_backend import FakeBackend, FakeConfig, FakeRecord
-from tidegate.protocol import Api, Request
+from tidegate.wire.protocol import Api, Request
 from workers.backends import BackendStream, create_backend, http1
 from workers.backends.openai import BodyStream, OpenAIBackend, OpenAIStream
 from workers.backends.sse import SSEPassthrough

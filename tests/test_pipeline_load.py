@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
-from tidegate.protocol import Api, Request
+from tidegate.wire.protocol import Api, Request
 from workers.backends.simulator import SimulatorBackend
 
 pytestmark = pytest.mark.pipeline

@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from nats.js.kv import KeyValue
 
 from tests.servers import ServerHandle
-from tidegate import broker
 from tidegate import config as tgconfig
-from tidegate.errors import ProtocolError
-from tidegate.policies import (
+from tidegate.broker import broker
+from tidegate.control.policies import (
     Policy,
     PolicySet,
     delete_policy,
@@ -29,6 +28,7 @@ from tidegate.policies import (
     set_policy,
     watch_policies,
 )
+from tidegate.errors import ProtocolError
 
 KV_KEY = re.compile(r"[-/_=.a-zA-Z0-9]+")
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidegate.errors import ProtocolError
-from tidegate.protocol import (
+from tidegate.wire.protocol import (
     VERSION,
     Ack,
     Admission,

@@ -16,7 +16,7 @@ import pytest
 
 from dispatcher.quota import connect as connect_redis
 from tests.pipeline import Pipeline, threaded_fake_backend
-from tidegate.keys import create_key, ensure_keys_bucket
+from tidegate.control.keys import create_key, ensure_keys_bucket
 
 pytestmark = pytest.mark.pipeline
 

@@ -18,10 +18,10 @@ import nats
 import pytest
 
 from tests.pipeline import Pipeline
-from tidegate.keys import create_key, ensure_keys_bucket
-from tidegate.policies import Policy, ensure_policies_bucket, set_policy
-from tidegate.protocol import Api
-from tidegate.tokens import reservation
+from tidegate.control.keys import create_key, ensure_keys_bucket
+from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
+from tidegate.wire.protocol import Api
+from tidegate.wire.tokens import reservation
 
 pytestmark = pytest.mark.pipeline
 

@@ -22,8 +22,8 @@ from edge.relay import Phase, Relay, RelayContext
 from edge.session import Session
 from tidegate.config import Config
 from tidegate.errors import ApiError
-from tidegate.flow import SendWindow
-from tidegate.protocol import (
+from tidegate.wire.flow import SendWindow
+from tidegate.wire.protocol import (
     Ack,
     Api,
     Cancel,

@@ -24,7 +24,7 @@ from nats.js.api import StreamConfig
 
 from tests.servers import ServerHandle, is_alive, proc_identity, wait_until
 from tidegate.errors import TidegateError
-from tidegate.servers import (
+from tidegate.run.servers import (
     ManagedProcess,
     NatsServer,
     RedisServer,
@@ -256,7 +256,7 @@ def test_server_dies_with_its_parent(tmp_path: Path) -> None:
     """A parent killed with SIGKILL cannot clean up: PR_SET_PDEATHSIG must."""
     script = textwrap.dedent(f"""
         import time
-        from tidegate.servers import RedisServer
+        from tidegate.run.servers import RedisServer
         server = RedisServer({str(tmp_path)!r})
         server.start()
         print(server.pid, server.port, flush=True)

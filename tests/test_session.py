@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from edge.session import Session, SessionTable
-from tidegate.protocol import (
+from tidegate.wire.protocol import (
     Admission,
     Chunk,
     Done,
@@ -254,7 +254,7 @@ async def test_dispatch_drops_malformed_payload(table: SessionTable, payload: by
 
 async def test_dispatch_with_the_service_prefix_convention() -> None:
     # edge.service builds the table from the inbox wildcard minus its "*".
-    from tidegate.subjects import Subjects
+    from tidegate.wire.subjects import Subjects
 
     subjects = Subjects("blue")
     table = SessionTable(subjects.edge_inbox("e9")[:-1])
@@ -352,7 +352,7 @@ async def test_without_direct_every_chunk_queues(session: Session) -> None:
 
 
 def mux(*frames: tuple[str, bytes]) -> bytes:
-    from tidegate.protocol import VERSION, Kind
+    from tidegate.wire.protocol import VERSION, Kind
 
     return msgpack.packb([VERSION, Kind.MUX, *(x for frame in frames for x in frame)])
 
@@ -463,7 +463,7 @@ async def test_only_the_mux_token_is_unpacked(table: SessionTable) -> None:
     session = table.open("r1", NEVER)
     table.dispatch(INBOX + "r1", mux(("r1", Chunk(2, b"x").encode())))
     assert session.take() == []
-    from tidegate.subjects import MUX_TOKEN, Subjects
+    from tidegate.wire.subjects import MUX_TOKEN, Subjects
 
     assert Subjects("tg").edge_mux("edge-1") == INBOX + MUX_TOKEN
     table.dispatch(Subjects("tg").edge_mux("edge-1"), mux(("r1", Chunk(2, b"y").encode())))

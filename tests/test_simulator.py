@@ -16,8 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 
 from tests.pipeline import serve_app
 from tidegate.config import ModelConfig, SimulatorConfig
-from tidegate.protocol import Api, Request
-from tidegate.tokens import estimate_prompt_tokens
+from tidegate.wire.protocol import Api, Request
+from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import create_backend
 from workers.backends.simulator import SimulatorBackend, SimulatorStream
 

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from dispatcher.queueing import QueueMode
 from tests.pipeline import Pipeline, running_pipeline
-from tidegate import status
+from tidegate.run import status
 
 pytestmark = pytest.mark.pipeline
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tidegate.subjects import Subjects, decode_token, encode_token
+from tidegate.wire.subjects import Subjects, decode_token, encode_token
 
 # A NATS subject token and a JetStream durable/consumer name may both use these.
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]+")

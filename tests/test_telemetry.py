@@ -13,15 +13,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge.instrument import RequestTelemetry
-from tidegate import logs, telemetry, tracing
-from tidegate import telemetry as tm
 from tidegate.config import LoggingConfig
+from tidegate.control.queue_stats import _created_ms
+from tidegate.control.workers_registry import SlotInfo, WorkerInfo
 from tidegate.errors import ApiError
-from tidegate.observability import metrics_address
-from tidegate.protocol import Api, Request
-from tidegate.queue_stats import _created_ms
-from tidegate.telemetry import Telemetry, TelemetrySettings
-from tidegate.workers_registry import SlotInfo, WorkerInfo
+from tidegate.telemetry import logs, telemetry, tracing
+from tidegate.telemetry import telemetry as tm
+from tidegate.telemetry.observability import metrics_address
+from tidegate.telemetry.telemetry import Telemetry, TelemetrySettings
+from tidegate.wire.protocol import Api, Request
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tidegate.protocol import Api
-from tidegate.tokens import (
+from tidegate.wire.protocol import Api
+from tidegate.wire.tokens import (
     completion_cap,
     estimate_prompt_tokens,
     estimate_text_tokens,

@@ -10,7 +10,7 @@ import pytest
 from edge.validation import Validated, parse_json, validate
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError
-from tidegate.protocol import Api
+from tidegate.wire.protocol import Api
 
 SIM = ModelConfig(name="tidegate-sim", aliases=("sim",))
 LLAMA = ModelConfig(name="meta-llama/Llama-3.1-8B", aliases=("llama",))

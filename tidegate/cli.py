@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidegate import config as tgconfig
-from tidegate import logs
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
+from tidegate.telemetry import logs
 
 if TYPE_CHECKING:
-    from tidegate.runtime import Serve
+    from tidegate.run.runtime import Serve
 
 PROG = "tidegate"
 
@@ -163,7 +163,7 @@ def _limit(value: str) -> int:
 
 
 def _models(value: str) -> tuple[str, ...]:
-    from tidegate.admin import UsageError, parse_models
+    from tidegate.control.admin import UsageError, parse_models
 
     try:
         return parse_models(value)
@@ -267,8 +267,8 @@ def _cmd_version(_args: argparse.Namespace) -> int:
 def _run_tier(tier: str, serve: Serve, config: Config) -> int:
     """A tier process's last step: freeze the startup heap (imports, config)
     out of the cyclic GC, then serve until stopped."""
-    from tidegate.observability import instrumented
-    from tidegate.runtime import freeze_startup_heap, run_service
+    from tidegate.run.runtime import freeze_startup_heap, run_service
+    from tidegate.telemetry.observability import instrumented
 
     freeze_startup_heap()
     return run_service(instrumented(serve, tier), config)
@@ -299,7 +299,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from tidegate import launcher
+    from tidegate.run import launcher
 
     options = launcher.UpOptions(
         config_path=args.config,
@@ -332,7 +332,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from tidegate import admin
+    from tidegate.control import admin
 
     config = load_config(args)
     if args.keys_command == "create":
@@ -343,7 +343,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_policy(args: argparse.Namespace) -> int:
-    from tidegate import admin
+    from tidegate.control import admin
 
     config = load_config(args)
     if args.policy_command == "set":
@@ -355,7 +355,7 @@ def _cmd_policy(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from tidegate import status
+    from tidegate.run import status
 
     if args.interval is not None and args.interval <= 0:
         raise ConfigError(f"--interval: must be > 0, got {args.interval}")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tidegate.errors import ConfigError
-from tidegate.subjects import Subjects
+from tidegate.wire.subjects import Subjects
 
 BackendKind = Literal["simulator", "openai"]
 StorageKind = Literal["file", "memory"]

@@ -8,7 +8,7 @@ from it, so a boundary can catch ``TidegateError`` and know it is not a bug.
 * :class:`ApiError` - a client-facing error with its HTTP status and the
   OpenAI error fields. The edge turns it into JSON in exactly one place
   (``edge.errors``); workers and dispatchers send it across the broker as a
-  :class:`tidegate.protocol.ErrorInfo`.
+  :class:`tidegate.wire.protocol.ErrorInfo`.
 * :class:`BackendError` - the model backend failed (an :class:`ApiError`, since
   it reaches the client).
 * :class:`ProtocolError` - a malformed envelope on the wire.

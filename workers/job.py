@@ -56,13 +56,14 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from tidegate import telemetry as tm
-from tidegate import tracing
 from tidegate.config import Config
 from tidegate.errors import ApiError, BackendError
-from tidegate.flow import SendWindow
-from tidegate.mux import Outbox
-from tidegate.protocol import (
+from tidegate.telemetry import telemetry as tm
+from tidegate.telemetry import tracing
+from tidegate.telemetry.telemetry import Telemetry
+from tidegate.wire.flow import SendWindow
+from tidegate.wire.mux import Outbox
+from tidegate.wire.protocol import (
     RESERVED_HEADER,
     Done,
     Error,
@@ -73,7 +74,6 @@ from tidegate.protocol import (
     UsageRecord,
     encode_chunk,
 )
-from tidegate.telemetry import Telemetry
 from workers.backends import Backend, BackendStream, PushStream, Usage
 
 log = logging.getLogger("tidegate.worker")

@@ -17,7 +17,7 @@ is handed back to JetStream for another worker; one that has ends with a
 retryable error event.
 
 Fleet view: every few seconds the worker puts its slots and in-flight jobs
-per model into the ``<P>_WORKERS`` KV bucket (``tidegate.workers_registry``),
+per model into the ``<P>_WORKERS`` KV bucket (``tidegate.control.workers_registry``),
 which dispatchers and ``tidegate status`` read; the same numbers are the
 ``tidegate.worker.slots`` gauge of this process.
 """
@@ -32,15 +32,17 @@ import time
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate import broker, logs, tracing, workers_registry
-from tidegate import telemetry as tm
-from tidegate.cancels import CancelRegistry
+from tidegate.broker import broker
+from tidegate.broker.pull import Puller
 from tidegate.config import Config, ModelConfig
+from tidegate.control import workers_registry
+from tidegate.control.workers_registry import SlotInfo
 from tidegate.errors import ProtocolError
-from tidegate.mux import Outbox, batch_limit
-from tidegate.protocol import Ack, Request, UsageRecord, decode_control
-from tidegate.pull import Puller
-from tidegate.workers_registry import SlotInfo
+from tidegate.telemetry import logs, tracing
+from tidegate.telemetry import telemetry as tm
+from tidegate.wire.cancels import CancelRegistry
+from tidegate.wire.mux import Outbox, batch_limit
+from tidegate.wire.protocol import Ack, Request, UsageRecord, decode_control
 from workers.backends import Backend, create_backend
 from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
 

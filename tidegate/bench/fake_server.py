@@ -1,6 +1,6 @@
 """The fake backend as its own process, with a control port for the benchmark.
 
-The benchmark runs :class:`tidegate.fake_backend.FakeBackend` in a child
+The benchmark runs :class:`tidegate.bench.fake_backend.FakeBackend` in a child
 process so that it does not share one Python thread with the load generator
 (either would throttle the other). The control port answers
 ``GET /records?since=ID`` with what the fake saw per request, including
@@ -18,8 +18,8 @@ import contextlib
 from aiohttp import web
 
 from tidegate.bench import run_async
-from tidegate.fake_backend import FakeBackend, FakeConfig
-from tidegate.runtime import wait_for_signal
+from tidegate.bench.fake_backend import FakeBackend, FakeConfig
+from tidegate.run.runtime import wait_for_signal
 
 
 def _control_app(fake: FakeBackend) -> web.Application:

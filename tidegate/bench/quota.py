@@ -85,7 +85,7 @@ _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("phase", default="o
 
 
 def _policies() -> Any:
-    from tidegate.policies import Policy, PolicySet
+    from tidegate.control.policies import Policy, PolicySet
 
     policies = []
     for t in range(TENANTS):
@@ -104,8 +104,8 @@ async def _measure(url: str, prefix: str, index: int, concurrency: int, reconcil
     from dispatcher.admission import QuotaAdmission
     from dispatcher.quota import QuotaStore, connect
     from tidegate.config import ModelConfig
-    from tidegate.protocol import Admission, Api, Request
-    from tidegate.tokens import estimate_prompt_tokens
+    from tidegate.wire.protocol import Admission, Api, Request
+    from tidegate.wire.tokens import estimate_prompt_tokens
 
     sent: Counter[str] = Counter()
 
@@ -291,7 +291,7 @@ def run(out: Path, quick: bool = False, profile: QuotaProfile | None = None) -> 
     (``QUICK`` or ``FULL`` unless given) against it, stop it; a JSON-ready dict."""
     import redis
 
-    from tidegate.servers import RedisServer
+    from tidegate.run.servers import RedisServer
 
     if profile is None:
         profile = QUICK if quick else FULL

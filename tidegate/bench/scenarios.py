@@ -34,7 +34,7 @@ from tidegate.bench import loadgen, procstats
 from tidegate.bench.loadgen import Recorder, chat_body, distribution, new_session, percentile
 from tidegate.bench.profiling import PySpy
 from tidegate.bench.targets import Target, Targets
-from tidegate.servers import ManagedProcess
+from tidegate.run.servers import ManagedProcess
 
 __all__ = ["FULL", "QUICK", "Profile", "cancel", "idle", "overhead", "slow_clients",
            "telemetry_overhead"]

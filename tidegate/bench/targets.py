@@ -10,12 +10,12 @@
 Scenario (t) starts further tidegate stacks, each with its own nats-server
 and redis-server and with a given environment for the tiers (telemetry off,
 default, traced), one at a time, and stops each after its run; and an OTLP
-receiver (``python -m tidegate.otlp_sink``) as a process of its own.
+receiver (``python -m tidegate.bench.otlp_sink``) as a process of its own.
 
 Everything binds 127.0.0.1 on free ports. :class:`Targets` owns every child;
 its :meth:`Targets.close` stops them all (SIGTERM, then SIGKILL), and every
 child also gets SIGKILL from the kernel if the benchmark process dies
-(:class:`~tidegate.servers.ManagedProcess` sets the parent-death signal).
+(:class:`~tidegate.run.servers.ManagedProcess` sets the parent-death signal).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 from tidegate import config as tgconfig
 from tidegate.bench.loadgen import Endpoint
 from tidegate.errors import TidegateError
-from tidegate.servers import (
+from tidegate.run.servers import (
     ManagedProcess,
     NatsServer,
     RedisServer,
@@ -252,7 +252,7 @@ class Targets:
     # -- an OTLP receiver (scenario t) -------------------------------------
 
     def start_otlp_sink(self) -> tuple[ManagedProcess, str]:
-        """``python -m tidegate.otlp_sink`` on a free port: the process and its URL."""
+        """``python -m tidegate.bench.otlp_sink`` on a free port: the process and its URL."""
         port = free_port(_HOST)
         url = f"http://{_HOST}:{port}"
         proc = self._proc("otlp-sink", _python("tidegate.otlp_sink", "--host", _HOST,

@@ -30,7 +30,7 @@ from typing import Protocol
 
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError
-from tidegate.protocol import Request
+from tidegate.wire.protocol import Request
 
 
 @dataclass(slots=True)

@@ -38,8 +38,8 @@ from typing import Any
 
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
-from tidegate.protocol import Api, Request
-from tidegate.tokens import estimate_prompt_tokens
+from tidegate.wire.protocol import Api, Request
+from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import Sink, Usage, upstream
 from workers.backends.http1 import BodyTooLarge, Http1Pool, Response
 from workers.backends.sse import SSEPassthrough, loads

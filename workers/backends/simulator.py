@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidegate.config import ModelConfig, SimulatorConfig
-from tidegate.protocol import Api, Request
-from tidegate.tokens import estimate_prompt_tokens
+from tidegate.wire.protocol import Api, Request
+from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import Usage
 
 __all__ = ["SimulatorBackend", "SimulatorStream", "plan_text"]

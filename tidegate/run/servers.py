@@ -1,6 +1,6 @@
 """Locating and running child processes: nats-server, redis-server and the tiers.
 
-Used by ``tidegate up`` (:mod:`tidegate.launcher`) and by the test suite, so the
+Used by ``tidegate up`` (:mod:`tidegate.run.launcher`) and by the test suite, so the
 fixtures start servers exactly the way a developer's machine does.
 
 Invariants:

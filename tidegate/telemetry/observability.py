@@ -24,10 +24,11 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
-from tidegate import broker, telemetry
+from tidegate.broker import broker
 from tidegate.config import Config
-from tidegate.runtime import Serve
-from tidegate.telemetry import Telemetry, TelemetrySettings
+from tidegate.run.runtime import Serve
+from tidegate.telemetry import telemetry
+from tidegate.telemetry.telemetry import Telemetry, TelemetrySettings
 
 log = logging.getLogger("tidegate.telemetry")
 
@@ -109,8 +110,8 @@ async def _poll_queues(config: Config, stop: asyncio.Event, tel: Telemetry) -> N
 
 
 async def _poll_queues_until_stop(config: Config, stop: asyncio.Event, tel: Telemetry) -> None:
-    from tidegate import workers_registry
-    from tidegate.queue_stats import QueueStats
+    from tidegate.control import workers_registry
+    from tidegate.control.queue_stats import QueueStats
 
     try:
         nc = await broker.connect(config.nats, "tidegate-dispatcher-stats", stop)

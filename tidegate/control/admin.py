@@ -24,9 +24,9 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from tidegate import keys as tgkeys
-from tidegate import policies as tgpolicies
 from tidegate.config import Config, NatsConfig
+from tidegate.control import keys as tgkeys
+from tidegate.control import policies as tgpolicies
 from tidegate.errors import BrokerError, ConfigError, TidegateError
 
 log = logging.getLogger("tidegate.admin")

@@ -25,10 +25,10 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from tidegate.broker import ensure_bucket
+from tidegate.broker.broker import ensure_bucket
+from tidegate.broker.kvwatch import follow_bucket, snapshot
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
-from tidegate.kvwatch import follow_bucket, snapshot
 
 log = logging.getLogger("tidegate.keys")
 

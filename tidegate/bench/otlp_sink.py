@@ -8,7 +8,7 @@ collector would. ``GET /stats`` answers what it received so far as JSON
 (spans by service, distinct traces, metric exports). Not a collector: no
 retries, no persistence, no auth.
 
-``python -m tidegate.otlp_sink --port N`` runs one as its own process (the
+``python -m tidegate.bench.otlp_sink --port N`` runs one as its own process (the
 benchmark's traced run does, so the receiver's CPU is not counted as the
 gateway's); there it only counts spans, it does not keep them.
 """
@@ -37,7 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from tidegate.servers import free_port
+from tidegate.run.servers import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +201,7 @@ async def _serve(host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tidegate.otlp_sink",
+    parser = argparse.ArgumentParser(prog="python -m tidegate.bench.otlp_sink",
                                      description="Receive OTLP/HTTP spans and metrics and "
                                                  "count them (GET /stats).")
     parser.add_argument("--host", default="127.0.0.1")

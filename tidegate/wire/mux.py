@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 
 from tidegate.errors import ProtocolError
-from tidegate.protocol import VERSION, Kind
+from tidegate.wire.protocol import VERSION, Kind
 
 log = logging.getLogger("tidegate.mux")
 

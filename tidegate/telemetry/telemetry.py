@@ -32,8 +32,8 @@ request, per job, per stall or per cancel; gauges (streams, slots, queue
 depth) are observed only when someone scrapes or the OTLP reader collects.
 
 Library code gets the process's :class:`Telemetry` with :func:`get`; only a
-tier's entry point calls :func:`setup` (see ``tidegate.observability``), the
-same split as ``tidegate.logs``. Before :func:`setup`, :func:`get` returns a
+tier's entry point calls :func:`setup` (see ``tidegate.telemetry.observability``), the
+same split as ``tidegate.telemetry.logs``. Before :func:`setup`, :func:`get` returns a
 no-op telemetry, so unit tests and embedders pay nothing and need nothing.
 """
 
@@ -235,7 +235,7 @@ class Metrics:
 
     def observe_queues(self, depth: Observe, waiting: Observe, oldest_age: Observe,
                        backlog: Observe, workers: Observe, fleet_slots: Observe) -> None:
-        """The fleet view a :class:`~tidegate.queue_stats.QueueStats` keeps."""
+        """The fleet view a :class:`~tidegate.control.queue_stats.QueueStats` keeps."""
         self._queue_depth.sources.append(depth)
         self._queue_waiting.sources.append(waiting)
         self._queue_oldest.sources.append(oldest_age)

@@ -17,7 +17,7 @@ Two steps, so the CLI can set up logging from the effective config in between:
 
 Supervision invariants:
 
-* Every child is a :class:`~tidegate.servers.ManagedProcess`: own process
+* Every child is a :class:`~tidegate.run.servers.ManagedProcess`: own process
   group, ``PR_SET_PDEATHSIG``, log in ``<data-dir>/logs/<name>.log``.
 * A child that exits on its own is a failure of the whole: the launcher names
   it, prints its log tail, stops the rest and exits 1.
@@ -57,8 +57,7 @@ import tidegate
 from tidegate import config as tgconfig
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
-from tidegate.observability import METRICS_HOST_ENV, METRICS_PORT_ENV
-from tidegate.servers import (
+from tidegate.run.servers import (
     SIGKILL,
     ManagedProcess,
     NatsServer,
@@ -69,6 +68,7 @@ from tidegate.servers import (
     port_is_free,
     stop_all,
 )
+from tidegate.telemetry.observability import METRICS_HOST_ENV, METRICS_PORT_ENV
 
 log = logging.getLogger("tidegate.launcher")
 

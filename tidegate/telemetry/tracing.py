@@ -34,9 +34,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, get_current_span, set_span_in_context, use_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tidegate import telemetry as tm
-from tidegate.protocol import Api, Request
-from tidegate.telemetry import Telemetry
+from tidegate.telemetry import telemetry as tm
+from tidegate.telemetry.telemetry import Telemetry
+from tidegate.wire.protocol import Api, Request
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"

@@ -30,8 +30,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from tidegate.broker.kvwatch import current_entries
 from tidegate.config import Config
-from tidegate.kvwatch import current_entries
 
 log = logging.getLogger("tidegate.worker")
 

@@ -16,7 +16,7 @@ Scopes, and the flags that set them (``tidegate policy set``)::
 
 Policies live in the KV bucket ``<P>_POLICIES``, keyed by :attr:`Policy.scope_id`
 (``tenant.<t>.model.<m>.user.<u>``, each value a subject token from
-:func:`tidegate.subjects.encode_token`, ``=`` for "any"), with the policy as
+:func:`tidegate.wire.subjects.encode_token`, ``=`` for "any"), with the policy as
 JSON. :class:`PolicySet` is the sans-I/O index that dispatchers keep in sync
 with :func:`watch_policies`.
 """
@@ -33,11 +33,11 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from tidegate.broker import ensure_bucket
+from tidegate.broker.broker import ensure_bucket
+from tidegate.broker.kvwatch import follow_bucket, snapshot
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
-from tidegate.kvwatch import follow_bucket, snapshot
-from tidegate.subjects import decode_token, encode_token
+from tidegate.wire.subjects import decode_token, encode_token
 
 log = logging.getLogger("tidegate.policies")
 

@@ -4,10 +4,10 @@ Read-only. Sources:
 
 * JetStream: per model, the worker consumer's ``num_pending`` (waiting) and
   ``num_ack_pending`` (running), the oldest waiting job's age, and deliveries
-  (:mod:`tidegate.queue_stats`); the requests consumer's backlog; stream
+  (:mod:`tidegate.control.queue_stats`); the requests consumer's backlog; stream
   counters for rates;
 * the ``<P>_WORKERS`` KV registry: live workers, their slots and jobs in
-  flight (:mod:`tidegate.workers_registry`);
+  flight (:mod:`tidegate.control.workers_registry`);
 * Redis: queue mode per model (``mode``, ``limit``, ``p99_ms``) and the
   number of requests held in its fair queue, as the dispatchers keep them
   (:mod:`dispatcher.queueing`). Without Redis those columns say ``?``.
@@ -26,10 +26,11 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
-from tidegate import broker, workers_registry
-from tidegate.admin import connect_once
+from tidegate.broker import broker
 from tidegate.config import Config
-from tidegate.queue_stats import QueueStats, Snapshot
+from tidegate.control import workers_registry
+from tidegate.control.admin import connect_once
+from tidegate.control.queue_stats import QueueStats, Snapshot
 
 
 @dataclass(frozen=True, slots=True)

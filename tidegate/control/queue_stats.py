@@ -33,10 +33,10 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from tidegate import telemetry as tm
-from tidegate import workers_registry
 from tidegate.config import Config
-from tidegate.workers_registry import WorkerInfo
+from tidegate.control import workers_registry
+from tidegate.control.workers_registry import WorkerInfo
+from tidegate.telemetry import telemetry as tm
 
 log = logging.getLogger("tidegate.queue_stats")
 

@@ -27,9 +27,9 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from tidegate.broker.kvwatch import follow_bucket, wait_synced
 from tidegate.config import Config, NatsConfig
 from tidegate.errors import BrokerError
-from tidegate.kvwatch import follow_bucket, wait_synced
 
 log = logging.getLogger("tidegate.broker")
 

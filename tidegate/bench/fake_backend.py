@@ -23,7 +23,7 @@ faults through it with the SDK's ``extra_body``; a header wins over the body):
 
 Run it standalone::
 
-    python -m tidegate.fake_backend --port 8001 --ttft 0.05 --itl 0.01 --tokens 64
+    python -m tidegate.bench.fake_backend --port 8001 --ttft 0.05 --itl 0.01 --tokens 64
 """
 
 from __future__ import annotations
@@ -378,7 +378,7 @@ async def _serve(config: FakeConfig, host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: serve until SIGINT/SIGTERM."""
-    parser = argparse.ArgumentParser(prog="python -m tidegate.fake_backend",
+    parser = argparse.ArgumentParser(prog="python -m tidegate.bench.fake_backend",
                                      description="Fake OpenAI-compatible model server.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)

@@ -84,7 +84,7 @@ import string
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tidegate.protocol import Api
+from tidegate.wire.protocol import Api
 
 __all__ = ["completion_cap", "estimate_prompt_tokens", "estimate_text_tokens", "reservation"]
 

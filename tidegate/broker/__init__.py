@@ -1,0 +1,1 @@
+"""NATS and JetStream plumbing: stream setup, pulling with credit, KV followers."""

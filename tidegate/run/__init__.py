@@ -1,0 +1,2 @@
+"""Processes: the `tidegate up` launcher, managed child processes, the tier
+runtime, `tidegate status`."""

@@ -1,0 +1,1 @@
+"""Traces, metrics and logs."""
