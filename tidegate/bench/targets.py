@@ -255,7 +255,7 @@ class Targets:
         """``python -m tidegate.bench.otlp_sink`` on a free port: the process and its URL."""
         port = free_port(_HOST)
         url = f"http://{_HOST}:{port}"
-        proc = self._proc("otlp-sink", _python("tidegate.otlp_sink", "--host", _HOST,
+        proc = self._proc("otlp-sink", _python("tidegate.bench.otlp_sink", "--host", _HOST,
                                                "--port", str(port)),
                           ready=lambda: http_ok(f"{url}/stats"))
         proc.start()
