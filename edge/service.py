@@ -120,7 +120,9 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     state.telemetry.metrics.observe_edge(
         streams=lambda: len(sessions),
         connections=lambda: len(server.connections) if server is not None else 0)
-    site = web.TCPSite(runner, config.edge.host, config.edge.port, backlog=4096)
+    # reuse_port: N edges of one host on one port (tidegate up --edges N).
+    site = web.TCPSite(runner, config.edge.host, config.edge.port, backlog=4096,
+                       reuse_port=config.edge.reuse_port or None)
     await site.start()
     log.info("edge %s listening on http://%s:%d (nats %s)", edge_id, config.edge.host,
              config.edge.port, config.nats.url)

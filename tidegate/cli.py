@@ -26,6 +26,7 @@ ever shows a traceback: they are the user's to fix, not bugs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -80,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
                                              "else any free port)")
     up.add_argument("--workers", type=int, default=1, metavar="N",
                     help="worker processes (default: 1)")
+    up.add_argument("--edges", type=int, default=1, metavar="N",
+                    help="edge processes, sharing the port with SO_REUSEPORT (default: 1)")
+    up.add_argument("--dispatchers", type=int, default=1, metavar="N",
+                    help="dispatcher processes (default: 1)")
+    up.add_argument("--crash-limit", type=int, default=5, metavar="N",
+                    help="a child exiting N times within --crash-window stops everything; "
+                         "fewer exits are restarted with backoff (default: 5)")
+    up.add_argument("--crash-window", type=float, default=60.0, metavar="SECONDS",
+                    help="the window of --crash-limit (default: 60)")
     up.add_argument("--backend", action="append", default=[], metavar="URL",
                     help="OpenAI-compatible server to put tidegate in front of, e.g. "
                          "http://127.0.0.1:8000/v1 (repeatable); its /models are served")
@@ -140,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=float, metavar="SECONDS",
                         help="refresh interval, and the window of the rates (default: 2; "
                              "1 with --json or --once)")
+    status.add_argument("--data-dir", metavar="DIR",
+                        help="a tidegate up's data dir: show its processes and restarts "
+                             "(default: the --config file's directory)")
 
     _admin_parsers(sub)
     sub.add_parser("version", help="print the version")
@@ -309,6 +322,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         nats_url=args.nats_url,
         redis_url=args.redis_url,
         workers=args.workers,
+        edges=args.edges,
+        dispatchers=args.dispatchers,
+        restart=_restart_policy(args),
         backends=tuple(args.backend),
         backend_key_env=args.backend_key_env,
         models=tuple(args.model),
@@ -317,6 +333,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
     plan = launcher.prepare(options)
     logs.setup(plan.config.logging)
     return launcher.Launcher(plan).run()
+
+
+def _restart_policy(args: argparse.Namespace) -> Any:
+    from tidegate.run.supervisor import RestartPolicy
+
+    if args.crash_limit < 1:
+        raise ConfigError(f"--crash-limit: must be >= 1, got {args.crash_limit}")
+    if args.crash_window <= 0:
+        raise ConfigError(f"--crash-window: must be > 0, got {args.crash_window}")
+    return RestartPolicy(crash_limit=args.crash_limit, crash_window=args.crash_window)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -359,8 +385,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     if args.interval is not None and args.interval <= 0:
         raise ConfigError(f"--interval: must be > 0, got {args.interval}")
+    # tidegate up's banner says `tidegate status --config <data-dir>/tidegate.toml`:
+    # its process state file sits next to that config file.
+    config_path = args.config or os.environ.get("TIDEGATE_CONFIG")
+    data_dir = Path(args.data_dir) if args.data_dir else (
+        Path(config_path).parent if config_path else None)
     return status.run(load_config(args), as_json=args.json, once=args.once,
-                      interval=args.interval)
+                      interval=args.interval, data_dir=data_dir)
 
 
 _COMMANDS = {

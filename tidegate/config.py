@@ -113,6 +113,9 @@ class EdgeConfig:
     keepalive_idle: int = 60
     keepalive_interval: int = 10
     keepalive_count: int = 6
+    # SO_REUSEPORT on the listening socket: several edge processes on one host
+    # share one port and the kernel spreads connections across them.
+    reuse_port: bool = False
 
 
 @dataclass(frozen=True, slots=True)

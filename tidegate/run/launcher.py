@@ -5,11 +5,12 @@ Two steps, so the CLI can set up logging from the effective config in between:
 1. :func:`prepare` turns the command-line options into a :class:`Plan`: the
    effective :class:`~tidegate.config.Config` (file + environment + flags + the
    embedded servers' URLs + the dev key + the served models), the ports of the
-   embedded servers and of the edge. It has no side effect beyond the data dir
+   embedded servers and of the edge(s). It has no side effect beyond the data dir
    (created) and the dev key file (created once).
 2. :class:`Launcher` runs the plan: embedded nats-server (JetStream state in
    ``<data-dir>/nats``) and redis-server when no external URL was given, then
-   one dispatcher, N workers and one edge, each ``python -m tidegate <tier>
+   the dispatchers, workers and edges (``--dispatchers/--workers/--edges N``,
+   one dispatcher and one edge by default), each ``python -m tidegate <tier>
    --config <data-dir>/tidegate.toml``. That file is the effective config from
    :func:`~tidegate.config.dump_toml`, and the children's environment is
    stripped of every ``TIDEGATE_*`` config variable, so each child sees exactly
@@ -19,8 +20,13 @@ Supervision invariants:
 
 * Every child is a :class:`~tidegate.run.servers.ManagedProcess`: own process
   group, ``PR_SET_PDEATHSIG``, log in ``<data-dir>/logs/<name>.log``.
-* A child that exits on its own is a failure of the whole: the launcher names
-  it, prints its log tail, stops the rest and exits 1.
+* A child that exits on its own is restarted (:mod:`tidegate.run.supervisor`:
+  backoff, logged, counted in ``<data-dir>/processes.json`` which ``tidegate
+  status`` shows). Only a crash loop, or an embedded server that does not come
+  back, stops the whole: the launcher names the child, prints its log tail,
+  stops the rest and exits 1.
+* Several edges share one port with ``SO_REUSEPORT`` (``edge.reuse_port``):
+  the kernel spreads client connections across them.
 * SIGINT/SIGTERM/SIGHUP stop every child in dependency order (edge first so
   open streams drain while workers still run, then workers, dispatcher, redis,
   nats), each wave SIGTERM, a bounded wait, SIGKILL; exit 0. A second signal
@@ -47,7 +53,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -67,7 +73,9 @@ from tidegate.run.servers import (
     http_ok,
     port_is_free,
     stop_all,
+    tcp_sockets,
 )
+from tidegate.run.supervisor import STATE_FILE, RestartPolicy, Supervisor, names
 from tidegate.telemetry.observability import METRICS_HOST_ENV, METRICS_PORT_ENV
 
 log = logging.getLogger("tidegate.launcher")
@@ -94,10 +102,13 @@ class UpOptions:
     nats_url: str | None = None
     redis_url: str | None = None
     workers: int = 1
+    edges: int = 1
+    dispatchers: int = 1
     backends: tuple[str, ...] = ()
     backend_key_env: str | None = None
     models: tuple[str, ...] = ()
     ready_timeout: float = 60.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +169,10 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
     for anything else the user must fix (port taken, backend not listing).
     """
     env = dict(os.environ if env is None else env)
-    if options.workers < 1:
-        raise ConfigError(f"--workers: must be >= 1, got {options.workers}")
+    for flag, count in (("--workers", options.workers), ("--edges", options.edges),
+                        ("--dispatchers", options.dispatchers)):
+        if count < 1:
+            raise ConfigError(f"{flag}: must be >= 1, got {count}")
     if options.models and not options.backends:
         raise ConfigError("--model names models of a --backend; give --backend URL too")
     if options.models and len(options.backends) > 1:
@@ -202,6 +215,8 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
     else:
         port = free_port(host, preferred=base.edge.port or None)
     overrides.setdefault("edge", {})["port"] = port
+    if options.edges > 1:
+        overrides["edge"]["reuse_port"] = True
 
     overrides["auth"] = {"dev_key": base.auth.dev_key or dev_key(data_dir)}
     if options.backends:
@@ -210,7 +225,7 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
     config = tgconfig.load(config_path, env, overrides)
     taken = {config.edge.port, nats_port, redis_port}
     metrics_ports: dict[str, int] = {}
-    for name in ("dispatcher", *(f"worker-{i}" for i in range(1, options.workers + 1))):
+    for name in (*names("dispatcher", options.dispatchers), *names("worker", options.workers)):
         port = free_port(host)
         while port in taken:  # free_port may hand out a port picked above, not yet bound
             port = free_port(host)
@@ -308,6 +323,23 @@ def child_environment(env: Mapping[str, str]) -> dict[str, str]:
 # --------------------------------------------------------------------------
 
 
+class _EdgeProcess(ManagedProcess):
+    """An edge child: ready once it listens itself and the port answers /readyz.
+
+    With several edges on one port (``SO_REUSEPORT``) a probe of the port
+    reaches any of them, so each edge's own listening socket (it binds only
+    after connecting to NATS) is what tells this one apart.
+    """
+
+    def __init__(self, *args: Any, port: int, readyz: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.port, self.readyz = port, readyz
+
+    def is_ready(self) -> bool:
+        listening = tcp_sockets(self.pid or 0, self.port)
+        return listening != 0 and http_ok(self.readyz)  # None: no /proc, the probe alone
+
+
 class _Stopped(Exception):
     """A stop signal arrived during start-up."""
 
@@ -326,13 +358,15 @@ class Launcher:
         self.stop_requested = threading.Event()
         self.nats: NatsServer | None = None
         self.redis: RedisServer | None = None
-        self.dispatcher: ManagedProcess | None = None
+        self.dispatchers: list[ManagedProcess] = []
         self.workers: list[ManagedProcess] = []
-        self.edge: ManagedProcess | None = None
+        self.edges: list[ManagedProcess] = []
+        self.supervisor = Supervisor(plan.options.restart, plan.data_dir / STATE_FILE,
+                                     self._restart_ready)
 
     def children(self) -> Iterator[ManagedProcess]:
         """Every child started so far, in start order."""
-        for child in (self.nats, self.redis, self.dispatcher, *self.workers, self.edge):
+        for child in (self.nats, self.redis, *self.dispatchers, *self.workers, *self.edges):
             if child is not None:
                 yield child
 
@@ -385,26 +419,31 @@ class Launcher:
         with os.fdopen(fd, "w") as f:  # holds the dev key: owner only
             f.write(tgconfig.dump_toml(cfg))
 
-        self.dispatcher = self._tier("dispatcher", "dispatcher")
-        for i in range(1, plan.options.workers + 1):
-            # Appended one by one: a failed spawn must not hide earlier
-            # workers from shutdown().
-            self.workers.append(self._tier(f"worker-{i}", "worker"))
+        # Appended one by one: a failed spawn must not hide earlier children
+        # from shutdown().
+        for name in names("dispatcher", plan.options.dispatchers):
+            self.dispatchers.append(self._tier(name, "dispatcher"))
+        for name in names("worker", plan.options.workers):
+            self.workers.append(self._tier(name, "worker"))
         edge_url = f"{plan.base_url.removesuffix('/v1')}/readyz"
-        self.edge = self._tier("edge", "edge", ready=lambda: http_ok(edge_url))
-        log.info("started dispatcher, %d worker(s) and edge; waiting for %s",
-                 len(self.workers), edge_url)
-        self._wait_ready([self.dispatcher, *self.workers, self.edge])
+        for name in names("edge", plan.options.edges):
+            self.edges.append(self._tier(name, "edge", edge_url=edge_url))
+        log.info("started %d dispatcher(s), %d worker(s) and %d edge(s); waiting for %s",
+                 len(self.dispatchers), len(self.workers), len(self.edges), edge_url)
+        self._wait_ready([*self.dispatchers, *self.workers, *self.edges])
+        for child in self.children():
+            self.supervisor.add(child, server=child in (self.nats, self.redis))
 
     def _start_server(self, server: ManagedProcess) -> None:
         server.spawn()
         self._wait_ready([server])
 
-    def _tier(self, name: str, tier: str,
-              ready: Callable[[], bool] | None = None) -> ManagedProcess:
+    def _tier(self, name: str, tier: str, edge_url: str = "") -> ManagedProcess:
         argv = [sys.executable, "-m", "tidegate", tier, "--config", str(self.plan.config_file)]
-        child = ManagedProcess(name, argv, self.plan.log_dir / f"{name}.log",
-                               env=self.plan.env_for(name), ready=ready)
+        log_path, env = self.plan.log_dir / f"{name}.log", self.plan.env_for(name)
+        child = (_EdgeProcess(name, argv, log_path, env=env, port=self.plan.config.edge.port,
+                              readyz=edge_url)
+                 if edge_url else ManagedProcess(name, argv, log_path, env=env))
         child.spawn()
         return child
 
@@ -433,14 +472,30 @@ class Launcher:
 
     def _supervise(self) -> int:
         while not self.stop_requested.wait(0.2):
-            for child in self.children():
-                code = child.poll()
-                if code is not None:
-                    self._error(child.describe_failure(
-                        f"{child.name} exited unexpectedly with code {code}; "
-                        f"stopping everything"))
-                    return 1
+            failure = self.supervisor.tick()
+            if failure is not None:
+                self._error(failure)
+                return 1
         return 0
+
+    def _restart_ready(self, server: ManagedProcess) -> None:
+        """Wait for a restarted embedded server (the supervisor's callback).
+
+        Only the server is watched: tiers keep retrying NATS/Redis meanwhile,
+        and one that exits is the supervisor's next tick's business.
+        """
+        deadline = time.monotonic() + self.plan.options.ready_timeout
+        while not server.is_ready():
+            code = server.poll()
+            if code is not None:
+                raise TidegateError(server.describe_failure(
+                    f"{server.name} exited with code {code} while restarting"))
+            if self.stop_requested.is_set():
+                return
+            if time.monotonic() >= deadline:
+                raise TidegateError(server.describe_failure(
+                    f"{server.name} was not ready within {self.plan.options.ready_timeout:g}s"))
+            self.stop_requested.wait(0.1)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.stop_requested.is_set():
@@ -455,9 +510,9 @@ class Launcher:
         """Stop every child, dependents first. Idempotent; never raises."""
         cfg = self.plan.config
         waves: list[tuple[list[ManagedProcess], float]] = [
-            ([self.edge] if self.edge else [], cfg.edge.shutdown_timeout + _GRACE),
+            (self.edges, cfg.edge.shutdown_timeout + _GRACE),
             (self.workers, cfg.worker.shutdown_timeout + _GRACE),
-            ([self.dispatcher] if self.dispatcher else [], _SERVER_STOP_TIMEOUT + _GRACE),
+            (self.dispatchers, _SERVER_STOP_TIMEOUT + _GRACE),
             ([self.redis] if self.redis else [], _SERVER_STOP_TIMEOUT),
             ([self.nats] if self.nats else [], _SERVER_STOP_TIMEOUT),
         ]
@@ -468,6 +523,7 @@ class Launcher:
             for p in stop_all(procs, timeout):
                 log.warning("%s did not stop within %gs of SIGTERM: killed (see %s)",
                             p.name, timeout, p.log_path)
+        self.supervisor.remove_state()
 
     # -- output ------------------------------------------------------------------
 
@@ -511,6 +567,9 @@ def banner(plan: Plan) -> str:
         f"  API key:  {key}",
         f"  Models:   {', '.join(m.name for m in cfg.models)}",
         f"  Workers:  {plan.options.workers}",
+        *([f"  Edges:    {plan.options.edges} on one port (SO_REUSEPORT)"]
+          if plan.options.edges > 1 else []),
+        *([f"  Dispatchers: {plan.options.dispatchers}"] if plan.options.dispatchers > 1 else []),
         f"  NATS:     {cfg.nats.url}{'' if plan.nats_port is None else ' (embedded)'}",
         f"  Redis:    {cfg.redis.url}{'' if plan.redis_port is None else ' (embedded)'}",
         f"  Logs:     tail -f {shlex.quote(str(plan.log_dir))}/*.log",

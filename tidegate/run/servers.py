@@ -178,6 +178,43 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+_TCP_STATES = {"established": "01", "listen": "0A"}
+
+
+def tcp_sockets(pid: int, port: int, state: str = "listen") -> int | None:
+    """How many TCP sockets of process ``pid`` on local ``port`` are in ``state``.
+
+    From ``/proc`` (the process's fds and its network namespace's tables);
+    None where there is no ``/proc`` to read (not Linux), so callers can fall
+    back to a weaker check. Used to tell which of several edges sharing a port
+    with ``SO_REUSEPORT`` listens, which a connection to the port cannot.
+    """
+    fd_dir = Path(f"/proc/{pid}/fd")
+    if not sys.platform.startswith("linux"):
+        return None
+    inodes = set()
+    try:
+        for fd in fd_dir.iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    except OSError:
+        return 0  # gone
+    wanted, count = _TCP_STATES[state], 0
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if (fields[3] == wanted and fields[9] in inodes
+                    and int(fields[1].rsplit(":", 1)[1], 16) == port):
+                count += 1
+    return count
+
+
 # --------------------------------------------------------------------------
 # Logs
 # --------------------------------------------------------------------------

@@ -10,7 +10,9 @@ Read-only. Sources:
   flight (:mod:`tidegate.control.workers_registry`);
 * Redis: queue mode per model (``mode``, ``limit``, ``p99_ms``) and the
   number of requests held in its fair queue, as the dispatchers keep them
-  (:mod:`dispatcher.queueing`). Without Redis those columns say ``?``.
+  (:mod:`dispatcher.queueing`). Without Redis those columns say ``?``;
+* the state file of a ``tidegate up`` in the config file's directory (its data
+  dir): every child process, pid and restart count (:mod:`tidegate.run.supervisor`).
 
 Rates (requests, jobs started and finished per second) are the difference of
 two samples: the live view's refresh interval, or one interval for
@@ -24,6 +26,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from tidegate.broker import broker
@@ -31,6 +34,7 @@ from tidegate.config import Config
 from tidegate.control import workers_registry
 from tidegate.control.admin import connect_once
 from tidegate.control.queue_stats import QueueStats, Snapshot
+from tidegate.run.supervisor import read_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +73,12 @@ def _rate(now: int, before: int, seconds: float) -> float:
 
 
 def document(config: Config, snap: Snapshot, previous: Snapshot | None,
-             modes: dict[str, QueueModeView]) -> dict[str, Any]:
-    """The status as plain data: what ``--json`` prints and the view shows."""
+             modes: dict[str, QueueModeView],
+             processes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status as plain data: what ``--json`` prints and the view shows.
+
+    ``processes`` is a ``tidegate up`` state file (None: not run by one).
+    """
     dt = snap.taken - previous.taken if previous is not None else 0.0
     prev_models = {q.model: q for q in previous.models} if previous is not None else {}
     models: list[dict[str, Any]] = []
@@ -111,6 +119,7 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
             snap.requests_total, previous.requests_total, dt),
         "models": models,
         "workers": workers,
+        "processes": None if processes is None else processes.get("processes", []),
     }
 
 
@@ -157,7 +166,19 @@ def render(doc: dict[str, Any]) -> Any:
                         f"{w['heartbeat_age_s']:.0f}s ago")
     if not doc["workers"]:
         workers.add_row(Text("no live workers", style="bold red"), "", "", "", "", "")
-    return Group(header, models, workers)
+    if not doc.get("processes"):
+        return Group(header, models, workers)
+    procs = Table(title="Processes (tidegate up)", title_justify="left", expand=True)
+    for column in ("process", "pid", "state", "restarts", "last exit code"):
+        procs.add_column(column)
+    for p in doc["processes"]:
+        state = "running" if p["running"] else (
+            "restarting" if p["restart_pending"] else "down")
+        procs.add_row(p["name"], str(p["pid"]),
+                      Text(state, style="" if p["running"] else "bold red"),
+                      Text(str(p["restarts"]), style="yellow" if p["restarts"] else ""),
+                      "-" if p["last_exit_code"] is None else str(p["last_exit_code"]))
+    return Group(header, models, workers, procs)
 
 
 def _age(seconds: float) -> str:
@@ -171,7 +192,10 @@ def _age(seconds: float) -> str:
 
 
 async def _run(config: Config, as_json: bool, once: bool, interval: float,
-               out: IO[str]) -> int:
+               out: IO[str], data_dir: Path | None) -> int:
+    def processes() -> dict[str, Any] | None:
+        return None if data_dir is None else read_state(data_dir)
+
     nc = await connect_once(config.nats, "tidegate-status")
     try:
         js = broker.jetstream(nc, config.nats)
@@ -181,7 +205,7 @@ async def _run(config: Config, as_json: bool, once: bool, interval: float,
         if as_json or once:
             await asyncio.sleep(interval)
             doc = document(config, await stats.snapshot(), previous,
-                           await _queue_modes(config))
+                           await _queue_modes(config), processes())
             if as_json:
                 out.write(json.dumps(doc, indent=2) + "\n")
             else:
@@ -192,13 +216,14 @@ async def _run(config: Config, as_json: bool, once: bool, interval: float,
         from rich.console import Console
         from rich.live import Live
 
-        doc = document(config, previous, None, await _queue_modes(config))
+        doc = document(config, previous, None, await _queue_modes(config), processes())
         with Live(render(doc), console=Console(file=out), refresh_per_second=4,
                   screen=False) as live:
             while True:
                 await asyncio.sleep(interval)
                 snap = await stats.snapshot()
-                doc = document(config, snap, previous, await _queue_modes(config))
+                doc = document(config, snap, previous, await _queue_modes(config),
+                               processes())
                 previous = snap
                 live.update(render(doc))
     finally:
@@ -206,10 +231,14 @@ async def _run(config: Config, as_json: bool, once: bool, interval: float,
 
 
 def run(config: Config, as_json: bool = False, once: bool = False,
-        interval: float | None = None, out: IO[str] | None = None) -> int:
-    """``tidegate status``; the exit code. Ctrl-C ends the live view (0)."""
+        interval: float | None = None, out: IO[str] | None = None,
+        data_dir: Path | None = None) -> int:
+    """``tidegate status``; the exit code. Ctrl-C ends the live view (0).
+
+    ``data_dir``: where a ``tidegate up`` keeps its process state file.
+    """
     wait = interval if interval is not None else (1.0 if as_json or once else 2.0)
     try:
-        return asyncio.run(_run(config, as_json, once, wait, out or sys.stdout))
+        return asyncio.run(_run(config, as_json, once, wait, out or sys.stdout, data_dir))
     except KeyboardInterrupt:
         return 0
