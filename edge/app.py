@@ -33,7 +33,7 @@ from edge.auth import KeyTable
 from edge.errors import error_response, from_http_exception
 from edge.relay import Publisher, Relay, RelayContext
 from edge.session import SessionTable
-from edge.validation import validate
+from edge.validation_responses import validate_request
 from tidegate.broker import broker
 from tidegate.config import Config, EdgeConfig, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
@@ -110,6 +110,8 @@ def build_app(state: EdgeState) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -147,6 +149,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, Api.COMPLETIONS)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, Api.RESPONSES)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, Api.EMBEDDINGS)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -230,7 +240,7 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
     raw = await _read_body(http, config.edge.max_body_bytes)
-    valid = validate(raw, api, state.models)
+    valid = validate_request(raw, api, state.models)
     if principal.models and not {valid.model.name, *valid.model.aliases} & set(principal.models):
         raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
                             f"{', '.join(principal.models)}.", type="permission_error",

@@ -64,6 +64,6 @@ def from_http_exception(exc: web.HTTPException) -> ApiError:
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
     message = exc.text if exc.text and not exc.text.startswith(str(status)) else exc.reason
     if status == 404:
-        message = ("Unknown URL. tidegate serves /v1/chat/completions, /v1/completions and "
-                   "/v1/models.")
+        message = ("Unknown URL. tidegate serves /v1/chat/completions, /v1/completions, "
+                   "/v1/responses, /v1/embeddings and /v1/models.")
     return ApiError(status, message, type=error_type, code=code)

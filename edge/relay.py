@@ -43,6 +43,7 @@ from tidegate.wire.flow import AckPolicy
 from tidegate.wire.protocol import (
     Ack,
     Admission,
+    Api,
     Cancel,
     Chunk,
     Done,
@@ -425,7 +426,10 @@ class Relay:
         if not self.request.stream:
             return web.Response(body=b"".join(self.body_parts), content_type="application/json",
                                 headers=self.headers)
-        await self._write(_DONE, last=True)
+        # A Responses stream ends with its own terminal event (response.completed
+        # and friends), never with [DONE]: OpenAI sends none, and strict clients
+        # of that API would read it as a malformed event.
+        await self._write(_DONE if self.request.api is not Api.RESPONSES else b"", last=True)
         assert self.response is not None
         return self.response
 

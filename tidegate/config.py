@@ -51,6 +51,7 @@ class SimulatorConfig:
     ttft: float = 0.05  # seconds before the first token
     tokens_per_second: float = 50.0
     length: int = 64  # tokens generated when the request sets no max_tokens
+    embedding_dimensions: int = 256  # vector size when an embeddings request sets none
 
 
 @dataclass(frozen=True, slots=True)

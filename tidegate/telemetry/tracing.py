@@ -52,7 +52,9 @@ STALL_TIME = "tidegate.flow.stall_time"
 QUEUE_WAIT = "tidegate.queue.wait"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-_OPERATIONS = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion"}
+# OpenTelemetry GenAI operation names; a Responses call is a chat turn there.
+_OPERATIONS = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion", Api.RESPONSES: "chat",
+               Api.EMBEDDINGS: "embeddings"}
 
 
 def operation(api: Api) -> str:

@@ -54,10 +54,14 @@ _CHUNK = int(Kind.CHUNK)  # a plain int packs faster than the enum member (per c
 
 
 class Api(IntEnum):
-    """Which OpenAI endpoint the request came in on (decides the chunk format)."""
+    """Which OpenAI endpoint the request came in on (decides the chunk format).
+
+    Values are on the wire (``Request.api``): append, never renumber."""
 
     CHAT = 0
     COMPLETIONS = 1
+    RESPONSES = 2  # /v1/responses: typed SSE events (``event:`` + ``data:``), no [DONE]
+    EMBEDDINGS = 3  # /v1/embeddings: never streamed, input tokens only
 
 
 class Admission(IntEnum):

@@ -126,14 +126,21 @@ def estimate_text_tokens(text: str) -> int:
 
 
 def estimate_prompt_tokens(api: Api, body: Mapping[str, Any]) -> int:
-    """Estimated prompt tokens of a chat or completions request body.
+    """Estimated prompt tokens of a chat, completions, responses or embeddings body.
 
     Chat: framing per message, each message's text content and name, tool
     calls, image parts, and the tool / response-format definitions.
     Completions: ``prompt`` as a string, a list of strings, or token arrays
-    (each integer is one token), plus ``suffix``.
+    (each integer is one token), plus ``suffix``. Responses: ``instructions``,
+    ``input`` (a text or items, messages costed as chat's) and tools.
+    Embeddings: ``input`` as completions' ``prompt``, without framing.
     """
     cost = 0.0
+    if api == Api.RESPONSES:
+        return math.ceil(_responses_cost(body))
+    if api == Api.EMBEDDINGS:
+        return math.ceil(sum(_text_cost(p) if isinstance(p, str) else len(p)
+                             for p in _prompts(body.get("input"))))
     if api == Api.CHAT:
         messages = body.get("messages")
         for message in messages if isinstance(messages, list) else ():
@@ -166,6 +173,11 @@ def completion_cap(api: Api, body: Mapping[str, Any], default_max_tokens: int) -
     completions, which generates that many), times the number of prompts of a
     batched completions request.
     """
+    if api == Api.EMBEDDINGS:
+        return 0  # an embedding's cost is its input
+    if api == Api.RESPONSES:
+        cap = _int(body.get("max_output_tokens"))
+        return max(0, cap) if cap is not None else default_max_tokens
     names = ("max_completion_tokens", "max_tokens") if api == Api.CHAT else ("max_tokens",)
     given = [v for name in names if (v := _int(body.get(name))) is not None]
     per_choice = max(0, min(given)) if given else default_max_tokens
@@ -183,6 +195,32 @@ def reservation(api: Api, body: Mapping[str, Any], default_max_tokens: int) -> i
     return estimate_prompt_tokens(api, body) + completion_cap(api, body, default_max_tokens)
 
 
+def _responses_cost(body: Mapping[str, Any]) -> float:
+    """A Responses body: ``instructions``, ``input`` (a text or a list of
+    items: messages, function calls and their outputs), the tool definitions."""
+    cost = float(_REPLY_PRIMING)
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        cost += _PER_MESSAGE + _text_cost(instructions)
+    items = body.get("input")
+    if isinstance(items, str):
+        cost += _PER_MESSAGE + _text_cost(items)
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, Mapping):
+            continue
+        if "content" in item or "role" in item:
+            cost += _message_cost(item)
+            continue
+        cost += _PER_TOOL_CALL
+        for key in ("name", "arguments", "output"):
+            value = item.get(key)
+            if isinstance(value, str):
+                cost += _text_cost(value)
+    if body.get("tools"):
+        cost += _text_cost(_json(body["tools"]))
+    return cost
+
+
 def _message_cost(message: Mapping[str, Any]) -> float:
     cost = float(_PER_MESSAGE)
     content = message.get("content")
@@ -194,7 +232,7 @@ def _message_cost(message: Mapping[str, Any]) -> float:
                 continue
             if isinstance(part.get("text"), str):
                 cost += _text_cost(part["text"])
-            elif part.get("type") == "image_url":
+            elif part.get("type") in ("image_url", "input_image"):
                 cost += _IMAGE_TOKENS
     name = message.get("name")
     if isinstance(name, str):

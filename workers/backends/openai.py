@@ -42,8 +42,9 @@ from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import Sink, Usage, upstream
 from workers.backends.http1 import BodyTooLarge, Http1Pool, Response
+from workers.backends.responses_sse import ResponsesPassthrough, record_usage
 from workers.backends.sse import SSEPassthrough, loads
-from workers.backends.upstream import status_error
+from workers.backends.upstream import endpoint_missing, status_error
 
 __all__ = ["BodyStream", "OpenAIBackend", "OpenAIStream"]
 
@@ -100,7 +101,8 @@ class OpenAIStream:
     and 1.25 times the limit. Time paused for lack of credit is not silence.
     """
 
-    def __init__(self, resp: Response, parser: SSEPassthrough, model: ModelConfig,
+    def __init__(self, resp: Response, parser: SSEPassthrough | ResponsesPassthrough,
+                 model: ModelConfig,
                  read_bytes: int) -> None:
         self._resp = resp
         self._parser = parser
@@ -309,7 +311,8 @@ class OpenAIBackend:
         self._model = model
         self._worker = worker
         self._pool: Http1Pool | None = None
-        self._paths = {Api.CHAT: "/chat/completions", Api.COMPLETIONS: "/completions"}
+        self._paths = {Api.CHAT: "/chat/completions", Api.COMPLETIONS: "/completions",
+                       Api.RESPONSES: "/responses", Api.EMBEDDINGS: "/embeddings"}
         auth = ""
         if model.api_key_env:
             key = os.environ.get(model.api_key_env, "")
@@ -335,6 +338,10 @@ class OpenAIBackend:
     def _payload(self, request: Request) -> bytes:
         body = dict(request.body)
         body["model"] = self._model.backend_model
+        if request.api >= Api.RESPONSES:
+            # Responses and embeddings go as the client sent them, model aside:
+            # Responses streams report usage in response.completed unasked.
+            return json.dumps(body, separators=(",", ":")).encode()
         body["stream"] = request.stream
         if request.stream:
             options = body.get("stream_options")
@@ -365,10 +372,15 @@ class OpenAIBackend:
         except OSError as exc:  # refused, connect timeout, closed, not HTTP
             raise upstream.unavailable(model.name, exc) from exc
         if not 200 <= resp.status < 300:
-            raise await self._status_error(resp)
+            raise await self._status_error(resp, request.api)
         prompt_tokens = estimate_prompt_tokens(request.api, request.body)
         if not request.stream:
             return await self._body(resp, request, prompt_tokens)
+        if request.api is Api.RESPONSES:
+            # Its own parser, chosen once per job: chat's tuned path stays as it is.
+            return OpenAIStream(resp, ResponsesPassthrough(prompt_tokens=prompt_tokens,
+                                                           model=model.name),
+                                model, self._worker.read_bytes)
         options = request.body.get("stream_options")
         include_usage = request.include_usage or (
             isinstance(options, dict) and bool(options.get("include_usage")))
@@ -376,7 +388,7 @@ class OpenAIBackend:
                                 model=model.name)
         return OpenAIStream(resp, parser, model, self._worker.read_bytes)
 
-    async def _status_error(self, resp: Response) -> BackendError:
+    async def _status_error(self, resp: Response, api: Api) -> BackendError:
         raw = b""
         try:
             async with asyncio.timeout(min(self._model.idle_timeout, 10.0)):
@@ -386,6 +398,12 @@ class OpenAIBackend:
         finally:
             resp.abort()
         log.info("model backend %s answered HTTP %d", self._model.name, resp.status)
+        message = upstream.upstream_message(raw)
+        if api >= Api.RESPONSES and upstream.is_missing_endpoint(resp.status, message):
+            log.warning("model backend %s (%s) does not serve %s", self._model.name,
+                        self._model.base_url, self._paths[api])
+            return endpoint_missing(self._model.name, "/v1" + self._paths[api], resp.status,
+                                    message)
         return status_error(resp.status, upstream.upstream_message(raw),
                             model=self._model.name,
                             retry_after=upstream.retry_after(resp.headers))
@@ -434,6 +452,17 @@ def _header_safe(value: str) -> bool:
 def _body_usage(obj: dict[str, Any], api: Api, prompt_tokens: int) -> Usage:
     """Usage and finish reason of a non-streaming body; estimated when not reported."""
     usage = Usage(prompt_tokens=prompt_tokens)
+    if api is Api.RESPONSES:
+        status = obj.get("status")
+        usage.finish_reason = "stop" if status == "completed" else str(status or "")
+        record_usage(usage, obj.get("usage"))
+        return usage
+    if api is Api.EMBEDDINGS:
+        reported = obj.get("usage")
+        if isinstance(reported, dict) and isinstance(reported.get("prompt_tokens"), int):
+            usage.prompt_tokens = reported["prompt_tokens"]
+        usage.finish_reason = "stop"
+        return usage
     choices = obj.get("choices")
     first = choices[0] if isinstance(choices, list) and choices else {}
     if isinstance(first, dict):

@@ -39,7 +39,8 @@ from typing import Any
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
-from workers.backends import Usage
+from workers.backends import BackendStream, Usage
+from workers.backends.simulator_responses import SimulatorEmbeddings, SimulatorResponsesStream
 
 __all__ = ["SimulatorBackend", "SimulatorStream", "plan_text"]
 
@@ -64,7 +65,8 @@ for _w in _WORDS:
 
 def _limit(api: Api, body: Mapping[str, Any]) -> int | None:
     """The client's token limit; the smaller one when both names are given."""
-    names = ("max_tokens", "max_completion_tokens") if api == Api.CHAT else ("max_tokens",)
+    names = (("max_tokens", "max_completion_tokens") if api == Api.CHAT else
+             ("max_output_tokens",) if api == Api.RESPONSES else ("max_tokens",))
     limits = [v for n in names
               if isinstance(v := body.get(n), int) and not isinstance(v, bool)]
     return max(0, min(limits)) if limits else None
@@ -84,6 +86,8 @@ def _seed(api: Api, body: Mapping[str, Any]) -> int:
         "prompt": body.get("messages") if api == Api.CHAT else body.get("prompt"),
         "seed": body.get("seed"),
     }
+    if api == Api.RESPONSES:
+        material = {"prompt": body.get("input"), "instructions": body.get("instructions")}
     raw = json.dumps(material, sort_keys=True, default=str).encode()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
 
@@ -291,14 +295,22 @@ class SimulatorStream:
 class SimulatorBackend:
     """Implements :class:`workers.backends.Backend` with :class:`SimulatorStream`.
 
-    Stateless apart from the model config; ``open`` never fails.
+    Stateless apart from the model config; ``open`` fails only for an
+    embeddings request over ``simulator_responses.MAX_DIMENSIONS``. Responses
+    and embeddings are ``workers.backends.simulator_responses``.
     """
 
     def __init__(self, model: ModelConfig) -> None:
         self._model = model
 
-    async def open(self, request: Request) -> SimulatorStream:
-        return SimulatorStream(request, self._model.simulator, time.monotonic())
+    async def open(self, request: Request) -> BackendStream:
+        sim = self._model.simulator
+        if request.api == Api.RESPONSES:
+            pieces, finish = plan_text(request.api, request.body, sim)
+            return SimulatorResponsesStream(request, pieces, finish, sim, time.monotonic())
+        if request.api == Api.EMBEDDINGS:
+            return SimulatorEmbeddings(request, sim, time.monotonic())
+        return SimulatorStream(request, sim, time.monotonic())
 
     async def aclose(self) -> None:
         return None

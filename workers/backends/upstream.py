@@ -12,10 +12,14 @@ upstream               HTTP   type / code                  retryable
 429                    429    rate_limit_error             yes
 503                    502    backend_error                yes
 other 5xx / non-2xx    502    backend_error                no
+no such route [#]_     501    endpoint_not_supported       no
 connect failure        502    backend_unavailable          yes
 no headers in time     504    backend_timeout              no
 silence mid-stream     504    backend_timeout              no
 =====================  =====  ===========================  =========
+
+.. [#] Responses and embeddings only: a 405 or 501, or a 404 whose message is
+   not about the model (:func:`is_missing_endpoint`).
 """
 
 from __future__ import annotations
@@ -69,6 +73,25 @@ def status_error(status: int, message: str, *, model: str,
     return BackendError(502, f"The model backend for {model!r} failed (HTTP {status}): "
                         f"{message}", type="server_error", code="backend_error",
                         retryable=status == 503, retry_after=retry_after)
+
+
+def is_missing_endpoint(status: int, message: str) -> bool:
+    """Whether an error status means "no such route" rather than a refusal of
+    this request. 405 and 501 always do; a 404 does unless its message is about
+    the model (vLLM and OpenAI answer an unknown model with 404 too). Route
+    404s look like FastAPI's ``Not Found``, llama-server's ``File Not Found``,
+    Ollama's ``404 page not found``."""
+    if status in (405, 501):
+        return True
+    return status == 404 and "model" not in message.lower()
+
+
+def endpoint_missing(model: str, path: str, status: int, message: str) -> BackendError:
+    """The model's backend does not serve ``path``: 501, naming the backend."""
+    return BackendError(501, f"The model backend for {model!r} does not serve {path} (it "
+                        f"answered HTTP {status}: {message}). Use an endpoint it serves, such "
+                        f"as /v1/chat/completions, or a backend that implements {path}.",
+                        type="invalid_request_error", code="endpoint_not_supported")
 
 
 def unavailable(model: str, exc: BaseException) -> BackendError:

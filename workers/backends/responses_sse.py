@@ -1,0 +1,195 @@
+"""Sans-I/O passthrough of a Responses API stream (``POST /responses``,
+``stream: true``): the backend's typed SSE events in, client-ready events out.
+
+Chosen once per job, in place of ``workers.backends.sse.SSEPassthrough`` (chat
+and completions keep their tuned path untouched). Same interface: ``feed``,
+``flush``, ``done``, ``events``, ``usage``, ``finish_reason``.
+
+Invariants:
+
+* Events pass **byte for byte** as the backend wrote them, ``event:`` line
+  included: the only lines dropped are SSE comments, ``id:`` and ``retry:``
+  (the edge sends its own pings and, for resumable streams, its own ids).
+* **sequence_number.** OpenAI numbers every event from 0. A backend that
+  omits it (llama.cpp's llama-server does) gets it supplied by splicing
+  ``"sequence_number":N,`` right after the opening brace of the event's JSON:
+  bytes are inserted, the backend's JSON is never re-encoded. ``N`` is the
+  event's 0-based index among the stream's data events, which is what a
+  backend that numbers them would have written.
+* **Usage** comes from the terminal event (``response.completed``,
+  ``response.incomplete``, ``response.failed``), the only one parsed as JSON;
+  it is found by a byte search on its ``type``. Until then each
+  ``response.output_text.delta`` counts as one output token, so a cancelled
+  stream still reconciles what it produced. The edge parses nothing.
+* The terminal event ends the stream (``done``); anything after it, and a
+  ``data: [DONE]`` some servers append, is dropped. A top-level ``error``
+  event becomes a :class:`tidegate.errors.BackendError`, as in chat.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from workers.backends import Usage
+from workers.backends.sse import loads
+from workers.backends.upstream import broken
+
+__all__ = ["ResponsesPassthrough"]
+
+# One search per event finds the types worth acting on; nested objects carry
+# other types ("message", "output_text"), and a quote inside a JSON string is
+# escaped, so only a real top-level-or-item type matches.
+_TYPE_RE = re.compile(rb'"type"\s*:\s*"(response\.output_text\.delta|response\.completed|'
+                      rb'response\.incomplete|response\.failed|error)"')
+_SEQ = b'"sequence_number"'
+_DELTA = b"response.output_text.delta"
+_KEEP = (b"event:", b"data:")
+_FINISH = {"completed": "stop", "max_output_tokens": "length", "content_filter":
+           "content_filter", "failed": "error"}
+
+
+class ResponsesPassthrough:
+    """Upstream Responses SSE bytes in, client-ready SSE bytes out, usage noted."""
+
+    __slots__ = ("_buf", "_model", "done", "events", "spliced", "usage", "usage_reported")
+
+    def __init__(self, *, prompt_tokens: int, model: str) -> None:
+        self._buf = b""
+        self._model = model
+        self.done = False  # the terminal event passed; later bytes are ignored
+        self.events = 0  # data events seen: also the next missing sequence_number
+        self.spliced = 0  # events that got a sequence_number from us
+        self.usage = Usage(prompt_tokens=prompt_tokens)
+        self.usage_reported = False
+
+    @property
+    def finish_reason(self) -> str:
+        return self.usage.finish_reason
+
+    def feed(self, data: bytes) -> bytes:
+        """Take upstream bytes; return the complete events to pass on (maybe ``b""``)."""
+        if self.done:
+            return b""
+        buf = self._buf + data if self._buf else data
+        if b"\r" in buf:
+            tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
+            buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            buf += tail
+        *events, rest = buf.split(b"\n\n")
+        self._buf = rest
+        if not events:
+            return b""
+        kept: list[bytes] = []
+        intact = True  # every event passes unchanged: hand back the input slice as is
+        for event in events:
+            passed = self._event(event)
+            if passed is None:
+                intact = False
+            else:
+                intact = intact and passed is event
+                kept.append(passed)
+            if self.done:
+                intact = False
+                self._buf = b""
+                break
+        if intact:
+            return buf[: len(buf) - len(rest)]
+        return b"\n\n".join(kept) + b"\n\n" if kept else b""
+
+    def flush(self) -> bytes:
+        """End of input: treat an unterminated last event as complete (lenient)."""
+        rest, self._buf = self._buf.rstrip(b"\r\n"), b""
+        if not rest or self.done:
+            return b""
+        passed = self._event(rest)
+        return passed + b"\n\n" if passed else b""
+
+    def _event(self, event: bytes) -> bytes | None:
+        """One event without its blank line: ``event`` itself when it passes
+        unchanged, a new byte string when lines were dropped or a
+        sequence_number spliced in, or None when nothing of it goes on."""
+        lines = event.split(b"\n")
+        data = [ln for ln in lines if ln.startswith(b"data:")]
+        if not data:
+            return None  # comment, event:/id:/retry: only, or blank
+        out = event
+        if len(data) + sum(1 for ln in lines if ln.startswith(b"event:")) != len(lines):
+            out = b"\n".join(ln for ln in lines if ln.startswith(_KEEP))
+        payload = (data[0][6:] if data[0][5:6] == b" " else data[0][5:]) if len(data) == 1 \
+            else b"\n".join(ln[6:] if ln[5:6] == b" " else ln[5:] for ln in data)
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        index = self.events
+        self.events += 1
+        match = _TYPE_RE.search(payload)
+        if match is not None:
+            kind = match.group(1)
+            if kind == _DELTA:
+                if not self.usage_reported:
+                    self.usage.completion_tokens += 1
+            elif kind == b"error":
+                raise broken(self._model, f"reported an error mid-stream: {_message(payload)}")
+            else:
+                self._terminal(payload)
+        if _SEQ not in payload:
+            out = _splice(out, index)
+            self.spliced += 1
+        return out
+
+    def _terminal(self, payload: bytes) -> None:
+        """response.completed / incomplete / failed: the final usage, and the end."""
+        self.done = True
+        obj = loads(payload)
+        response = obj.get("response") if isinstance(obj, dict) else None
+        if not isinstance(response, dict):
+            self.usage.finish_reason = "stop"
+            return
+        status = response.get("status")
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        key = reason if isinstance(reason, str) else status if isinstance(status, str) else ""
+        self.usage.finish_reason = _FINISH.get(key, key or "stop")
+        record_usage(self.usage, response.get("usage"))
+        self.usage_reported = True
+
+
+def record_usage(usage: Usage, reported: Any) -> None:
+    """A Responses ``usage`` object (``input_tokens`` / ``output_tokens``) into ``usage``."""
+    if not isinstance(reported, dict):
+        return
+    prompt, completion = reported.get("input_tokens"), reported.get("output_tokens")
+    if isinstance(prompt, int) and not isinstance(prompt, bool):
+        usage.prompt_tokens = prompt
+    if isinstance(completion, int) and not isinstance(completion, bool):
+        usage.completion_tokens = completion
+
+
+def _splice(event: bytes, seq: int) -> bytes:
+    """``event`` with ``"sequence_number":seq`` inserted as the first member of
+    its (first) data line's JSON object; unchanged when that is no object."""
+    start = 0 if event.startswith(b"data:") else event.find(b"\ndata:") + 1
+    if start == 0 and not event.startswith(b"data:"):
+        return event
+    brace = start + 5
+    while brace < len(event) and event[brace] in b" \t":
+        brace += 1
+    if brace >= len(event) or event[brace] != 0x7B:  # "{"
+        return event
+    after = brace + 1
+    while after < len(event) and event[after] in b" \t\n":
+        after += 1
+    member = b'"sequence_number":%d' % seq
+    if after < len(event) and event[after] == 0x7D:  # "}": an empty object
+        return event[:brace + 1] + member + event[brace + 1:]
+    return event[:brace + 1] + member + b"," + event[brace + 1:]
+
+
+def _message(payload: bytes) -> str:
+    obj = loads(payload)
+    if isinstance(obj, dict):
+        for where in (obj, obj.get("error")):
+            if isinstance(where, dict) and isinstance(where.get("message"), str):
+                return str(where["message"])
+    return payload[:200].decode("utf-8", "replace")

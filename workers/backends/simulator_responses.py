@@ -1,0 +1,309 @@
+"""The simulator's Responses API and embeddings, in OpenAI's wire format.
+
+Same invariants as ``workers.backends.simulator`` (deterministic, paced like
+a model, the official SDK parses it), for the two newer endpoints:
+
+* **Responses, streaming**: typed events, each an ``event: <type>`` line and
+  a ``data:`` line whose JSON carries ``type`` and ``sequence_number``
+  (0, 1, 2, ... without a gap), in OpenAI's order: ``response.created``,
+  ``response.in_progress``, ``response.output_item.added``,
+  ``response.content_part.added``, one ``response.output_text.delta`` per
+  token, ``response.output_text.done``, ``response.content_part.done``,
+  ``response.output_item.done``, and ``response.completed`` (or, when
+  ``max_output_tokens`` cut the text, ``response.incomplete`` with
+  ``incomplete_details.reason = "max_output_tokens"``), whose ``response``
+  holds the whole output and the usage. No ``data: [DONE]``: OpenAI sends none.
+  The first two events are due at once, the item and part openings with the
+  first token, the closing ones with the last.
+* **Responses, not streaming**: the final response object, once the last
+  token is due.
+* **Embeddings**: one vector per input (a string or a token-id array), of
+  ``dimensions`` (else ``simulator.embedding_dimensions``) float32 values of
+  unit length, a pure function of the input and the model name, so the same
+  input always gets the same vector and ``float`` and ``base64`` encodings
+  decode to identical numbers. Usage: the input's token estimate.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from tidegate.config import SimulatorConfig
+from tidegate.errors import BackendError
+from tidegate.wire.protocol import Api, Request
+from tidegate.wire.tokens import estimate_prompt_tokens
+from workers.backends import Usage
+
+__all__ = ["MAX_DIMENSIONS", "SimulatorEmbeddings", "SimulatorResponsesStream", "embed"]
+
+MAX_DIMENSIONS = 8192  # a bigger request would only cost the worker memory
+
+_OPENING = 4  # created, in_progress, output_item.added, content_part.added
+_CLOSING = 4  # output_text.done, content_part.done, output_item.done, completed
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+class SimulatorResponsesStream:
+    """One simulated Responses API answer. Implements ``BackendStream``."""
+
+    __slots__ = ("_body", "_closed", "_created", "_delta_prefix", "_interval", "_item_id",
+                 "_n", "_next", "_offset", "_pieces", "_request", "_status", "_t_first",
+                 "_t_open", "_total", "_usage", "_usage_finish")
+
+    def __init__(self, request: Request, pieces: list[str], finish: str, sim: SimulatorConfig,
+                 now: float) -> None:
+        self._request = request
+        self._pieces = pieces
+        self._n = len(pieces)
+        self._usage = Usage(prompt_tokens=estimate_prompt_tokens(Api.RESPONSES, request.body))
+        # plan_text says "length" exactly when max_output_tokens bounded the text.
+        self._usage_finish = finish
+        self._status = "incomplete" if finish == "length" else "completed"
+        self._t_open = now
+        self._t_first = now + sim.ttft
+        self._interval = 1.0 / sim.tokens_per_second
+        self._next = 0
+        self._closed = False
+        self._body: bytes | None = None
+        self._offset = 0
+        self._item_id = "msg_" + request.id
+        self._created = request.created_ms // 1000
+        self._delta_prefix = (b'","item_id":"' + self._item_id.encode()
+                              + b'","output_index":0,"content_index":0,"delta":')
+        self._total = _OPENING + self._n + _CLOSING if request.stream else 0
+
+    @property
+    def usage(self) -> Usage:
+        return self._usage
+
+    # -- the response object -------------------------------------------------------
+
+    def _response(self, status: str, output: list[dict[str, Any]] | None,
+                  usage: Usage | None) -> dict[str, Any]:
+        body = self._request.body
+        incomplete = status == "incomplete"
+        return {
+            "id": "resp_" + self._request.id, "object": "response",
+            "created_at": self._created, "status": status, "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "model": self._request.model, "output": output or [],
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "temperature": body.get("temperature", 1.0),
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "top_p": body.get("top_p", 1.0), "truncation": body.get("truncation", "disabled"),
+            "usage": None if usage is None else {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens},
+            "metadata": body.get("metadata") or {},
+        }
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+
+    def _item(self, status: str, text: str | None) -> dict[str, Any]:
+        return {"id": self._item_id, "type": "message", "status": status,
+                "content": [] if text is None else [self._part(text)], "role": "assistant"}
+
+    # -- streaming -------------------------------------------------------------------
+
+    def _due(self, index: int) -> float:
+        if index < 2:
+            return self._t_open
+        token = min(max(index - _OPENING, 0), max(self._n - 1, 0))
+        return self._t_first + token * self._interval
+
+    def _event(self, index: int) -> bytes:
+        """Bytes of event ``index`` (pure; ``_account`` counts it once sent)."""
+        token = index - _OPENING
+        if 0 <= token < self._n:
+            # Per token: only the piece is encoded; the rest is prebuilt.
+            return (b'event: response.output_text.delta\ndata: {"type":'
+                    b'"response.output_text.delta","sequence_number":%d' % index
+                    + self._delta_prefix + _json(self._pieces[token])
+                    + b',"logprobs":[]}\n\n')
+        text = "".join(self._pieces)
+        ident: dict[str, Any] = {"item_id": self._item_id, "output_index": 0}
+        obj: dict[str, Any]
+        if index == 0:
+            kind, obj = "response.created", {"response": self._response("in_progress", [], None)}
+        elif index == 1:
+            kind, obj = "response.in_progress", {
+                "response": self._response("in_progress", [], None)}
+        elif index == 2:
+            kind, obj = "response.output_item.added", {
+                "output_index": 0, "item": self._item("in_progress", None)}
+        elif index == 3:
+            kind, obj = "response.content_part.added", {
+                **ident, "content_index": 0, "part": self._part("")}
+        elif token == self._n:
+            kind, obj = "response.output_text.done", {
+                **ident, "content_index": 0, "text": text, "logprobs": []}
+        elif token == self._n + 1:
+            kind, obj = "response.content_part.done", {
+                **ident, "content_index": 0, "part": self._part(text)}
+        elif token == self._n + 2:
+            kind, obj = "response.output_item.done", {
+                "output_index": 0, "item": self._item("completed", text)}
+        else:
+            kind = "response." + self._status
+            obj = {"response": self._response(self._status, [self._item("completed", text)],
+                                              self._usage)}
+        payload = _json({"type": kind, "sequence_number": index, **obj})
+        return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
+
+    def _account(self, index: int) -> None:
+        token = index - _OPENING
+        if 0 <= token < self._n:
+            self._usage.completion_tokens += 1
+        elif token == self._n + _CLOSING - 1:
+            self._usage.finish_reason = self._usage_finish
+
+    async def read(self, max_bytes: int) -> bytes:
+        if self._closed:
+            return b""
+        if not self._request.stream:
+            return await self._read_body(max_bytes)
+        index = self._next
+        if index >= self._total:
+            return b""
+        due = self._due(index)
+        now = time.monotonic()
+        if due > now:
+            await asyncio.sleep(due - now)
+            now = max(time.monotonic(), due)
+        # An event is built before it is accounted; the terminal event reads
+        # the output count, which every delta before it has added to.
+        parts = [self._event(index)]
+        self._account(index)
+        size = len(parts[0])
+        index += 1
+        while index < self._total and self._due(index) <= now:
+            event = self._event(index)
+            if size + len(event) > max_bytes:
+                break
+            self._account(index)
+            parts.append(event)
+            size += len(event)
+            index += 1
+        self._next = index
+        return b"".join(parts)
+
+    async def _read_body(self, max_bytes: int) -> bytes:
+        if self._body is None:
+            delay = self._due(_OPENING + self._n - 1 if self._n else 0) - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._usage.completion_tokens = self._n
+            self._usage.finish_reason = self._usage_finish
+            text = "".join(self._pieces)
+            self._body = _json(self._response(self._status, [self._item("completed", text)],
+                                              self._usage))
+        if self._offset >= len(self._body):
+            return b""
+        end = self._offset + max(1, max_bytes)
+        chunk = self._body[self._offset:end]
+        self._offset = end
+        return chunk
+
+    async def aclose(self) -> None:
+        """End the stream (idempotent); a stream closed early counts the
+        tokens the simulated model had generated by now, as chat's does."""
+        if self._closed:
+            return
+        self._closed = True
+        finished = (self._body is not None if not self._request.stream
+                    else self._next >= self._total)
+        if finished:
+            return
+        elapsed = time.monotonic() - self._t_first
+        due = 0 if elapsed < 0 else min(self._n, int(elapsed / self._interval) + 1)
+        self._usage.completion_tokens = max(self._usage.completion_tokens, due)
+
+
+def embed(item: str | list[int], model: str, dimensions: int) -> list[float]:
+    """The simulator's vector for one input: unit length, float32 values
+    (exact in JSON and in base64), a pure function of its arguments."""
+    seed = hashlib.blake2b(_json([model, item]), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(seed, "big"))
+    values = [rng.gauss(0.0, 1.0) for _ in range(dimensions)]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return array.array("f", [v / norm for v in values]).tolist()
+
+
+def _inputs(body: Mapping[str, Any]) -> list[str | list[int]]:
+    value = body.get("input")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return [value]
+    return list(value) if isinstance(value, list) else []
+
+
+class SimulatorEmbeddings:
+    """One simulated embeddings answer (a JSON body). Implements ``BackendStream``."""
+
+    __slots__ = ("_body", "_offset", "_ready_at", "_request", "_usage")
+
+    def __init__(self, request: Request, sim: SimulatorConfig, now: float) -> None:
+        body = request.body
+        dims = body.get("dimensions")
+        dimensions = dims if isinstance(dims, int) else sim.embedding_dimensions
+        if dimensions > MAX_DIMENSIONS:
+            raise BackendError(400, f"The simulator makes vectors of at most {MAX_DIMENSIONS} "
+                               f"dimensions, not {dimensions}.", type="invalid_request_error",
+                               code="invalid_value")
+        self._request = request
+        self._usage = Usage(prompt_tokens=estimate_prompt_tokens(Api.EMBEDDINGS, body),
+                            finish_reason="stop")
+        self._ready_at = now + sim.ttft
+        self._offset = 0
+        b64 = body.get("encoding_format") == "base64"
+        data = []
+        for index, item in enumerate(_inputs(body)):
+            vector = embed(item, request.model, dimensions)
+            encoded: Any = vector
+            if b64:
+                packed = array.array("f", vector)
+                if sys.byteorder != "little":
+                    packed.byteswap()
+                encoded = base64.b64encode(packed.tobytes()).decode()
+            data.append({"object": "embedding", "index": index, "embedding": encoded})
+        tokens = self._usage.prompt_tokens
+        self._body = _json({"object": "list", "data": data, "model": request.model,
+                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    @property
+    def usage(self) -> Usage:
+        return self._usage
+
+    async def read(self, max_bytes: int) -> bytes:
+        delay = self._ready_at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        start = self._offset
+        self._offset = min(len(self._body), start + max(1, max_bytes))
+        return self._body[start:self._offset]
+
+    async def aclose(self) -> None:
+        self._offset = len(self._body)
