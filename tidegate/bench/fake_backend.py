@@ -2,7 +2,8 @@
 
 It speaks the subset of the OpenAI HTTP API that vLLM, Ollama, llama.cpp and
 TGI share (``GET /v1/models``, ``POST /v1/chat/completions``,
-``POST /v1/completions``, streaming and not), paces tokens like a model (TTFT,
+``POST /v1/completions``, streaming and not; ``POST /v1/responses`` and
+``POST /v1/embeddings`` are ``tidegate.bench.fake_responses``), paces tokens like a model (TTFT,
 then one token every ``itl`` seconds), and records what happened to every
 request, so a test can assert that the gateway closed the backend connection
 when the client went away (:attr:`FakeRecord.closed_at`).
@@ -42,6 +43,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tidegate.bench import fake_responses
+
 __all__ = ["FakeBackend", "FakeConfig", "FakeRecord", "main"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -71,6 +74,10 @@ class FakeConfig:
     models: tuple[str, ...] = ()
     keep_output: bool = False
     max_records: int = 100_000  # oldest records are dropped past this
+    # Serve /v1/responses and /v1/embeddings (tidegate.bench.fake_responses);
+    # off, the path is not routed, as on a backend that lacks the endpoint.
+    responses: bool = True
+    embeddings: bool = True
 
 
 @dataclass(slots=True)
@@ -185,6 +192,10 @@ class FakeBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
+        if self.config.responses:
+            app.router.add_post("/v1/responses", self._generate)
+        if self.config.embeddings:
+            app.router.add_post("/v1/embeddings", self._generate)
         # handler_cancellation: a client that disconnects cancels its handler at
         # once, so closed_at is exact even while the fake is "thinking" (TTFT).
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -258,6 +269,10 @@ class FakeBackend:
         model = body.get("model")
         if not isinstance(model, str) or (self.config.models and model not in self.config.models):
             return self._error(record, 404, f"The model `{model}` does not exist.")
+        if request.path.endswith("/responses"):
+            return await fake_responses.answer_responses(self, request, record, body, faults)
+        if request.path.endswith("/embeddings"):
+            return await fake_responses.answer_embeddings(self, request, record, body, faults)
         if chat and not isinstance(body.get("messages"), list):
             return self._error(record, 400, "messages: field required")
         if not chat and body.get("prompt") is None:

@@ -81,7 +81,7 @@ class SimulatorResponsesStream:
         self._offset = 0
         self._item_id = "msg_" + request.id
         self._created = request.created_ms // 1000
-        self._delta_prefix = (b'","item_id":"' + self._item_id.encode()
+        self._delta_prefix = (b',"item_id":"' + self._item_id.encode()
                               + b'","output_index":0,"content_index":0,"delta":')
         self._total = _OPENING + self._n + _CLOSING if request.stream else 0
 

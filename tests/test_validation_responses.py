@@ -1,0 +1,177 @@
+"""Validation of Responses and Embeddings bodies (sans-I/O), and their token
+estimates and simulator answers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from typing import Any
+
+import pytest
+
+from edge.validation_responses import validate_request
+from tidegate.config import ModelConfig, SimulatorConfig
+from tidegate.errors import ApiError
+from tidegate.wire.protocol import Api, Request
+from tidegate.wire.tokens import completion_cap, estimate_prompt_tokens, reservation
+from workers.backends.simulator import SimulatorBackend
+from workers.backends.simulator_responses import embed
+
+MODELS = {"m": ModelConfig(name="m")}
+
+
+def ok(api: Api, body: dict[str, Any]) -> Any:
+    return validate_request(json.dumps(body).encode(), api, MODELS)
+
+
+def bad(api: Api, body: dict[str, Any]) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        ok(api, body)
+    return info.value
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "input": "hi"},
+    {"model": "m", "input": [{"role": "user", "content": "hi"}], "stream": True,
+     "instructions": "be brief", "max_output_tokens": 16, "tools": [{"type": "web_search"}],
+     "tool_choice": "auto", "reasoning": {"effort": "low"}, "truncation": "auto",
+     "include": ["reasoning.encrypted_content"], "stream_options": {"include_obfuscation": False},
+     "unknown_vendor_field": [1, 2]},
+    {"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]},
+    {"model": "m", "previous_response_id": "resp_1"},
+])
+def test_valid_responses_bodies_pass_untouched(body: dict[str, Any]) -> None:
+    valid = ok(Api.RESPONSES, body)
+    assert valid.body == body
+    assert valid.stream is bool(body.get("stream"))
+    assert valid.api is Api.RESPONSES
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"input": "x"}, "model", "missing_required_parameter"),
+    ({"model": "m"}, "input", "missing_required_parameter"),
+    ({"model": "m", "input": 5}, "input", "invalid_type"),
+    ({"model": "m", "input": ["x"]}, "input[0]", "invalid_type"),
+    ({"model": "m", "input": [{"content": "x"}]}, "input[0]", "missing_required_parameter"),
+    ({"model": "m", "input": [{"role": "user", "content": 3}]}, "input[0].content",
+     "invalid_type"),
+    ({"model": "m", "input": "x", "instructions": 1}, "instructions", "invalid_type"),
+    ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens",
+     "invalid_value"),
+    ({"model": "m", "input": "x", "temperature": 3}, "temperature", "invalid_value"),
+    ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0]", "invalid_type"),
+    ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+    ({"model": "m", "input": "x", "stream": "yes"}, "stream", "invalid_type"),
+    ({"model": "m", "input": "x", "stream_options": {}}, "stream_options", "invalid_value"),
+    ({"model": "m", "input": "x", "background": True}, "background", "unsupported_value"),
+    ({"model": "m", "input": "x", "truncation": "maybe"}, "truncation", "invalid_value"),
+    ({"model": "m", "input": "x", "metadata": []}, "metadata", "invalid_type"),
+])
+def test_invalid_responses_bodies(body: dict[str, Any], param: str, code: str) -> None:
+    error = bad(Api.RESPONSES, body)
+    assert error.status == 400
+    assert (error.param, error.code) == (param, code)
+
+
+def test_unknown_model_is_404() -> None:
+    assert bad(Api.RESPONSES, {"model": "zz", "input": "x"}).status == 404
+    assert bad(Api.EMBEDDINGS, {"model": "zz", "input": "x"}).status == 404
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "input": "hi"},
+    {"model": "m", "input": ["a", "b"], "encoding_format": "base64", "dimensions": 8},
+    {"model": "m", "input": [1, 2, 3]},
+    {"model": "m", "input": [[1, 2], [3]], "user": "u", "vendor": True},
+])
+def test_valid_embeddings_bodies(body: dict[str, Any]) -> None:
+    valid = ok(Api.EMBEDDINGS, body)
+    assert valid.body == body
+    assert not valid.stream
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "m"}, "input"),
+    ({"model": "m", "input": ""}, "input"),
+    ({"model": "m", "input": []}, "input"),
+    ({"model": "m", "input": ["a", 3]}, "input[1]"),
+    ({"model": "m", "input": ["a", ""]}, "input[1]"),
+    ({"model": "m", "input": [[1], []]}, "input[1]"),
+    ({"model": "m", "input": ["a"] * 2049}, "input"),
+    ({"model": "m", "input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"model": "m", "input": "x", "dimensions": 0}, "dimensions"),
+    ({"model": "m", "input": "x", "stream": True}, "stream"),
+])
+def test_invalid_embeddings_bodies(body: dict[str, Any], param: str) -> None:
+    error = bad(Api.EMBEDDINGS, body)
+    assert error.status == 400
+    assert error.param == param
+
+
+def test_chat_still_goes_through_the_chat_validator() -> None:
+    assert bad(Api.CHAT, {"model": "m"}).param == "messages"
+
+
+def test_token_estimates() -> None:
+    text = "The quick brown fox jumps over the lazy dog. " * 10
+    chat = estimate_prompt_tokens(Api.CHAT, {"messages": [{"role": "user", "content": text}]})
+    resp_str = estimate_prompt_tokens(Api.RESPONSES, {"input": text})
+    resp_items = estimate_prompt_tokens(Api.RESPONSES, {
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}]})
+    assert resp_str == resp_items == chat
+    with_instructions = estimate_prompt_tokens(Api.RESPONSES, {"input": text,
+                                                               "instructions": text})
+    assert with_instructions > resp_str
+    emb = estimate_prompt_tokens(Api.EMBEDDINGS, {"input": text})
+    assert emb == estimate_prompt_tokens(Api.COMPLETIONS, {"prompt": text})
+    # One ceil over the sum, not per input.
+    assert estimate_prompt_tokens(Api.EMBEDDINGS, {"input": [text, text]}) in (2 * emb - 1,
+                                                                                2 * emb)
+    assert estimate_prompt_tokens(Api.EMBEDDINGS, {"input": [1, 2, 3]}) == 3
+    assert completion_cap(Api.EMBEDDINGS, {"input": text}, 1024) == 0
+    assert reservation(Api.EMBEDDINGS, {"input": text}, 1024) == emb
+    assert completion_cap(Api.RESPONSES, {"max_output_tokens": 50}, 1024) == 50
+    assert completion_cap(Api.RESPONSES, {}, 1024) == 1024
+
+
+def _request(api: Api, body: dict[str, Any], stream: bool) -> Request:
+    return Request(id="abc", reply="r", model="m", api=api, stream=stream, body=body,
+                   created_ms=0, deadline_ms=0, window_bytes=1, window_msgs=1)
+
+
+async def _run(api: Api, body: dict[str, Any], stream: bool) -> bytes:
+    backend = SimulatorBackend(ModelConfig(name="m", simulator=SimulatorConfig(
+        ttft=0.0, tokens_per_second=10000.0, length=6)))
+    s = await backend.open(_request(api, body, stream))
+    out = b""
+    while data := await s.read(1 << 16):
+        out += data
+    return out
+
+
+def test_simulator_responses_stream_is_deterministic_and_numbered() -> None:
+    body = {"model": "m", "input": "hello", "stream": True}
+    a = asyncio.run(_run(Api.RESPONSES, body, True))
+    b = asyncio.run(_run(Api.RESPONSES, body, True))
+    assert a == b
+    events = [json.loads(e.split(b"data: ", 1)[1]) for e in a.split(b"\n\n")[:-1]]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert len(events) == 4 + 6 + 4
+    assert events[-1]["response"]["usage"]["output_tokens"] == 6
+    other = asyncio.run(_run(Api.RESPONSES, {**body, "input": "bye"}, True))
+    assert other != a
+
+
+def test_simulator_embeddings_float_equals_base64() -> None:
+    body: dict[str, Any] = {"model": "m", "input": ["a", "b"], "dimensions": 5}
+    floats = json.loads(asyncio.run(_run(Api.EMBEDDINGS, body, False)))
+    b64 = json.loads(asyncio.run(_run(Api.EMBEDDINGS, {**body, "encoding_format": "base64"},
+                                      False)))
+    for f, b in zip(floats["data"], b64["data"], strict=True):
+        decoded = list(struct.unpack("<5f", base64.b64decode(b["embedding"])))
+        assert f["embedding"] == decoded
+    assert floats["data"][0]["embedding"] == embed("a", "m", 5)
+    assert abs(sum(v * v for v in embed("a", "m", 5)) - 1.0) < 1e-6
+    assert floats["usage"]["prompt_tokens"] == estimate_prompt_tokens(Api.EMBEDDINGS, body)
