@@ -559,3 +559,6 @@ def _check(config: Config) -> None:
         if m.simulator.length < 1:
             raise ConfigError(f"{where}.simulator.length: must be >= 1, got "
                               f"{m.simulator.length}")
+        if not 1 <= m.simulator.embedding_dimensions <= 8192:
+            raise ConfigError(f"{where}.simulator.embedding_dimensions: must be in "
+                              f"[1, 8192], got {m.simulator.embedding_dimensions}")
