@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import nats.errors
 import nats.js.errors
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -159,19 +160,29 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     return await _generate(request, Api.EMBEDDINGS)
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The body, at most ``limit`` bytes. Read from the payload stream, not
-    with ``request.read()``, which keeps a copy on the request object for the
-    whole response: on a long stream that is a prompt per open connection."""
+async def _read_body(request: web.Request, limit: int, deadline: float) -> bytes:
+    """The body, at most ``limit`` bytes, within ``deadline`` seconds (a body
+    trickled byte by byte would hold a handler forever: 408). Read from the
+    payload stream, not with ``request.read()``, which keeps a copy on the
+    request object for the whole response: on a long stream that is a prompt
+    per open connection."""
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
     parts: list[bytes] = []
     size = 0
-    async for part in request.content.iter_any():
-        size += len(part)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(part)
+    try:
+        async with asyncio.timeout(deadline):
+            async for part in request.content.iter_any():
+                size += len(part)
+                if size > limit:
+                    raise _too_large(limit)
+                parts.append(part)
+    except TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {deadline:g} seconds.",
+                       type="invalid_request_error", code="request_timeout") from None
+    except RequestPayloadError as exc:  # broken chunked encoding, bad Content-Encoding
+        raise invalid_request(f"The request body is malformed: {exc}.",
+                              code="invalid_body") from None
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -239,8 +250,8 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     principal = state.keys.authenticate(http.headers.get("Authorization"))
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
-    raw = await _read_body(http, config.edge.max_body_bytes)
-    valid = validate_request(raw, api, state.models)
+    raw = await _read_body(http, config.edge.max_body_bytes, config.edge.body_timeout)
+    valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth)
     if principal.models and not {valid.model.name, *valid.model.aliases} & set(principal.models):
         raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
                             f"{', '.join(principal.models)}.", type="permission_error",

@@ -21,7 +21,9 @@ from nats.js import JetStreamContext
 
 from edge.app import EdgeState, build_app
 from edge.auth import KeyTable
+from edge.guard import GuardedSite
 from edge.session import SessionTable
+from edge.tls import server_tls_context, warn_if_public_plaintext
 from tidegate.broker import broker
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.config import Config
@@ -120,12 +122,14 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     state.telemetry.metrics.observe_edge(
         streams=lambda: len(sessions),
         connections=lambda: len(server.connections) if server is not None else 0)
+    tls = server_tls_context(config.edge)
     # reuse_port: N edges of one host on one port (tidegate up --edges N).
-    site = web.TCPSite(runner, config.edge.host, config.edge.port, backlog=4096,
+    site = GuardedSite(runner, config.edge, backlog=4096, ssl_context=tls,
                        reuse_port=config.edge.reuse_port or None)
     await site.start()
-    log.info("edge %s listening on http://%s:%d (nats %s)", edge_id, config.edge.host,
-             config.edge.port, config.nats.url)
+    log.info("edge %s listening on %s://%s:%d (nats %s)", edge_id,
+             "https" if tls else "http", config.edge.host, config.edge.port, config.nats.url)
+    warn_if_public_plaintext(config.edge)
     try:
         await stop.wait()
     finally:

@@ -10,11 +10,13 @@ servers accept vendor extensions (``top_k``, ``repetition_penalty``, ...).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from edge.jsonbody import json_type as _json_type
+from edge.jsonbody import parse_object
+from edge.openai_fields import check_chat, check_completion
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError, invalid_request
 from tidegate.wire.protocol import Api
@@ -31,35 +33,27 @@ class Validated:
     include_usage: bool
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+# Deeper than any real request (tool and response schemas nest a dozen levels),
+# far below msgpack's encoder limit (511) and Python's recursion limit.
+DEFAULT_MAX_DEPTH = 64
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid_request(
-            f"We could not parse the JSON body of your request: {exc}. The body must be a "
-            "JSON object.",
-            code="invalid_json",
-        ) from None
-    if not isinstance(body, dict):
-        raise invalid_request(
-            f"The request body must be a JSON object, not {_json_type(body)}.",
-            code="invalid_json",
-        )
-    return body
+def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
+    """The body as a JSON object (strict, depth-bounded: see edge.jsonbody)."""
+    return parse_object(raw, max_depth)
 
 
-def validate(raw: bytes, api: Api, models: Mapping[str, ModelConfig]) -> Validated:
-    body = parse_json(raw)
+def validate(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
+             max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+    body = parse_json(raw, max_depth)
     model = _model(body, models)
     if api is Api.CHAT:
         _messages(body)
         _optional_int(body, "max_completion_tokens", minimum=1)
+        check_chat(body)
     else:
         _prompt(body)
+        check_completion(body)
     stream = _optional_bool(body, "stream") or False
     include_usage = _stream_options(body, stream)
     _optional_int(body, "max_tokens", minimum=1)
@@ -73,20 +67,6 @@ def validate(raw: bytes, api: Api, models: Mapping[str, ModelConfig]) -> Validat
                               code="unsupported_value")
     _stop(body)
     return Validated(api=api, model=model, body=body, stream=stream, include_usage=include_usage)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
 
 
 def _model(body: dict[str, Any], models: Mapping[str, ModelConfig]) -> ModelConfig:
@@ -134,9 +114,18 @@ def _messages(body: dict[str, Any]) -> None:
             raise invalid_request(
                 f"'{where}.content' must be a string or an array of content parts, got "
                 f"{_json_type(content)}.", param=f"{where}.content", code="invalid_type")
+        if isinstance(content, list):
+            _content_parts(content, f"{where}.content")
         if content is None and role in ("system", "developer", "user"):
             raise invalid_request(f"'{where}.content' is required for role {role!r}.",
                                   param=f"{where}.content", code="missing_required_parameter")
+
+
+def _content_parts(parts: list[Any], where: str) -> None:
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid_request(f"'{where}[{j}]' must be a content part object with a string "
+                                  "'type'.", param=f"{where}[{j}]", code="invalid_type")
 
 
 def _prompt(body: dict[str, Any]) -> None:

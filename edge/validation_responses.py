@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from edge.validation import (
+    DEFAULT_MAX_DEPTH,
     Validated,
     _json_type,
     _model,
@@ -42,17 +43,19 @@ _ENCODINGS = ("float", "base64")
 _TRUNCATION = ("auto", "disabled")
 
 
-def validate_request(raw: bytes, api: Api, models: Mapping[str, ModelConfig]) -> Validated:
+def validate_request(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
+                     max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
     """Parse and check a generation request body of any endpoint."""
     if api is Api.RESPONSES:
-        return validate_responses(raw, models)
+        return validate_responses(raw, models, max_depth=max_depth)
     if api is Api.EMBEDDINGS:
-        return validate_embeddings(raw, models)
-    return validate(raw, api, models)
+        return validate_embeddings(raw, models, max_depth=max_depth)
+    return validate(raw, api, models, max_depth=max_depth)
 
 
-def validate_responses(raw: bytes, models: Mapping[str, ModelConfig]) -> Validated:
-    body = parse_json(raw)
+def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
+                       max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+    body = parse_json(raw, max_depth)
     model = _model(body, models)
     _input(body)
     _optional_str(body, "instructions")
@@ -102,8 +105,9 @@ def validate_responses(raw: bytes, models: Mapping[str, ModelConfig]) -> Validat
                      include_usage=False)
 
 
-def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig]) -> Validated:
-    body = parse_json(raw)
+def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
+                        max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+    body = parse_json(raw, max_depth)
     model = _model(body, models)
     _embedding_input(body)
     encoding = body.get("encoding_format")

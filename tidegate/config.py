@@ -117,6 +117,19 @@ class EdgeConfig:
     # SO_REUSEPORT on the listening socket: several edge processes on one host
     # share one port and the kernel spreads connections across them.
     reuse_port: bool = False
+    # -- hostile-client limits (docs/security.md) --
+    max_json_depth: int = 64  # deeper JSON bodies get 400 invalid_json
+    header_timeout: float = 10.0  # first request's headers must arrive within this (slowloris)
+    body_timeout: float = 30.0  # the whole body must arrive within this, else 408
+    idle_timeout: float = 75.0  # an idle kept-alive connection is closed after this
+    max_line_size: int = 8190  # request line bytes
+    max_field_size: int = 8190  # bytes of one header line
+    max_headers: int = 100  # header lines per request
+    max_connections: int = 20_000  # open client connections per edge (0 = no cap)
+    max_connections_per_ip: int = 1_000  # open connections per client address (0 = no cap)
+    # HTTPS: PEM certificate chain and key; both empty = plain HTTP.
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,6 +455,13 @@ def _check(config: Config) -> None:
         ("edge.max_response_bytes", e.max_response_bytes),
         ("edge.shutdown_timeout", e.shutdown_timeout),
         ("edge.slow_client_timeout", e.slow_client_timeout),
+        ("edge.max_json_depth", e.max_json_depth),
+        ("edge.header_timeout", e.header_timeout),
+        ("edge.body_timeout", e.body_timeout),
+        ("edge.idle_timeout", e.idle_timeout),
+        ("edge.max_line_size", e.max_line_size),
+        ("edge.max_field_size", e.max_field_size),
+        ("edge.max_headers", e.max_headers),
         ("session.ack_timeout", s.ack_timeout),
         ("worker.resume_timeout", w.resume_timeout),
         ("session.window_bytes", s.window_bytes),
@@ -484,6 +504,14 @@ def _check(config: Config) -> None:
                         ("edge.keepalive_count", e.keepalive_count)):
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0 (0 turns keepalive off), got {value}")
+    if e.max_json_depth > 256:
+        raise ConfigError(f"edge.max_json_depth: at most 256 (msgpack and Python recursion "
+                          f"limits sit above it), got {e.max_json_depth}")
+    if e.max_connections < 0 or e.max_connections_per_ip < 0:
+        raise ConfigError("edge.max_connections, edge.max_connections_per_ip: must be >= 0 "
+                          "(0 = no cap)")
+    if bool(e.tls_cert) != bool(e.tls_key):
+        raise ConfigError("edge.tls_cert and edge.tls_key: set both (HTTPS) or neither")
     # The edge last heard the dead worker up to one heartbeat before it died,
     # and JetStream redelivers up to ack_wait after the death.
     margin = s.heartbeat_interval * (s.worker_lost_after - 1)

@@ -65,6 +65,8 @@ TIER = "tidegate.tier"
 OUTCOME = "tidegate.outcome"
 LIMIT = "tidegate.quota.limit"
 SLOT_STATE = "tidegate.slot.state"
+REASON = "tidegate.reason"
+SUBJECT_KIND = "tidegate.subject"
 
 Attributes = Mapping[str, str | int | float | bool]
 Observe = Callable[[], Iterable[tuple[float, Attributes]]]
@@ -175,6 +177,17 @@ class Metrics:
         meter.create_observable_gauge(
             "tidegate.edge.connections.active", callbacks=[self._edge_connections],
             unit="{connection}", description="Client HTTP connections open on this edge")
+
+        self.edge_connections_refused = meter.create_counter(
+            "tidegate.edge.connections.refused", unit="{connection}",
+            description="Client connections the edge refused or cut, by tidegate.reason "
+                        "(max_connections, max_per_ip, header_timeout, bad_http)")
+
+        # -- untrusted broker input (every tier) -----------------------------------
+        self.bad_messages = meter.create_counter(
+            "tidegate.broker.bad_messages", unit="{message}",
+            description="Broker messages a tier dropped as malformed or unexpected, by "
+                        "tidegate.subject (which kind of subject) and tidegate.reason")
 
         # -- queues (dispatcher, fleet-wide values read from JetStream) -----------
         self._queue_depth = _Observed()

@@ -1,0 +1,219 @@
+"""Connection-level defences of the edge's HTTP/1.1 server.
+
+aiohttp parses HTTP and bounds the request line, header size and header
+count (``edge.max_line_size``, ``edge.max_field_size``, ``edge.max_headers``),
+but it has no deadline for a request's header block and no connection caps.
+:class:`GuardedHandler` (aiohttp's ``RequestHandler`` with these added) and
+:class:`GuardedSite` (a ``TCPSite`` that creates it) supply them:
+
+* **Header deadline (slowloris).** A connection must deliver its first
+  complete header block (up to the blank line) within ``edge.header_timeout``
+  seconds, or it gets a 408 and is closed. Requests after the first on a
+  kept-alive connection are bounded by ``edge.idle_timeout`` (aiohttp's
+  keep-alive timeout) and the per-IP cap.
+* **Caps.** At most ``edge.max_connections`` connections per edge and
+  ``edge.max_connections_per_ip`` per client address; past either the
+  connection gets a complete ``503`` with ``Retry-After`` and an OpenAI error
+  body, written before anything of it is parsed, and is closed.
+* **Errors in OpenAI form.** A request aiohttp cannot parse (line too long,
+  too many headers, CRLF injection, bad method) gets a 400 with an OpenAI
+  error body instead of aiohttp's text page, logged at a rate limit instead
+  of one traceback per bad request.
+
+Only the inbound side is touched: responses are written by aiohttp as before,
+so the per-chunk path is unchanged. The body deadline (``edge.body_timeout``)
+is applied where the body is read (``edge.app._read_body``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from tidegate.config import EdgeConfig
+from tidegate.errors import ApiError
+from tidegate.telemetry import telemetry
+from tidegate.telemetry.untrusted import RateLimitedLog
+
+log = logging.getLogger("tidegate.edge")
+_log = RateLimitedLog(log)
+_HEADER_END = b"\r\n\r\n"
+
+
+def canned_response(error: ApiError, *, close: bool = True) -> bytes:
+    """A complete HTTP/1.1 error response, for when no handler will run."""
+    body = error.to_json()
+    head = [f"HTTP/1.1 {error.status} {_REASONS.get(error.status, 'Error')}",
+            "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    if error.retry_after > 0:
+        head.append(f"Retry-After: {max(1, round(error.retry_after))}")
+    if close:
+        head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+class ConnectionLimits:
+    """Open connections per edge and per client address."""
+
+    __slots__ = ("by_ip", "per_ip", "total", "total_max")
+
+    def __init__(self, total_max: int, per_ip: int) -> None:
+        self.total_max = total_max
+        self.per_ip = per_ip
+        self.total = 0
+        self.by_ip: Counter[str] = Counter()
+
+    def admit(self, ip: str) -> str | None:
+        """Take a slot for ``ip``; the refusal reason when there is none."""
+        if self.total_max and self.total >= self.total_max:
+            return "max_connections"
+        if self.per_ip and self.by_ip[ip] >= self.per_ip:
+            return "max_per_ip"
+        self.total += 1
+        self.by_ip[ip] += 1
+        return None
+
+    def release(self, ip: str) -> None:
+        self.total -= 1
+        self.by_ip[ip] -= 1
+        if self.by_ip[ip] <= 0:
+            del self.by_ip[ip]
+
+
+def _refused(reason: str) -> None:
+    telemetry.get().metrics.edge_connections_refused.add(1, {telemetry.REASON: reason})
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's request handler with a header deadline and connection caps."""
+
+    __slots__ = ("_admitted", "_deadline", "_guard_limits", "_header_timeout", "_ip",
+                 "_tail")
+
+    def __init__(self, manager: web.Server, *, limits: ConnectionLimits,
+                 header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard_limits = limits
+        self._header_timeout = header_timeout
+        self._admitted = False
+        self._ip = ""
+        self._deadline: asyncio.TimerHandle | None = None
+        # The last bytes of an unfinished header block, to find a blank line
+        # split across two reads; None once the first header block is complete.
+        self._tail: bytes | None = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self._ip = str(peer[0]) if isinstance(peer, tuple) and peer else "unix"
+        refusal = self._guard_limits.admit(self._ip)
+        if refusal is not None:
+            _refused(refusal)
+            _log.warning(refusal, "refused a connection from %s: %s reached", self._ip, refusal)
+            error = ApiError(503, "This gateway node has too many open connections"
+                             + (" from your address" if refusal == "max_per_ip" else "")
+                             + "; retry shortly.", type="service_unavailable",
+                             code="too_many_connections", retryable=True, retry_after=1)
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(canned_response(error))
+            transport.close()
+            return
+        self._admitted = True
+        super().connection_made(transport)
+        if self._header_timeout > 0:
+            self._deadline = self._loop.call_later(self._header_timeout, self._header_expired)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._admitted:
+            return
+        if self._tail is not None:
+            seen = self._tail + data
+            if _HEADER_END in seen:
+                self._tail = None
+                if self._deadline is not None:
+                    self._deadline.cancel()
+                    self._deadline = None
+            else:
+                self._tail = seen[-3:]
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._guard_limits.release(self._ip)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        super().connection_lost(exc)
+
+    def _header_expired(self) -> None:
+        self._deadline = None
+        if self._tail is None or self.transport is None:
+            return
+        _refused("header_timeout")
+        _log.warning("header_timeout", "closed a connection from %s: no complete request "
+                     "headers within %.0fs", self._ip, self._header_timeout)
+        error = ApiError(408, f"The request headers did not arrive within "
+                         f"{self._header_timeout:g} seconds.", type="invalid_request_error",
+                         code="request_timeout")
+        self.transport.write(canned_response(error))
+        self.force_close()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        # aiohttp calls this for a request it could not parse (and for errors
+        # that escaped the app, which errors_middleware already prevents).
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started")
+        if status >= 500:
+            log.error("error handling a request from %s", self._ip, exc_info=exc)
+            error = ApiError(status, "Internal gateway error.", type="server_error",
+                             code="internal_error")
+        else:
+            _refused("bad_http")
+            reason = (message or (str(exc) if exc else "") or "malformed request")
+            _log.warning("bad_http", "bad HTTP request from %s: %s", self._ip, reason[:200])
+            error = ApiError(status, f"The HTTP request is malformed: {reason[:200]}",
+                             type="invalid_request_error", code="invalid_http")
+        response = web.Response(status=error.status, body=error.to_json(),
+                                content_type="application/json")
+        response.force_close()
+        return response
+
+
+class GuardedSite(web.TCPSite):
+    """A TCP site whose connections are served by :class:`GuardedHandler`."""
+
+    def __init__(self, runner: web.AppRunner, config: EdgeConfig, **kwargs: Any) -> None:
+        super().__init__(runner, config.host, config.port, **kwargs)
+        self.limits = ConnectionLimits(config.max_connections, config.max_connections_per_ip)
+        self._edge = config
+
+    async def start(self) -> None:
+        # BaseSite.start registers the site; TCPSite.start would create the
+        # server with aiohttp's own handler factory, so it is done here.
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        config = self._edge
+
+        def factory() -> GuardedHandler:
+            return GuardedHandler(
+                server, loop=loop, limits=self.limits, header_timeout=config.header_timeout,
+                access_log=None, keepalive_timeout=config.idle_timeout,
+                max_line_size=config.max_line_size, max_field_size=config.max_field_size,
+                max_headers=config.max_headers)
+
+        self._server = await loop.create_server(
+            factory, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port)
