@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from edge.jsonbody import json_type as _json_type
-from edge.jsonbody import parse_object
+from edge.jsonbody import json_type, parse_object
 from edge.openai_fields import check_chat, check_completion
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError, invalid_request
@@ -32,6 +31,8 @@ class Validated:
     stream: bool
     include_usage: bool
 
+
+_json_type = json_type  # the name sibling validators import
 
 # Deeper than any real request (tool and response schemas nest a dozen levels),
 # far below msgpack's encoder limit (511) and Python's recursion limit.

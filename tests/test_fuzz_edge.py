@@ -123,8 +123,10 @@ def test_nasty_bodies_get_openai_4xx_and_the_edge_keeps_serving(pipeline: Pipeli
 
 
 def test_nasty_completions_and_unknown_routes(pipeline: Pipeline) -> None:
-    for path in (b"/v1/completions", b"/v1/chat/completions/..%2f", b"/v1/%00", b"/v1/\xff"):
-        for body in (b"{", b'{"model":">","prompt":"x"}', b'{"model":"sim","prompt":[1]}'):
+    for path in (b"/v1/completions", b"/v1/responses", b"/v1/embeddings",
+                 b"/v1/chat/completions/..%2f", b"/v1/%00", b"/v1/\xff"):
+        for body in (b"{", b'{"model":">","prompt":"x","input":"x"}',
+                     b'{"model":"sim","prompt":[1],"input":[{}]}', deep(100)):
             status, reply = raw_exchange(pipeline, request_bytes(body, path=path))
             assert_openai_4xx(status, reply, (path, body))
     assert_streams(pipeline)
