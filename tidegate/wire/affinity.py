@@ -1,0 +1,234 @@
+"""Session affinity, sans-I/O: the key a request's prefix cache lives under, and
+which backend replica a request should go to.
+
+vLLM, SGLang and llama.cpp keep the KV cache of recent prompts per replica: a
+turn that reaches the replica which served the conversation's earlier turns
+skips most of its prefill. Routing on a key that is the same for every turn of
+one conversation, and different across conversations, keeps a conversation on
+one replica while it is warm there.
+
+The key (:func:`affinity_key`), in order:
+
+1. OpenAI's ``prompt_cache_key`` when the client sends a non-empty string: the
+   client knows its conversations best.
+2. Otherwise a hash of the conversation's *stable prefix*: for chat, the
+   ``system``/``developer`` messages and the first ``user`` message (what turn
+   1 already has and every later turn repeats); for completions, the start of
+   the prompt. At most ``prefix_bytes`` bytes of text are hashed, so a huge
+   prompt costs bounded work, once per request at the dispatcher, never per
+   chunk.
+3. ``user`` is mixed in when configured (``routing.key_user``), so two users
+   who send the same opening message still get their own keys.
+
+No usable text gives no key (``None``): the request goes to the shared queue.
+
+The decision (:func:`choose`) takes the key's home (the replica that last
+served it, soft state with a TTL, read by the caller) and the replicas' load,
+and answers with a :class:`Route`: a replica's own queue, or the model's shared
+queue, and why. A key with no home goes to the replica with the best
+rendezvous score weighted by its headroom (free slots and, where the backend
+reports it, KV-cache headroom), so new conversations spread evenly, and two
+dispatchers that see the same new key at once pick the same replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from tidegate.wire.protocol import Api
+
+#: Bytes of prefix text hashed at most (``routing.prefix_bytes``'s default).
+PREFIX_BYTES = 4096
+
+# Roles that make up a conversation's stable prefix ahead of the first user turn.
+_PREAMBLE_ROLES = frozenset({"system", "developer"})
+
+
+def affinity_key(api: Api, body: Mapping[str, Any], *, user: bool = False,
+                 prefix_bytes: int = PREFIX_BYTES) -> str | None:
+    """The request's affinity key (hex, 64 bits), or ``None`` when it has none."""
+    h = hashlib.blake2b(digest_size=8)
+    cache_key = body.get("prompt_cache_key")
+    if isinstance(cache_key, str) and cache_key:
+        h.update(b"k\0")
+        h.update(cache_key[:prefix_bytes].encode("utf-8", "surrogatepass"))
+    else:
+        budget = _Budget(h, prefix_bytes)
+        if api is Api.CHAT:
+            _chat_prefix(body.get("messages"), budget)
+        else:
+            _prompt_prefix(body.get("prompt"), budget)
+        if budget.used == 0:
+            return None
+    if user:
+        name = body.get("user")
+        if isinstance(name, str) and name:
+            h.update(b"\0u\0")
+            h.update(name[:256].encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+class _Budget:
+    """Feeds text into the hash until ``limit`` bytes have gone in."""
+
+    __slots__ = ("h", "limit", "used")
+
+    def __init__(self, h: Any, limit: int) -> None:
+        self.h = h
+        self.limit = limit
+        self.used = 0
+
+    @property
+    def full(self) -> bool:
+        return self.used >= self.limit
+
+    def add(self, text: str) -> None:
+        if self.full or not text:
+            return
+        # Cut the str before encoding: a 10 MB prompt is never encoded whole.
+        data = text[: self.limit - self.used].encode("utf-8", "surrogatepass")
+        data = data[: self.limit - self.used]
+        self.h.update(data)
+        self.used += len(data)
+
+
+def _chat_prefix(messages: Any, budget: _Budget) -> None:
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        if budget.full or not isinstance(message, Mapping):
+            return
+        role = message.get("role")
+        if not isinstance(role, str) or (role not in _PREAMBLE_ROLES and role != "user"):
+            # An assistant or tool message before any user turn: the prefix
+            # is what came before it.
+            return
+        budget.h.update(role.encode() + b"\0")
+        _content(message.get("content"), budget)
+        budget.h.update(b"\0")
+        if role == "user":
+            return  # the first user turn ends the stable prefix
+
+
+def _content(content: Any, budget: _Budget) -> None:
+    if isinstance(content, str):
+        budget.add(content)
+    elif isinstance(content, list):
+        for part in content:
+            if budget.full:
+                return
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                budget.add(part["text"])
+
+
+def _prompt_prefix(prompt: Any, budget: _Budget) -> None:
+    if isinstance(prompt, str):
+        budget.add(prompt)
+    elif isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            budget.add(first)
+        elif isinstance(first, int) and not isinstance(first, bool):
+            # Token ids: the first ones, as text (bounded like any prefix).
+            budget.add(",".join(str(t) for t in prompt[: budget.limit // 4]
+                                if isinstance(t, int)))
+        elif isinstance(first, list):
+            budget.add(",".join(str(t) for t in first[: budget.limit // 4]
+                                if isinstance(t, int)))
+
+
+# --------------------------------------------------------------------------
+# The routing decision
+# --------------------------------------------------------------------------
+
+
+class Reason(StrEnum):
+    """Why a request went where it went (a metric label and a trace attribute)."""
+
+    HOME = "home"              # the key's home replica, which has room
+    NEW_HOME = "new_home"      # no home yet: the replica with the best weighted score
+    HOME_BUSY = "home_busy"    # home at its limit: shared queue, whoever frees first
+    HOME_GONE = "home_gone"    # home no longer alive: chosen anew
+    ALL_BUSY = "all_busy"      # no replica has room: shared queue
+    NO_KEY = "no_key"          # nothing to route on: shared queue
+    OFF = "off"                # affinity off, or a single replica: shared queue
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What the workers registry says about one replica of a model, summed
+    over the workers serving it."""
+
+    name: str
+    in_flight: int
+    limit: int
+    # Backend-reported KV-cache use in [0, 1] and its waiting requests
+    # (vLLM's /metrics, llama.cpp's /slots), None where not reported.
+    kv_usage: float | None = None
+    waiting: int | None = None
+
+    @property
+    def free(self) -> int:
+        return self.limit - self.in_flight
+
+    @property
+    def headroom(self) -> float:
+        """In (0, 1] while the replica can take a job, else 0."""
+        if self.limit <= 0 or self.free <= 0 or self.waiting:
+            return 0.0
+        slots = self.free / self.limit
+        if self.kv_usage is None:
+            return slots
+        return slots * max(0.0, min(1.0, 1.0 - self.kv_usage))
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """``replica`` None means the model's shared queue."""
+
+    replica: str | None
+    reason: Reason
+
+
+def choose(key: str | None, home: str | None, replicas: Sequence[ReplicaLoad]) -> Route:
+    """Where one request goes. Pure: same inputs, same answer, on every dispatcher."""
+    if len(replicas) < 2:
+        return Route(None, Reason.OFF)
+    if key is None:
+        return Route(None, Reason.NO_KEY)
+    by_name = {r.name: r for r in replicas}
+    if home is not None and home in by_name:
+        if by_name[home].headroom > 0:
+            return Route(home, Reason.HOME)
+        # The home is warm but full: waiting for it would leave the other
+        # replicas idle while this turn queues. The shared queue lets
+        # whichever replica frees first take it (and become its new home).
+        return Route(None, Reason.HOME_BUSY)
+    best = _rendezvous(key, replicas)
+    if best is None:
+        return Route(None, Reason.ALL_BUSY)
+    return Route(best, Reason.HOME_GONE if home is not None else Reason.NEW_HOME)
+
+
+def _rendezvous(key: str, replicas: Sequence[ReplicaLoad]) -> str | None:
+    """Weighted rendezvous hashing (Schindelhauer and Schomaker's logarithmic
+    method): each replica's score is ``-headroom / ln(u)`` with ``u`` a uniform
+    hash of (key, replica) in (0, 1). Keys spread in proportion to headroom,
+    and a replica joining or leaving moves only the keys it wins or held."""
+    best: str | None = None
+    best_score = 0.0
+    for replica in replicas:
+        weight = replica.headroom
+        if weight <= 0:
+            continue
+        digest = hashlib.blake2b(f"{key}\0{replica.name}".encode(), digest_size=8).digest()
+        u = (int.from_bytes(digest, "big") + 1) / (2**64 + 2)  # strictly inside (0, 1)
+        score = -weight / math.log(u)
+        if score > best_score:
+            best, best_score = replica.name, score
+    return best
