@@ -27,9 +27,13 @@ from dispatcher.gate import QueueGate
 from dispatcher.queueing import QueueMode
 from dispatcher.quota import QuotaStore, QuotaUnavailable
 from dispatcher.quota import connect as connect_quota_store
+from dispatcher.routing import ReplicaView, Router
 from tidegate.broker import broker
+from tidegate.broker.kvwatch import follow_bucket
 from tidegate.broker.pull import Puller
 from tidegate.config import Config
+from tidegate.control import workers_registry
+from tidegate.control.affinity import ensure_buckets as ensure_routing_buckets
 from tidegate.control.policies import PolicySet, ensure_policies_bucket, watch_policies
 from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
@@ -51,6 +55,7 @@ class Dispatcher:
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
         self.models = config.model_index()
         self.gate: QueueGate | None = None  # set when a model has queue mode configured
+        self.router: Router | None = None  # set when a model has several replicas
         self.metrics = tm.get().metrics
 
     def on_cancel(self, request_id: str, reason: str) -> None:
@@ -114,18 +119,28 @@ class Dispatcher:
         """Publish the job, then ack the request: the order that loses nothing."""
         await self.nc.publish(request.reply, Status(Admission.ADMITTED,
                                                     headers=headers or None).encode())
+        subject = self.subjects.job(request.model)
+        job_headers = {"Nats-Msg-Id": request.id,
+                       **({RESERVED_HEADER: "1"} if reserved else {}),
+                       **tracing.job_headers(msg.headers)}
+        model = self.models.get(request.model)
+        routed = None
+        if self.router is not None and model is not None and self.router.applies(model):
+            routed = await self.router.route(request, model)
+            subject = routed.subject
+            job_headers.update(routed.headers)
+            tracing.set_route(routed.route.replica, str(routed.route.reason))
         try:
-            await self.js.publish(self.subjects.job(request.model), msg.data,
-                                  headers={"Nats-Msg-Id": request.id,
-                                           **({RESERVED_HEADER: "1"} if reserved else {}),
-                                           **tracing.job_headers(msg.headers)})
+            await self.js.publish(subject, msg.data, headers=job_headers)
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not publish job for %s (%s); will retry", request.id, exc)
             await msg.nak(delay=1)
             return
         await msg.ack()
+        if self.router is not None and routed is not None and routed.route.replica is not None:
+            self.router.schedule_fallback(request, msg.data, job_headers, routed)
         self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model, tm.OUTCOME: "admitted"})
-        log.debug("dispatched %s to %s", request.id, self.subjects.job(request.model))
+        log.debug("dispatched %s to %s", request.id, subject)
 
 
 class Reconciler:
@@ -201,6 +216,11 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     if gate.models():
         dispatcher.gate = gate
     cancels = await broker.ensure_cancels_bucket(js, config)
+    view = ReplicaView(config)
+    if view.models and config.routing.affinity == "auto":
+        homes, claims = await ensure_routing_buckets(js, config)
+        dispatcher.router = Router(config, nc, js, homes, claims, view)
+        await nc.subscribe(subjects.load_wildcard, cb=view.on_load_msg)
     log.info("dispatcher pulling from %s", subjects.requests_stream)
 
     try:
@@ -214,6 +234,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tg:
             background = [
                 tg.create_task(watch_policies(policies_kv, policies)),
+                *([tg.create_task(follow_bucket(
+                    await workers_registry.ensure_bucket(js, config), view.on_put,
+                    view.on_delete))] if dispatcher.router is not None else []),
                 await broker.follow_cancels(tg, cancels, dispatcher.on_cancel,
                                             config.nats.request_timeout, "dispatcher"),
             ]
@@ -227,6 +250,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                 await asyncio.wait(in_flight, timeout=5.0)
             for task in background:
                 task.cancel()
+            if dispatcher.router is not None:
+                await dispatcher.router.close()
     finally:
         await redis_client.aclose()
         await broker.close(nc)

@@ -37,6 +37,7 @@ from tidegate.wire.subjects import Subjects
 BackendKind = Literal["simulator", "openai"]
 StorageKind = Literal["file", "memory"]
 QuotaFailure = Literal["closed", "open"]
+AffinityMode = Literal["auto", "off"]
 
 
 def _positive(name: str, value: float) -> None:
@@ -77,6 +78,9 @@ class ModelConfig:
     backend: BackendKind = "simulator"
     aliases: tuple[str, ...] = ()
     base_url: str = ""  # OpenAI-compatible base, e.g. http://127.0.0.1:8000/v1
+    # Several replicas of one model (instead of base_url): each has its own
+    # queue besides the model's shared one, see docs/routing.md.
+    base_urls: tuple[str, ...] = ()
     upstream_model: str = ""  # name the backend knows; defaults to `name`
     api_key_env: str = ""  # environment variable holding the backend's API key
     max_streams: int = 64  # concurrent streams per worker process
@@ -93,6 +97,26 @@ class ModelConfig:
     @property
     def backend_model(self) -> str:
         return self.upstream_model or self.name
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The base URL of every backend replica (``base_urls``, else ``base_url``)."""
+        return self.base_urls or ((self.base_url,) if self.base_url else ())
+
+    @property
+    def replica_names(self) -> tuple[str, ...]:
+        """Each replica's name: its URL without the scheme (``10.0.0.5:8000/v1``),
+        stable across restarts and readable in ``tidegate status``."""
+        return tuple(replica_name(url) for url in self.replicas)
+
+    def for_replica(self, name: str) -> ModelConfig:
+        """This model as served by one replica (its ``base_url``)."""
+        url = dict(zip(self.replica_names, self.replicas, strict=True))[name]
+        return dataclasses.replace(self, base_url=url, base_urls=())
+
+
+def replica_name(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +239,20 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Session affinity across a model's replicas (docs/routing.md). Models
+    with one replica are not affected."""
+
+    affinity: AffinityMode = "auto"
+    home_ttl: float = 600.0  # a conversation's home is forgotten after this idle time
+    # A job routed to its home that no worker claimed within this also goes to
+    # the shared queue (a stale registry, a replica that just died).
+    max_affinity_wait: float = 0.25
+    key_user: bool = False  # mix the request's `user` into the affinity key
+    prefix_bytes: int = 4096  # prefix text hashed into the key, at most
+
+
+@dataclass(frozen=True, slots=True)
 class AuthConfig:
     keys: tuple[str, ...] = ()  # static API keys, tenant "default"
     dev_key: str = ""
@@ -235,6 +273,7 @@ class Config:
     streams: StreamsConfig = field(default_factory=StreamsConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     models: tuple[ModelConfig, ...] = (ModelConfig(name="tidegate-sim", aliases=("sim",)),)
@@ -489,6 +528,9 @@ def _check(config: Config) -> None:
         ("worker.fetch_timeout", w.fetch_timeout),
         ("worker.shutdown_timeout", w.shutdown_timeout),
         ("worker.max_response_bytes", w.max_response_bytes),
+        ("routing.home_ttl", config.routing.home_ttl),
+        ("routing.max_affinity_wait", config.routing.max_affinity_wait),
+        ("routing.prefix_bytes", config.routing.prefix_bytes),
     ):
         _positive(name, value)
     if config.dispatcher.ack_wait >= e.admission_timeout:
@@ -560,9 +602,20 @@ def _check(config: Config) -> None:
                 raise ConfigError(f"{where}: name {name!r} is already used by model "
                                   f"{seen[name]!r}")
             seen[name] = m.name
-        if m.backend == "openai" and not m.base_url.startswith(("http://", "https://")):
+        if m.base_url and m.base_urls:
+            raise ConfigError(f"{where}: set base_url or base_urls, not both")
+        if m.backend == "openai" and not m.base_urls and not m.base_url.startswith(
+                ("http://", "https://")):
             raise ConfigError(f"{where}.base_url: the openai backend needs an http(s) URL, "
                               f"got {m.base_url!r}")
+        for j, url in enumerate(m.base_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}.base_urls[{j}]: expected an http(s) URL, "
+                                  f"got {url!r}")
+        if len(set(m.replica_names)) != len(m.replica_names):
+            raise ConfigError(f"{where}.base_urls: the same replica is listed twice")
+        if m.base_urls and m.backend != "openai":
+            raise ConfigError(f"{where}.base_urls: replicas need backend = \"openai\"")
         if m.reserve_max_tokens < 1:
             raise ConfigError(f"{where}.reserve_max_tokens: must be >= 1, got "
                               f"{m.reserve_max_tokens}")

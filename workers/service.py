@@ -36,7 +36,8 @@ from tidegate.broker import broker
 from tidegate.broker.pull import Puller
 from tidegate.config import Config, ModelConfig
 from tidegate.control import workers_registry
-from tidegate.control.workers_registry import SlotInfo
+from tidegate.control.affinity import ensure_buckets as ensure_routing_buckets
+from tidegate.control.workers_registry import ReplicaSlot, SlotInfo
 from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
 from tidegate.telemetry import telemetry as tm
@@ -45,6 +46,7 @@ from tidegate.wire.mux import Outbox, batch_limit
 from tidegate.wire.protocol import Ack, Request, UsageRecord, decode_control
 from workers.backends import Backend, create_backend
 from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
+from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
 
 log = logging.getLogger("tidegate.worker")
 
@@ -59,14 +61,26 @@ class Pool:
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
         self.pullers: list[Puller] = []
         self.by_model: dict[str, Puller] = {}
+        # Models with several replicas: one group of pullers per replica.
+        self.replicas: dict[str, dict[str, ReplicaPullers]] = {}
+        self.routing: WorkerRouting | None = None
+        self.load: LoadReporter | None = None
         ctx.telemetry.metrics.observe_worker_slots(self._slot_observations)
 
     def slot_info(self, models: list[ModelConfig] | None = None) -> dict[str, SlotInfo]:
         """Slots and running jobs per served model (``models``: also those
         whose pull loop has not started yet)."""
-        out = {m.name: SlotInfo(m.max_streams, 0) for m in models or ()}
+        out = {m.name: SlotInfo(m.max_streams * len(m.replicas) if len(m.replicas) > 1
+                                else m.max_streams, 0) for m in models or ()}
         out.update({m: SlotInfo(p.capacity, p.busy) for m, p in self.by_model.items()})
+        out.update({m: SlotInfo(sum(g.capacity for g in groups.values()),
+                                sum(g.busy for g in groups.values()))
+                    for m, groups in self.replicas.items()})
         return out
+
+    def replica_info(self) -> dict[str, dict[str, ReplicaSlot]]:
+        return {m: {r: g.slot() for r, g in groups.items()}
+                for m, groups in self.replicas.items()}
 
     def _slot_observations(self) -> list[tuple[float, tm.Attributes]]:
         out: list[tuple[float, tm.Attributes]] = []
@@ -96,7 +110,8 @@ class Pool:
         if job is not None:
             job.cancel(reason)
 
-    async def run_job(self, msg: Msg, backend: Backend) -> None:
+    async def run_job(self, msg: Msg, backend: Backend,
+                      group: ReplicaPullers | None = None) -> None:
         try:
             request = Request.decode(msg.data)
         except ProtocolError as exc:
@@ -124,6 +139,18 @@ class Pool:
                                               reserved=reserved(msg)))
             await msg.ack()
             return
+        if group is not None and self.routing is not None:
+            verdict = await self.routing.claim(msg, request.id)
+            if verdict == Claim.DROP:
+                log.info("dropping job %s: its other copy runs elsewhere", request.id)
+                await msg.ack()
+                return
+            if verdict == Claim.RETRY:
+                await msg.nak(delay=1)
+                return
+            await self.routing.note_home(msg, request.model, group.replica, group)
+        if group is not None:
+            group.changed()
         job = Job(msg, request, backend, self.ctx)
         self.jobs[request.id] = job
         try:
@@ -156,6 +183,47 @@ class Pool:
         log.info("worker serving %s (%s backend, %d slots)", model.name, model.backend,
                  model.max_streams)
         await puller.run(stop)
+
+    def replica_group(self, model: ModelConfig, replica: str) -> ReplicaPullers:
+        """The slots of one replica; created before the pull loops start, so
+        the first registry heartbeat already names every replica served."""
+        groups = self.replicas.setdefault(model.name, {})
+        if replica not in groups:
+            groups[replica] = ReplicaPullers(
+                model.name, replica, model.max_streams,
+                on_change=self.load.changed if self.load is not None else None)
+        return groups[replica]
+
+    async def pull_replica(self, js: JetStreamContext, model: ModelConfig, replica: str,
+                           backend: Backend, stop: asyncio.Event) -> None:
+        """One replica of a model with several: its own queue (when routing is
+        on) and the model's shared queue, on one set of slots."""
+        subjects = self.config.nats.subjects
+        cfg = self.config.worker
+        group = self.replica_group(model, replica)
+
+        async def handle(msg: Msg) -> None:
+            await self.run_job(msg, backend, group)
+
+        consumers = [(subjects.worker_consumer(model.name), subjects.job(model.name),
+                      group.shared_credit)]
+        if self.routing is not None:
+            consumers.append((subjects.replica_consumer(model.name, replica),
+                              subjects.job_replica(model.name, replica), group.own_credit))
+        for durable, subject, credit in consumers:
+            await broker.ensure_consumer(
+                js, subjects.jobs_stream, durable, subject, ack_wait=cfg.ack_wait,
+                max_deliver=cfg.max_deliver, max_ack_pending=max(10_000, model.max_streams * 64))
+            puller = Puller(self.ctx.nc, subjects.jobs_stream, durable, handle,
+                            capacity=model.max_streams, expires=cfg.fetch_timeout,
+                            credit=credit, on_done=group.on_done)
+            group.pullers.append(puller)
+            self.pullers.append(puller)
+        log.info("worker serving %s replica %s (%d slots, %s)", model.name, replica,
+                 model.max_streams, "own queue + shared" if self.routing else "shared queue")
+        async with asyncio.TaskGroup() as tg:
+            for puller in group.pullers:
+                tg.create_task(puller.run(stop))
 
     @property
     def tasks(self) -> set[asyncio.Task[None]]:
@@ -199,28 +267,51 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     cancels = await broker.ensure_cancels_bucket(js, config)
     registry = await workers_registry.ensure_bucket(js, config)
 
+    replicated = [m for m in models if len(m.replicas) > 1]
+    if replicated and config.routing.affinity == "auto":
+        homes, claims = await ensure_routing_buckets(js, config)
+        pool.routing = WorkerRouting(nc, homes, claims, subjects.affinity_bucket)
+        pool.load = LoadReporter(nc, subjects, worker_id,
+                                 lambda model: pool.replicas.get(model, {}))
+
     def beat() -> workers_registry.WorkerInfo:
         return workers_registry.local_info(worker_id, started, pool.slot_info(models),
-                                           draining=stop.is_set())
+                                           draining=stop.is_set(),
+                                           replicas=pool.replica_info())
 
-    backends = {m.name: create_backend(m, config.worker) for m in models}
+    backends = {m.name: create_backend(m, config.worker) for m in models
+                if len(m.replicas) <= 1}
+    replica_backends = {(m.name, r): create_backend(m.for_replica(r), config.worker)
+                        for m in replicated for r in m.replica_names}
+    for m, r in replica_backends:
+        pool.replica_group(index[m], r)
     try:
         # The pull loops are owned by this TaskGroup and end at stop; jobs are
         # tracked by the pool, since they must outlive the pull loops to drain.
         async with asyncio.TaskGroup() as tg:
             heartbeat = tg.create_task(workers_registry.heartbeat(registry, beat))
+            reporter = tg.create_task(pool.load.run()) if pool.load is not None else None
             watcher = await broker.follow_cancels(tg, cancels, pool.on_cancel,
                                                   config.nats.request_timeout, "worker")
             pullers = [tg.create_task(pool.pull(js, m, backends[m.name], stop))
-                       for m in models]
+                       for m in models if m.name in backends]
+            pullers += [tg.create_task(pool.pull_replica(js, m, r, replica_backends[m.name, r],
+                                                         stop))
+                        for m in replicated for r in m.replica_names]
             await stop.wait()
+            if pool.load is not None:
+                pool.load.draining = True  # dispatchers stop routing here at once
+                for model in pool.replicas:
+                    pool.load.changed(model)
             for puller in pullers:
                 puller.cancel()
             await pool.drain(config.worker.shutdown_timeout)
             watcher.cancel()
             heartbeat.cancel()  # deletes this worker's entry
+            if reporter is not None:
+                reporter.cancel()
     finally:
-        for backend in backends.values():
+        for backend in [*backends.values(), *replica_backends.values()]:
             await backend.aclose()
         if outbox is not None:
             await outbox.close()  # the last jobs' Done and Error messages

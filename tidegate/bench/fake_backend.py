@@ -44,6 +44,7 @@ from typing import Any
 from aiohttp import web
 
 from tidegate.bench import fake_responses
+from workers.backends.prefix_cache import PrefixCache
 
 __all__ = ["FakeBackend", "FakeConfig", "FakeRecord", "main"]
 
@@ -78,6 +79,10 @@ class FakeConfig:
     # off, the path is not routed, as on a backend that lacks the endpoint.
     responses: bool = True
     embeddings: bool = True
+    # A prefix (KV) cache model: the first token waits this many seconds per
+    # prompt character the cache did not hold (0 = no model, ttft only).
+    prefill_per_char: float = 0.0
+    cache_blocks: int = 4096  # the cache's size in 256-character blocks
 
 
 @dataclass(slots=True)
@@ -103,6 +108,8 @@ class FakeRecord:
     closed_at: float | None = None
     finished_at: float | None = None
     output: bytearray = field(default_factory=bytearray)
+    prompt_chars: int = 0  # with the prefix-cache model: the prompt's size
+    cached_chars: int = 0  # and how much of it the cache held
 
 
 @dataclass(slots=True)
@@ -134,6 +141,20 @@ class _Faults:
 
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _prompt_text(body: Mapping[str, Any], chat: bool) -> str:
+    """The prompt as the text a server would tokenize (for the cache model)."""
+    if not chat:
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    parts = []
+    for message in body.get("messages") or ():
+        if isinstance(message, Mapping):
+            content = message.get("content")
+            parts.append(f"<{message.get('role')}>"
+                         + (content if isinstance(content, str) else json.dumps(content)))
+    return "".join(parts)
 
 
 class _ClientGone(Exception):
@@ -185,6 +206,7 @@ class FakeBackend:
         size = max(1, self.config.token_size)
         self._texts = [" " + c * (size - 1) if size > 1 else c for c in _LETTERS]
         self._pieces = [json.dumps(t).encode() for t in self._texts]
+        self.prefix_cache = PrefixCache(capacity_blocks=self.config.cache_blocks)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind and serve; returns the base URL, ending in ``/v1``."""
@@ -283,6 +305,10 @@ class FakeBackend:
         n = self.config.tokens if limit is None else max(0, min(int(limit), self.config.tokens))
         finish = "length" if limit is not None and int(limit) <= self.config.tokens else "stop"
         ttft = self.config.ttft if faults.ttft is None else faults.ttft
+        if self.config.prefill_per_char > 0:
+            record.cached_chars, record.prompt_chars = self.prefix_cache.lookup(
+                _prompt_text(body, chat))
+            ttft += self.config.prefill_per_char * (record.prompt_chars - record.cached_chars)
         itl = self.config.itl if faults.itl is None else faults.itl
         ident = f"{'chatcmpl' if chat else 'cmpl'}-fake{record.id}"
         head = (b'{"id":' + json.dumps(ident).encode() + b',"object":"'
@@ -403,9 +429,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-size", type=int, default=4, help="bytes of text per token")
     parser.add_argument("--model", action="append", default=[],
                         help="model name to serve (repeatable; default: any)")
+    parser.add_argument("--prefill-per-char", type=float, default=0.0,
+                        help="prefix-cache model: seconds of TTFT per uncached prompt char")
+    parser.add_argument("--cache-blocks", type=int, default=4096,
+                        help="prefix-cache model: 256-char blocks kept (LRU)")
     args = parser.parse_args(argv)
     config = FakeConfig(ttft=args.ttft, itl=args.itl, tokens=args.tokens,
-                        token_size=args.token_size, models=tuple(args.model))
+                        token_size=args.token_size, models=tuple(args.model),
+                        prefill_per_char=args.prefill_per_char, cache_blocks=args.cache_blocks)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(config, args.host, args.port))
 

@@ -31,11 +31,16 @@ from nats.js import JetStreamContext
 log = logging.getLogger("tidegate.pull")
 
 Handler = Callable[[Msg], Coroutine[Any, Any, None]]
+# How many more messages a puller may request now (its own capacity rule by
+# default; pullers sharing slots pass one, see workers/routing.py).
+Credit = Callable[["Puller"], int]
 
 
 class Puller:
     def __init__(self, nc: NATS, stream: str, consumer: str, handler: Handler, *,
-                 capacity: int, expires: float, api_prefix: str = "$JS.API") -> None:
+                 capacity: int, expires: float, api_prefix: str = "$JS.API",
+                 credit: Credit | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self._nc = nc
@@ -47,14 +52,22 @@ class Puller:
         self.tasks: set[asyncio.Task[None]] = set()  # handlers running
         self._wake = asyncio.Event()
         self._last_progress = time.monotonic()
+        self._credit = credit
+        self._done_hook = on_done
 
     @property
     def busy(self) -> int:
         return len(self.tasks)
 
+    def wake(self) -> None:
+        """Re-check the credit now (a slot shared with another puller freed)."""
+        self._wake.set()
+
     def _on_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         self._wake.set()
+        if self._done_hook is not None:
+            self._done_hook()
 
     async def _on_message(self, msg: Msg) -> None:
         self._last_progress = time.monotonic()
@@ -82,7 +95,8 @@ class Puller:
         stop_wait = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
-                want = self.capacity - self.busy - self.outstanding
+                want = (self.capacity - self.busy - self.outstanding if self._credit is None
+                        else self._credit(self))
                 if want > 0:
                     request = {"batch": want, "expires": int(self._expires * 1e9)}
                     await self._nc.publish(self._next_subject, json.dumps(request).encode(),

@@ -50,6 +50,32 @@ class SlotInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaSlot:
+    """One backend replica of a model as this worker serves it (models with
+    several replicas, docs/routing.md). ``kv_usage`` (0..1) and ``waiting``
+    are what the backend reports about itself, None where it reports nothing;
+    ``hits`` of ``jobs`` reached this replica as their conversation's home."""
+
+    slots: int
+    in_flight: int
+    kv_usage: float | None = None
+    waiting: int | None = None
+    jobs: int = 0
+    hits: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        return {"slots": self.slots, "in_flight": self.in_flight, "kv_usage": self.kv_usage,
+                "waiting": self.waiting, "jobs": self.jobs, "hits": self.hits}
+
+    @classmethod
+    def decode(cls, raw: Mapping[str, Any]) -> ReplicaSlot:
+        kv, waiting = raw.get("kv_usage"), raw.get("waiting")
+        return cls(int(raw["slots"]), int(raw["in_flight"]),
+                   None if kv is None else float(kv), None if waiting is None else int(waiting),
+                   int(raw.get("jobs", 0)), int(raw.get("hits", 0)))
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerInfo:
     worker_id: str
     host: str = ""
@@ -58,6 +84,8 @@ class WorkerInfo:
     updated: float = 0.0  # unix seconds of this heartbeat
     models: Mapping[str, SlotInfo] = field(default_factory=dict)
     draining: bool = False
+    # model -> replica -> its slots, for models served by several replicas
+    replicas: Mapping[str, Mapping[str, ReplicaSlot]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return json.dumps({
@@ -65,6 +93,8 @@ class WorkerInfo:
             "started": self.started, "updated": self.updated, "draining": self.draining,
             "models": {m: {"slots": s.slots, "in_flight": s.in_flight}
                        for m, s in self.models.items()},
+            **({"replicas": {m: {r: s.encode() for r, s in rs.items()}
+                             for m, rs in self.replicas.items()}} if self.replicas else {}),
         }, separators=(",", ":")).encode()
 
     @classmethod
@@ -72,10 +102,12 @@ class WorkerInfo:
         raw: dict[str, Any] = json.loads(data)
         models = {str(m): SlotInfo(int(s["slots"]), int(s["in_flight"]))
                   for m, s in (raw.get("models") or {}).items()}
+        replicas = {str(m): {str(r): ReplicaSlot.decode(s) for r, s in rs.items()}
+                    for m, rs in (raw.get("replicas") or {}).items()}
         return cls(worker_id=str(raw["worker_id"]), host=str(raw.get("host", "")),
                    pid=int(raw.get("pid", 0)), started=float(raw.get("started", 0.0)),
                    updated=float(raw.get("updated", 0.0)), models=models,
-                   draining=bool(raw.get("draining", False)))
+                   draining=bool(raw.get("draining", False)), replicas=replicas)
 
 
 async def ensure_bucket(js: JetStreamContext, config: Config) -> KeyValue:
@@ -115,10 +147,11 @@ async def heartbeat(kv: KeyValue, snapshot: Callable[[], WorkerInfo],
 
 
 def local_info(worker_id: str, started: float, slots: Mapping[str, SlotInfo],
-               draining: bool = False) -> WorkerInfo:
+               draining: bool = False,
+               replicas: Mapping[str, Mapping[str, ReplicaSlot]] | None = None) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, host=socket.gethostname(), pid=os.getpid(),
                       started=started, updated=time.time(), models=dict(slots),
-                      draining=draining)
+                      draining=draining, replicas=dict(replicas or {}))
 
 
 async def read_all(kv: KeyValue, max_age: float = TTL) -> list[WorkerInfo]:

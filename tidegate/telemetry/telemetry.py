@@ -153,6 +153,15 @@ class Metrics:
         self.cancellations = meter.create_counter(
             "tidegate.cancellations", unit="{cancellation}",
             description="Cancelled requests by cause and by the tier that saw it")
+        # -- routing across replicas (dispatcher; docs/routing.md) ---------------
+        self.affinity_routes = meter.create_counter(
+            "tidegate.affinity.routes", unit="{request}",
+            description="Jobs of models with several replicas, by outcome (hit: sent to the "
+                        "conversation's home; miss) and cause (the routing reason)")
+        self.affinity_fallbacks = meter.create_counter(
+            "tidegate.affinity.fallbacks", unit="{request}",
+            description="Routed jobs also copied to the shared queue, by cause (wait: not "
+                        "claimed within routing.max_affinity_wait)")
         self._slots = _Observed()
         meter.create_observable_gauge(
             "tidegate.worker.slots", callbacks=[self._slots], unit="{slot}",

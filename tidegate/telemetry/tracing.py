@@ -50,6 +50,8 @@ CHUNKS = "tidegate.chunks"
 ATTEMPT = "tidegate.attempt"
 STALL_TIME = "tidegate.flow.stall_time"
 QUEUE_WAIT = "tidegate.queue.wait"
+REPLICA = "tidegate.replica"  # the backend replica a job was routed to ("" = shared queue)
+ROUTE_REASON = "tidegate.route.reason"  # why (tidegate.wire.affinity.Reason)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 # OpenTelemetry GenAI operation names; a Responses call is a chat turn there.
@@ -120,6 +122,13 @@ def job_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     if not headers:
         return {}
     return {k: headers[k] for k in (TRACEPARENT, TRACESTATE) if k in headers}
+
+
+def set_route(replica: str | None, reason: str) -> None:
+    """Name the replica a job was routed to, and why, on the current span."""
+    span = get_current_span()
+    if span.is_recording():
+        span.set_attributes({REPLICA: replica or "", ROUTE_REASON: reason})
 
 
 @contextlib.contextmanager

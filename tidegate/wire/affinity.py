@@ -41,9 +41,22 @@ from enum import StrEnum
 from typing import Any
 
 from tidegate.wire.protocol import Api
+from tidegate.wire.subjects import encode_token
 
 #: Bytes of prefix text hashed at most (``routing.prefix_bytes``'s default).
 PREFIX_BYTES = 4096
+
+#: NATS header on a job: its affinity key (the replica that takes it becomes
+#: the key's home).
+AFFINITY_HEADER = "Tg-Affinity"
+#: NATS header on a job that may exist twice (routed to a replica's queue, and
+#: a fallback copy on the shared queue): its value names the copy, and a worker
+#: runs it only after claiming the request id for that copy.
+CLAIM_HEADER = "Tg-Claim"
+#: NATS header on a routed job: the :class:`Reason` it went where it went.
+ROUTE_HEADER = "Tg-Route"
+CLAIM_ROUTED = "routed"
+CLAIM_FALLBACK = "fallback"
 
 # Roles that make up a conversation's stable prefix ahead of the first user turn.
 _PREAMBLE_ROLES = frozenset({"system", "developer"})
@@ -140,6 +153,12 @@ def _prompt_prefix(prompt: Any, budget: _Budget) -> None:
         elif isinstance(first, list):
             budget.add(",".join(str(t) for t in first[: budget.limit // 4]
                                 if isinstance(t, int)))
+
+
+def home_key(model: str, key: str) -> str:
+    """The KV key of a conversation's home: per model, since two models'
+    replicas are different machines (KV keys allow the token alphabet)."""
+    return f"{encode_token(model)}.{key}"
 
 
 # --------------------------------------------------------------------------

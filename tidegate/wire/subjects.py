@@ -8,13 +8,16 @@ Subject map (``<p>`` is the prefix)::
 
     <p>.req.<class>.<tenant>     JetStream  <P>_REQUESTS  edge -> dispatcher
     <p>.job.<model>              JetStream  <P>_JOBS      dispatcher -> workers
+    <p>.job.<model>.<replica>    JetStream  <P>_JOBS      dispatcher -> one replica's workers
     <p>.out.<edge>.<request>     core NATS                worker/dispatcher -> edge
     <p>.out.<edge>.mux           core NATS                workers -> edge, many sessions
     <p>.ctl.<worker>             core NATS                edge -> worker (acks, cancel)
+    <p>.load.<model>             core NATS                workers -> dispatchers: replica load
     KV <P>_CANCELS, key <request>  JetStream KV (TTL)     edge -> dispatchers, workers
     <p>.usage.<model>            JetStream  <P>_USAGE     worker/edge -> dispatchers
     KV <P>_KEYS, <P>_POLICIES    JetStream KV (watched)   CLI -> edges, dispatchers
     KV <P>_WORKERS, key <worker>  JetStream KV (TTL)     workers -> dispatchers, status
+    KV <P>_AFFINITY, <P>_CLAIMS  JetStream KV (TTL)     routing: homes, and which copy runs
 
 Free-form names (models, tenants) are mapped into one subject token with
 :func:`encode_token`, a reversible escape: the decoded token is always the
@@ -119,6 +122,11 @@ class Subjects:
     def job(self, model: str) -> str:
         return f"{self.prefix}.job.{encode_token(model)}"
 
+    def job_replica(self, model: str, replica: str) -> str:
+        """One replica's own queue: outside the shared consumer's exact filter
+        ``job(model)``, inside ``jobs_wildcard``."""
+        return f"{self.prefix}.job.{encode_token(model)}.{encode_token(replica)}"
+
     # -- consumers ----------------------------------------------------------
     @property
     def dispatcher_consumer(self) -> str:
@@ -126,6 +134,11 @@ class Subjects:
 
     def worker_consumer(self, model: str) -> str:
         return f"workers_{encode_token(model)}"
+
+    def replica_consumer(self, model: str, replica: str) -> str:
+        """An encoded token never holds "__" (its escape is "_" plus two hex
+        digits), so this cannot collide with another model's consumer."""
+        return f"workers_{encode_token(model)}__{encode_token(replica)}"
 
     # -- core NATS session subjects ------------------------------------------
     def edge_inbox(self, edge_id: str) -> str:
@@ -140,6 +153,14 @@ class Subjects:
         message. Inside the inbox wildcard; ``MUX_TOKEN`` is never a request id
         (those are hex)."""
         return f"{self.prefix}.out.{edge_id}.{MUX_TOKEN}"
+
+    def load(self, model: str) -> str:
+        """Workers -> dispatchers: the load of a model's replicas, on change."""
+        return f"{self.prefix}.load.{encode_token(model)}"
+
+    @property
+    def load_wildcard(self) -> str:
+        return f"{self.prefix}.load.*"
 
     def control(self, worker_id: str) -> str:
         return f"{self.prefix}.ctl.{worker_id}"
@@ -170,6 +191,16 @@ class Subjects:
     def workers_bucket(self) -> str:
         """KV bucket where live workers heartbeat their slots (key: worker id)."""
         return f"{self.prefix.upper()}_WORKERS"
+
+    @property
+    def affinity_bucket(self) -> str:
+        """KV bucket of conversation homes (key: model token + affinity key)."""
+        return f"{self.prefix.upper()}_AFFINITY"
+
+    @property
+    def claims_bucket(self) -> str:
+        """KV bucket of routed jobs' claims (key: request id, value: the copy)."""
+        return f"{self.prefix.upper()}_CLAIMS"
 
     @property
     def cancels_bucket(self) -> str:

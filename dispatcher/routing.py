@@ -1,0 +1,257 @@
+"""Cache-aware routing across a model's backend replicas: the dispatcher's part.
+
+A model with several replicas (``base_urls``) has, besides its shared queue
+``<p>.job.<model>``, one queue per replica, ``<p>.job.<model>.<replica>``,
+which only that replica's workers pull, ahead of the shared one. For each job
+the dispatcher derives the conversation's affinity key once
+(:func:`tidegate.wire.affinity.affinity_key`), looks up the key's *home* (the
+replica that served it last, soft state in the ``<P>_AFFINITY`` KV bucket with
+a TTL) and lets :func:`tidegate.wire.affinity.choose` decide from the
+replicas' load, which it follows in the workers registry.
+
+The guarantees of the shared queue hold for routed jobs too:
+
+* **No wait behind a busy replica.** A full home sends the job to the shared
+  queue. A routed job that no worker has claimed within
+  ``routing.max_affinity_wait`` (the registry is a few seconds old, and a
+  replica may just have died) gets a *copy* on the shared queue.
+* **Exactly one run.** Both copies carry ``Tg-Claim``; a worker claims a job in
+  the ``<P>_CLAIMS`` KV bucket with an atomic create before it runs it, and
+  the copy that loses is acked and dropped. A redelivery of the copy that
+  claimed finds its own claim and runs as any redelivered job does.
+* **Nothing lost.** A dispatcher that dies after publishing a routed job
+  leaves it in its replica's queue, where that replica still takes it; only
+  the fallback timer (soft) is lost with the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from tidegate.config import Config, ModelConfig
+from tidegate.control.workers_registry import TTL, ReplicaSlot, WorkerInfo
+from tidegate.telemetry import telemetry as tm
+from tidegate.wire.affinity import (
+    AFFINITY_HEADER,
+    CLAIM_FALLBACK,
+    CLAIM_HEADER,
+    CLAIM_ROUTED,
+    ROUTE_HEADER,
+    Reason,
+    ReplicaLoad,
+    Route,
+    affinity_key,
+    choose,
+    home_key,
+)
+from tidegate.wire.protocol import Request
+
+log = logging.getLogger("tidegate.dispatcher")
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """Where one job goes, and the headers that say so."""
+
+    subject: str
+    headers: dict[str, str]
+    route: Route
+    key: str | None
+
+
+class ReplicaView:
+    """The replicas' load per model: each worker's latest report per replica,
+    from its load messages (``<p>.load.<model>``, sent on every change) and its
+    registry heartbeats, plus the jobs this dispatcher routed since that report.
+
+    Times are this process's monotonic clock at receipt, so clock skew
+    between machines does not matter."""
+
+    def __init__(self, config: Config) -> None:
+        self.models = {m.name: m for m in config.models if len(m.replicas) > 1}
+        # (worker, model, replica) -> (its latest slot report, when received)
+        self.slots: dict[tuple[str, str, str], tuple[ReplicaSlot, float]] = {}
+        self._routed: dict[tuple[str, str], deque[float]] = {}
+
+    def on_put(self, key: str, value: bytes) -> None:
+        """A registry heartbeat."""
+        try:
+            info = WorkerInfo.decode(value)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring malformed worker entry %s: %s", key, exc)
+            return
+        self.on_delete(key)
+        if info.draining or time.time() - info.updated > TTL:
+            return
+        for model, replicas in info.replicas.items():
+            self.update(key, model, replicas)
+
+    def on_delete(self, key: str) -> None:
+        for k in [k for k in self.slots if k[0] == key]:
+            del self.slots[k]
+
+    def on_load(self, data: bytes) -> None:
+        """A worker's load message: ``{"worker", "model", "draining", "replicas"}``."""
+        try:
+            raw = json.loads(data)
+            worker, model = str(raw["worker"]), str(raw["model"])
+            replicas = {str(r): ReplicaSlot.decode(s) for r, s in raw["replicas"].items()}
+            draining = bool(raw.get("draining", False))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("ignoring malformed load message: %s", exc)
+            return
+        if draining:
+            self.on_delete(worker)
+            return
+        self.update(worker, model, replicas)
+
+    async def on_load_msg(self, msg: Msg) -> None:
+        self.on_load(msg.data)
+
+    def update(self, worker: str, model: str, replicas: Mapping[str, ReplicaSlot]) -> None:
+        now = time.monotonic()
+        for replica, slot in replicas.items():
+            self.slots[(worker, model, replica)] = (slot, now)
+
+    def routed(self, model: str, replica: str) -> None:
+        self._routed.setdefault((model, replica), deque()).append(time.monotonic())
+
+    def loads(self, model: ModelConfig) -> list[ReplicaLoad]:
+        """Each replica of ``model`` summed over its live workers."""
+        now = time.monotonic()
+        totals: dict[str, list[Any]] = {r: [0, 0, None, None, 0.0]
+                                        for r in model.replica_names}
+        for (_worker, m, replica), (slot, received) in list(self.slots.items()):
+            t = totals.get(replica)
+            if m != model.name or t is None or now - received > TTL:
+                continue
+            t[0] += slot.in_flight
+            t[1] += slot.slots
+            if slot.kv_usage is not None:  # one backend: its workers see the same
+                t[2] = max(t[2] or 0.0, slot.kv_usage)
+            if slot.waiting is not None:
+                t[3] = max(t[3] or 0, slot.waiting)
+            t[4] = max(t[4], received)
+        out = []
+        for replica, (in_flight, slots, kv_usage, waiting, reported) in totals.items():
+            recent = self._routed.get((model.name, replica))
+            if recent is not None:
+                # Jobs routed after the replica's latest report are not in it.
+                while recent and (recent[0] <= reported or now - recent[0] > TTL):
+                    recent.popleft()
+                in_flight += len(recent)
+            out.append(ReplicaLoad(replica, in_flight, slots, kv_usage, waiting))
+        return out
+
+
+class Router:
+    def __init__(self, config: Config, nc: NATS, js: JetStreamContext, homes: KeyValue,
+                 claims: KeyValue, view: ReplicaView) -> None:
+        self.config = config
+        self.cfg = config.routing
+        self.nc = nc
+        self.js = js
+        self.homes = homes
+        self.claims = claims
+        self.view = view
+        self.subjects = config.nats.subjects
+        self.metrics = tm.get().metrics
+        self.tasks: set[asyncio.Task[None]] = set()  # fallback timers
+
+    def applies(self, model: ModelConfig | None) -> bool:
+        return (model is not None and self.cfg.affinity == "auto"
+                and model.name in self.view.models)
+
+    async def route(self, request: Request, model: ModelConfig) -> Routed:
+        key = affinity_key(request.api, request.body, user=self.cfg.key_user,
+                           prefix_bytes=self.cfg.prefix_bytes)
+        home = None
+        if key is not None:
+            home = await self._home(model, key)
+        loads = self.view.loads(model)
+        route = choose(key, home, loads)
+        log.debug("routing %s: key %s, home %s, loads %s -> %s", request.id, key, home, loads,
+                  route)
+        headers: dict[str, str] = {ROUTE_HEADER: str(route.reason)}
+        if key is not None:
+            headers[AFFINITY_HEADER] = key
+        if route.replica is not None:
+            self.view.routed(model.name, route.replica)
+            headers[CLAIM_HEADER] = CLAIM_ROUTED
+            subject = self.subjects.job_replica(model.name, route.replica)
+        else:
+            subject = self.subjects.job(model.name)
+        hit = "hit" if route.reason is Reason.HOME else "miss"
+        self.metrics.affinity_routes.add(1, {tm.MODEL: model.name, tm.OUTCOME: hit,
+                                             tm.CAUSE: str(route.reason)})
+        return Routed(subject, headers, route, key)
+
+    async def _home(self, model: ModelConfig, key: str) -> str | None:
+        try:
+            entry = await self.homes.get(home_key(model.name, key))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except (nats.errors.Error, TimeoutError) as exc:
+            # Soft state: without it the job is routed as a new key.
+            log.debug("affinity home lookup failed: %s", exc)
+            return None
+        return entry.value.decode() if entry.value else None
+
+    def schedule_fallback(self, request: Request, data: bytes, headers: dict[str, str],
+                          routed: Routed) -> None:
+        """After the job went to a replica's queue: a copy on the shared queue
+        if nobody claimed it within ``routing.max_affinity_wait``."""
+        task = asyncio.create_task(self._fallback(request, data, headers, routed))
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("affinity fallback failed", exc_info=task.exception())
+
+    async def _fallback(self, request: Request, data: bytes, headers: dict[str, str],
+                        routed: Routed) -> None:
+        await asyncio.sleep(self.cfg.max_affinity_wait)
+        if request.deadline_ms < time.time() * 1000:
+            return
+        try:
+            await self.claims.get(request.id)
+            return  # claimed: it runs (or ran) on its replica
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("cannot check the claim of %s (%s); sending a fallback copy",
+                        request.id, exc)
+        copy = {**headers, CLAIM_HEADER: CLAIM_FALLBACK,
+                "Nats-Msg-Id": f"{request.id}.fallback"}
+        try:
+            await self.js.publish(self.subjects.job(request.model), data, headers=copy)
+        except (nats.errors.Error, TimeoutError) as exc:
+            # The routed copy is still queued at its replica: late, not lost.
+            log.warning("could not publish the fallback copy of %s: %s", request.id, exc)
+            return
+        self.metrics.affinity_fallbacks.add(1, {tm.MODEL: request.model, tm.CAUSE: "wait"})
+        log.info("request %s: not claimed by replica %s within %.2fs, copied to the shared "
+                 "queue", request.id, routed.route.replica, self.cfg.max_affinity_wait)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,0 +1,168 @@
+"""Serving one replica of a model with several (docs/routing.md): the worker's part.
+
+A worker serving replica R of model M pulls from two consumers with one set of
+slots: R's own queue (jobs the dispatcher routed to R as their conversation's
+home) and M's shared queue. The own queue always keeps one pull request
+outstanding while a slot is free, so a routed job starts at once; the shared
+queue gets every other free slot. Both may deliver at the same moment, so
+in-flight can pass the slot count by one, never more.
+
+Before running a job that carries ``Tg-Claim`` (it may exist twice: routed,
+and a fallback copy), the worker claims its request id for that copy with an
+atomic KV create; the copy that loses is dropped. A job with an affinity key
+makes this replica the key's home (a plain publish to the KV subject: soft
+state, never worth a round trip on the job's start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+
+from tidegate.broker.pull import Puller
+from tidegate.control.workers_registry import ReplicaSlot
+from tidegate.wire.affinity import AFFINITY_HEADER, CLAIM_HEADER, ROUTE_HEADER, Reason, home_key
+from tidegate.wire.subjects import Subjects
+
+log = logging.getLogger("tidegate.worker")
+
+
+class Claim:
+    RUN = "run"          # claimed (or our own claim, on a redelivery): run it
+    DROP = "drop"        # the other copy has it: ack and drop this one
+    RETRY = "retry"      # the claims bucket did not answer: leave it for redelivery
+
+
+@dataclass(slots=True)
+class ReplicaPullers:
+    """The two pullers of one replica, sharing its slots."""
+
+    model: str
+    replica: str
+    capacity: int
+    own: Puller | None = None
+    shared: Puller | None = None
+    jobs: int = 0
+    hits: int = 0
+    pullers: list[Puller] = field(default_factory=list)
+    on_change: Callable[[str], None] | None = None  # called with the model name
+
+    @property
+    def busy(self) -> int:
+        return sum(p.busy for p in self.pullers)
+
+    def own_credit(self, puller: Puller) -> int:
+        """One request outstanding on the own queue while any slot is free."""
+        return 1 - puller.outstanding if self.busy < self.capacity else 0
+
+    def shared_credit(self, puller: Puller) -> int:
+        return self.capacity - self.busy - puller.outstanding
+
+    def on_done(self) -> None:
+        # A slot freed by either puller's job is credit for both.
+        for puller in self.pullers:
+            puller.wake()
+        self.changed()
+
+    def changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.model)
+
+    def slot(self, kv_usage: float | None = None, waiting: int | None = None) -> ReplicaSlot:
+        return ReplicaSlot(self.capacity, self.busy, kv_usage, waiting, self.jobs, self.hits)
+
+
+class LoadReporter:
+    """Publishes a model's replica loads on ``<p>.load.<model>`` as they change.
+
+    One small message per job start and end, coalesced when several change
+    before this task runs: a few per job, against the dozens of chunk messages
+    a job sends, and fresh enough that a client's next turn, sent the moment
+    its last one ended, finds the slot free. (A rate limit of even 50 ms made
+    sequential turns see their own finished job as still running.)"""
+
+    def __init__(self, nc: NATS, subjects: Subjects, worker_id: str,
+                 groups: Callable[[str], Mapping[str, ReplicaPullers]]) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.worker_id = worker_id
+        self.groups = groups
+        self.draining = False
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+
+    def changed(self, model: str) -> None:
+        self._dirty.add(model)
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            dirty, self._dirty = self._dirty, set()
+            for model in dirty:
+                payload = {"worker": self.worker_id, "model": model, "draining": self.draining,
+                           "replicas": {r: g.slot().encode()
+                                        for r, g in self.groups(model).items()}}
+                try:
+                    await self.nc.publish(self.subjects.load(model),
+                                          json.dumps(payload, separators=(",", ":")).encode())
+                except nats.errors.Error as exc:
+                    log.debug("could not publish the load of %s: %s", model, exc)
+
+
+class WorkerRouting:
+    """Claims and homes for the replicas this worker serves."""
+
+    def __init__(self, nc: NATS, homes: KeyValue, claims: KeyValue, homes_bucket: str) -> None:
+        self.nc = nc
+        self.homes = homes
+        self.claims = claims
+        self._homes_subject = f"$KV.{homes_bucket}."
+
+    async def claim(self, msg: Msg, request_id: str) -> str:
+        copy = (msg.headers or {}).get(CLAIM_HEADER)
+        if not copy:
+            return Claim.RUN  # only one copy exists
+        try:
+            await self.claims.create(request_id, copy.encode())
+            return Claim.RUN
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("cannot claim %s (%s); leaving it for redelivery", request_id, exc)
+            return Claim.RETRY
+        try:
+            entry = await self.claims.get(request_id)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("cannot read the claim of %s (%s); leaving it for redelivery",
+                        request_id, exc)
+            return Claim.RETRY
+        # Our own claim: a redelivery of the copy that claimed (its worker
+        # died or stalled), which runs like any redelivered job.
+        return Claim.RUN if entry.value == copy.encode() else Claim.DROP
+
+    async def note_home(self, msg: Msg, model: str, replica: str,
+                        counts: ReplicaPullers) -> None:
+        headers = msg.headers or {}
+        key = headers.get(AFFINITY_HEADER)
+        if not key:
+            return
+        counts.jobs += 1
+        if headers.get(ROUTE_HEADER) == Reason.HOME:
+            counts.hits += 1
+        # A plain publish to the KV subject is a put without waiting for the
+        # ack: a lost home costs one cache miss, not correctness.
+        try:
+            await self.nc.publish(self._homes_subject + home_key(model, key), replica.encode())
+        except nats.errors.Error as exc:
+            log.debug("could not record the home of %s: %s", key, exc)
