@@ -22,7 +22,13 @@ import nats
 import openai
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, threaded_fake_backend
+from tests.pipeline import (
+    DEV_KEY,
+    Pipeline,
+    running_pipeline,
+    threaded_fake_backend,
+    wait_for,
+)
 from tidegate.bench.fake_backend import FakeBackend
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.control.keys import create_key, ensure_keys_bucket
@@ -396,3 +402,27 @@ async def _usage_record(pipeline: Pipeline, nats_url: str, request_id: str) -> d
     finally:
         await nc.close()
     raise AssertionError(f"no usage record for {request_id}")
+
+
+async def test_disconnect_mid_responses_stream_closes_the_backend(
+        pipeline: Pipeline, fake: FakeBackend) -> None:
+    """The Responses path cancels as chat does: the client goes, the backend
+    connection closes at once (the fake would take 2.4 s more to finish)."""
+    marker = uuid.uuid4().hex
+    body = {"model": "org/fake:v1", "input": f"cancel {marker}", "stream": True,
+            "fake_itl": 0.2}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{pipeline.url}/v1/responses", json=body,
+                                  headers={"Authorization": f"Bearer {DEV_KEY}"})
+        seen = b""
+        while seen.count(b"response.output_text.delta\n") < 1:
+            seen += await resp.content.readany()
+        resp.connection.transport.abort()  # type: ignore[union-attr]
+        gone = time.monotonic()
+        resp.close()
+    assert await wait_for(lambda: bool(_records(fake, marker)
+                                       and _records(fake, marker)[0].closed_at), 5.0)
+    (record,) = _records(fake, marker)
+    assert record.closed_at is not None, "the backend connection was not closed"
+    assert not record.completed
+    assert record.closed_at - gone < 1.0
