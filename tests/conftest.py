@@ -7,13 +7,21 @@ a fault test may kill or restart them freely. ``module_nats_url`` /
 tests. See ``tests/servers.py`` for local binaries versus testcontainers.
 
 Nothing here ever touches ports 4222/6379: servers always get free ports.
+
+Every test that starts nats-server, redis-server or a tidegate tier is a
+``pipeline`` test, so ``-m "not pipeline"`` is a real quick run: a test using
+one of the server fixtures gets the mark at collection, and a test without it
+that starts such a process anyway fails (``_guarded_init``), unless it is
+marked ``exits_at_once`` (a tier command that must refuse bad input at once).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +82,60 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("TIDEGATE_") and not name.startswith("TIDEGATE_TEST_"):
             monkeypatch.delenv(name)
+
+
+# ---------------------------------------------------------------------------
+# The pipeline mark, enforced
+# ---------------------------------------------------------------------------
+
+SERVER_FIXTURES = frozenset({"nats_server", "redis_server", "module_nats_server",
+                             "module_redis_server", "module_nats_url", "module_redis_url"})
+# `python -m tidegate <these>` starts servers or tiers; `keys`, `config`,
+# `policy` and friends are quick admin commands.
+SERVER_COMMANDS = frozenset({"up", "edge", "dispatcher", "worker", "bench"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.pipeline)
+
+
+def starts_servers(argv: Sequence[str]) -> bool:
+    """Whether a command line starts nats-server, redis-server or a tidegate tier."""
+    names = [os.path.basename(a) for a in argv]
+    if names and names[0] in ("nats-server", "redis-server"):
+        return not {"--version", "-v"} & set(names)  # a version query serves nothing
+    for i, arg in enumerate(names[:-1]):
+        if arg == "tidegate" and (i == 0 or names[i - 1] == "-m"):
+            return names[i + 1] in SERVER_COMMANDS
+    return False
+
+
+_running_unmarked: list[str] = []  # the node id of a running test without the mark
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+    if _running_unmarked:
+        argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+        if starts_servers([os.fsdecode(a) for a in argv]):
+            raise RuntimeError(f"{_running_unmarked[0]} starts {argv[:4]} but is not marked "
+                               "@pytest.mark.pipeline")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _guarded_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    unmarked = (item.get_closest_marker("pipeline") is None
+                and item.get_closest_marker("exits_at_once") is None)
+    if unmarked:
+        _running_unmarked.append(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        if unmarked:
+            _running_unmarked.clear()

@@ -69,6 +69,7 @@ def test_bad_env_and_flags_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.exits_at_once
 def test_tier_with_bad_config_exits_2_without_traceback() -> None:
     result = _run("edge", "--port", "99999")
     assert result.returncode == 2
@@ -80,6 +81,7 @@ def test_tier_with_bad_config_exits_2_without_traceback() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.exits_at_once
 def test_up_with_taken_port_fails_clearly(tmp_path: Path) -> None:
     import socket
 

@@ -248,6 +248,7 @@ def nats_without_jetstream(tmp_path: Path) -> Iterator[str]:
         server.stop()
 
 
+@pytest.mark.pipeline
 def test_nats_without_jetstream_is_a_clear_error(nats_without_jetstream: str) -> None:
     result = run_cli("policy", "list", "--nats-url", nats_without_jetstream)
     assert result.returncode == 1

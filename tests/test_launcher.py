@@ -267,6 +267,7 @@ def up(start_up: Callable[..., Up]) -> Up:
     return start_up()
 
 
+@pytest.mark.pipeline
 def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
     url = up.wait_url()
     assert url == f"http://127.0.0.1:{up.port}/v1"
@@ -315,6 +316,7 @@ def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
     assert "did not stop" not in up.stderr_path.read_text(), up.diagnostics()
 
 
+@pytest.mark.pipeline
 def test_up_stops_everything_when_a_child_dies(start_up: Callable[..., Up]) -> None:
     # --crash-limit 1: the first exit is a crash loop (without it, a restart;
     # see tests/test_supervisor.py).
@@ -335,6 +337,7 @@ def test_up_stops_everything_when_a_child_dies(start_up: Callable[..., Up]) -> N
     assert port_is_free(up.port)
 
 
+@pytest.mark.pipeline
 def test_second_signal_kills_at_once(up: Up) -> None:
     up.wait_url()
     up.proc.send_signal(signal.SIGINT)
@@ -378,6 +381,7 @@ def fake_backend_process(tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
+@pytest.mark.pipeline
 def test_up_fronts_a_running_openai_compatible_server(
         start_up: Callable[..., Up], fake_backend_process: str) -> None:
     up = start_up("--backend", fake_backend_process)

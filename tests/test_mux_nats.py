@@ -325,6 +325,7 @@ async def test_pipeline_without_coalescing_sends_no_mux_messages(
 
 
 
+@pytest.mark.pipeline
 async def test_batches_fit_a_server_with_a_small_max_payload(tmp_path: Path) -> None:
     """Against a real nats-server whose max_payload (8 KiB) is below the
     configured coalesce_bytes: every batch is accepted and nothing is lost."""

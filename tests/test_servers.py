@@ -118,6 +118,7 @@ def _assert_gone(server: ManagedProcess, identity: tuple[int, int] | None, port:
     assert port_is_free(port)
 
 
+@pytest.mark.pipeline
 async def test_nats_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) -> None:
     server = NatsServer(tmp_path)
     server.start()
@@ -130,6 +131,7 @@ async def test_nats_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) ->
     assert (tmp_path / "nats-server.log").exists()
 
 
+@pytest.mark.pipeline
 def test_nats_gomaxprocs_reaches_the_server_and_only_it(tmp_path: Path) -> None:
     """The benchmark runs nats-server with one Go thread: the setting must be
     in the server's environment, the rest of the environment kept, and the
@@ -154,6 +156,7 @@ def test_nats_gomaxprocs_reaches_the_server_and_only_it(tmp_path: Path) -> None:
         default.stop(timeout=10)
 
 
+@pytest.mark.pipeline
 async def test_redis_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) -> None:
     server = RedisServer(tmp_path)
     server.start()
@@ -163,6 +166,7 @@ async def test_redis_stop_leaves_no_process_and_frees_the_port(tmp_path: Path) -
     _assert_gone(server, identity, server.port)
 
 
+@pytest.mark.pipeline
 async def test_nats_restart_on_the_same_port_keeps_jetstream_state(tmp_path: Path) -> None:
     server = NatsServer(tmp_path)
     server.start()
@@ -178,6 +182,7 @@ async def test_nats_restart_on_the_same_port_keeps_jetstream_state(tmp_path: Pat
         server.stop()
 
 
+@pytest.mark.pipeline
 async def test_clients_reconnect_across_a_nats_restart(tmp_path: Path) -> None:
     server = NatsServer(tmp_path)
     server.start()
@@ -197,6 +202,7 @@ async def test_clients_reconnect_across_a_nats_restart(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.pipeline
 async def test_redis_restart_on_the_same_port(tmp_path: Path) -> None:
     server = RedisServer(tmp_path)
     server.start()
@@ -214,6 +220,7 @@ async def test_redis_restart_on_the_same_port(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.pipeline
 def test_start_failure_kills_the_child_and_shows_its_log(tmp_path: Path) -> None:
     child = ManagedProcess(
         "sleeper",
@@ -228,6 +235,7 @@ def test_start_failure_kills_the_child_and_shows_its_log(tmp_path: Path) -> None
     assert not child.running
 
 
+@pytest.mark.pipeline
 def test_child_that_exits_while_starting_is_reported(tmp_path: Path) -> None:
     missing = tmp_path / "missing.conf"
     server = NatsServer(tmp_path, extra_args=["-c", str(missing)])
@@ -238,6 +246,7 @@ def test_child_that_exits_while_starting_is_reported(tmp_path: Path) -> None:
     assert "no such file" in str(info.value)  # the log tail is in the message
 
 
+@pytest.mark.pipeline
 def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
     ignorer = ManagedProcess(
         "stubborn",
@@ -252,6 +261,7 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+@pytest.mark.pipeline
 def test_server_dies_with_its_parent(tmp_path: Path) -> None:
     """A parent killed with SIGKILL cannot clean up: PR_SET_PDEATHSIG must."""
     script = textwrap.dedent(f"""
