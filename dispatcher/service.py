@@ -29,7 +29,7 @@ from dispatcher.quota import QuotaStore, QuotaUnavailable
 from dispatcher.quota import connect as connect_quota_store
 from dispatcher.routing import ReplicaView, Router
 from tidegate.broker import broker
-from tidegate.broker.kvwatch import follow_bucket
+from tidegate.broker.kvwatch import follow_bucket, wait_synced
 from tidegate.broker.pull import Puller
 from tidegate.config import Config
 from tidegate.control import workers_registry
@@ -232,14 +232,20 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                        Reconciler(store, queue, config).handle, capacity=256,
                        expires=cfg.fetch_timeout)
         async with asyncio.TaskGroup() as tg:
+            # Pull only once the stored policies are loaded: a dispatcher
+            # that pulled before would admit its first requests unmetered.
+            policies_synced = asyncio.Event()
             background = [
-                tg.create_task(watch_policies(policies_kv, policies)),
+                tg.create_task(watch_policies(policies_kv, policies,
+                                              on_synced=policies_synced.set)),
                 *([tg.create_task(follow_bucket(
                     await workers_registry.ensure_bucket(js, config), view.on_put,
                     view.on_delete))] if dispatcher.router is not None else []),
                 await broker.follow_cancels(tg, cancels, dispatcher.on_cancel,
                                             config.nats.request_timeout, "dispatcher"),
             ]
+            await wait_synced(policies_synced, config.nats.request_timeout,
+                              "dispatcher: quota policies")
             pullers = [tg.create_task(requests.run(stop)), tg.create_task(usage.run(stop)),
                        tg.create_task(gate.run(stop))]
             await asyncio.wait(pullers)

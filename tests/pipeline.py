@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import sys
@@ -19,12 +20,15 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import nats
+import nats.js.errors
 from aiohttp import web
 
 from tidegate import config as tgconfig
 from tidegate.bench.fake_backend import FakeBackend, FakeRecord
 from tidegate.run.servers import ManagedProcess, free_port, http_ok, stop_all
 from tidegate.telemetry.observability import METRICS_PORT_ENV
+from tidegate.wire.protocol import UsageRecord
 
 DEV_KEY = "sk-test-pipeline-key"
 
@@ -140,6 +144,16 @@ class Pipeline:
     def post(self, path: str, body: Any, *, key: str | None = DEV_KEY,
              timeout: float = 30.0, raw: bytes | None = None,
              headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+        status, _, data = self.post_full(path, body, key=key, timeout=timeout, raw=raw,
+                                         headers=headers)
+        return status, data
+
+    def post_full(self, path: str, body: Any, *, key: str | None = DEV_KEY,
+                  timeout: float = 30.0, raw: bytes | None = None,
+                  headers: Mapping[str, str] | None = None,
+                  ) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """:meth:`post` that keeps the response headers (case-insensitive
+        lookups: ``headers["retry-after"]``, ``"x-request-id" in headers``)."""
         data = raw if raw is not None else json.dumps(body).encode()
         req = urllib.request.Request(f"{self.url}{path}", data=data, method="POST")
         req.add_header("Content-Type", "application/json")
@@ -149,9 +163,9 @@ class Pipeline:
             req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read()
+                return resp.status, resp.headers, resp.read()
         except urllib.error.HTTPError as err:
-            return err.code, err.read()
+            return err.code, err.headers, err.read()
 
     def stop(self) -> None:
         stop_all(self.processes, timeout=10.0)
@@ -224,3 +238,80 @@ async def serve_app(app: web.Application) -> AsyncIterator[str]:
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+async def usage_records(config: tgconfig.Config) -> list[UsageRecord]:
+    """Every record on the pipeline's ``<P>_USAGE`` stream, oldest first (its
+    retention keeps them for billing, so reading does not take them from the
+    dispatchers). Read message by message: small test streams only."""
+    nc = await nats.connect(config.nats.url)
+    try:
+        js = nc.jetstream()
+        stream = config.nats.subjects.usage_stream
+        try:
+            state = (await js.stream_info(stream)).state
+        except nats.js.errors.NotFoundError:
+            return []
+        out: list[UsageRecord] = []
+        for seq in range(state.first_seq or 1, state.last_seq + 1):
+            try:
+                msg = await js.get_msg(stream, seq)
+            except nats.js.errors.NotFoundError:
+                continue
+            if msg.data:
+                out.append(UsageRecord.decode(msg.data))
+        return out
+    finally:
+        await nc.close()
+
+
+async def usage_of(config: tgconfig.Config, request_id: str, within: float = 15.0,
+                   count: int = 1) -> list[UsageRecord]:
+    """The usage records of ``request_id`` once there are ``count`` of them
+    (records of a redelivered job carry a higher ``attempt``)."""
+    deadline = time.monotonic() + within
+    while True:
+        found = [r for r in await usage_records(config) if r.id == request_id]
+        if len(found) >= count or time.monotonic() >= deadline:
+            assert len(found) >= count, (f"{len(found)} usage records of {request_id} "
+                                         f"within {within}s, wanted {count}: {found}")
+            return found
+        await asyncio.sleep(0.1)
+
+
+async def jobs_waiting(pipeline: Pipeline, count: int) -> bool:
+    """Whether ``<P>_JOBS`` holds at least ``count`` jobs (admitted, not yet acked)."""
+    nc = await nats.connect(pipeline.config.nats.url)
+    try:
+        info = await nc.jetstream().stream_info(pipeline.config.nats.subjects.jobs_stream)
+        return int(info.state.messages) >= count
+    finally:
+        await nc.close()
+
+
+async def tombstones(pipeline: Pipeline, count: int) -> list[str]:
+    """The request ids with a cancel tombstone, once there are ``count`` (else [])."""
+    nc = await nats.connect(pipeline.config.nats.url)
+    try:
+        kv = await nc.jetstream().key_value(pipeline.config.nats.subjects.cancels_bucket)
+        try:
+            keys = list(await kv.keys())
+        except nats.js.errors.NoKeysError:
+            keys = []
+        return keys if len(keys) >= count else []
+    finally:
+        await nc.close()
+
+
+async def wait_log(process: ManagedProcess, text: str, within: float = 30.0) -> None:
+    """Until ``text`` appears in the log of ``process``'s current run (the log
+    file is appended to across restarts; each run starts with a marker)."""
+    deadline = time.monotonic() + within
+    while True:
+        log = process.log_path.read_text(errors="replace") if process.log_path.exists() else ""
+        if text in log.rsplit("\n--- ", 1)[-1]:
+            return
+        if time.monotonic() >= deadline or (process.poll() is not None):
+            raise AssertionError(f"{text!r} not in {process.name}'s log within {within}s\n"
+                                 + process.log_tail(30))
+        await asyncio.sleep(0.05)
