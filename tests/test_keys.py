@@ -25,7 +25,6 @@ from tests.servers import ServerHandle
 from tidegate import config as tgconfig
 from tidegate.broker import broker
 from tidegate.control.keys import (
-    KEY_PREFIX,
     KeyRecord,
     create_key,
     ensure_keys_bucket,
@@ -49,8 +48,8 @@ def test_generated_keys_are_long_urlsafe_and_distinct() -> None:
     keys = {generate_key() for _ in range(200)}
     assert len(keys) == 200
     for key in keys:
-        assert key.startswith(KEY_PREFIX)
-        body = key[len(KEY_PREFIX):]
+        assert key.startswith("sk-tg-")  # the documented prefix (docs/keys-and-policies.md)
+        body = key.removeprefix("sk-tg-")
         assert len(body) >= 32
         assert re.fullmatch(r"[A-Za-z0-9_-]+", body)
 

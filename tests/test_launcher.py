@@ -27,7 +27,6 @@ from tests.servers import descendants, is_alive, kill_all, wait_until
 from tidegate import config as tgconfig
 from tidegate.errors import ConfigError, TidegateError
 from tidegate.run.launcher import (
-    DEV_KEY_PREFIX,
     UpOptions,
     banner,
     child_environment,
@@ -49,7 +48,7 @@ READY_TIMEOUT = 90.0
 def test_dev_key_is_generated_once_and_kept(tmp_path: Path) -> None:
     first = prepare(UpOptions(data_dir=tmp_path), env={})
     key = first.config.auth.dev_key
-    assert re.fullmatch(re.escape(DEV_KEY_PREFIX) + r"[A-Za-z0-9_-]{32}", key)
+    assert re.fullmatch(r"sk-tg-[A-Za-z0-9_-]{32}", key)  # README: sk-tg-...
     assert (tmp_path / "dev_key").read_text().strip() == key
     assert (tmp_path / "dev_key").stat().st_mode & 0o777 == 0o600
     assert prepare(UpOptions(data_dir=tmp_path), env={}).config.auth.dev_key == key
@@ -338,15 +337,38 @@ def test_up_stops_everything_when_a_child_dies(start_up: Callable[..., Up]) -> N
 
 
 @pytest.mark.pipeline
-def test_second_signal_kills_at_once(up: Up) -> None:
-    up.wait_url()
-    up.proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    up.proc.send_signal(signal.SIGINT)
-    try:
-        up.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"tidegate up ignored two signals\n{up.diagnostics()}")
+def test_second_signal_kills_at_once(start_up: Callable[..., Up], tmp_path: Path) -> None:
+    """A stream that outlives the signals keeps the graceful stop waiting
+    (the edge drains for up to 60 s, then the rest, up to a minute each); the
+    second Ctrl-C must end everything far sooner than that."""
+    config = tmp_path / "slow.toml"
+    config.write_text(
+        "[edge]\nshutdown_timeout = 60.0\n[worker]\nshutdown_timeout = 60.0\n"
+        "[[models]]\nname = \"tidegate-sim\"\n"
+        "[models.simulator]\nttft = 0.0\ntokens_per_second = 5.0\nlength = 2000\n")
+    up = start_up("--config", str(config))
+    url = up.wait_url()
+    req = urllib.request.Request(
+        f"{url}/chat/completions", method="POST",
+        data=json.dumps({"model": "tidegate-sim", "stream": True,
+                         "messages": [{"role": "user", "content": "long"}]}).encode(),
+        headers={"Authorization": f"Bearer {DEV_KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as response:
+        assert response.readline().startswith(b"data: "), "the stream is open"
+        up.proc.send_signal(signal.SIGINT)
+        # The graceful stop is under way (the edge drains: not ready, then
+        # closed) and held by the open stream: up is still running.
+        ready = f"http://127.0.0.1:{up.port}/readyz"
+        assert wait_until(lambda: not http_ok(ready), 15), up.diagnostics()
+        assert up.proc.poll() is None, "the graceful stop did not wait for the open stream"
+        up.proc.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        try:
+            up.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"tidegate up ignored the second signal\n{up.diagnostics()}")
+    took = time.monotonic() - second
+    assert took < 15, f"exited {took:.1f}s after the second signal"
     assert wait_until(lambda: not any(is_alive(c) for c in up.children), 10), up.diagnostics()
     assert port_is_free(up.port)
 

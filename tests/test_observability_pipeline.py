@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -311,8 +312,17 @@ def test_metrics_after_a_run(metered: Pipeline) -> None:
     assert value(edge, "tidegate_cancellations_total", tidegate_tier="edge",
                  tidegate_cancel_cause="client_disconnected") >= 1
     assert value(edge, "tidegate_edge_streams_active") == 0
-    connections = value(edge, "tidegate_edge_connections_active")
-    assert connections >= 1  # this scrape's own connection
+    # Open connections are counted: three idle sockets (plus the scrape's own),
+    # and the count falls back once they close.
+    idle = [socket.create_connection(("127.0.0.1", metered.port), timeout=5) for _ in range(3)]
+    try:
+        wait_for("3 idle connections counted", lambda: value(
+            samples(metered.scrape("edge")), "tidegate_edge_connections_active") >= 4)
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_for("closed connections uncounted", lambda: value(
+        samples(metered.scrape("edge")), "tidegate_edge_connections_active") == 1)
 
     def dispatcher_sees_worker() -> Parsed | None:
         parsed = samples(metered.scrape("dispatcher"))

@@ -5,9 +5,11 @@ checks the HTTP surface end to end: status, JSON shape, headers)."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from email.message import Message
 from typing import Any
 
 import pytest
@@ -27,8 +29,15 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
 
 
 def check_error(status: int, body: bytes, want_status: int, want_code: str | None,
-                want_param: str | None = None) -> dict[str, Any]:
+                want_param: str | None = None,
+                headers: Message | None = None) -> dict[str, Any]:
+    """The OpenAI error shape; with ``headers``, also what they must say: a
+    JSON body, and no ``Retry-After`` (retrying a 4xx input error never helps)."""
     assert status == want_status, body
+    if headers is not None:
+        assert headers["Content-Type"].startswith("application/json"), headers
+        assert "Retry-After" not in headers, headers
+        assert "x-request-id" not in headers, "no request exists for a refused input"
     payload = json.loads(body)
     error = payload["error"]
     assert set(error) >= {"message", "type", "param", "code"}
@@ -63,14 +72,14 @@ def check_error(status: int, body: bytes, want_status: int, want_code: str | Non
 )
 def test_bad_chat_bodies(pipeline: Pipeline, raw: bytes, status: int, code: str,
                          param: str | None) -> None:
-    got_status, body = pipeline.post("/v1/chat/completions", None, raw=raw)
-    check_error(got_status, body, status, code, param)
+    got_status, headers, body = pipeline.post_full("/v1/chat/completions", None, raw=raw)
+    check_error(got_status, body, status, code, param, headers)
 
 
 def test_body_over_limit_is_413(pipeline: Pipeline) -> None:
     big = {**GOOD, "messages": [{"role": "user", "content": "x" * 10_000}]}
-    status, body = pipeline.post("/v1/chat/completions", big)
-    check_error(status, body, 413, "request_too_large")
+    status, headers, body = pipeline.post_full("/v1/chat/completions", big)
+    check_error(status, body, 413, "request_too_large", headers=headers)
 
 
 def test_chunked_body_over_limit_is_413(pipeline: Pipeline) -> None:
@@ -103,15 +112,15 @@ def test_chunked_body_under_limit_is_served(pipeline: Pipeline) -> None:
 
 
 def test_completions_without_prompt(pipeline: Pipeline) -> None:
-    status, body = pipeline.post("/v1/completions", {"model": "tidegate-sim"})
-    check_error(status, body, 400, "missing_required_parameter", "prompt")
+    status, headers, body = pipeline.post_full("/v1/completions", {"model": "tidegate-sim"})
+    check_error(status, body, 400, "missing_required_parameter", "prompt", headers)
 
 
 @pytest.mark.parametrize(("key", "code"), [(None, "missing_api_key"),
                                            ("sk-wrong-key-000000", "invalid_api_key")])
 def test_bad_keys_are_401(pipeline: Pipeline, key: str | None, code: str) -> None:
-    status, body = pipeline.post("/v1/chat/completions", GOOD, key=key)
-    error = check_error(status, body, 401, code)
+    status, headers, body = pipeline.post_full("/v1/chat/completions", GOOD, key=key)
+    error = check_error(status, body, 401, code, headers=headers)
     assert error["type"] == "authentication_error"
     assert "sk-wrong-key-000000" not in error["message"]
 
@@ -142,6 +151,15 @@ def test_health_and_readiness(pipeline: Pipeline) -> None:
 
 
 def test_good_request_still_works(pipeline: Pipeline) -> None:
-    status, body = pipeline.post("/v1/chat/completions", {**GOOD, "max_tokens": 2})
+    status, headers, body = pipeline.post_full("/v1/chat/completions", {**GOOD, "max_tokens": 2})
     assert status == 200, body
     assert json.loads(body)["usage"]["completion_tokens"] == 2
+    assert headers["Content-Type"].startswith("application/json")
+    # The request id: >= 96 random bits, and the body's id is built from it.
+    request_id = headers["x-request-id"]
+    assert re.fullmatch(r"[0-9A-Za-z_-]{16,}", request_id), request_id
+    assert int(headers["x-tidegate-request-seq"]) >= 1
+    assert int(headers["x-tidegate-job-seq"]) >= 1
+    second, again, _ = pipeline.post_full("/v1/chat/completions", {**GOOD, "max_tokens": 1})
+    assert second == 200
+    assert again["x-request-id"] != request_id

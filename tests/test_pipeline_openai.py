@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import nats
 import openai
 import pytest
@@ -154,7 +155,7 @@ async def test_upstream_error_before_first_byte_is_http_status(
 
 
 async def test_upstream_failure_mid_stream_is_final_error_event(
-        client: openai.AsyncOpenAI) -> None:
+        client: openai.AsyncOpenAI, pipeline: Pipeline) -> None:
     stream = await client.chat.completions.create(
         model="org/fake-model:v1.5", max_tokens=10, stream=True,
         messages=[{"role": "user", "content": "x"}], extra_body={"fake_fail_after": 3})
@@ -168,3 +169,22 @@ async def test_upstream_failure_mid_stream_is_final_error_event(
         await consume()
     assert "".join(received), "chunks before the failure must reach the client"
     assert "backend" in str(failed.value).lower()
+    # The same failure on the wire: the stream ends with the error event (no
+    # `data: [DONE]`, so no client takes the answer as complete), whose
+    # retryable flag says a retry would not help (a backend that broke the
+    # stream is a backend_error, workers/backends/upstream.py).
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{pipeline.base_url}/chat/completions",
+            json={"model": "org/fake-model:v1.5", "max_tokens": 10, "stream": True,
+                  "messages": [{"role": "user", "content": "x"}], "fake_fail_after": 3},
+            headers={"Authorization": f"Bearer {DEV_KEY}"}) as resp:
+        assert resp.status == 200
+        events = [line[6:].strip() for line in (await resp.read()).split(b"\n")
+                  if line.startswith(b"data: ")]
+    assert b"[DONE]" not in events
+    assert len(events) >= 2, events
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "backend_error", error
+    assert error["type"] == "server_error"
+    assert error.get("retryable", False) is False, error
+    assert all("error" not in json.loads(e) for e in events[:-1])
