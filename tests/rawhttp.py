@@ -157,16 +157,25 @@ class Sink:
         return b"".join(self.chunks)
 
 
-def big_body(blocks: int, first: bytes = b"", sent: list[int] | None = None) -> Handler:
-    """Answer with ``first`` and, 50 ms later, ``blocks`` of BLOCK; ``sent`` counts
-    what the server got out (TCP holds it back once the client stops reading)."""
+def big_body(blocks: int, first: bytes = b"", sent: list[int] | None = None,
+             held: asyncio.Event | None = None, go: asyncio.Event | None = None) -> Handler:
+    """Answer with ``first`` and, 50 ms later (or once ``go`` is set),
+    ``blocks`` of BLOCK; ``sent`` counts what the server got out. ``held`` is
+    set when TCP holds the server back (the kernel buffers are full and its
+    write buffer passed the high-water mark): the client stopped reading."""
     async def handle(server: Server, reader: StreamReader, writer: StreamWriter) -> None:
         await server.read_request(reader)
         length = len(first) + blocks * len(BLOCK)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (length, first))
-        await asyncio.sleep(0.05)
+        if go is not None:
+            await go.wait()
+        else:
+            await asyncio.sleep(0.05)
+        high = writer.transport.get_write_buffer_limits()[1]
         for _ in range(blocks):
             writer.write(BLOCK)
+            if held is not None and writer.transport.get_write_buffer_size() > high:
+                held.set()
             await writer.drain()
             if sent is not None:
                 sent.append(len(BLOCK))

@@ -176,7 +176,8 @@ async def test_connection_closed_before_an_answer_is_not_retried() -> None:
 @both_loops
 async def test_pause_stops_delivery_until_resume() -> None:
     blocks, sent = 1024, list[int]()  # 64 MiB: more than the socket buffers hold
-    async with served(big_body(blocks, sent=sent)) as (_, pool):
+    held = asyncio.Event()
+    async with served(big_body(blocks, sent=sent, held=held)) as (_, pool):
         resp = await get(pool)
         sink, paused, late = Sink(), asyncio.Event(), []
 
@@ -190,7 +191,8 @@ async def test_pause_stops_delivery_until_resume() -> None:
 
         resp.start(on_data, sink.end)
         await paused.wait()
-        await asyncio.sleep(0.2)
+        # Paused, the client reads nothing more: TCP holds the server back.
+        await asyncio.wait_for(held.wait(), 10)
         assert late == []
         assert sum(sent) < blocks * len(BLOCK)  # the server is held back too
         paused.clear()
@@ -220,23 +222,25 @@ async def test_body_bytes_before_start_are_delivered_on_start() -> None:
     async def handle(server: Server, reader: StreamReader, writer: StreamWriter) -> None:
         await server.read_request(reader)
         writer.write(CHUNKED_HEAD + b"5\r\nearly\r\n")  # one read with the head
-        await asyncio.sleep(0.1)
+        await started.wait()  # "late" only after start(): it cannot come before
         writer.write(b"4\r\nlate\r\n0\r\n\r\n")
         while await server.read_request(reader):
             writer.write(OK)  # with its whole body, before start()
 
+    started = asyncio.Event()
     async with served(handle) as (server, pool):
         resp = await get(pool)
-        await asyncio.sleep(0.05)
+        assert await wait_for(lambda: bool(resp._early), 5.0), "early came before start()"
         sink = Sink()
         resp.start(sink.data, sink.end)
+        started.set()
         assert sink.chunks == [b"early"]  # in start() itself
         assert await sink.ended is None
         assert sink.body == b"earlylate"
 
         resp = await get(pool)
-        await asyncio.sleep(0.05)
-        assert pool.idle == 1  # complete, so pooled already
+        # Its whole body arrived before start(): complete, so pooled already.
+        assert await wait_for(lambda: pool.idle == 1, 5.0)
         sink = Sink()
         resp.start(sink.data, sink.end)
         assert (sink.chunks, sink.ended.done()) == ([b"ok"], True)

@@ -112,9 +112,11 @@ async def test_connect_errors() -> None:
 
 @both_loops
 async def test_pause_from_on_data_during_start_holds() -> None:
-    async with served(big_body(1024, first=b"early")) as (_, pool):
+    held, go = asyncio.Event(), asyncio.Event()
+    async with served(big_body(1024, first=b"early", held=held, go=go)) as (_, pool):
         resp = await get(pool)
-        await asyncio.sleep(0.02)  # "early" came with the head; the rest 50 ms later
+        # "early" came before start() (with the head); the rest only after it.
+        assert await wait_for(lambda: bool(resp._early), 5.0)
         calls = []
 
         def on_data(data: bytes) -> None:
@@ -122,7 +124,8 @@ async def test_pause_from_on_data_during_start_holds() -> None:
             resp.pause()  # a consumer without credit
 
         resp.start(on_data, lambda exc: None)
-        await asyncio.sleep(0.2)
+        go.set()
+        await asyncio.wait_for(held.wait(), 10)  # paused: TCP holds the server back
         assert calls == [len(b"early")]
 
 

@@ -21,7 +21,18 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
+from tests.pipeline import (
+    DEV_KEY,
+    Pipeline,
+    jobs_waiting,
+    record_for,
+    threaded_fake_backend,
+    tombstones,
+    usage_of,
+    wait_for,
+    wait_log,
+)
+from tests.poll import eventually
 from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
@@ -208,6 +219,7 @@ async def test_worker_killed_mid_stream_gives_retryable_error_and_no_rerun(
                                   json=body(marker, max_tokens=3000, fake_itl=0.01),
                                   headers={"Authorization": f"Bearer {DEV_KEY}"})
         assert resp.status == 200
+        request_id = resp.headers["x-request-id"]
         first = await read_events(resp, limit=5)
         pipeline.workers[0].kill()
         killed = time.monotonic()
@@ -220,9 +232,14 @@ async def test_worker_killed_mid_stream_gives_retryable_error_and_no_rerun(
     assert "[DONE]" not in events
     lost_after = HEARTBEAT * 4
     assert ended - killed < lost_after + 1.5, f"error took {ended - killed:.1f}s"
-    # A restarted worker gets the redelivered job, but must not run it again.
+    # A restarted worker gets the redelivered job, but must not run it again:
+    # its usage record (the killed attempt left none) shows it pulled the job
+    # and dropped it, and the backend saw one call only.
     await asyncio.to_thread(pipeline.workers[0].spawn)
-    await asyncio.sleep(2.0 + 2.0 + 2.0)  # ack_wait + resume_timeout + slack
+    [record] = await usage_of(pipeline.config, request_id, within=30)
+    assert record.attempt >= 2, record
+    assert record.outcome == "dropped", record
+    assert (record.prompt_tokens, record.completion_tokens) == (0, 0)
     assert len(record_for(backend, marker)) == 1, "the job ran twice"
 
 
@@ -241,7 +258,8 @@ async def test_worker_killed_before_first_chunk_completes_elsewhere(
         second = pipeline._process("worker", "worker-b")
         pipeline.workers.append(second)
         await asyncio.to_thread(second.spawn)
-        await asyncio.sleep(1.0)
+        await wait_log(second, "worker serving fake")  # it pulls from now on
+        assert not record_for(backend, marker)[0].bytes_written, "still in prefill"
         pipeline.workers[0].kill()
         resp = await asyncio.wait_for(request, 30)
         assert resp.status == 200, await resp.text()
@@ -294,11 +312,18 @@ async def test_edge_drain_finishes_short_streams_and_ends_long_ones(
                                        json=body(long, max_tokens=3000, fake_itl=0.01),
                                        headers=headers)
         pipeline.edge.terminate()  # SIGTERM
-        await asyncio.sleep(0.3)
-        with pytest.raises(aiohttp.ClientConnectionError):
-            async with aiohttp.ClientSession() as fresh:
-                await fresh.post(f"{pipeline.url}/v1/chat/completions",
-                                 json=body("late", max_tokens=1), headers=headers)
+
+        async def refused() -> bool:
+            try:
+                async with aiohttp.ClientSession() as fresh:
+                    await fresh.post(f"{pipeline.url}/v1/chat/completions",
+                                     json=body("late", max_tokens=1), headers=headers)
+            except aiohttp.ClientConnectionError:
+                return True
+            return False
+
+        await eventually(refused, 10.0, "the draining edge refuses new connections",
+                         step=0.05)
         short_events = await asyncio.wait_for(read_events(short_resp), 15)
         long_events = await asyncio.wait_for(read_events(long_resp), 15)
     assert short_events[-1] == "[DONE]", "a stream that fits the drain deadline must finish"
@@ -339,17 +364,21 @@ async def test_cancel_while_queued_stops_the_job_before_it_runs(
                     return await read_events(resp)
 
             leaver = asyncio.create_task(post(gone))
-            await asyncio.sleep(1.5)  # admitted and queued; the client now hangs up
+            # Admitted: its job waits in TG_JOBS. Then the client hangs up.
+            await eventually(lambda: jobs_waiting(pipeline, 1), 15.0, "the job is queued")
             leaver.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await leaver
-            await asyncio.sleep(0.5)  # the tombstone is written
+            await eventually(lambda: tombstones(pipeline, 1), 10.0, "the tombstone is written")
             pipeline.workers[0].spawn()
             # A request sent after the worker is up completes: the worker is
             # pulling, so the cancelled job was pulled (it was first in line).
             events = await asyncio.wait_for(post(kept), 20.0)
             assert events[-1] == "[DONE]"
-            await asyncio.sleep(1.0)
+            # The worker pulled the cancelled job and dropped it (its record).
+            gone_id = (await eventually(lambda: tombstones(pipeline, 1), 1.0, "tombstone"))[0]
+            [dropped] = await usage_of(pipeline.config, gone_id, within=15)
+            assert dropped.outcome == "dropped", dropped
         assert record_for(backend, kept)
         assert not record_for(backend, gone), "a cancelled queued job reached the backend"
     finally:

@@ -187,7 +187,10 @@ async def test_push_respects_credit_and_resumes(fake: FakeBackend,
     assert isinstance(stream, OpenAIStream)
     sink = CreditSink()
     stream.start(sink)
-    await asyncio.sleep(0.2)  # the backend wrote everything; none of it may pass
+    # The backend wrote everything, and the stream holds what it read with
+    # its socket paused: none of it may pass without credit.
+    await wait_for(lambda: only_record(fake).completed and stream._paused
+                   and bool(stream._pending), within=10.0)
     assert sink.messages == []
     assert not sink.ended.done()
     async with asyncio.timeout(5):

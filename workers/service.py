@@ -136,7 +136,7 @@ class Pool:
             await self.ctx.report(UsageRecord(id=request.id, model=request.model,
                                               outcome="dropped", tenant=request.tenant,
                                               user=request.user, key_id=request.key_id,
-                                              reserved=reserved(msg)))
+                                              attempt=attempt, reserved=reserved(msg)))
             await msg.ack()
             return
         if group is not None and self.routing is not None:
