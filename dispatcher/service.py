@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from dispatcher import batch
 from dispatcher.admission import AdmissionPolicy, QuotaAdmission
 from dispatcher.gate import QueueGate
 from dispatcher.queueing import QueueMode
@@ -247,7 +248,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
             await wait_synced(policies_synced, config.nats.request_timeout,
                               "dispatcher: quota policies")
             pullers = [tg.create_task(requests.run(stop)), tg.create_task(usage.run(stop)),
-                       tg.create_task(gate.run(stop))]
+                       tg.create_task(gate.run(stop)),
+                       tg.create_task(batch.Runner(config, nc, js, queue).run(stop))]
             await asyncio.wait(pullers)
             # Let requests being dispatched finish: each is acked only after
             # its job is published.

@@ -29,7 +29,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from edge import instrument
+from edge import batches, files, instrument
 from edge.auth import KeyTable
 from edge.errors import error_response, from_http_exception
 from edge.relay import Publisher, Relay, RelayContext
@@ -114,6 +114,8 @@ def build_app(state: EdgeState) -> web.Application:
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
+    files.register(app, state)
+    batches.register(app, state)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler(state.telemetry))

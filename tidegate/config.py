@@ -253,6 +253,20 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """The Files + Batches API (docs/batch.md). Limits default to OpenAI's."""
+
+    max_file_bytes: int = 200 << 20  # an upload larger than this gets 413
+    max_lines: int = 50_000  # requests per batch input file
+    max_line_bytes: int = 1 << 20  # one input line (a request must fit one NATS message)
+    max_retries: int = 3  # transient failures (5xx, worker lost) retried per line first
+    max_window: float = 86400.0  # longest completion_window accepted, seconds ("24h")
+    file_ttl: float = 30 * 86400.0  # files (inputs and results) are kept this long
+    lease: float = 3.0  # the batch runner's leadership lease; a dead runner's successor waits this
+    max_running: int = 512  # batch lines in flight at once, whatever the free slots say
+
+
+@dataclass(frozen=True, slots=True)
 class AuthConfig:
     keys: tuple[str, ...] = ()  # static API keys, tenant "default"
     dev_key: str = ""
@@ -275,6 +289,7 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     models: tuple[ModelConfig, ...] = (ModelConfig(name="tidegate-sim", aliases=("sim",)),)
 
@@ -531,6 +546,13 @@ def _check(config: Config) -> None:
         ("routing.home_ttl", config.routing.home_ttl),
         ("routing.max_affinity_wait", config.routing.max_affinity_wait),
         ("routing.prefix_bytes", config.routing.prefix_bytes),
+        ("batch.max_file_bytes", config.batch.max_file_bytes),
+        ("batch.max_lines", config.batch.max_lines),
+        ("batch.max_line_bytes", config.batch.max_line_bytes),
+        ("batch.max_window", config.batch.max_window),
+        ("batch.file_ttl", config.batch.file_ttl),
+        ("batch.lease", config.batch.lease),
+        ("batch.max_running", config.batch.max_running),
     ):
         _positive(name, value)
     if config.dispatcher.ack_wait >= e.admission_timeout:

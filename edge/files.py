@@ -1,0 +1,204 @@
+"""The OpenAI Files API at the edge: upload, list, read, download, delete.
+
+Files live in the ``<P>_FILES`` Object Store (``tidegate.control.batches``).
+An upload is streamed from the multipart body into the store chunk by chunk
+(``tidegate.broker.objects.put``) and a download from the store to the socket,
+so a 200 MB file never sits in the edge's memory: it holds one chunk.
+
+Every route authenticates and answers 404 for a file of another tenant, the
+same answer as for a file that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar
+
+from aiohttp import BodyPartReader, web
+
+from edge.auth import Principal
+from tidegate.broker import objects
+from tidegate.control.batches import Stores, open_stores
+from tidegate.errors import ApiError, invalid_request
+from tidegate.wire.batch import FILE_PREFIX, FileRecord, new_file_id, valid_id
+
+if TYPE_CHECKING:
+    from edge.app import EdgeState
+
+log = logging.getLogger("tidegate.edge")
+
+PURPOSES = ("batch", "batch_output")  # what tidegate's files are for (uploads: "batch")
+_READ = 64 << 10
+T = TypeVar("T")
+
+
+class BatchApi:
+    """What the file and batch routes share: the edge state and the stores,
+    opened on first use (the edge starts without waiting for them)."""
+
+    def __init__(self, state: EdgeState) -> None:
+        self.state = state
+        self._stores: Stores | None = None
+        self._lock = asyncio.Lock()
+
+    async def stores(self) -> Stores:
+        if self._stores is None:
+            async with self._lock:
+                if self._stores is None:
+                    self._stores = await open_stores(self.state.js, self.state.config)
+        return self._stores
+
+    def principal(self, request: web.Request) -> Principal:
+        return self.state.keys.authenticate(request.headers.get("Authorization"))
+
+    async def file(self, request: web.Request, file_id: str) -> FileRecord:
+        """The caller's file, or 404."""
+        principal = self.principal(request)
+        if valid_id(file_id, FILE_PREFIX):
+            file = await (await self.stores()).get_file(principal.tenant, file_id)
+            if file is not None:
+                return file
+        raise not_found("File", file_id)
+
+
+API: web.AppKey[BatchApi] = web.AppKey("tidegate_batch_api", BatchApi)
+
+
+def not_found(kind: str, object_id: str) -> ApiError:
+    return ApiError(404, f"No such {kind} object: {object_id}", type="invalid_request_error",
+                    code="not_found", param="id")
+
+
+def register(app: web.Application, state: EdgeState) -> None:
+    if API not in app:
+        app[API] = BatchApi(state)
+    app.router.add_post("/v1/files", upload)
+    app.router.add_get("/v1/files", list_files)
+    app.router.add_get("/v1/files/{file_id}", get_file)
+    app.router.add_get("/v1/files/{file_id}/content", file_content)
+    app.router.add_delete("/v1/files/{file_id}", delete_file)
+
+
+async def upload(request: web.Request) -> web.Response:
+    api = request.app[API]
+    principal = api.principal(request)
+    limit = api.state.config.batch.max_file_bytes
+    # The multipart envelope adds a few hundred bytes to the file itself.
+    if request.content_length is not None and request.content_length > limit + (64 << 10):
+        raise _too_large(limit)
+    if not request.content_type.startswith("multipart/"):
+        raise invalid_request("Upload a file as multipart/form-data with the fields 'file' "
+                              "and 'purpose'.", param="file")
+    stores = await api.stores()
+    reader = await request.multipart()
+    file_id = new_file_id()
+    purpose, filename, size = "", "", -1
+    try:
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file" and size < 0:
+                filename = part.filename or "upload.jsonl"
+                size = await objects.put(api.state.js, stores.files_bucket, file_id,
+                                         _chunks(part), limit=limit)
+            else:
+                await part.release()
+    except objects.TooLarge:
+        raise _too_large(limit) from None
+    if size < 0:
+        raise invalid_request("The upload has no 'file' field.", param="file",
+                              code="missing_required_parameter")
+    if purpose != "batch":
+        await stores.delete_file(file_id)
+        raise invalid_request(f"purpose must be 'batch' (tidegate's files are batch inputs), "
+                              f"got {purpose!r}.", param="purpose")
+    now = int(time.time())
+    file = FileRecord(id=file_id, tenant=principal.tenant, size=size, created_at=now,
+                      filename=filename[:256], purpose=purpose,
+                      expires_at=now + int(api.state.config.batch.file_ttl))
+    await stores.put_file(file)
+    log.info("file %s uploaded by tenant %s: %d bytes", file_id, principal.tenant, size)
+    return web.json_response(file.to_openai())
+
+
+async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
+    while chunk := await part.read_chunk(_READ):
+        yield chunk
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The file exceeds the limit of {limit} bytes.",
+                    type="invalid_request_error", code="file_too_large", param="file")
+
+
+async def list_files(request: web.Request) -> web.Response:
+    api = request.app[API]
+    principal = api.principal(request)
+    files = await (await api.stores()).list_files(principal.tenant)
+    purpose = request.query.get("purpose")
+    if purpose:
+        files = [f for f in files if f.purpose == purpose]
+    files.sort(key=lambda f: (f.created_at, f.id), reverse=request.query.get("order") != "asc")
+    data, has_more = page(files, request.query, lambda f: f.id)
+    return web.json_response({"object": "list", "data": [f.to_openai() for f in data],
+                              "has_more": has_more,
+                              "first_id": data[0].id if data else None,
+                              "last_id": data[-1].id if data else None})
+
+
+def page(items: list[T], query: Mapping[str, str], key: Callable[[T], str],
+         default: int = 10_000) -> tuple[list[T], bool]:
+    """OpenAI's cursor pagination: at most ``limit`` items (default
+    ``default``), starting after the id ``after`` (the previous page's last)."""
+    q = query
+    try:
+        limit = int(q.get("limit", default))
+    except ValueError:
+        raise invalid_request("limit must be an integer.", param="limit") from None
+    if limit < 1:
+        raise invalid_request("limit must be at least 1.", param="limit")
+    after = q.get("after")
+    if after:
+        ids = [key(item) for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    return items[:limit], len(items) > limit
+
+
+async def get_file(request: web.Request) -> web.Response:
+    api = request.app[API]
+    file = await api.file(request, request.match_info["file_id"])
+    return web.json_response(file.to_openai())
+
+
+async def file_content(request: web.Request) -> web.StreamResponse:
+    api = request.app[API]
+    file = await api.file(request, request.match_info["file_id"])
+    stores = await api.stores()
+    chunks = objects.read(api.state.js, stores.files_bucket, file.id)
+    response = web.StreamResponse(headers={
+        "Content-Type": "application/octet-stream",
+        "Content-Disposition": f'attachment; filename="{_safe(file.filename)}"'})
+    response.content_length = file.size
+    await response.prepare(request)
+    async for chunk in chunks:
+        await response.write(chunk)  # drains: a slow client paces the object reads
+    await response.write_eof()
+    return response
+
+
+def _safe(filename: str) -> str:
+    """A filename fit for a quoted header value (the client chose it)."""
+    return "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_"
+                   for c in filename)
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    api = request.app[API]
+    file = await api.file(request, request.match_info["file_id"])
+    await (await api.stores()).delete_file(file.id)
+    return web.json_response({"id": file.id, "object": "file", "deleted": True})

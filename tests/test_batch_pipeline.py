@@ -1,0 +1,242 @@
+"""The Files + Batches API through the whole pipeline, driven by the official openai SDK.
+
+Real nats-server and redis-server, edge / dispatcher / worker as processes: a
+batch's lines really cross the requests and jobs streams as class ``batch``
+requests, and its files really live in the JetStream Object Store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import openai
+import pytest
+
+from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+from tidegate.control.keys import create_key, ensure_keys_bucket
+
+pytestmark = pytest.mark.pipeline
+
+MAX_FILE = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
+             module_redis_url: str) -> Iterator[Pipeline]:
+    models: list[dict[str, Any]] = [
+        {"name": "tidegate-sim", "aliases": ["sim"],
+         "simulator": {"ttft": 0.01, "tokens_per_second": 400.0, "length": 32}},
+        # Slow enough that a batch is still running when the test cancels or expires it.
+        {"name": "slow-sim", "max_streams": 4,
+         "simulator": {"ttft": 0.05, "tokens_per_second": 20.0, "length": 40}},
+    ]
+    yield from running_pipeline(
+        tmp_path_factory.mktemp("batch"), module_nats_url, module_redis_url,
+        overrides={"models": models, "batch": {"max_file_bytes": MAX_FILE, "lease": 1.0}})
+
+
+@pytest.fixture
+async def client(pipeline: Pipeline) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=DEV_KEY,
+                                  max_retries=0, timeout=30) as c:
+        yield c
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def chat_line(custom_id: str, content: str, model: str = "tidegate-sim",
+              max_tokens: int = 6) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "max_tokens": max_tokens,
+                     "messages": [{"role": "user", "content": content}]}}
+
+
+async def submit(client: openai.AsyncOpenAI, lines: list[dict[str, Any]] | bytes,
+                 window: str = "24h") -> Any:
+    data = lines if isinstance(lines, bytes) else jsonl(lines)
+    file = await client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch")
+    return await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                       completion_window=window)  # type: ignore[arg-type]
+
+
+async def poll(client: openai.AsyncOpenAI, batch_id: str, done: set[str],
+               within: float = 60.0) -> Any:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        batch = await client.batches.retrieve(batch_id)
+        if batch.status in done:
+            return batch
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {batch.status} after {within}s")
+
+
+async def lines_of(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    content = await client.files.content(file_id)
+    return [json.loads(line) for line in content.content.splitlines() if line.strip()]
+
+
+async def test_batch_end_to_end_matches_interactive(client: openai.AsyncOpenAI) -> None:
+    prompts = {f"req-{i}": f"Tell me about item {i}" for i in range(12)}
+    batch = await submit(client, [chat_line(cid, text) for cid, text in prompts.items()])
+    assert batch.status == "validating"
+    assert batch.id.startswith("batch_") and len(batch.id) >= len("batch_") + 24
+    done = await poll(client, batch.id, {"completed", "failed", "expired"})
+    assert done.status == "completed", done
+    assert done.request_counts.total == 12
+    assert done.request_counts.completed == 12
+    assert done.request_counts.failed == 0
+    assert done.error_file_id is None
+    for stamp in ("in_progress_at", "finalizing_at", "completed_at"):
+        assert getattr(done, stamp) is not None, stamp
+    output = await lines_of(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in output) == sorted(prompts)
+    for out in output:
+        assert out["error"] is None
+        assert out["response"]["status_code"] == 200
+        interactive = await client.chat.completions.create(
+            model="tidegate-sim", max_tokens=6,
+            messages=[{"role": "user", "content": prompts[out["custom_id"]]}])
+        body = out["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == \
+            interactive.choices[0].message.content
+        assert body["usage"]["completion_tokens"] == interactive.usage.completion_tokens  # type: ignore[union-attr]
+    listed = await client.batches.list(limit=100)
+    assert done.id in [b.id for b in listed.data]
+    output_file = await client.files.retrieve(done.output_file_id)  # type: ignore[arg-type]
+    assert output_file.purpose == "batch_output"
+
+
+async def test_validation_names_the_line(client: openai.AsyncOpenAI) -> None:
+    lines = [jsonl([chat_line(f"v-{i}", "hi")]) for i in range(10)]
+    lines[6] = b'{"custom_id": "v-6", "method": "POST", this is not json\n'
+    batch = await submit(client, b"".join(lines))
+    failed = await poll(client, batch.id, {"failed", "completed"})
+    assert failed.status == "failed"
+    assert failed.errors is not None
+    errors = failed.errors.data or []
+    assert [(e.code, e.line) for e in errors] == [("invalid_json_line", 7)]
+    assert failed.failed_at is not None
+
+    dup = [chat_line("same", "a"), chat_line("other", "b"), chat_line("same", "c")]
+    wrong = chat_line("w", "x")
+    wrong["url"] = "/v1/embeddings"
+    batch = await submit(client, [*dup, wrong])
+    failed = await poll(client, batch.id, {"failed", "completed"})
+    assert failed.status == "failed"
+    got = {(e.code, e.line) for e in failed.errors.data or []}  # type: ignore[union-attr]
+    assert got == {("duplicate_custom_id", 3), ("invalid_url", 4)}
+
+
+async def test_oversize_file_is_refused(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.files.create(file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE + 1))),
+                                  purpose="batch")
+    assert err.value.status_code == 413
+    assert err.value.body["code"] == "file_too_large"  # type: ignore[index]
+
+
+async def test_files_api(client: openai.AsyncOpenAI) -> None:
+    data = jsonl([chat_line("f-1", "hello")])
+    file = await client.files.create(file=("mine.jsonl", io.BytesIO(data)), purpose="batch")
+    assert file.object == "file" and file.bytes == len(data) and file.filename == "mine.jsonl"
+    assert file.id.startswith("file-") and len(file.id) >= len("file-") + 24
+    assert (await client.files.retrieve(file.id)).bytes == len(data)
+    assert file.id in [f.id for f in (await client.files.list()).data]
+    assert (await client.files.content(file.id)).content == data
+    deleted = await client.files.delete(file.id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        await client.files.retrieve(file.id)
+    with pytest.raises(openai.BadRequestError):
+        await client.files.create(file=("x.jsonl", io.BytesIO(data)),
+                                  purpose="fine-tune")
+
+
+async def test_tenant_isolation(pipeline: Pipeline, client: openai.AsyncOpenAI,
+                                module_nats_url: str) -> None:
+    nc = await nats.connect(module_nats_url)
+    try:
+        other_key, _ = await create_key(await ensure_keys_bucket(nc.jetstream(),
+                                                                 pipeline.config), "other")
+    finally:
+        await nc.close()
+    file = await client.files.create(file=("a.jsonl", io.BytesIO(jsonl([chat_line("t", "x")]))),
+                                     purpose="batch")
+    batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=other_key,
+                                  max_retries=0, timeout=30) as other:
+        deadline = time.monotonic() + 10
+        while True:  # the new key reaches the edge through its KV watch
+            try:
+                await other.files.list()
+                break
+            except openai.AuthenticationError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        for call in (other.files.retrieve(file.id), other.files.content(file.id),
+                     other.files.delete(file.id), other.batches.retrieve(batch.id),
+                     other.batches.cancel(batch.id),
+                     other.batches.create(input_file_id=file.id,
+                                          endpoint="/v1/chat/completions",
+                                          completion_window="24h")):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        assert file.id not in [f.id for f in (await other.files.list()).data]
+        assert batch.id not in [b.id for b in (await other.batches.list()).data]
+    # ... and the owner still has both.
+    assert (await client.files.retrieve(file.id)).id == file.id
+    await poll(client, batch.id, {"completed"})
+
+
+async def test_cancel_mid_batch_keeps_partial_results(client: openai.AsyncOpenAI) -> None:
+    # 4 slots, ~2 s per line: 16 lines need ~8 s, the cancel comes after the first results.
+    lines = [chat_line(f"c-{i}", f"slow {i}", model="slow-sim", max_tokens=40)
+             for i in range(16)]
+    batch = await submit(client, lines)
+    deadline = time.monotonic() + 30
+    while (b := await client.batches.retrieve(batch.id)).request_counts is None or \
+            b.request_counts.completed < 1:
+        assert time.monotonic() < deadline, b
+        await asyncio.sleep(0.1)
+    cancelling = await client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = await poll(client, batch.id, {"cancelled", "completed"})
+    assert done.status == "cancelled"
+    assert done.cancelled_at is not None and done.cancelling_at is not None
+    assert 1 <= done.request_counts.completed < 16  # type: ignore[union-attr]
+    output = await lines_of(client, done.output_file_id)
+    assert len(output) == done.request_counts.completed  # type: ignore[union-attr]
+    assert len({o["custom_id"] for o in output}) == len(output)
+    with pytest.raises(openai.ConflictError):
+        await client.batches.cancel((await poll(client, (await submit(
+            client, [chat_line("quick", "q")])).id, {"completed"})).id)
+
+
+async def test_expiry_with_a_short_window(client: openai.AsyncOpenAI) -> None:
+    lines = [chat_line(f"e-{i}", f"slow {i}", model="slow-sim", max_tokens=40)
+             for i in range(16)]
+    batch = await submit(client, lines, window="4s")
+    done = await poll(client, batch.id, {"expired", "completed", "failed"}, within=40)
+    assert done.status == "expired"
+    assert done.expired_at is not None
+    counts = done.request_counts
+    assert counts is not None and counts.total == 16
+    assert 1 <= counts.completed < 16
+    output = await lines_of(client, done.output_file_id)
+    errors = await lines_of(client, done.error_file_id)
+    assert len(output) == counts.completed
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert sorted(o["custom_id"] for o in output + errors) == sorted(
+        line["custom_id"] for line in lines)

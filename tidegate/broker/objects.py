@@ -1,0 +1,150 @@
+"""Streaming reads and writes of JetStream Object Store objects.
+
+The files of the batch API live in an Object Store bucket (``<P>_FILES``), in
+the store's own format (chunks on ``$O.<bucket>.C.<nuid>``, a rolled-up meta
+message on ``$O.<bucket>.M.<name>``), so ``nats object ls/get`` and nats-py's
+``ObjectStore`` read them. Only the data path is ours, because nats-py's
+cannot stream: its ``put`` reads a *synchronous* reader in a thread (an
+aiohttp upload is an async stream), and its ``get`` collects the whole
+object into one ``bytes`` or pushes chunks through an ordered consumer
+with no bound on how many queue in the client.
+
+* :func:`put` takes an async iterator of chunks and publishes each
+  ``chunk_size`` slice with an acked JetStream publish before reading more:
+  the broker's ack is the backpressure, and the process holds one chunk.
+* :func:`read` fetches one chunk per direct get (``next_by_subj``), yielded
+  before the next is asked for: a slow client paces the reads.
+
+Both check the SHA-256 digest the format records.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import nats.js.errors
+from nats.js import JetStreamContext, api
+from nats.js.object_store import ObjectStore
+
+from tidegate.errors import BrokerError, TidegateError
+
+CHUNK = 128 << 10  # the Object Store's default chunk size
+
+
+class TooLarge(TidegateError):
+    """The object grew past the limit given to :func:`put`; nothing is kept."""
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+async def ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replicas: int,
+                       file_storage: bool) -> ObjectStore:
+    try:
+        return await js.object_store(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    storage = api.StorageType.FILE if file_storage else api.StorageType.MEMORY
+    try:
+        return await js.create_object_store(bucket, api.ObjectStoreConfig(
+            description="tidegate: batch API files", ttl=ttl, storage=storage,
+            replicas=replicas))
+    except nats.js.errors.BadRequestError:
+        return await js.object_store(bucket)  # created concurrently
+
+
+async def put(js: JetStreamContext, bucket: str, name: str, chunks: AsyncIterator[bytes],
+              *, limit: int = 0, chunk_size: int = CHUNK) -> int:
+    """Store ``chunks`` as object ``name``; returns its size. With ``limit``,
+    raises :class:`TooLarge` (and purges what was written) once more arrives."""
+    nuid = js._nc._nuid.next().decode()  # the format's chunk subject id
+    chunk_subject = f"$O.{bucket}.C.{nuid}"
+    stream = f"OBJ_{bucket}"
+    digest = hashlib.sha256()
+    pending = bytearray()
+    size = count = 0
+    try:
+        async for data in chunks:
+            size += len(data)
+            if limit and size > limit:
+                raise TooLarge(f"object exceeds {limit} bytes")
+            pending += data
+            while len(pending) >= chunk_size:
+                piece = bytes(pending[:chunk_size])
+                del pending[:chunk_size]
+                digest.update(piece)
+                await js.publish(chunk_subject, piece)
+                count += 1
+        if pending:
+            piece = bytes(pending)
+            digest.update(piece)
+            await js.publish(chunk_subject, piece)
+            count += 1
+        info = api.ObjectInfo(
+            name=name, bucket=bucket, nuid=nuid, size=size, chunks=count,
+            mtime=datetime.now(UTC).isoformat(),
+            digest="SHA-256=" + base64.urlsafe_b64encode(digest.digest()).decode(),
+            options=api.ObjectMetaOptions(max_chunk_size=chunk_size))
+        previous = await _info(js, bucket, name)
+        await js.publish(_meta_subject(bucket, name), json.dumps(info.as_dict()).encode(),
+                         headers={"Nats-Rollup": "sub"})
+    except BaseException:
+        try:
+            await js.purge_stream(stream, subject=chunk_subject)
+        except Exception:  # the original error matters more; the TTL ages chunks out
+            pass
+        raise
+    if previous is not None and previous.nuid and previous.nuid != nuid:
+        await js.purge_stream(stream, subject=f"$O.{bucket}.C.{previous.nuid}")
+    return size
+
+
+async def _info(js: JetStreamContext, bucket: str, name: str) -> api.ObjectInfo | None:
+    try:
+        msg = await js.get_last_msg(f"OBJ_{bucket}", _meta_subject(bucket, name))
+    except nats.js.errors.NotFoundError:
+        return None
+    info = api.ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+    return None if info.deleted else info
+
+
+async def read(js: JetStreamContext, bucket: str, name: str) -> AsyncIterator[bytes]:
+    """The object's chunks in order, one fetched at a time. BrokerError if it
+    is missing or its digest does not match (the last chunk is then withheld,
+    so a consumer never sees a complete-looking corrupt object)."""
+    info = await _info(js, bucket, name)
+    if info is None:
+        raise BrokerError(f"object {name} not found in {bucket}")
+    if not info.size:
+        return
+    stream, subject = f"OBJ_{bucket}", f"$O.{bucket}.C.{info.nuid}"
+    digest = hashlib.sha256()
+    seq, got, held = 1, 0, b""
+    while got < (info.chunks or 0):
+        msg = await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+        data = msg.data or b""
+        digest.update(data)
+        got += 1
+        seq = (msg.seq or seq) + 1
+        if held:
+            yield held
+        held = data
+    expected = (info.digest or "").removeprefix("SHA-256=")
+    if base64.urlsafe_b64encode(digest.digest()).decode() != expected:
+        raise BrokerError(f"object {name} in {bucket} is corrupt (digest mismatch)")
+    if held:
+        yield held
+
+
+async def delete(js: JetStreamContext, bucket: str, name: str) -> None:
+    """Remove the object's chunks and its meta (idempotent)."""
+    info = await _info(js, bucket, name)
+    stream = f"OBJ_{bucket}"
+    if info is not None and info.nuid:
+        await js.purge_stream(stream, subject=f"$O.{bucket}.C.{info.nuid}")
+    await js.purge_stream(stream, subject=_meta_subject(bucket, name))

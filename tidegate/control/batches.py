@@ -1,0 +1,159 @@
+"""Where the batch API keeps its state: KV buckets and the files' Object Store.
+
+* ``<P>_FILES`` (Object Store): file contents, object name = file id.
+* ``<P>_FILEMETA`` (KV): :class:`FileRecord` per file id (tenant, name, size).
+* ``<P>_BATCHES`` (KV): :class:`BatchRecord` per batch id, plus the runner's
+  leadership lease under :data:`LEASE_KEY`.
+* ``<P>_BATCHOUT`` (KV): one entry per finished line, key ``<batch>.<line>``,
+  created with ``create`` (first writer wins): this is what makes the output
+  exactly one line per ``custom_id`` however often a line ran.
+
+Every lookup by a client is scoped to its tenant: another tenant's id reads as
+missing (the routes answer 404, never 403, so ids do not even leak existence).
+Batch records change by compare-and-set on the KV revision
+(:func:`update_batch`), because the edge (cancel) and the runner (progress)
+write the same record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from tidegate.broker import broker, objects
+from tidegate.config import Config
+from tidegate.wire.batch import BatchRecord, FileRecord
+
+log = logging.getLogger("tidegate.batch")
+
+LEASE_KEY = "runner-lease"
+
+
+class Stores:
+    """The batch API's buckets, opened (or created) once per process."""
+
+    def __init__(self, config: Config, js: JetStreamContext, files: ObjectStore,
+                 filemeta: KeyValue, batches: KeyValue, results: KeyValue) -> None:
+        self.config = config
+        self.js = js
+        self.files = files
+        self.filemeta = filemeta
+        self.batches = batches
+        self.results = results
+
+    @property
+    def files_bucket(self) -> str:
+        return bucket_names(self.config)[0]
+
+    # -- files -------------------------------------------------------------------
+
+    async def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
+        record = await _get(self.filemeta, file_id)
+        if record is None:
+            return None
+        file = FileRecord.decode(record)
+        return file if file.tenant == tenant else None
+
+    async def put_file(self, file: FileRecord) -> None:
+        await self.filemeta.put(file.id, file.encode())
+
+    async def list_files(self, tenant: str) -> list[FileRecord]:
+        out = []
+        for data in (await _values(self.filemeta)).values():
+            file = FileRecord.decode(data)
+            if file.tenant == tenant:
+                out.append(file)
+        return out
+
+    async def delete_file(self, file_id: str) -> None:
+        await objects.delete(self.js, self.files_bucket, file_id)
+        await self.filemeta.delete(file_id)
+
+    # -- batches -----------------------------------------------------------------
+
+    async def get_batch(self, tenant: str | None, batch_id: str) -> BatchRecord | None:
+        """The batch, if it exists and (unless ``tenant`` is None, the
+        operator's view) belongs to ``tenant``."""
+        data = await _get(self.batches, batch_id)
+        if data is None:
+            return None
+        batch = BatchRecord.decode(data)
+        return batch if tenant is None or batch.tenant == tenant else None
+
+    async def create_batch(self, batch: BatchRecord) -> None:
+        await self.batches.create(batch.id, batch.encode())
+
+    async def list_batches(self, tenant: str | None) -> list[BatchRecord]:
+        """Newest first."""
+        out = []
+        for key, data in (await _values(self.batches)).items():
+            if key == LEASE_KEY:
+                continue
+            batch = BatchRecord.decode(data)
+            if tenant is None or batch.tenant == tenant:
+                out.append(batch)
+        out.sort(key=lambda b: (b.created_at, b.id), reverse=True)
+        return out
+
+    async def update_batch(self, batch_id: str,
+                           change: Callable[[BatchRecord], BatchRecord | None]) -> BatchRecord:
+        """Apply ``change`` by compare-and-set until it sticks; ``change``
+        returning None leaves the record as it is. Returns the record now stored."""
+        while True:
+            entry = await self.batches.get(batch_id)
+            assert entry.value is not None
+            assert entry.revision is not None
+            current = BatchRecord.decode(entry.value)
+            changed = change(current)
+            if changed is None:
+                return current
+            try:
+                await self.batches.update(batch_id, changed.encode(), last=entry.revision)
+                return changed
+            except nats.js.errors.KeyWrongLastSequenceError:
+                await asyncio.sleep(0)  # someone else wrote first: read it again
+
+
+async def _get(kv: KeyValue, key: str) -> bytes | None:
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return entry.value
+
+
+async def _values(kv: KeyValue) -> dict[str, bytes]:
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return {}
+    out = {}
+    for key in keys:
+        value = await _get(kv, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def bucket_names(config: Config) -> tuple[str, str, str, str]:
+    p = config.nats.subject_prefix.upper()
+    return f"{p}_FILES", f"{p}_FILEMETA", f"{p}_BATCHES", f"{p}_BATCHOUT"
+
+
+async def open_stores(js: JetStreamContext, config: Config) -> Stores:
+    files_b, meta_b, batches_b, results_b = bucket_names(config)
+    ttl = config.batch.file_ttl
+    files = await objects.ensure_store(js, files_b, ttl=ttl, replicas=config.streams.replicas,
+                                       file_storage=config.streams.storage == "file")
+    filemeta = await broker.ensure_bucket(js, config, meta_b, "tidegate: batch API files",
+                                          ttl=ttl)
+    batches = await broker.ensure_bucket(js, config, batches_b, "tidegate: batches", ttl=ttl)
+    results = await broker.ensure_bucket(js, config, results_b,
+                                         "tidegate: finished batch lines", ttl=ttl)
+    return Stores(config, js, files, filemeta, batches, results)
