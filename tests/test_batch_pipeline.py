@@ -12,7 +12,6 @@ import io
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -90,7 +89,8 @@ async def test_batch_end_to_end_matches_interactive(client: openai.AsyncOpenAI) 
     prompts = {f"req-{i}": f"Tell me about item {i}" for i in range(12)}
     batch = await submit(client, [chat_line(cid, text) for cid, text in prompts.items()])
     assert batch.status == "validating"
-    assert batch.id.startswith("batch_") and len(batch.id) >= len("batch_") + 24
+    assert batch.id.startswith("batch_")
+    assert len(batch.id) >= len("batch_") + 24
     done = await poll(client, batch.id, {"completed", "failed", "expired"})
     assert done.status == "completed", done
     assert done.request_counts.total == 12
@@ -149,8 +149,11 @@ async def test_oversize_file_is_refused(client: openai.AsyncOpenAI) -> None:
 async def test_files_api(client: openai.AsyncOpenAI) -> None:
     data = jsonl([chat_line("f-1", "hello")])
     file = await client.files.create(file=("mine.jsonl", io.BytesIO(data)), purpose="batch")
-    assert file.object == "file" and file.bytes == len(data) and file.filename == "mine.jsonl"
-    assert file.id.startswith("file-") and len(file.id) >= len("file-") + 24
+    assert file.object == "file"
+    assert file.bytes == len(data)
+    assert file.filename == "mine.jsonl"
+    assert file.id.startswith("file-")
+    assert len(file.id) >= len("file-") + 24
     assert (await client.files.retrieve(file.id)).bytes == len(data)
     assert file.id in [f.id for f in (await client.files.list()).data]
     assert (await client.files.content(file.id)).content == data
@@ -214,7 +217,8 @@ async def test_cancel_mid_batch_keeps_partial_results(client: openai.AsyncOpenAI
     assert cancelling.status in ("cancelling", "cancelled")
     done = await poll(client, batch.id, {"cancelled", "completed"})
     assert done.status == "cancelled"
-    assert done.cancelled_at is not None and done.cancelling_at is not None
+    assert done.cancelled_at is not None
+    assert done.cancelling_at is not None
     assert 1 <= done.request_counts.completed < 16  # type: ignore[union-attr]
     output = await lines_of(client, done.output_file_id)
     assert len(output) == done.request_counts.completed  # type: ignore[union-attr]
@@ -232,7 +236,8 @@ async def test_expiry_with_a_short_window(client: openai.AsyncOpenAI) -> None:
     assert done.status == "expired"
     assert done.expired_at is not None
     counts = done.request_counts
-    assert counts is not None and counts.total == 16
+    assert counts is not None
+    assert counts.total == 16
     assert 1 <= counts.completed < 16
     output = await lines_of(client, done.output_file_id)
     errors = await lines_of(client, done.error_file_id)
