@@ -30,11 +30,13 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from edge import batches, files, instrument
-from edge.auth import KeyTable
+from edge.auth import KeyTable, Principal
 from edge.errors import error_response, from_http_exception
 from edge.relay import Publisher, Relay, RelayContext
 from edge.session import SessionTable
+from edge.validation import Validated
 from edge.validation_responses import validate_request
+from edge.ws_hub import WsHub
 from tidegate.broker import broker
 from tidegate.config import Config, EdgeConfig, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
@@ -80,6 +82,7 @@ class EdgeState:
     relay: RelayContext = field(init=False)
     draining: bool = False
     telemetry: Telemetry = field(default_factory=telemetry.get)
+    sockets: WsHub = field(default_factory=WsHub)  # open WebSockets (edge/ws.py)
 
     def __post_init__(self) -> None:
         self.models = self.config.model_index()
@@ -113,6 +116,9 @@ def build_app(state: EdgeState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/embeddings", embeddings)
+    # Imported here: edge.ws builds on this module's request helpers.
+    from edge.ws import websocket
+    app.router.add_get("/v1/ws", websocket)
     app.router.add_get("/v1/models", list_models)
     files.register(app, state)
     batches.register(app, state)
@@ -254,19 +260,54 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
     raw = await _read_body(http, config.edge.max_body_bytes, config.edge.body_timeout)
     valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth)
+    request = build_request(state, principal, valid, rt.carrier)
+    request_id = request.id
+    subjects = config.nats.subjects
+    rt.started_request(request)
+    del raw, valid  # the prompt lives on in `request` until it is published, no longer
+    # Invariant: subscribed before publishing. The edge's inbox wildcard is
+    # subscribed for the life of the process; opening the session makes the
+    # dispatch table route this request's subject before anyone can answer.
+    session = state.sessions.open(request_id, session_tick(config))
+    log_token = logs.bind(request_id, principal.tenant, rt.trace_id)
+    try:
+        seq = await publish_request(state, request, rt.carrier)
+        headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
+        log.debug("request %s published as %s seq %d", request_id, subjects.requests_stream, seq)
+        # The relay needs the request's id, flags and window, not its prompt:
+        # an edge holding 10,000 streams must not hold 10,000 prompts.
+        request = dataclasses.replace(request, body={})
+        return await Relay(http, session, request, state.relay, headers).run()
+    finally:
+        state.sessions.close(session)
+        logs.unbind(log_token)
+
+
+def session_tick(config: Config) -> float:
+    """How often a session's clock checks (deadlines, pings, keepalive acks)
+    run: a third of a heartbeat keeps pings on time, and a long tick keeps
+    10,000 idle streams from costing the edge a core's worth of wakeups."""
+    return min(max(config.session.heartbeat_interval / 3, 0.05), 5.0)
+
+
+def build_request(state: EdgeState, principal: Principal, valid: Validated,
+                  carrier: dict[str, str]) -> Request:
+    """The envelope for one validated generation, with a fresh request id
+    (96 random bits); 403 if the key may not use the model. Shared by the
+    HTTP routes and the WebSocket adapter (``edge/ws.py``)."""
     if principal.models and not {valid.model.name, *valid.model.aliases} & set(principal.models):
         raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
                             f"{', '.join(principal.models)}.", type="permission_error",
                        code="model_not_allowed", param="model")
-
+    config = state.config
     request_id = secrets.token_hex(12)
     subjects = config.nats.subjects
     now_ms = int(time.time() * 1000)
-    request = Request(
+    return Request(
         id=request_id,
         reply=subjects.out(state.edge_id, request_id),
         model=valid.model.name,
-        api=api,
+        api=valid.api,
         stream=valid.stream,
         body=valid.body,
         created_ms=now_ms,
@@ -279,33 +320,12 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         key_id=principal.key_id,
         edge=state.edge_id,
         mux=subjects.edge_mux(state.edge_id),
-        extra=dict(rt.carrier),
+        extra=dict(carrier),
     )
-    rt.started_request(request)
-    del raw, valid  # the prompt lives on in `request` until it is published, no longer
-    # Invariant: subscribed before publishing. The edge's inbox wildcard is
-    # subscribed for the life of the process; opening the session makes the
-    # dispatch table route this request's subject before anyone can answer.
-    # Each session's clock checks (deadlines, pings, keepalive acks) run once
-    # per tick: a third of a heartbeat keeps pings on time, and a long tick
-    # keeps 10,000 idle streams from costing the edge a core's worth of wakeups.
-    tick = min(max(config.session.heartbeat_interval / 3, 0.05), 5.0)
-    session = state.sessions.open(request_id, tick)
-    log_token = logs.bind(request_id, principal.tenant, rt.trace_id)
-    try:
-        seq = await _publish(state, request, rt.carrier)
-        headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
-        log.debug("request %s published as %s seq %d", request_id, subjects.requests_stream, seq)
-        # The relay needs the request's id, flags and window, not its prompt:
-        # an edge holding 10,000 streams must not hold 10,000 prompts.
-        request = dataclasses.replace(request, body={})
-        return await Relay(http, session, request, state.relay, headers).run()
-    finally:
-        state.sessions.close(session)
-        logs.unbind(log_token)
 
 
-async def _publish(state: EdgeState, request: Request, trace_headers: dict[str, str]) -> int:
+async def publish_request(state: EdgeState, request: Request,
+                          trace_headers: dict[str, str]) -> int:
     """Publish to the requests stream; returns its JetStream sequence number."""
     subject = state.config.nats.subjects.request(request.klass, request.tenant)
     try:

@@ -30,7 +30,8 @@ _current: contextvars.ContextVar[RequestTelemetry | None] = contextvars.ContextV
     "tidegate_edge_request", default=None)
 
 # Causes that mean the client left, as opposed to the edge ending the request.
-_CLIENT_GONE = frozenset({"client_disconnected", "slow_client"})
+_CLIENT_GONE = frozenset({"client_disconnected", "slow_client",
+                          "edge:client_cancelled"})  # a WebSocket cancel frame
 
 
 class RequestTelemetry:

@@ -122,6 +122,8 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     state.telemetry.metrics.observe_edge(
         streams=lambda: len(sessions),
         connections=lambda: len(server.connections) if server is not None else 0)
+    state.telemetry.metrics.observe_ws(connections=lambda: len(state.sockets),
+                                       generations=lambda: state.sockets.generations)
     tls = server_tls_context(config.edge)
     # reuse_port: N edges of one host on one port (tidegate up --edges N).
     site = GuardedSite(runner, config.edge, backlog=4096, ssl_context=tls,
@@ -135,5 +137,9 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     finally:
         state.draining = True
         await site.stop()
+        # WebSockets: no new generations; idle sockets close (1012) at once, the
+        # others when their last generation has ended or been ended by _drain.
+        state.sockets.drain()
         await _drain(sessions, config.edge.shutdown_timeout)
+        await state.sockets.close_all()
         await runner.cleanup()

@@ -46,7 +46,13 @@ def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]
 
 def validate(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
              max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
-    body = parse_json(raw, max_depth)
+    return validate_body(parse_json(raw, max_depth), api, models)
+
+
+def validate_body(body: dict[str, Any], api: Api,
+                  models: Mapping[str, ModelConfig]) -> Validated:
+    """:func:`validate` for a body already parsed (a WebSocket request frame's,
+    parsed with the same strict, depth-bounded parser)."""
     model = _model(body, models)
     if api is Api.CHAT:
         _messages(body)

@@ -157,6 +157,27 @@ class EdgeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WsConfig:
+    """WebSocket ingress (``GET /v1/ws`` on the edge, docs/websocket.md)."""
+
+    max_concurrent: int = 16  # generations at once per socket; more get too_many_concurrent
+    # Largest client frame; a bigger one closes the socket with 1009.
+    max_message_bytes: int = 1 << 20
+    auth_timeout: float = 10.0  # no Bearer header: the auth message must come within this
+    # Liveness: a ping only after idle_before_ping seconds without traffic either
+    # way, then every ping_interval while still idle; a ping unanswered for
+    # pong_timeout is missed, and max_missed_pongs misses in a row close the socket.
+    idle_before_ping: float = 30.0
+    ping_interval: float = 20.0
+    pong_timeout: float = 20.0
+    max_missed_pongs: int = 2
+    # Also send {"type": "ping"} text frames (browsers cannot see protocol pings).
+    app_pings: bool = False
+    # permessage-deflate: ~50 KiB of zlib state per socket and CPU per frame.
+    compress: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class SessionConfig:
     """What edge and worker must agree on for one stream."""
 
@@ -282,6 +303,7 @@ class LoggingConfig:
 class Config:
     edge: EdgeConfig = field(default_factory=EdgeConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
+    ws: WsConfig = field(default_factory=WsConfig)
     nats: NatsConfig = field(default_factory=NatsConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     streams: StreamsConfig = field(default_factory=StreamsConfig)
@@ -553,6 +575,13 @@ def _check(config: Config) -> None:
         ("batch.file_ttl", config.batch.file_ttl),
         ("batch.lease", config.batch.lease),
         ("batch.max_running", config.batch.max_running),
+        ("ws.max_concurrent", config.ws.max_concurrent),
+        ("ws.max_message_bytes", config.ws.max_message_bytes),
+        ("ws.auth_timeout", config.ws.auth_timeout),
+        ("ws.idle_before_ping", config.ws.idle_before_ping),
+        ("ws.ping_interval", config.ws.ping_interval),
+        ("ws.pong_timeout", config.ws.pong_timeout),
+        ("ws.max_missed_pongs", config.ws.max_missed_pongs),
     ):
         _positive(name, value)
     if config.dispatcher.ack_wait >= e.admission_timeout:

@@ -186,6 +186,14 @@ class Metrics:
         meter.create_observable_gauge(
             "tidegate.edge.connections.active", callbacks=[self._edge_connections],
             unit="{connection}", description="Client HTTP connections open on this edge")
+        self._ws_connections = _Observed()
+        meter.create_observable_gauge(
+            "tidegate.edge.ws.connections.active", callbacks=[self._ws_connections],
+            unit="{connection}", description="WebSockets open on this edge (GET /v1/ws)")
+        self._ws_generations = _Observed()
+        meter.create_observable_gauge(
+            "tidegate.edge.ws.generations.active", callbacks=[self._ws_generations],
+            unit="{stream}", description="Generations running on this edge's WebSockets")
 
         self.edge_connections_refused = meter.create_counter(
             "tidegate.edge.connections.refused", unit="{connection}",
@@ -254,6 +262,10 @@ class Metrics:
     def observe_edge(self, streams: Callable[[], int], connections: Callable[[], int]) -> None:
         self._edge_streams.sources.append(lambda: ((float(streams()), {}),))
         self._edge_connections.sources.append(lambda: ((float(connections()), {}),))
+
+    def observe_ws(self, connections: Callable[[], int], generations: Callable[[], int]) -> None:
+        self._ws_connections.sources.append(lambda: ((float(connections()), {}),))
+        self._ws_generations.sources.append(lambda: ((float(generations()), {}),))
 
     def observe_queues(self, depth: Observe, waiting: Observe, oldest_age: Observe,
                        backlog: Observe, workers: Observe, fleet_slots: Observe) -> None:

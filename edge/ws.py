@@ -1,0 +1,370 @@
+"""``GET /v1/ws``: the WebSocket ingress (protocol: docs/websocket.md).
+
+A thin adapter. The frame protocol is sans-I/O in :mod:`tidegate.wire.ws`;
+each generation is an ordinary request of its own (validated, published and
+relayed by the same code as SSE: ``edge.app.build_request``,
+``edge.app.publish_request``, :class:`edge.ws_relay.WsRelay`), so quotas,
+queue mode, cancel and flow control are exactly those of SSE.
+
+Tasks (STYLE 6): one ``asyncio.TaskGroup`` per socket owns the keepalive and
+one task per generation; the handler's own task reads frames. When the
+reader ends (close, error, eviction), every generation still running is
+cancelled, and its relay cancels the work upstream as an SSE disconnect does.
+
+Close codes (:class:`tidegate.wire.ws.CloseCode`): 4401 bad or missing key,
+4408 no auth message in time, 1009 a frame over ``ws.max_message_bytes``
+(aiohttp's reader enforces it), 1011 pings unanswered, 1012 edge restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from aiohttp import WSMsgType, web
+from aiohttp.abc import AbstractStreamWriter
+
+from edge import instrument
+from edge.app import STATE, EdgeState, build_request, publish_request, session_tick, set_keepalive
+from edge.auth import Principal
+from edge.jsonbody import parse_object
+from edge.relay import SlowClient
+from edge.validation import validate_body
+from edge.ws_relay import WsRelay, cancel_error
+from tidegate.errors import ApiError, unavailable
+from tidegate.telemetry import logs
+from tidegate.wire import ws as wire
+from tidegate.wire.ws import CloseCode, KeepaliveAction
+
+log = logging.getLogger("tidegate.edge")
+
+
+async def websocket(http: web.Request) -> web.StreamResponse:
+    """The route: authenticate (header, if any), upgrade, run the socket."""
+    state = http.app[STATE]
+    if state.draining:
+        raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
+    authorization = http.headers.get("Authorization")
+    principal = state.keys.authenticate(authorization) if authorization else None
+    cfg = state.config.ws
+    ws = web.WebSocketResponse(autoping=False, autoclose=True, heartbeat=None,
+                               compress=cfg.compress, max_msg_size=cfg.max_message_bytes,
+                               decode_text=False)
+    if not ws.can_prepare(http).ok:
+        raise ApiError(426, "GET /v1/ws expects a WebSocket upgrade.",
+                       type="invalid_request_error", code="upgrade_required")
+    writer = await ws.prepare(http)
+    set_keepalive(http.transport, state.config.edge)
+    socket = WsSocket(state, http, ws, writer, principal)
+    state.sockets.add(socket)
+    try:
+        await socket.run()
+    finally:
+        state.sockets.remove(socket)
+    return ws
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Generation:
+    id: str
+    task: asyncio.Task[None] | None = None
+    relay: WsRelay | None = None
+    cancel_requested: bool = False
+
+
+class WsSocket:
+    """One open socket: reads frames, starts and cancels generations, pings."""
+
+    def __init__(self, state: EdgeState, http: web.Request, ws: web.WebSocketResponse,
+                 writer: AbstractStreamWriter, principal: Principal | None) -> None:
+        cfg = state.config
+        self.state = state
+        self.http = http
+        self.ws = ws
+        self._writer = writer
+        self.principal = principal
+        self.raw = not cfg.ws.compress
+        self.high_water = max(4096, cfg.session.window_bytes // 4)
+        self.conn = wire.Connection(cfg.ws.max_concurrent, authenticated=principal is not None)
+        now = time.monotonic()
+        self.keepalive = wire.Keepalive(
+            idle_before_ping=cfg.ws.idle_before_ping, ping_interval=cfg.ws.ping_interval,
+            pong_timeout=cfg.ws.pong_timeout, max_missed=cfg.ws.max_missed_pongs, now=now)
+        self._gens: dict[str, _Generation] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self._closing = False
+        transport = http.transport
+        if transport is not None:
+            # One bound for everything the socket's generations have written and
+            # the client has not read: above it, every generation waits to ack.
+            transport.set_write_buffer_limits(high=self.high_water, low=self.high_water // 2)
+
+    @property
+    def generations(self) -> int:
+        return len(self._gens)
+
+    def _loads(self, data: bytes | str) -> Any:
+        """A frame's JSON, by the HTTP body's strict, depth-bounded parser."""
+        raw = data.encode() if isinstance(data, str) else data
+        return parse_object(raw, self.state.config.edge.max_json_depth)
+
+    # -- writing -----------------------------------------------------------
+
+    def sent(self, now: float) -> None:
+        self.keepalive.sent(now)
+
+    async def send(self, payloads: list[bytes]) -> None:
+        """Write text frames. Past the high-water mark, wait for the client to
+        read, at most edge.slow_client_timeout (then the socket is dropped)."""
+        transport = self.http.transport
+        if transport is None or transport.is_closing() or self.ws.closed:
+            raise ConnectionResetError("the WebSocket is closed")
+        if self.raw:
+            transport.write(b"".join([wire.encode_text_frame(p) for p in payloads]))
+        else:
+            for payload in payloads:
+                await self.ws.send_frame(payload, WSMsgType.TEXT)
+        self.keepalive.sent(time.monotonic())
+        if transport.get_write_buffer_size() > self.high_water:
+            try:
+                async with asyncio.timeout(self.state.config.edge.slow_client_timeout):
+                    await self._writer.drain()
+            except TimeoutError:
+                transport.abort()
+                raise SlowClient() from None
+
+    async def _send_quietly(self, payload: bytes) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError, SlowClient):
+            await self.send([payload])
+
+    # -- the socket's life ---------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                keepalive = tg.create_task(self._keepalive(), name="tidegate-ws-keepalive")
+                try:
+                    if self.principal is None:
+                        await self._authenticate()
+                    if self.principal is not None:
+                        await self._read_loop()
+                finally:
+                    self._closing = True
+                    keepalive.cancel()
+                    for gen in list(self._gens.values()):
+                        if gen.task is not None:
+                            gen.task.cancel()
+        finally:
+            self.conn.closed()
+            if not self.ws.closed:
+                with contextlib.suppress(Exception):
+                    await self.ws.close()
+
+    async def _authenticate(self) -> None:
+        """First-message auth: an ``auth`` frame within ws.auth_timeout."""
+        try:
+            async with asyncio.timeout(self.state.config.ws.auth_timeout):
+                while self.principal is None:
+                    msg = await self.ws.receive()
+                    if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED,
+                                    WSMsgType.ERROR):
+                        return
+                    self.keepalive.received(time.monotonic())
+                    if msg.type in (WSMsgType.PING, WSMsgType.PONG):
+                        if msg.type is WSMsgType.PING:
+                            await self.ws.pong(msg.data)
+                        continue
+                    event = self.conn.receive(wire.parse_client_frame(
+                        msg.data, binary=msg.type is not WSMsgType.TEXT, loads=self._loads))
+                    if isinstance(event, wire.Ping):
+                        await self._send_quietly(wire.PONG)
+                        continue
+                    if isinstance(event, wire.Invalid):
+                        if event.error.type == "authentication_error":
+                            await self._close(CloseCode.AUTH_FAILED, event.error)
+                            return
+                        await self._send_quietly(wire.error(event.error, event.id))
+                        continue
+                    if isinstance(event, wire.Auth):
+                        try:
+                            self.principal = self.state.keys.authenticate(f"Bearer {event.key}")
+                        except ApiError as error:
+                            await self._close(CloseCode.AUTH_FAILED, error)
+                            return
+                        self.conn.authenticated()
+        except TimeoutError:
+            await self._close(CloseCode.AUTH_TIMEOUT, ApiError(
+                401, "No auth frame within the deadline.", type="authentication_error",
+                code="auth_timeout"))
+
+    async def _close(self, code: CloseCode, error: ApiError) -> None:
+        # The reason is at most 123 bytes (RFC 6455 5.5): the code, then as
+        # much of the message as fits.
+        reason = f"{error.code}: {error.message}".encode()[:123]
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=int(code), message=reason)
+
+    async def _read_loop(self) -> None:
+        ws = self.ws
+        while True:
+            msg = await ws.receive()
+            kind = msg.type
+            if kind in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                return  # an over-size frame: aiohttp has already closed with 1009
+            self.keepalive.received(time.monotonic())
+            if kind is WSMsgType.PING:
+                await ws.pong(msg.data)
+                continue
+            if kind is WSMsgType.PONG:
+                continue
+            event = self.conn.receive(wire.parse_client_frame(
+                msg.data, binary=kind is not WSMsgType.TEXT, loads=self._loads))
+            await self._on_event(event)
+
+    async def _on_event(self, event: wire.ClientEvent) -> None:
+        if isinstance(event, wire.StartRequest):
+            self._start(event)
+        elif isinstance(event, wire.CancelRequest):
+            self._cancel(event.id)
+        elif isinstance(event, wire.Ping):
+            await self._send_quietly(wire.PONG)
+        elif isinstance(event, wire.Pong):
+            pass  # the keepalive already counted it as traffic
+        elif isinstance(event, wire.ResumeRequest):
+            # Needs the resume log's edge-side reader (issue 11), not on this edge yet.
+            self.conn.finish(event.id)
+            await self._send_quietly(wire.error(ApiError(
+                501, "Resuming a stream over WebSocket is not available on this edge yet; use "
+                     "GET /v1/streams/{request_id}.", type="invalid_request_error",
+                code="resume_not_available"), event.id))
+        elif isinstance(event, wire.Invalid):
+            await self._send_quietly(wire.error(event.error, event.id))
+
+    # -- generations -----------------------------------------------------------
+
+    def _start(self, event: wire.StartRequest) -> None:
+        assert self._tg is not None
+        gen = _Generation(event.id)
+        self._gens[event.id] = gen
+        gen.task = self._tg.create_task(self._generation(gen, event),
+                                        name=f"tidegate-ws-gen-{event.id[:16]}")
+
+    def _cancel(self, id: str) -> None:
+        gen = self._gens.get(id)
+        if gen is None:
+            return
+        gen.cancel_requested = True
+        if gen.relay is not None:
+            gen.relay.session.abort(cancel_error())
+
+    async def _generation(self, gen: _Generation, event: wire.StartRequest) -> None:
+        """One generation, start to end. Never raises (but CancelledError):
+        a failure is this generation's error frame, not the socket's end."""
+        state = self.state
+        assert self.principal is not None
+        rt = instrument.RequestTelemetry(state.telemetry, self.http.headers, event.api)
+        if rt.span is not None:
+            rt.span.set_attribute("tidegate.transport", "websocket")
+        token = rt.activate()
+        status = 200
+        try:
+            await self._run_generation(gen, event, rt)
+        except ApiError as error:
+            rt.on_error(error)
+            status = error.status
+            await self._send_quietly(wire.error(error, gen.id))
+        except asyncio.CancelledError:
+            rt.on_cancel("client_disconnected")
+            raise
+        except (ConnectionError, SlowClient):
+            rt.on_cancel("client_disconnected")
+        except Exception:
+            status = 500
+            log.exception("WebSocket generation %s failed", gen.id)
+            await self._send_quietly(wire.error(ApiError(
+                500, "Internal gateway error.", type="server_error", code="internal_error"),
+                gen.id))
+        finally:
+            rt.finish(status)
+            instrument.deactivate(token)
+            self._gens.pop(gen.id, None)
+            self.conn.finish(gen.id)
+            if self.conn.state is wire.SocketState.DRAINING and not self._gens:
+                await self.close_restart()
+
+    async def _run_generation(self, gen: _Generation, event: wire.StartRequest,
+                              rt: instrument.RequestTelemetry) -> None:
+        state = self.state
+        assert self.principal is not None
+        valid = validate_body(event.body, event.api, state.models)
+        request = build_request(state, self.principal, valid, rt.carrier)
+        rt.started_request(request)
+        del valid
+        # Subscribed (session open) before publishing, as for SSE.
+        session = state.sessions.open(request.id, session_tick(state.config))
+        log_token = logs.bind(request.id, request.tenant, rt.trace_id)
+        try:
+            seq = await publish_request(state, request, rt.carrier)
+            headers = {"x-request-id": request.id, "x-tidegate-request-seq": str(seq)}
+            relay = WsRelay(self, gen.id, session, dataclasses.replace(request, body={}),
+                            state.relay, headers)
+            gen.relay = relay
+            if gen.cancel_requested:
+                session.abort(cancel_error())
+            await relay.run()
+        finally:
+            state.sessions.close(session)
+            logs.unbind(log_token)
+
+    # -- liveness and shutdown ---------------------------------------------------
+
+    async def _keepalive(self) -> None:
+        cfg = self.state.config.ws
+        ka = self.keepalive
+        while True:
+            now = time.monotonic()
+            action = ka.poll(now)
+            if action is KeepaliveAction.PING:
+                transport = self.http.transport
+                if transport is not None and not transport.is_closing():
+                    # Straight to the transport: a control frame is never
+                    # compressed, and a ping must not wait behind a full buffer
+                    # (aiohttp's ping() may), or a dead peer is never found.
+                    transport.write(wire.PING_FRAME)
+                    if cfg.app_pings:
+                        transport.write(wire.encode_text_frame(wire.PING))
+            elif action is KeepaliveAction.EVICT:
+                log.info("WebSocket: %d pings unanswered; closing the socket and cancelling "
+                         "its %d generations", ka.missed, len(self._gens))
+                self._evict()
+                return
+            # Sleep until the keepalive's next deadline (at least 50 ms).
+            await asyncio.sleep(max(ka.next_check(time.monotonic()), 0.05))
+
+    def _evict(self) -> None:
+        """The peer is gone: cancel every generation (upstream cancels go out
+        at once from their relays), then drop the socket without waiting for
+        a close handshake nobody will answer."""
+        self._closing = True
+        for gen in list(self._gens.values()):
+            if gen.task is not None:
+                gen.task.cancel()
+        transport = self.http.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(wire.close_frame(CloseCode.INTERNAL_ERROR, b"ping timeout"))
+            transport.abort()
+
+    def drain(self) -> None:
+        self.conn.drain()
+        if not self._gens and self._tg is not None and not self._closing:
+            self._tg.create_task(self.close_restart(), name="tidegate-ws-close")
+
+    async def close_restart(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=int(CloseCode.SERVICE_RESTART),
+                                message=b"edge restarting: reconnect")
