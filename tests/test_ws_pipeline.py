@@ -5,6 +5,7 @@ OpenAI backend, which records what it saw (closes included)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -84,6 +85,16 @@ async def collect(ws: ClientConnection, ids: set[str],
             if frame["type"] in ("done", "error", "cancelled"):
                 open_.discard(gid)
     return out
+
+
+async def until_closed(ws: ClientConnection) -> tuple[list[dict[str, Any]], int | None]:
+    """Every frame until the server closes; and its close code."""
+    frames: list[dict[str, Any]] = []
+    async with asyncio.timeout(30):
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for raw in ws:
+                frames.append(json.loads(raw))
+    return frames, ws.close_code
 
 
 def normalise(text: str, request_id: str) -> str:
@@ -379,3 +390,41 @@ async def test_no_eviction_while_tokens_flow(pipeline: Pipeline) -> None:
                 break
         assert last.get("type") == "done", last
         assert pings == 0
+
+
+async def test_drain_closes_1012_after_ending_generations(
+        tmp_path_factory: pytest.TempPathFactory, module_nats_url: str, module_redis_url: str,
+        backend: FakeBackend) -> None:
+    p = Pipeline(tmp_path_factory.mktemp("wsdrain"), module_nats_url, module_redis_url,
+                 overrides={
+                     "nats": {"subject_prefix": "t" + uuid.uuid4().hex[:8]},
+                     "edge": {"shutdown_timeout": 2.0},
+                     "models": [{"name": "fake", "backend": "openai",
+                                 "base_url": backend.base_url}]})
+    marker = f"drain-{uuid.uuid4().hex}"
+    try:
+        p.start()
+        async with connect(p) as idle, connect(p) as busy:
+            await busy.send(json.dumps({"type": "request", "id": "g",
+                                        "path": "/v1/chat/completions",
+                                        "body": chat(marker, max_tokens=100000)}))
+            while (await recv(busy))["type"] != "chunk":
+                pass
+            p.edge.terminate()  # SIGTERM
+            # The idle socket closes at once with 1012 (service restart) ...
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await recv(idle, within=10)
+            assert info.value.rcvd is not None
+            assert info.value.rcvd.code == 1012
+            # ... the busy one after its generation was ended (shutdown_timeout).
+            frames, code = await until_closed(busy)
+            assert code == 1012
+            last = frames[-1]
+            assert last["type"] == "error"
+            assert last["id"] == "g"
+            assert last["error"]["code"] == "edge_shutting_down"
+            assert last["error"]["retryable"] is True
+        assert await wait_for(lambda: any(r.closed_at for r in record_for(backend, marker)),
+                              10.0)
+    finally:
+        p.stop()
