@@ -50,6 +50,7 @@ def test_parse_scenarios() -> None:
     # q and t run only when asked for: the default stays a..e
     assert runner.parse_scenarios("q,a") == "aq"
     assert runner.parse_scenarios("a,b,c,d,e,q,t") == "abcdeqt"
+    assert runner.parse_scenarios("r") == "r"
     assert "q" not in runner.SCENARIOS
     assert "t" not in runner.SCENARIOS
 
@@ -117,6 +118,23 @@ async def test_closed_loop_and_cancel_against_the_fake() -> None:
     record = fake.records[-1]
     assert record.body["bench_id"] == "x1"
     assert record.closed_at is not None
+
+
+async def test_closed_loop_streams_the_responses_api() -> None:
+    async with FakeBackend(ttft=0.0, itl=0.001) as fake:
+        endpoint = loadgen.Endpoint("direct", fake.base_url, "m", path="/responses")
+        rec = loadgen.Recorder()
+        async with loadgen.new_session() as session:
+            await loadgen.closed_loop(
+                session, endpoint,
+                lambda: loadgen.responses_body("m", tokens=5, itl=0.001, ttft=0.0),
+                rec, concurrency=4, warmup=0.1, duration=0.3)
+        summary = rec.summary()
+        assert summary["error_count"] == 0
+        assert summary["completed"] > 0
+        # 4 opening events + 5 deltas + 4 closing ones, the last response.completed
+        assert rec.chunks == 13 * rec.completed
+        assert all(r.path == "/v1/responses" for r in fake.records)
 
 
 def test_py_spy_raw_summary(tmp_path: Path) -> None:
@@ -193,6 +211,28 @@ def test_quick_telemetry_scenario(tmp_path: Path) -> None:
     assert {(d["variant"], d["against"]) for d in t["summary"]["deltas"]} == {
         ("metrics", "off"), ("traced", "off"), ("traced", "metrics")}
     assert "## (t) Telemetry overhead" in (out / "results.md").read_text()
+
+
+@pytest.mark.pipeline
+def test_quick_responses_scenario(tmp_path: Path) -> None:
+    """Scenario r: chat and Responses streams on direct and tidegate, each API
+    against its own direct run."""
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TIDEGATE_", "OTEL_"))}
+    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+                           "r", "--out", str(out)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    r = results["scenarios"]["r"]
+    assert {(run["api"], run["target"]) for run in r["runs"]} == {
+        (api, target) for api in ("chat", "responses") for target in ("direct", "tidegate")}
+    assert all(run["error_count"] == 0 and run["completed"] > 0 for run in r["runs"])
+    for api in ("chat", "responses"):
+        assert r["summary"][api]["cpu_us_per_chunk"] > 0
+        assert "p99" in r["summary"][api]["ttft_overhead_ms"]
+    assert "## (r) Responses API streaming overhead" in (out / "results.md").read_text()
 
 
 @pytest.mark.pipeline

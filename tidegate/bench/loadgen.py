@@ -49,26 +49,35 @@ __all__ = [
     "new_session",
     "open_loop",
     "percentile",
+    "responses_body",
     "slow_stream",
     "stream_once",
 ]
 
 _DONE = b"data: [DONE]"
+_COMPLETED = b'"type":"response.completed"'
 _ERROR = b'data: {"error"'
 
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """Where a target takes chat completions."""
+    """Where a target takes chat completions (or, with ``path`` =
+    ``/responses``, Responses API streams)."""
 
     name: str
     base_url: str  # ends in /v1
     model: str
     headers: Mapping[str, str] = field(default_factory=dict)
+    path: str = "/chat/completions"
 
     @property
     def chat_url(self) -> str:
-        return f"{self.base_url}/chat/completions"
+        return f"{self.base_url}{self.path}"
+
+    @property
+    def typed_events(self) -> bool:
+        """Responses API streams: ``event:`` lines, ending with response.completed."""
+        return self.path == "/responses"
 
 
 def chat_body(model: str, *, tokens: int, itl: float, ttft: float,
@@ -81,6 +90,15 @@ def chat_body(model: str, *, tokens: int, itl: float, ttft: float,
         "fake_ttft": ttft, "fake_itl": itl}
     if bench_id is not None:
         body["bench_id"] = bench_id
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def responses_body(model: str, *, tokens: int, itl: float, ttft: float) -> bytes:
+    """A streaming Responses API request of ``tokens`` output tokens, paced
+    like :func:`chat_body`'s."""
+    body: dict[str, Any] = {
+        "model": model, "stream": True, "max_output_tokens": tokens,
+        "input": "Benchmark prompt.", "fake_ttft": ttft, "fake_itl": itl}
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -179,6 +197,7 @@ async def stream_once(session: aiohttp.ClientSession, endpoint: Endpoint, body: 
     error: str | None = None
     closed_at: float | None = None
     itls: list[float] = []
+    typed = endpoint.typed_events  # once per stream; for chat one bool test per event
     try:
         async with session.post(endpoint.chat_url, data=body, headers=endpoint.headers) as resp:
             if resp.status != 200:
@@ -194,6 +213,10 @@ async def stream_once(session: aiohttp.ClientSession, endpoint: Endpoint, body: 
                     *events, buf = buf.split(b"\n\n")
                     n = 0
                     for event in events:
+                        if typed and event.startswith(b"event:"):
+                            event = event[event.find(b"\n") + 1:]
+                            if event.find(_COMPLETED) >= 0:
+                                done = True
                         if event.startswith(b"data:"):
                             if event.startswith(_DONE):
                                 done = True

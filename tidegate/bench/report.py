@@ -153,6 +153,22 @@ def _telemetry_markdown(t: dict[str, Any]) -> list[str]:
     return out
 
 
+def _responses_markdown(r: dict[str, Any]) -> list[str]:
+    p = r["params"]
+    out = ["## (r) Responses API streaming overhead, next to chat's", "",
+           f"(a)'s closed loop at c={p['concurrency']} ({p['tokens']} tokens at "
+           f"{p['itl_s'] * 1000:g} ms ITL), chat completions and the Responses API, each "
+           "against the direct run of the same API.", ""]
+    rows = [[run["api"], run["target"], run["streams_per_s"], run["chunks_per_s"],
+             _pair(run["ttft_ms"]), _pair(run.get("ttft_overhead_ms", {})),
+             run.get("cpu_us_per_chunk"), run.get("cpu_ms_per_request"),
+             run.get("throughput_ratio"), run["error_count"]] for run in r["runs"]]
+    out += _table(["API", "target", "streams/s", "chunks/s", "TTFT p50/p99",
+                   "TTFT overhead p50/p99", "CPU µs/chunk", "CPU ms/req", "throughput ratio",
+                   "errors"], rows)
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     m = meta["machine"]
@@ -252,6 +268,8 @@ def markdown(results: dict[str, Any]) -> str:
         out += _table(["target", "process", "client read B (p50)", "backend wrote B (p50)",
                        "backend total B at half time", "at end", "RSS start KiB", "RSS max",
                        "RSS end"], rows)
+    if "r" in scen:
+        out += _responses_markdown(scen["r"])
     if "t" in scen:
         out += _telemetry_markdown(scen["t"])
     if "q" in scen:

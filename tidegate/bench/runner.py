@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tidegate.bench import procstats, quota, report, run_async, scenarios
+from tidegate.bench import procstats, quota, report, responses_bench, run_async, scenarios
 from tidegate.bench.profiling import PySpy
 from tidegate.bench.targets import Target, Targets
 from tidegate.errors import TidegateError
@@ -22,8 +22,9 @@ from tidegate.errors import TidegateError
 __all__ = ["KNOWN_SCENARIOS", "SCENARIOS", "BenchOptions", "machine", "run"]
 
 SCENARIOS = "abcde"  # the default run
-# Only when asked for: q (quota check cost), t (telemetry overhead).
-KNOWN_SCENARIOS = SCENARIOS + "qt"
+# Only when asked for: q (quota check cost), t (telemetry overhead), r (Responses
+# API streaming overhead next to chat's).
+KNOWN_SCENARIOS = SCENARIOS + "qrt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     out: dict[str, Any] = {}
     letters = options.scenarios
     gateways = [t for t in targets if t.name != "direct"]
-    if "a" in letters or letters.replace("q", "").replace("t", "") == "e":
+    if "a" in letters or letters.replace("q", "").replace("t", "").replace("r", "") == "e":
         out["a"] = await scenarios.overhead(targets, profile, spy)
     if "b" in letters:
         out["b"] = await scenarios.idle(gateways, profile)
@@ -113,6 +114,8 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["c"] = await scenarios.cancel(env, targets, profile)
     if "d" in letters:
         out["d"] = await scenarios.slow_clients(env, gateways, profile)
+    if "r" in letters:
+        out["r"] = await responses_bench.responses_overhead(targets, profile)
     if "t" in letters:
         if "tidegate" in env.available:  # (a)-(d) are done with it: a quiet machine for (t)
             await asyncio.to_thread(env.stop_stack, "tidegate")
@@ -152,8 +155,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
                       2 * max(profile.concurrencies) + 256)
     with Targets(out, heartbeat_interval=profile.heartbeat_interval,
                  max_streams=max_streams, overrides=dict(options.tidegate_config)) as env:
-        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "t") else []
-        if set(options.scenarios) & set("abcd"):
+        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "rt") else []
+        if set(options.scenarios) & set("abcdr"):
             targets.append(env.start_tidegate())
         if "e" in options.scenarios:
             targets.append(env.start_proxy())

@@ -21,17 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
 import time
 import urllib.request
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from tidegate.bench import loadgen, procstats
-from tidegate.bench.loadgen import Recorder, chat_body, distribution, new_session, percentile
+from tidegate.bench.loadgen import (
+    Recorder,
+    chat_body,
+    distribution,
+    new_session,
+    percentile,
+    responses_body,
+)
 from tidegate.bench.profiling import PySpy
 from tidegate.bench.targets import Target, Targets
 from tidegate.run.servers import ManagedProcess
@@ -105,14 +113,18 @@ def _cpu_pids(target: Target) -> dict[str, int]:
 
 
 async def _load_run(target: Target, profile: Profile, mode: str, load: float,
-                    spy: PySpy | None) -> dict[str, Any]:
+                    spy: PySpy | None, api: str = "chat") -> dict[str, Any]:
+    """One load level on one target; ``api`` "responses" streams the Responses
+    API instead of chat (``tidegate.bench.responses_bench``)."""
     endpoint = target.endpoint
+    make: Callable[..., bytes] = chat_body
+    if api == "responses":
+        endpoint, make = dataclasses.replace(endpoint, path="/responses"), responses_body
     rec = Recorder()
     rec.cpu = procstats.CpuWindow(_cpu_pids(target))
 
     def body() -> bytes:
-        return chat_body(endpoint.model, tokens=profile.tokens, itl=profile.itl,
-                         ttft=profile.ttft)
+        return make(endpoint.model, tokens=profile.tokens, itl=profile.itl, ttft=profile.ttft)
 
     async with new_session() as session, contextlib.AsyncExitStack() as stack:
         if spy is not None:
@@ -124,7 +136,7 @@ async def _load_run(target: Target, profile: Profile, mode: str, load: float,
         else:
             await loadgen.open_loop(session, endpoint, body, rec, rate=load,
                                     warmup=profile.warmup, duration=profile.duration)
-    result: dict[str, Any] = {"target": target.name, "mode": mode,
+    result: dict[str, Any] = {"target": target.name, "api": api, "mode": mode,
                               ("concurrency" if mode == "closed" else "rate"): load,
                               **rec.summary(), "ttft_cdf_ms": _cdf(rec.ttft)}
     window = rec.t1 - rec.t0
