@@ -22,7 +22,7 @@ from typing import Any
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from edge.validation import validate
+from edge.validation_responses import validate_request
 from tidegate.broker import objects
 from tidegate.config import Config, ModelConfig
 from tidegate.control.batches import Stores, bucket_names
@@ -43,7 +43,8 @@ from tidegate.wire.protocol import Api, Request
 log = logging.getLogger("tidegate.batch")
 
 OK, FAILED = b"o", b"e"
-_API = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS}
+_API = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS,
+        "/v1/responses": Api.RESPONSES, "/v1/embeddings": Api.EMBEDDINGS}
 # What a batch line may not ask for: a batch result is one JSON body.
 _STREAM_KEYS = ("stream", "stream_options")
 
@@ -67,7 +68,7 @@ def check_body(line: BatchLine, endpoint: str, models: Mapping[str, ModelConfig]
     """The line's body as the edge would validate it; a Request template
     (id and reply filled in by the runner). Raises ApiError."""
     body = {k: v for k, v in line.body.items() if k not in _STREAM_KEYS}
-    valid = validate(json.dumps(body).encode(), _API[endpoint], models)
+    valid = validate_request(json.dumps(body).encode(), _API[endpoint], models)
     return Request(id="-", reply="-", model=valid.model.name, api=valid.api, stream=False,
                    body=valid.body, created_ms=0, deadline_ms=0, window_bytes=0,
                    window_msgs=0, klass="batch")

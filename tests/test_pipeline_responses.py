@@ -9,6 +9,7 @@ for the fake backend, the bytes it recorded writing (``keep_output``).
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 import time
@@ -426,3 +427,40 @@ async def test_disconnect_mid_responses_stream_closes_the_backend(
     assert record.closed_at is not None, "the backend connection was not closed"
     assert not record.completed
     assert record.closed_at - gone < 1.0
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/embeddings", "/v1/responses"])
+async def test_batch_of_embeddings_and_responses(client: openai.AsyncOpenAI,
+                                                 endpoint: str) -> None:
+    """Both endpoints are batchable (``endpoint`` of the batch and ``url`` of
+    each line); each result equals what the interactive endpoint answers."""
+    texts = {f"line-{i}": f"batch input number {i}" for i in range(5)}
+    lines = [{"custom_id": cid, "method": "POST", "url": endpoint,
+              "body": {"model": "sim", "input": text}} for cid, text in texts.items()]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    file = await client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = await client.batches.create(input_file_id=file.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                        completion_window="24h")
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        await asyncio.sleep(0.2)
+        batch = await client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert batch.request_counts.completed == len(texts)
+    assert batch.output_file_id is not None
+    content = await client.files.content(batch.output_file_id)
+    results = {o["custom_id"]: o for o in map(json.loads, content.content.splitlines())}
+    assert set(results) == set(texts)
+    for cid, text in texts.items():
+        body = results[cid]["response"]["body"]
+        if endpoint == "/v1/embeddings":
+            assert body["data"][0]["embedding"] == embed(text, "tidegate-sim", 256)
+            assert body["usage"]["prompt_tokens"] == estimate_prompt_tokens(
+                Api.EMBEDDINGS, {"input": text})
+        else:
+            interactive = await client.responses.create(model="sim", input=text)
+            assert body["status"] == "completed"
+            assert body["output"][0]["content"][0]["text"] == interactive.output_text
+            assert body["usage"]["output_tokens"] == SIM.length

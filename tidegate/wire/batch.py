@@ -38,7 +38,7 @@ from typing import Any
 
 from tidegate.errors import TidegateError
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
 _ID = re.compile(r"(file-|batch_)[0-9a-f]{32}")
