@@ -110,6 +110,9 @@ class BatchRun:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     reported: Counts = field(default_factory=Counts)
     task: asyncio.Task[None] | None = None
+    model: str = ""  # the model of its lines, as far as read (metrics; most batches have one)
+    since: float = 0.0  # wall clock when this runner started it, and lines done by then:
+    done_since: int = 0  # the rate the at-risk gauge projects from
 
     @property
     def finished(self) -> bool:
@@ -225,6 +228,7 @@ class Runner:
         if self.leader:
             log.warning("batch runner %s lost the lead", self.owner)
             self._abandon()
+            tm.get().metrics.batch_at_risk.set(0)  # the new leader reports it now
         self.leader = False
 
     def _abandon(self) -> None:
@@ -241,7 +245,9 @@ class Runner:
     async def _refresh(self) -> None:
         assert self.stores is not None
         wall = time.time()
-        for record in await self.stores.list_batches(None):
+        records = await self.stores.list_batches(None)
+        self._gauges(records, wall)
+        for record in records:
             run = self.runs.get(record.id)
             if record.terminal:
                 continue
@@ -258,6 +264,38 @@ class Runner:
                 self._stop(run, "expired")
             elif run.ready and run.reported != self._counts(run):
                 await self._report(run)
+
+    def _gauges(self, records: list[BatchRecord], wall: float) -> None:
+        """Batches by status, lines per model, batch share of slots, and how
+        many batches will miss their window at the rate they run now."""
+        metrics = tm.get().metrics
+        by_status = dict.fromkeys(S, 0)
+        for record in records:
+            by_status[record.status] += 1
+        for status, n in by_status.items():
+            metrics.batches.set(n, {tm.BATCH_STATUS: str(status)})
+        lines: dict[str, dict[str, int]] = {}
+        at_risk = 0
+        for run in self.runs.values():
+            if not run.ready or not run.model:
+                continue
+            per = lines.setdefault(run.model, {"pending": 0, "running": 0, "done": 0})
+            total, done = run.record.counts.total, len(run.done)
+            per["running"] += run.running
+            per["done"] += done
+            per["pending"] += max(0, total - done - run.running)
+            elapsed, progress = wall - run.since, done - run.done_since
+            if elapsed >= 60 and done < total and not run.stopping:
+                eta = (total - done) * elapsed / progress if progress else float("inf")
+                at_risk += wall + eta > run.record.expires_at
+        for model in self.models.values():
+            per = lines.get(model.name, {"pending": 0, "running": 0, "done": 0})
+            for state, n in per.items():
+                metrics.batch_lines.set(n, {tm.MODEL: model.name, tm.LINE_STATE: state})
+            slots = self.slots.get(model.name, 0)
+            metrics.batch_slot_share.set(per["running"] / slots if slots else 0.0,
+                                         {tm.MODEL: model.name})
+        metrics.batch_at_risk.set(at_risk)
 
     def _ended(self, batch_id: str, task: asyncio.Task[None]) -> None:
         run = self.runs.get(batch_id)
@@ -325,6 +363,7 @@ class Runner:
             # A successor resumes here: what finished before it is final.
             run.done = await bf.load_results(stores, batch_id)
         if run.record.status is S.IN_PROGRESS:
+            run.since, run.done_since = time.time(), len(run.done)
             run.ready = True
             self.wake.set()
             feeder = asyncio.create_task(self._feed(run))
@@ -347,6 +386,7 @@ class Runner:
             while len(run.buffer) >= _BUFFER:
                 run.space.clear()
                 await run.space.wait()
+            run.model = run.model or template.model
             run.buffer.append(Pending(line, template.model))
             self.wake.set()
         run.exhausted = True

@@ -25,8 +25,8 @@ from tidegate.wire.batch import (
     ENDPOINTS,
     FILE_PREFIX,
     BatchRecord,
-    BatchStatus,
     TransitionError,
+    cancel,
     new_batch_id,
     new_file_id,
     parse_window,
@@ -147,16 +147,14 @@ async def cancel_batch(request: web.Request) -> web.Response:
     api = request.app[API]
     batch = await _batch(api, request)
 
-    def cancel(current: BatchRecord) -> BatchRecord | None:
-        if current.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
-            return None  # cancelling twice is the same cancel
+    def change(current: BatchRecord) -> BatchRecord | None:
         try:
-            return current.moved(BatchStatus.CANCELLING, int(time.time()))
+            return cancel(current, int(time.time()))
         except TransitionError:
             raise ApiError(409, f"Cannot cancel a batch with status {current.status}.",
                            type="invalid_request_error", code="batch_not_cancellable") \
                 from None
 
-    updated = await (await api.stores()).update_batch(batch.id, cancel)
+    updated = await (await api.stores()).update_batch(batch.id, change)
     log.info("batch %s: cancel requested", batch.id)
     return web.json_response(updated.to_openai())

@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -245,3 +248,38 @@ async def test_expiry_with_a_short_window(client: openai.AsyncOpenAI) -> None:
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert sorted(o["custom_id"] for o in output + errors) == sorted(
         line["custom_id"] for line in lines)
+
+
+def cli(pipeline: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
+    return subprocess.run([sys.executable, "-m", "tidegate", *args, "--config",
+                           str(pipeline.config_path)], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+async def test_operator_cli_lists_shows_and_cancels(pipeline: Pipeline,
+                                                    client: openai.AsyncOpenAI) -> None:
+    lines = [chat_line(f"o-{i}", f"slow {i}", model="slow-sim", max_tokens=40)
+             for i in range(12)]
+    batch = await submit(client, lines)
+    await poll(client, batch.id, {"in_progress"})
+    status = await asyncio.to_thread(cli, pipeline, "status", "--json", "--interval", "0.2")
+    assert status.returncode == 0, status.stderr
+    assert batch.id in [b["id"] for b in json.loads(status.stdout)["batches"]]
+    listed = await asyncio.to_thread(cli, pipeline, "batches", "list", "--json",
+                                     "--status", "in_progress")
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["id"]: r for r in json.loads(listed.stdout)}
+    assert rows[batch.id]["tenant"] == "default"
+    assert rows[batch.id]["total"] == 12
+    cancelled = await asyncio.to_thread(cli, pipeline, "batches", "cancel", batch.id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    done = await poll(client, batch.id, {"cancelled"})
+    shown = await asyncio.to_thread(cli, pipeline, "batches", "show", batch.id)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["status"] == "cancelled"
+    assert done.request_counts is not None
+    assert done.request_counts.completed < 12
+    again = await asyncio.to_thread(cli, pipeline, "batches", "show", "batch_nope")
+    assert again.returncode == 2
+    assert "not a batch id" in again.stderr

@@ -10,7 +10,8 @@ Subcommands::
     tidegate bench       the benchmark suite (docs/benchmarks.md)
     tidegate keys        create, list and revoke API keys (NATS KV)
     tidegate policy      set, list and delete quota policies (NATS KV)
-    tidegate status      live view of models, workers, queues (``--json`` once)
+    tidegate batches     list, show and cancel batches of every tenant (NATS KV)
+    tidegate status      live view of models, workers, queues, batches (``--json`` once)
     tidegate version
 
 Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
@@ -237,6 +238,22 @@ def _admin_parsers(sub: Any) -> None:
     _common(plist)
     plist.add_argument("--json", action="store_true", help="print JSON")
 
+    batches = sub.add_parser("batches", help="list, show and cancel batches",
+                             description="Batches of every tenant, from the NATS KV bucket "
+                                         "TG_BATCHES. See docs/batch.md.")
+    batches_sub = batches.add_subparsers(dest="batches_command", metavar="ACTION",
+                                         required=True)
+    blist = batches_sub.add_parser("list", help="list batches, newest first")
+    _common(blist)
+    blist.add_argument("--tenant", type=_name, help="only this tenant's")
+    blist.add_argument("--status", help="only batches in this status (e.g. in_progress)")
+    blist.add_argument("--json", action="store_true", help="print JSON")
+    for action, text in (("show", "print one batch as JSON"),
+                         ("cancel", "cancel a batch (as its tenant's API call would)")):
+        p = batches_sub.add_parser(action, help=text)
+        _common(p)
+        p.add_argument("batch_id", metavar="BATCH_ID", help="batch_...")
+
 
 # --------------------------------------------------------------------------
 # Commands
@@ -380,6 +397,18 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     return admin.policy_delete(config, args.tenant or "", args.model or "", args.user or "")
 
 
+def _cmd_batches(args: argparse.Namespace) -> int:
+    from tidegate.control import batch_admin
+
+    config = load_config(args)
+    if args.batches_command == "list":
+        return batch_admin.batches_list(config, args.json, args.tenant or "",
+                                        args.status or "")
+    if args.batches_command == "show":
+        return batch_admin.batches_show(config, args.batch_id)
+    return batch_admin.batches_cancel(config, args.batch_id)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from tidegate.run import status
 
@@ -404,6 +433,7 @@ _COMMANDS = {
     "bench": _cmd_bench,
     "keys": _cmd_keys,
     "policy": _cmd_policy,
+    "batches": _cmd_batches,
     "status": _cmd_status,
 }
 

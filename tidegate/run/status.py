@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from nats.js import JetStreamContext
+
 from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.control import workers_registry
@@ -68,16 +70,28 @@ async def _queue_modes(config: Config) -> dict[str, QueueModeView]:
     return out
 
 
+async def _batches(js: JetStreamContext, config: Config) -> list[dict[str, Any]]:
+    """Active batches (the batch API's KV bucket); empty where it cannot be read."""
+    from tidegate.control import batch_admin
+
+    try:
+        return await batch_admin.active_rows(js, config)
+    except Exception:
+        return []
+
+
 def _rate(now: int, before: int, seconds: float) -> float:
     return round(max(0, now - before) / seconds, 2) if seconds > 0 else 0.0
 
 
 def document(config: Config, snap: Snapshot, previous: Snapshot | None,
              modes: dict[str, QueueModeView],
-             processes: dict[str, Any] | None = None) -> dict[str, Any]:
+             processes: dict[str, Any] | None = None,
+             batches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The status as plain data: what ``--json`` prints and the view shows.
 
-    ``processes`` is a ``tidegate up`` state file (None: not run by one).
+    ``processes`` is a ``tidegate up`` state file (None: not run by one);
+    ``batches`` the active batches (``tidegate.control.batch_admin.active_rows``).
     """
     dt = snap.taken - previous.taken if previous is not None else 0.0
     prev_models = {q.model: q for q in previous.models} if previous is not None else {}
@@ -120,6 +134,7 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
         "models": models,
         "workers": workers,
         "processes": None if processes is None else processes.get("processes", []),
+        "batches": batches or [],
     }
 
 
@@ -166,8 +181,13 @@ def render(doc: dict[str, Any]) -> Any:
                         f"{w['heartbeat_age_s']:.0f}s ago")
     if not doc["workers"]:
         workers.add_row(Text("no live workers", style="bold red"), "", "", "", "", "")
+    tables: list[Any] = [header, models, workers]
+    if doc.get("batches"):
+        from tidegate.control import batch_admin
+
+        tables.append(batch_admin.render(doc["batches"]))
     if not doc.get("processes"):
-        return Group(header, models, workers)
+        return Group(*tables)
     procs = Table(title="Processes (tidegate up)", title_justify="left", expand=True)
     for column in ("process", "pid", "state", "restarts", "last exit code"):
         procs.add_column(column)
@@ -178,7 +198,7 @@ def render(doc: dict[str, Any]) -> Any:
                       Text(state, style="" if p["running"] else "bold red"),
                       Text(str(p["restarts"]), style="yellow" if p["restarts"] else ""),
                       "-" if p["last_exit_code"] is None else str(p["last_exit_code"]))
-    return Group(header, models, workers, procs)
+    return Group(*tables, procs)
 
 
 def _age(seconds: float) -> str:
@@ -205,7 +225,8 @@ async def _run(config: Config, as_json: bool, once: bool, interval: float,
         if as_json or once:
             await asyncio.sleep(interval)
             doc = document(config, await stats.snapshot(), previous,
-                           await _queue_modes(config), processes())
+                           await _queue_modes(config), processes(),
+                           await _batches(js, config))
             if as_json:
                 out.write(json.dumps(doc, indent=2) + "\n")
             else:
@@ -216,14 +237,15 @@ async def _run(config: Config, as_json: bool, once: bool, interval: float,
         from rich.console import Console
         from rich.live import Live
 
-        doc = document(config, previous, None, await _queue_modes(config), processes())
+        doc = document(config, previous, None, await _queue_modes(config), processes(),
+                       await _batches(js, config))
         with Live(render(doc), console=Console(file=out), refresh_per_second=4,
                   screen=False) as live:
             while True:
                 await asyncio.sleep(interval)
                 snap = await stats.snapshot()
                 doc = document(config, snap, previous, await _queue_modes(config),
-                               processes())
+                               processes(), await _batches(js, config))
                 previous = snap
                 live.update(render(doc))
     finally:

@@ -67,6 +67,8 @@ LIMIT = "tidegate.quota.limit"
 SLOT_STATE = "tidegate.slot.state"
 REASON = "tidegate.reason"
 SUBJECT_KIND = "tidegate.subject"
+BATCH_STATUS = "tidegate.batch.status"
+LINE_STATE = "tidegate.batch.line_state"
 
 Attributes = Mapping[str, str | int | float | bool]
 Observe = Callable[[], Iterable[tuple[float, Attributes]]]
@@ -252,6 +254,22 @@ class Metrics:
         self.dispatch_decisions = meter.create_counter(
             "tidegate.dispatch.decisions", unit="{request}",
             description="Admission decisions by tidegate.outcome (admitted, queued, rejected)")
+
+        # -- batches (the dispatcher leading the batch runner, docs/batch.md) ---
+        self.batches = meter.create_gauge(
+            "tidegate.batch.batches", unit="{batch}",
+            description="Batches by tidegate.batch.status")
+        self.batch_lines = meter.create_gauge(
+            "tidegate.batch.lines", unit="{request}",
+            description="Lines of active batches per model, by tidegate.batch.line_state "
+                        "(pending, running, done)")
+        self.batch_slot_share = meter.create_gauge(
+            "tidegate.batch.slot_share", unit="1",
+            description="Share of the model's live worker slots held by batch lines")
+        self.batch_at_risk = meter.create_gauge(
+            "tidegate.batch.at_risk", unit="{batch}",
+            description="Active batches that will miss their completion window at their "
+                        "current rate")
 
     # -- registering observed sources ------------------------------------------
 

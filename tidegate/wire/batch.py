@@ -232,6 +232,15 @@ class BatchRecord:
         return cls(**raw)
 
 
+def cancel(batch: BatchRecord, now: int) -> BatchRecord | None:
+    """A cancel request applied: the batch now ``cancelling``; None when it
+    already is (cancelling twice is the same cancel). TransitionError when it
+    has ended or is finalizing (too late: OpenAI answers 409)."""
+    if batch.status in (S.CANCELLING, S.CANCELLED):
+        return None
+    return batch.moved(S.CANCELLING, now)
+
+
 # --------------------------------------------------------------------------
 # Input lines
 # --------------------------------------------------------------------------
