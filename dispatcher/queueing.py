@@ -33,8 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-
+from dispatcher.cluster import RedisClient
 from dispatcher.quota import QuotaUnavailable
 from tidegate.config import QueueModeConfig
 from tidegate.wire.subjects import encode_token
@@ -161,12 +160,17 @@ def p99(samples: Sequence[float]) -> float:
 class QueueMode:
     """Queue-mode state and the fair queue of one deployment, in Redis."""
 
-    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, prefix: str) -> None:
         self.redis = redis
         self._base = f"{prefix}:{{{prefix}q}}"
         self._enqueue = redis.register_script(_ENQUEUE)
         self._grant = redis.register_script(_GRANT)
         self._positions = redis.register_script(_POSITIONS)
+
+    @property
+    def scripts(self) -> tuple[Any, ...]:
+        """The registered Lua scripts (preloaded by :func:`dispatcher.cluster.preload_scripts`)."""
+        return (self._enqueue, self._grant, self._positions)
 
     def state_key(self, model: str) -> str:
         return f"{self._base}:qm:{encode_token(model)}"

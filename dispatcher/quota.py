@@ -79,7 +79,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
 
@@ -88,6 +88,7 @@ import redis.exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from dispatcher.cluster import TRANSPORT_RACE, RedisClient, connect_cluster, is_cluster_url
 from tidegate.errors import TidegateError
 
 __all__ = [
@@ -174,12 +175,14 @@ class Quotas(Protocol):
     async def release(self, request_id: str) -> None: ...
 
 
-def connect(url: str, timeout: float) -> aioredis.Redis:
+def connect(url: str, timeout: float) -> RedisClient:
     """A client suited to the store: replies as text, every socket operation
     bounded by ``timeout``, and one immediate retry (a pooled connection broken
     by a Redis restart fails once, its replacement then connects) instead of
     redis-py's default backoff, which would delay reporting an outage by
-    seconds."""
+    seconds. A cluster URL (:mod:`dispatcher.cluster`) gets a cluster client."""
+    if is_cluster_url(url):
+        return connect_cluster(url, timeout)
     return aioredis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 1), decode_responses=True)
@@ -367,6 +370,8 @@ _UNAVAILABLE = (
     rexc.TimeoutError,
     rexc.ReadOnlyError,  # a replica promoted or demoted under us
     rexc.ClusterDownError,
+    rexc.MasterDownError,
+    rexc.SlotNotCoveredError,  # Redis Cluster: the slot's primary is down
     rexc.TryAgainError,
     OSError,
     TimeoutError,
@@ -377,7 +382,7 @@ class QuotaStore:
     """Quota state in Redis. Safe to share between tasks and between any number
     of dispatcher processes: all decisions happen inside Redis."""
 
-    def __init__(self, redis: aioredis.Redis, prefix: str = "tg", window: float = 60.0,
+    def __init__(self, redis: RedisClient, prefix: str = "tg", window: float = 60.0,
                  lease: float = 1800.0) -> None:
         if window <= 0 or lease <= 0:
             raise ValueError("window and lease must be > 0")
@@ -393,6 +398,11 @@ class QuotaStore:
         self._window_ttl_ms = _ms(window + _TTL_MARGIN)
         self._lease_ttl_ms = _ms(lease + _TTL_MARGIN)
         self._record_ttl_ms = _ms(max(window, lease) + _TTL_MARGIN)
+
+    @property
+    def scripts(self) -> tuple[Any, ...]:
+        """The registered Lua scripts (preloaded by :func:`dispatcher.cluster.preload_scripts`)."""
+        return (self._reserve, self._reconcile, self._release)
 
     @property
     def key_prefix(self) -> str:
@@ -466,10 +476,7 @@ class QuotaStore:
 
     async def _keys_of(self, request_id: str) -> list[str] | None:
         record = self.record_key(request_id)
-        try:
-            raw = await self.redis.hget(record, "scopes")
-        except _UNAVAILABLE as exc:
-            raise QuotaUnavailable(_describe(exc)) from exc
+        raw = await self._retrying(lambda: self.redis.hget(record, "scopes"))
         if raw is None:
             return None  # never reserved, already reconciled, or expired
         keys = [record]
@@ -478,9 +485,33 @@ class QuotaStore:
         return keys
 
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        async def run() -> Any:
+            try:
+                return await script(keys=keys, args=args)
+            except rexc.NoScriptError:
+                # The script cache of the node holding the keys is empty (it
+                # restarted) and redis-py's reload (SCRIPT LOAD on every
+                # primary, on a cluster) failed, e.g. another primary is down.
+                # EVAL runs it on the keys' node and caches it there.
+                return await self.redis.eval(script.script, len(keys), *keys, *args)
+
+        return await self._retrying(run)
+
+    async def _retrying(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``call()``, once more if a pooled connection closed under it.
+
+        redis-py's cluster client disconnects a node's connections after one
+        error, and a command caught writing on such a transport raises a
+        non-Redis error (redis-py issue 4287). Every call here is idempotent
+        per request id (a second reserve admits without charging again), so
+        one retry on a fresh connection is safe.
+        """
         try:
-            return await script(keys=keys, args=args)
-        except _UNAVAILABLE as exc:
+            try:
+                return await call()
+            except TRANSPORT_RACE:
+                return await call()
+        except _UNAVAILABLE + TRANSPORT_RACE as exc:
             raise QuotaUnavailable(_describe(exc)) from exc
 
 

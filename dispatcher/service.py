@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 
 from dispatcher import batch
 from dispatcher.admission import AdmissionPolicy, QuotaAdmission
+from dispatcher.cluster import preload_scripts
 from dispatcher.gate import QueueGate
 from dispatcher.queueing import QueueMode
 from dispatcher.quota import QuotaStore, QuotaUnavailable
@@ -206,6 +207,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                                fail_open=cfg.quota_failure == "open")
     dispatcher = Dispatcher(config, nc, js, admission)
     queue = QueueMode(redis_client, config.nats.subject_prefix)
+    if not await preload_scripts(redis_client, [*store.scripts, *queue.scripts]):
+        log.warning("could not preload the quota scripts (Redis at %s did not answer); "
+                    "each loads on its first use", config.redis.url)
 
     async def refund(request_id: str) -> None:
         try:

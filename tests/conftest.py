@@ -25,7 +25,14 @@ from typing import Any
 
 import pytest
 
-from tests.servers import ServerHandle, start_nats, start_redis
+from tests.servers import (
+    ServerHandle,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+    start_redis_cluster,
+)
+from tidegate.run.clusters import NatsCluster, RedisCluster
 
 
 @pytest.fixture
@@ -74,6 +81,26 @@ def module_nats_url(module_nats_server: ServerHandle) -> str:
 @pytest.fixture(scope="module")
 def module_redis_url(module_redis_server: ServerHandle) -> str:
     return module_redis_server.url
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """A 3-node JetStream cluster on free ports; ``.url`` lists all three."""
+    cluster = start_nats_cluster(tmp_path / "nats-cluster")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A 3-primary Redis Cluster on free ports; ``.url`` is ``redis+cluster://...``."""
+    cluster = start_redis_cluster(tmp_path / "redis-cluster")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from tidegate.run.clusters import NatsCluster, RedisCluster
 from tidegate.run.servers import NatsServer, RedisServer, free_port
 
 
@@ -85,6 +86,20 @@ def start_redis(data_dir: Path) -> ServerHandle:
     server = RedisServer(data_dir)
     server.start()
     return server
+
+
+def start_nats_cluster(data_dir: Path, size: int = 3) -> NatsCluster:
+    """A JetStream cluster of local nats-servers (routes, server names, own stores)."""
+    cluster = NatsCluster(data_dir, size=size)
+    cluster.start()
+    return cluster
+
+
+def start_redis_cluster(data_dir: Path, size: int = 3) -> RedisCluster:
+    """A Redis Cluster of ``size`` local primaries, slots assigned, ``cluster_state:ok``."""
+    cluster = RedisCluster(data_dir, size=size)
+    cluster.start()
+    return cluster
 
 
 class ContainerServer:
@@ -225,6 +240,8 @@ __all__ = [
     "kill_all",
     "proc_identity",
     "start_nats",
+    "start_nats_cluster",
     "start_redis",
+    "start_redis_cluster",
     "wait_until",
 ]

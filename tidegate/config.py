@@ -631,7 +631,8 @@ def _check(config: Config) -> None:
         raise ConfigError(f"nats.subject_prefix: {exc}") from None
     for url_name, url, schemes in (
         ("nats.url", config.nats.url, ("nats://", "tls://", "ws://", "wss://")),
-        ("redis.url", config.redis.url, ("redis://", "rediss://", "unix://")),
+        ("redis.url", config.redis.url, ("redis://", "rediss://", "unix://",
+                                         "redis+cluster://", "rediss+cluster://")),
     ):
         if not any(part.strip().startswith(schemes) for part in url.split(",")):
             raise ConfigError(f"{url_name}: expected a URL starting with "

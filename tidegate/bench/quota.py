@@ -99,6 +99,7 @@ def _policies() -> Any:
 
 async def _measure(url: str, prefix: str, index: int, concurrency: int, reconcile: bool,
                    window: float, ready: Any, go: Any, times: Any) -> dict[str, Any]:
+    import redis.asyncio as aioredis
     from redis.asyncio.connection import Connection
 
     from dispatcher.admission import QuotaAdmission
@@ -117,6 +118,8 @@ async def _measure(url: str, prefix: str, index: int, concurrency: int, reconcil
             await super().send_packed_command(command, check_health)
 
     client = connect(url, timeout=5.0)  # the dispatcher's client settings
+    if not isinstance(client, aioredis.Redis):
+        raise ValueError("the quota round-trip count needs a single Redis, not a cluster URL")
     client.connection_pool.connection_class = Counting
     store = QuotaStore(client, prefix=prefix, window=window, lease=1800.0)
     admission = QuotaAdmission(store, _policies(), {MODEL: ModelConfig(name=MODEL)},
