@@ -40,10 +40,12 @@ from tidegate.control.policies import PolicySet, ensure_policies_bucket, watch_p
 from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
 from tidegate.telemetry import telemetry as tm
+from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.cancels import CancelRegistry
 from tidegate.wire.protocol import RESERVED_HEADER, Admission, Request, Status, UsageRecord
 
 log = logging.getLogger("tidegate.dispatcher")
+BAD_INPUT = BadInput("dispatcher", log)
 
 
 class Dispatcher:
@@ -75,7 +77,15 @@ class Dispatcher:
             request = Request.decode(msg.data)
         except ProtocolError as exc:
             # Redelivering a message nobody can read helps no one.
-            log.error("terminating malformed request message: %s", exc)
+            BAD_INPUT.drop("request", "malformed", str(exc))
+            await msg.term()
+            return
+        # The dispatcher answers on request.reply: only an edge inbox may be
+        # named there, or a forged request could make it publish anywhere.
+        inbox = f"{self.config.nats.subjects.prefix}.out."
+        if not request.reply.startswith(inbox) or (request.mux and
+                                                   not request.mux.startswith(inbox)):
+            BAD_INPUT.drop("request", "bad_reply_subject", request.reply)
             await msg.term()
             return
         # Each message runs in its own task (tidegate.pull), so the log
@@ -161,7 +171,7 @@ class Reconciler:
         try:
             record = UsageRecord.decode(msg.data)
         except ProtocolError as exc:
-            log.error("terminating malformed usage record: %s", exc)
+            BAD_INPUT.drop("usage", "malformed", str(exc))
             await msg.term()
             return
         try:

@@ -36,7 +36,7 @@ from aiohttp.http_writer import StreamWriter
 
 from edge import instrument
 from edge.errors import error_response, from_info, sse_error_event
-from edge.session import Session
+from edge.session import BAD_INPUT, Session
 from tidegate.config import Config
 from tidegate.errors import ApiError, unavailable
 from tidegate.wire.flow import AckPolicy
@@ -202,7 +202,16 @@ class Relay:
                 # While this relay holds taken messages, a chunk arriving
                 # behind them must queue too, not overtake them to the socket.
                 session.direct = None
-                done = await self._handle(messages, now)
+                try:
+                    done = await self._handle(messages, now)
+                except (TypeError, ValueError, AttributeError) as exc:
+                    # A well-framed message with fields of the wrong type
+                    # (decode_session checks framing, not types, to keep the
+                    # chunk path cheap): this stream cannot go on, the edge can.
+                    BAD_INPUT.drop("session", "wrong_types", repr(exc))
+                    raise ApiError(502, "The gateway received a malformed message for this "
+                                        "response.", type="server_error",
+                                   code="protocol_error", retryable=True) from None
                 if self.phase is Phase.STREAMING:
                     self.last_worker_msg = now
                 if done:

@@ -29,11 +29,14 @@ from collections import deque
 from collections.abc import Callable
 
 from tidegate.errors import ApiError, ProtocolError
+from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.mux import decode_mux
 from tidegate.wire.protocol import Chunk, SessionMessage, decode_session
 from tidegate.wire.subjects import MUX_TOKEN
 
 log = logging.getLogger("tidegate.edge")
+#: Broker input this edge dropped (counted, logged at a rate limit).
+BAD_INPUT = BadInput("edge", log)
 
 
 class Session:
@@ -152,7 +155,7 @@ class SessionTable:
             frames = decode_mux(data)
         except ProtocolError as exc:
             # The sessions it was for see a sequence gap, or go silent and time out.
-            log.error("dropping malformed mux message: %s", exc)
+            BAD_INPUT.drop("mux", "malformed", str(exc))
             return
         for request_id, message in frames:
             self._deliver(request_id, message)
@@ -167,4 +170,8 @@ class SessionTable:
         try:
             session.feed(decode_session(data))
         except ProtocolError as exc:
-            log.error("dropping malformed message for %s: %s", request_id, exc)
+            BAD_INPUT.drop("session", "malformed", f"{request_id}: {exc}")
+        except (TypeError, ValueError, AttributeError) as exc:
+            # Framed right, typed wrong, caught by the direct chunk writer
+            # (a try costs nothing until it raises: the chunk path is unchanged).
+            BAD_INPUT.drop("session", "wrong_types", f"{request_id}: {exc!r}")

@@ -41,6 +41,7 @@ from tidegate.control.workers_registry import ReplicaSlot, SlotInfo
 from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
 from tidegate.telemetry import telemetry as tm
+from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.cancels import CancelRegistry
 from tidegate.wire.mux import Outbox, batch_limit
 from tidegate.wire.protocol import Ack, Request, UsageRecord, decode_control
@@ -49,6 +50,7 @@ from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
 from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
 
 log = logging.getLogger("tidegate.worker")
+BAD_INPUT = BadInput("worker", log)
 
 
 class Pool:
@@ -93,7 +95,7 @@ class Pool:
         try:
             message = decode_control(msg.data)
         except ProtocolError as exc:
-            log.warning("malformed control message: %s", exc)
+            BAD_INPUT.drop("control", "malformed", str(exc))
             return
         job = self.jobs.get(message.request_id)
         if job is None:
@@ -115,7 +117,7 @@ class Pool:
         try:
             request = Request.decode(msg.data)
         except ProtocolError as exc:
-            log.error("terminating malformed job: %s", exc)
+            BAD_INPUT.drop("job", "malformed", str(exc))
             await msg.term()
             return
         # This task is the job's: the binding ends with it.
@@ -139,6 +141,14 @@ class Pool:
                                               attempt=attempt, reserved=reserved(msg)))
             await msg.ack()
             return
+        # A job answers on request.reply: only an edge inbox may be named there,
+        # whatever the envelope says (it came off the broker, untrusted).
+        inbox = f"{self.config.nats.subjects.prefix}.out."
+        if not request.reply.startswith(inbox) or (request.mux and
+                                                   not request.mux.startswith(inbox)):
+            BAD_INPUT.drop("job", "bad_reply_subject", request.reply)
+            await msg.term()
+            return
         if group is not None and self.routing is not None:
             verdict = await self.routing.claim(msg, request.id)
             if verdict == Claim.DROP:
@@ -151,7 +161,12 @@ class Pool:
             await self.routing.note_home(msg, request.model, group.replica, group)
         if group is not None:
             group.changed()
-        job = Job(msg, request, backend, self.ctx)
+        try:
+            job = Job(msg, request, backend, self.ctx)
+        except (ValueError, TypeError) as exc:
+            BAD_INPUT.drop("job", "invalid", repr(exc))
+            await msg.term()
+            return
         self.jobs[request.id] = job
         try:
             await job.run()
@@ -161,7 +176,9 @@ class Pool:
             # Unacked: JetStream redelivers it (up to worker.max_deliver).
             log.exception("job %s failed", request.id)
         finally:
-            del self.jobs[request.id]
+            # A second job with the same id (a replay) must not unregister the first.
+            if self.jobs.get(request.id) is job:
+                del self.jobs[request.id]
             job.release()
 
     async def pull(self, js: JetStreamContext, model: ModelConfig, backend: Backend,

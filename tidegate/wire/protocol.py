@@ -156,7 +156,7 @@ class Request:
         if version != VERSION:
             raise ProtocolError(f"unsupported request envelope version {version!r}")
         try:
-            return cls(
+            request = cls(
                 id=_str(m, "id"),
                 reply=_str(m, "reply"),
                 model=_str(m, "model"),
@@ -178,6 +178,10 @@ class Request:
             )
         except (KeyError, ValueError, TypeError, OverflowError) as exc:
             raise ProtocolError(f"malformed request envelope: {exc!r}") from exc
+        # Invariants every tier relies on; an envelope from the broker is untrusted.
+        if not request.id or request.window_bytes < 1 or request.window_msgs < 1:
+            raise ProtocolError("malformed request envelope: empty id or a window below 1")
+        return request
 
 
 @dataclass(frozen=True, slots=True)
