@@ -29,9 +29,10 @@ from aiohttp.web_protocol import RequestPayloadError
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from edge import batches, files, instrument
+from edge import batches, files, instrument, resume
 from edge.auth import KeyTable, Principal
 from edge.errors import error_response, from_http_exception
+from edge.logreader import StreamLog
 from edge.relay import Publisher, Relay, RelayContext
 from edge.session import SessionTable
 from edge.validation import Validated
@@ -39,10 +40,12 @@ from edge.validation_responses import validate_request
 from edge.ws_hub import WsHub
 from tidegate.broker import broker
 from tidegate.config import Config, EdgeConfig, ModelConfig
+from tidegate.control.tenants import TenantTable
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
 from tidegate.telemetry import logs, telemetry
 from tidegate.telemetry.observability import metrics_handler
 from tidegate.telemetry.telemetry import Telemetry
+from tidegate.wire import streamlog
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.subjects import Subjects
 
@@ -83,10 +86,15 @@ class EdgeState:
     draining: bool = False
     telemetry: Telemetry = field(default_factory=telemetry.get)
     sockets: WsHub = field(default_factory=WsHub)  # open WebSockets (edge/ws.py)
+    tenants: TenantTable = field(default_factory=TenantTable)  # followed from <P>_TENANTS
+    # The reader of resumable streams' logs (edge.logreader): SSE resume here,
+    # and every other reader (WebSocket, Responses, batch) uses it too.
+    streamlog: StreamLog = field(init=False)
 
     def __post_init__(self) -> None:
         self.models = self.config.model_index()
         self.relay = RelayContext(self.config, NatsPublisher(self.nc, self.config.nats.subjects))
+        self.streamlog = StreamLog(self.nc, self.js, self.config)
 
 
 STATE: web.AppKey[EdgeState] = web.AppKey("tidegate_edge_state", EdgeState)
@@ -122,6 +130,8 @@ def build_app(state: EdgeState) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     files.register(app, state)
     batches.register(app, state)
+    app.router.add_get("/v1/streams/{request_id}", get_stream)
+    app.router.add_post("/v1/streams/{request_id}/cancel", cancel_stream)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler(state.telemetry))
@@ -150,6 +160,22 @@ async def list_models(request: web.Request) -> web.Response:
     data = [{"id": name, "object": "model", "created": created, "owned_by": "tidegate"}
             for name in state.models]
     return web.json_response({"object": "list", "data": data})
+
+
+async def get_stream(http: web.Request) -> web.StreamResponse:
+    """Resume a stream (docs/resume.md)."""
+    state = http.app[STATE]
+    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    return await resume.stream_events(http, state.streamlog, state.config, principal.tenant)
+
+
+async def cancel_stream(http: web.Request) -> web.StreamResponse:
+    """Cancel a stream from any edge (docs/resume.md)."""
+    state = http.app[STATE]
+    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    return await resume.cancel_stream(http.match_info["request_id"], principal.tenant,
+                                      state.sessions, state.streamlog,
+                                      state.relay.publisher.tombstone)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -260,7 +286,9 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
     raw = await _read_body(http, config.edge.max_body_bytes, config.edge.body_timeout)
     valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth)
-    request = build_request(state, principal, valid, rt.carrier)
+    grace = resume.resume_grace(http.headers, state.tenants, principal.tenant, valid.model,
+                                config)
+    request = build_request(state, principal, valid, rt.carrier, grace)
     request_id = request.id
     subjects = config.nats.subjects
     rt.started_request(request)
@@ -268,11 +296,13 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     # Invariant: subscribed before publishing. The edge's inbox wildcard is
     # subscribed for the life of the process; opening the session makes the
     # dispatch table route this request's subject before anyone can answer.
-    session = state.sessions.open(request_id, session_tick(config))
+    session = state.sessions.open(request_id, session_tick(config), principal.tenant)
     log_token = logs.bind(request_id, principal.tenant, rt.trace_id)
     try:
         seq = await publish_request(state, request, rt.carrier)
         headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
+        if request.resumable:
+            headers["x-tidegate-resumable"] = "true"
         log.debug("request %s published as %s seq %d", request_id, subjects.requests_stream, seq)
         # The relay needs the request's id, flags and window, not its prompt:
         # an edge holding 10,000 streams must not hold 10,000 prompts.
@@ -291,10 +321,12 @@ def session_tick(config: Config) -> float:
 
 
 def build_request(state: EdgeState, principal: Principal, valid: Validated,
-                  carrier: dict[str, str]) -> Request:
+                  carrier: dict[str, str], grace: float | None = None) -> Request:
     """The envelope for one validated generation, with a fresh request id
     (96 random bits); 403 if the key may not use the model. Shared by the
-    HTTP routes and the WebSocket adapter (``edge/ws.py``)."""
+    HTTP routes and the WebSocket adapter (``edge/ws.py``). ``grace``: a
+    resumable stream's grace (``edge.resume.resume_grace``); None = not
+    resumable."""
     if principal.models and not {valid.model.name, *valid.model.aliases} & set(principal.models):
         raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
                             f"{', '.join(principal.models)}.", type="permission_error",
@@ -321,12 +353,17 @@ def build_request(state: EdgeState, principal: Principal, valid: Validated,
         edge=state.edge_id,
         mux=subjects.edge_mux(state.edge_id),
         extra=dict(carrier),
+        resumable=grace is not None,
+        grace=grace or 0.0,
     )
 
 
 async def publish_request(state: EdgeState, request: Request,
                           trace_headers: dict[str, str]) -> int:
-    """Publish to the requests stream; returns its JetStream sequence number."""
+    """Publish to the requests stream; returns its JetStream sequence number.
+    A resumable request's stream log is opened first."""
+    if request.resumable:
+        await _open_log(state, request)
     subject = state.config.nats.subjects.request(request.klass, request.tenant)
     try:
         payload = request.encode()
@@ -350,3 +387,16 @@ async def publish_request(state: EdgeState, request: Request,
         raise unavailable(f"The broker is unavailable ({type(exc).__name__}); retry later.",
                           code="broker_unavailable", retry_after=2) from None
     return int(ack.seq)
+
+
+async def _open_log(state: EdgeState, request: Request) -> None:
+    """The stream log's first entry (its tenant), stored before the request is
+    published: a resume can then never find a stream without its owner."""
+    entry = streamlog.LogOpen(request.tenant, request.stream, int(request.api),
+                              request.created_ms, request.grace)
+    try:
+        await state.js.publish(streamlog.subject(state.config.nats.subjects, request.id),
+                               entry.encode())
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise unavailable(f"The stream log is unavailable ({type(exc).__name__}); retry "
+                          "later.", code="broker_unavailable", retry_after=2) from None

@@ -35,10 +35,11 @@ from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
 from edge import instrument
-from edge.errors import error_response, from_info, sse_error_event
+from edge.errors import error_response, from_info, sse_error_event, to_info
 from edge.session import BAD_INPUT, Session
 from tidegate.config import Config
 from tidegate.errors import ApiError, unavailable
+from tidegate.wire import streamlog
 from tidegate.wire.flow import AckPolicy
 from tidegate.wire.protocol import (
     Ack,
@@ -46,6 +47,7 @@ from tidegate.wire.protocol import (
     Api,
     Cancel,
     Chunk,
+    Detach,
     Done,
     Error,
     Head,
@@ -56,6 +58,8 @@ from tidegate.wire.protocol import (
 )
 
 log = logging.getLogger("tidegate.edge")
+
+CLIENT_CANCEL = "client_cancel"  # workers.job.CLIENT_CANCEL: readers get a final event
 
 _DONE = b"data: [DONE]\n\n"
 _PING = b": ping\n\n"
@@ -98,9 +102,9 @@ class Relay:
 
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
     __slots__ = ("acks", "body_parts", "body_size", "control", "ctx", "expected_seq",
-                 "headers", "high_water", "http", "last_ack", "last_worker_msg", "last_write",
-                 "phase", "request", "response", "session", "started", "upstream_done",
-                 "wrote_chunks")
+                 "headers", "high_water", "http", "ids", "last_ack", "last_worker_msg",
+                 "last_write", "phase", "request", "response", "session", "started",
+                 "upstream_done", "wrote_chunks")
 
     def __init__(self, http: web.Request, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
@@ -121,6 +125,9 @@ class Relay:
         self.started = self.last_worker_msg = self.last_write = time.monotonic()
         self.high_water = max(4096, request.window_bytes // 4)
         self.last_ack = time.monotonic()
+        # A resumable stream numbers its SSE events (tidegate.wire.streamlog);
+        # None for every other request, whose bytes go out as they came.
+        self.ids = streamlog.EventIds() if request.resumable and request.stream else None
 
     # -- entry point ---------------------------------------------------------
 
@@ -132,23 +139,52 @@ class Relay:
             return response
         except ApiError as error:
             finished = True
-            await self._cancel_upstream(f"edge:{error.code or error.type}")
+            await self._cancel_upstream(CLIENT_CANCEL if error.code == "stream_cancelled"
+                                        else f"edge:{error.code or error.type}")
             return await self._fail(error)
         except SlowClient:
             finished = True
             log.info("request %s: client did not drain for %.0fs; disconnected", self.request.id,
                      self.ctx.config.edge.slow_client_timeout)
-            await self._cancel_upstream("slow_client")
+            await self._leave("slow_client")
             assert self.response is not None
             return self.response
         finally:
             if not finished:
                 # Client went away (handler cancelled) or an unexpected error:
-                # whatever runs upstream for this request is now waste.
-                await self._cancel_upstream("client_disconnected")
+                # whatever runs upstream for this request is now waste, unless
+                # the stream is resumable and the client may come back.
+                await self._leave("client_disconnected")
+
+    async def _leave(self, reason: str) -> None:
+        """The client is gone: cancel, or, for a resumable stream, detach (the
+        worker generates on into the log for the stream's grace)."""
+        if not self.request.resumable:
+            await self._cancel_upstream(reason)
+            return
+        if self.upstream_done:
+            return
+        self.upstream_done = True
+        log.info("request %s: client left a resumable stream (%s)", self.request.id, reason)
+        if self.control:
+            # Before any Head there is no worker to tell: the one that starts
+            # it sees no ack and detaches at its ack timeout.
+            try:
+                await self.ctx.publisher.publish(self.control,
+                                                 Detach(self.request.id, "").encode())
+            except Exception as exc:
+                log.warning("could not publish detach for %s: %s", self.request.id, exc)
 
     async def _fail(self, error: ApiError) -> web.StreamResponse:
         instrument.failed(error)
+        if self.request.resumable and self.phase is not Phase.STREAMING:
+            # No worker wrote to the log yet: the log's readers learn the end here.
+            try:
+                await self.ctx.publisher.publish(
+                    streamlog.subject(self.ctx.config.nats.subjects, self.request.id),
+                    Error(0, to_info(error)).encode())
+            except Exception as exc:
+                log.warning("could not log the end of %s: %s", self.request.id, exc)
         if self.response is None:
             response = error_response(error)
             # Request id and rate-limit headers belong on errors too: a 429
@@ -292,6 +328,9 @@ class Relay:
         if out:
             data = out[0] if len(out) == 1 else b"".join(out)
             if self.request.stream:
+                ids = self.ids
+                if ids is not None:
+                    data = ids.frame(data)
                 await self._write(data)
                 if not self.wrote_chunks:
                     instrument.first_byte()
@@ -363,6 +402,9 @@ class Relay:
     async def _start_stream(self) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self.headers})
         await response.prepare(self.http)
+        if self.ids is not None:
+            # Before any event: how long an EventSource waits to reconnect.
+            await response.write(streamlog.retry_field(self.ctx.config.resume.retry_ms))
         transport = self.http.transport
         if transport is not None:
             # Keep what sits in user space per connection small: _write then
@@ -401,7 +443,8 @@ class Relay:
         """:meth:`_direct`, when this response can take raw chunked frames:
         headers sent, chunked transfer encoding (HTTP/1.1), no compression."""
         writer = self.response._payload_writer if self.response is not None else None
-        if (writer is None or not isinstance(writer, StreamWriter) or not writer.chunked
+        if (writer is None or self.ids is not None or not isinstance(writer, StreamWriter)
+                or not writer.chunked
                 or not writer._headers_written or writer._compress is not None
                 or writer.length is not None):
             return None

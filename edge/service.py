@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from edge import resume
 from edge.app import EdgeState, build_app
 from edge.auth import KeyTable
 from edge.guard import GuardedSite
@@ -28,7 +29,9 @@ from tidegate.broker import broker
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.config import Config
 from tidegate.control.keys import ensure_keys_bucket, watch_keys
+from tidegate.control.tenants import TenantTable, ensure_tenants_bucket, watch_tenants
 from tidegate.errors import ApiError
+from tidegate.wire import streamlog
 
 log = logging.getLogger("tidegate.edge")
 
@@ -83,16 +86,34 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         js = broker.jetstream(nc, config.nats)
         await broker.ensure_streams(js, config)
         keys = KeyTable(config.api_keys())
-        async with _keys_watch(js, config, keys):
-            await _serve_http(config, stop, edge_id, nc, js, keys)
+        tenants = TenantTable()
+        async with _keys_watch(js, config, keys), _tenants_watch(js, config, tenants):
+            await _serve_http(config, stop, edge_id, nc, js, keys, tenants)
     finally:
         # After the keys watch has stopped: it must not see NATS close under it.
         await broker.close(nc)
         log.info("edge %s stopped", edge_id)
 
 
+@contextlib.asynccontextmanager
+async def _tenants_watch(js: JetStreamContext, config: Config,
+                         tenants: TenantTable) -> AsyncIterator[None]:
+    """Keep ``tenants`` (per-tenant settings: resumable) in step with ``<P>_TENANTS``."""
+    kv = await ensure_tenants_bucket(js, config)
+    synced = asyncio.Event()
+    task = asyncio.create_task(watch_tenants(kv, tenants, on_synced=synced.set),
+                               name="tidegate-edge-tenants-watch")
+    task.add_done_callback(_report_watch_exit)
+    try:
+        await wait_synced(synced, config.nats.request_timeout, "tenant settings")
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NATS,
-                      js: JetStreamContext, keys: KeyTable) -> None:
+                      js: JetStreamContext, keys: KeyTable, tenants: TenantTable) -> None:
     subjects = config.nats.subjects
     if not len(keys):
         log.warning("no API keys configured: every request will get 401 "
@@ -104,10 +125,14 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     # NatsPublisher.tombstone): the bucket must exist for them to be stored.
     await broker.ensure_cancels_bucket(js, config)
     state = EdgeState(config=config, edge_id=edge_id, nc=nc, js=js, keys=keys,
-                      sessions=sessions)
+                      sessions=sessions, tenants=tenants)
 
     async def on_out(msg: Msg) -> None:
         sessions.dispatch(msg.subject, msg.data)
+
+    # POST /v1/streams/{id}/cancel made on another edge (edge.resume).
+    await nc.subscribe(streamlog.edge_cancel_subject(subjects),
+                       cb=resume.remote_cancel_handler(sessions))
 
     # Flow control bounds what each session has in flight, so these limits are
     # a backstop against a misbehaving worker, not the normal bound.

@@ -41,10 +41,11 @@ BAD_INPUT = BadInput("edge", log)
 
 class Session:
     __slots__ = ("_loop", "_pending", "_tick_handle", "_tick_interval", "_waiter",
-                 "aborted", "direct", "request_id", "ticked")
+                 "aborted", "direct", "request_id", "tenant", "ticked")
 
-    def __init__(self, request_id: str, tick_interval: float) -> None:
+    def __init__(self, request_id: str, tick_interval: float, tenant: str = "") -> None:
         self.request_id = request_id
+        self.tenant = tenant  # who may cancel it (POST /v1/streams/{id}/cancel)
         self._loop = asyncio.get_running_loop()
         self._pending: deque[SessionMessage] = deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -122,11 +123,14 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, request_id: str, tick_interval: float) -> Session:
-        session = Session(request_id, tick_interval)
+    def open(self, request_id: str, tick_interval: float, tenant: str = "") -> Session:
+        session = Session(request_id, tick_interval, tenant)
         self._sessions[request_id] = session
         self._empty.clear()
         return session
+
+    def get(self, request_id: str) -> Session | None:
+        return self._sessions.get(request_id)
 
     def open_sessions(self) -> list[Session]:
         return list(self._sessions.values())

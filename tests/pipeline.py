@@ -52,7 +52,8 @@ class Pipeline:
 
     def __init__(self, workdir: Path, nats_url: str, redis_url: str,
                  overrides: Mapping[str, Any] | None = None, workers: int = 1,
-                 env: Mapping[str, str] | None = None, metrics: bool = False) -> None:
+                 env: Mapping[str, str] | None = None, metrics: bool = False,
+                 edges: int = 1) -> None:
         self.workdir = workdir
         self.env = dict(env) if env else None
         self.metrics = metrics
@@ -78,9 +79,25 @@ class Pipeline:
         self.dispatchers = [self.dispatcher]
         self.workers = [self._process("worker", f"worker{i}") for i in range(workers)]
         self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"))
+        # More edges (``edges`` > 1), each on a port of its own: edge_urls[i].
+        self.edge_ports = [self.port] + [free_port() for _ in range(edges - 1)]
+        self.extra_edges = [self._edge(i) for i in range(1, edges)]
+
+    def _edge(self, i: int) -> ManagedProcess:
+        url = f"http://127.0.0.1:{self.edge_ports[i]}"
+        return self._process("edge", f"edge{i}", ready=lambda: http_ok(f"{url}/readyz"),
+                             args=["--port", str(self.edge_ports[i])])
+
+    @property
+    def edges(self) -> list[ManagedProcess]:
+        return [self.edge, *self.extra_edges]
+
+    @property
+    def edge_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.edge_ports]
 
     def _process(self, tier: str, name: str | None = None,
-                 ready: Any = None) -> ManagedProcess:
+                 ready: Any = None, args: list[str] | None = None) -> ManagedProcess:
         name = name or tier
         env: dict[str, str] | None = None
         if self.env or (self.metrics and tier != "edge"):
@@ -89,7 +106,8 @@ class Pipeline:
                 port = self.metrics_ports[name] = free_port()
                 env[METRICS_PORT_ENV] = str(port)
         return ManagedProcess(
-            name, [sys.executable, "-m", "tidegate", tier, "--config", str(self.config_path)],
+            name, [sys.executable, "-m", "tidegate", tier, "--config", str(self.config_path),
+                   *(args or [])],
             self.workdir / "logs" / f"{name}.log", env=env, ready=ready, start_timeout=30.0)
 
     def metrics_url(self, name: str) -> str:
@@ -113,7 +131,7 @@ class Pipeline:
 
     @property
     def processes(self) -> list[ManagedProcess]:
-        return [self.edge, *self.workers, *self.dispatchers]
+        return [self.edge, *self.extra_edges, *self.workers, *self.dispatchers]
 
     def start(self) -> None:
         for dispatcher in self.dispatchers:
@@ -121,6 +139,8 @@ class Pipeline:
         for worker in self.workers:
             worker.spawn()
         self.edge.start()
+        for edge in self.extra_edges:
+            edge.start()
         if self.workers:
             self.wait_serving()
 

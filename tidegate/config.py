@@ -93,6 +93,8 @@ class ModelConfig:
     reserve_max_tokens: int = 1024
     simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
     queue: QueueModeConfig = field(default_factory=QueueModeConfig)
+    # Every streaming request for this model is resumable (docs/resume.md).
+    resumable: bool = False
 
     @property
     def backend_model(self) -> str:
@@ -288,6 +290,21 @@ class BatchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeConfig:
+    """Resumable streams (docs/resume.md)."""
+
+    retention: float = 600.0  # how long a stream's log can be read after it was written
+    grace: float = 15.0  # generation continues this long after the last reader left
+    max_grace: float = 300.0  # cap on a request's X-Tidegate-Resume-Grace
+    max_stream_bytes: int = 8 << 20  # log bound per stream; past it, no resume
+    max_bytes: int = 1 << 30  # the whole log stream (oldest streams age out first)
+    retry_ms: int = 1000  # the SSE `retry:` the client's EventSource waits before reconnecting
+    # A resumed reader re-attaches this often; the worker drops a reader it has
+    # not heard from for 3 of these (an edge killed without a word).
+    attach_interval: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class AuthConfig:
     keys: tuple[str, ...] = ()  # static API keys, tenant "default"
     dev_key: str = ""
@@ -313,6 +330,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
     models: tuple[ModelConfig, ...] = (ModelConfig(name="tidegate-sim", aliases=("sim",)),)
 
     def model_index(self) -> dict[str, ModelConfig]:
@@ -637,6 +655,13 @@ def _check(config: Config) -> None:
         if not any(part.strip().startswith(schemes) for part in url.split(",")):
             raise ConfigError(f"{url_name}: expected a URL starting with "
                               f"{' or '.join(schemes)}, got {url!r}")
+    r = config.resume
+    for name, value in (("retention", r.retention), ("max_grace", r.max_grace),
+                        ("max_stream_bytes", r.max_stream_bytes), ("max_bytes", r.max_bytes),
+                        ("retry_ms", r.retry_ms), ("attach_interval", r.attach_interval)):
+        _positive(f"resume.{name}", value)
+    if not 0 <= r.grace <= r.max_grace:
+        raise ConfigError(f"resume.grace: must be in [0, resume.max_grace], got {r.grace}")
     if not config.models:
         raise ConfigError("models: at least one [[models]] entry is required")
     names = config.model_index()

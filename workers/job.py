@@ -48,7 +48,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -80,6 +80,25 @@ log = logging.getLogger("tidegate.worker")
 
 WORKER_SHUTDOWN = "worker_shutdown"
 ACK_TIMEOUT = "ack_timeout"
+# POST /v1/streams/{id}/cancel: every reader gets a final event saying so.
+CLIENT_CANCEL = "client_cancel"
+# A resumable stream's last reader left and none came back within the grace.
+RESUME_GRACE = "resume_grace"
+
+# Why a job ended early, as the error its edge (and the stream log) is sent.
+_CANCEL_ERRORS = {
+    WORKER_SHUTDOWN: ApiError(503, "The worker running this request is shutting down.",
+                              type="server_error", code=WORKER_SHUTDOWN, retryable=True,
+                              retry_after=1),
+    ACK_TIMEOUT: ApiError(503, "The client stopped acknowledging output; the request was "
+                               "cancelled.", type="server_error", code=ACK_TIMEOUT,
+                          retryable=True, retry_after=1),
+    CLIENT_CANCEL: ApiError(409, "The stream was cancelled (POST /v1/streams/{id}/cancel).",
+                            type="invalid_request_error", code="stream_cancelled"),
+    RESUME_GRACE: ApiError(409, "Every reader of this resumable stream left, and none came "
+                                "back within its grace; generation was stopped.",
+                           type="invalid_request_error", code="stream_abandoned"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +112,9 @@ class JobContext:
     # Coalesces messages to the same edge (None: one NATS message per session
     # message, as with an edge that does not advertise a mux subject).
     outbox: Outbox | None = None
+    # Batches resumable streams' stream-log entries (workers.resumable); the
+    # same outbox as ``outbox`` when there is one.
+    log_outbox: Outbox | None = None
 
     async def report(self, record: UsageRecord) -> None:
         """Publish a usage record to the TG_USAGE stream.
@@ -136,6 +158,10 @@ def _info(error: ApiError) -> ErrorInfo:
 
 
 class Job:
+    # Called with every chunk message a resumable job sends (workers.resumable
+    # sets it); None here, so a default job's chunk path only tests a local.
+    _log_put: Callable[[bytes], None] | None = None
+
     def __init__(self, msg: Msg, request: Request, backend: Backend, ctx: JobContext) -> None:
         self.msg = msg
         self.request = request
@@ -298,12 +324,8 @@ class Job:
             await self.msg.nak()  # nothing reached the client: another worker takes over
             return
         await self._report("cancelled")
-        if reason in (WORKER_SHUTDOWN, ACK_TIMEOUT):
-            message = ("The worker running this request is shutting down." if
-                       reason == WORKER_SHUTDOWN else
-                       "The client stopped acknowledging output; the request was cancelled.")
-            error = ApiError(503, message, type="server_error", code=reason, retryable=True,
-                             retry_after=1)
+        error = _CANCEL_ERRORS.get(reason)
+        if error is not None:  # the edge (or the log's readers) may still listen
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
         await self.msg.ack()
@@ -388,6 +410,7 @@ class Job:
         read_bytes = self.ctx.config.worker.read_bytes
         publish, reply = self.ctx.nc.publish, self.request.reply
         outbox, mux, request_id = self.outbox, self.request.mux, self.request.id
+        log_put = self._log_put
         try:
             while True:
                 if not window.open:
@@ -403,10 +426,13 @@ class Job:
                 if not data:
                     break
                 seq = self._account(len(data))
+                message = encode_chunk(seq, data)
                 if outbox is not None:
-                    outbox.put(mux, request_id, encode_chunk(seq, data))
+                    outbox.put(mux, request_id, message)
                 else:
-                    await publish(reply, encode_chunk(seq, data))
+                    await publish(reply, message)
+                if log_put is not None:
+                    log_put(message)
         except BackendError as error:
             await self._fail(error)
             return
@@ -475,12 +501,20 @@ class Job:
         while True:
             await asyncio.sleep(min(tick, max(0.0, self.last_sent + interval - time.monotonic())))
             now = time.monotonic()
-            if now - self.last_ack_at >= session.ack_timeout:
-                self.cancel(ACK_TIMEOUT)
+            if now - self.last_ack_at >= session.ack_timeout and self._ack_timed_out():
                 return
+            self._on_tick(now)
             if now - self.last_sent >= interval:
                 self.seq += 1
                 await self._send(Heartbeat(self.seq).encode())
+
+    def _ack_timed_out(self) -> bool:
+        """No ack for the ack timeout: cancel (True: the watchdog stops)."""
+        self.cancel(ACK_TIMEOUT)
+        return True
+
+    def _on_tick(self, now: float) -> None:
+        """Once per watchdog tick (a resumable job expires its readers here)."""
 
     async def _keep_in_progress(self) -> None:
         interval = self.ctx.config.worker.ack_wait / 3

@@ -44,9 +44,10 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.cancels import CancelRegistry
 from tidegate.wire.mux import Outbox, batch_limit
-from tidegate.wire.protocol import Ack, Request, UsageRecord, decode_control
+from tidegate.wire.protocol import Ack, Attach, Cancel, Detach, Request, UsageRecord, decode_control
 from workers.backends import Backend, create_backend
 from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
+from workers.resumable import ResumableJob
 from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
 
 log = logging.getLogger("tidegate.worker")
@@ -100,10 +101,17 @@ class Pool:
         job = self.jobs.get(message.request_id)
         if job is None:
             return
-        if isinstance(message, Ack):
-            job.on_ack(message.seq)
-        else:
-            job.cancel(message.reason)
+        kind = type(message)
+        if kind is Ack:
+            job.on_ack(message.seq)  # type: ignore[union-attr]
+        elif kind is Cancel:
+            job.cancel(message.reason)  # type: ignore[union-attr]
+        elif isinstance(job, ResumableJob):
+            # Readers of a resumable stream; other jobs have only their edge.
+            if kind is Attach:
+                job.on_attach(message.reader)  # type: ignore[union-attr]
+            elif kind is Detach:
+                job.on_detach(message.reader)  # type: ignore[union-attr]
 
     def on_cancel(self, request_id: str, reason: str) -> None:
         """A tombstone from the cancels bucket."""
@@ -162,7 +170,7 @@ class Pool:
         if group is not None:
             group.changed()
         try:
-            job = Job(msg, request, backend, self.ctx)
+            job = (ResumableJob if request.resumable else Job)(msg, request, backend, self.ctx)
         except (ValueError, TypeError) as exc:
             BAD_INPUT.drop("job", "invalid", repr(exc))
             await msg.term()
@@ -277,8 +285,13 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     if config.worker.coalesce_bytes:
         outbox = Outbox(nc.publish, batch_limit(config.worker.coalesce_bytes, nc.max_payload))
         outbox.start()
+    # Resumable streams' log entries are batched even with coalescing off.
+    log_outbox = outbox
+    if log_outbox is None:
+        log_outbox = Outbox(nc.publish, batch_limit(128 << 10, nc.max_payload))
+        log_outbox.start()
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
-                     outbox=outbox)
+                     outbox=outbox, log_outbox=log_outbox)
     pool = Pool(config, ctx)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
     cancels = await broker.ensure_cancels_bucket(js, config)
@@ -330,7 +343,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     finally:
         for backend in [*backends.values(), *replica_backends.values()]:
             await backend.aclose()
-        if outbox is not None:
-            await outbox.close()  # the last jobs' Done and Error messages
+        await log_outbox.close()  # the last jobs' Done and Error messages (and log entries)
+        if outbox is not None and outbox is not log_outbox:
+            await outbox.close()
         await broker.close(nc)
         log.info("worker %s stopped", worker_id)

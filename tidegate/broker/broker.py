@@ -30,6 +30,7 @@ from nats.js.kv import KeyValue
 from tidegate.broker.kvwatch import follow_bucket, wait_synced
 from tidegate.config import Config, NatsConfig
 from tidegate.errors import BrokerError
+from tidegate.wire import streamlog
 
 log = logging.getLogger("tidegate.broker")
 
@@ -149,6 +150,20 @@ def _stream_configs(config: Config) -> list[StreamConfig]:
             duplicate_window=s.duplicate_window,
             max_age=s.usage_max_age,
             max_bytes=s.usage_max_bytes,
+        ),
+        # Resumable streams' logs (tidegate.wire.streamlog): kept for
+        # resume.retention, the oldest dropped first when the whole log is full.
+        StreamConfig(
+            name=streamlog.stream_name(subjects),
+            description="tidegate: resumable streams' output, workers -> any edge",
+            subjects=[streamlog.wildcard(subjects)],
+            retention=RetentionPolicy.LIMITS,
+            storage=storage,
+            num_replicas=s.replicas,
+            discard=DiscardPolicy.OLD,
+            max_age=config.resume.retention,
+            max_bytes=config.resume.max_bytes,
+            allow_direct=True,
         ),
     ]
 

@@ -86,6 +86,12 @@ class SendWindow:
         self.in_flight_bytes += nbytes
         return self.in_flight_bytes < self.max_bytes and len(in_flight) < self.max_msgs
 
+    def unbound(self) -> None:
+        """Stop limiting: what is sent is no longer waiting for a reader's acks
+        (a resumable stream whose reader left writes on into its log, which
+        holds it; see workers.resumable). The accounting goes on."""
+        self.max_bytes = self.max_msgs = 1 << 62
+
     def on_ack(self, seq: int) -> bool:
         """Apply a cumulative ack. Returns True if it freed anything.
 

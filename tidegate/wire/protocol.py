@@ -48,6 +48,10 @@ class Kind(IntEnum):
     ACK = 6
     CANCEL = 7
     MUX = 8  # several sessions' messages in one NATS message (tidegate.mux)
+    RETRANSMIT = 9  # edge -> worker: send again from this seq (a lost message)
+    ATTACH = 10  # edge -> worker: a reader of a resumable stream is here
+    DETACH = 11  # edge -> worker: that reader left
+    LOG_OPEN = 12  # first entry of a resumable stream's log (tidegate.wire.streamlog)
 
 
 _CHUNK = int(Kind.CHUNK)  # a plain int packs faster than the enum member (per chunk)
@@ -110,6 +114,11 @@ class Request:
     # different versions mix during a rolling upgrade.
     mux: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # Resumable stream (docs/resume.md): the worker also writes its messages to
+    # the stream log, and a reader leaving starts ``grace`` seconds of
+    # generation without one instead of a cancel.
+    resumable: bool = False
+    grace: float = 0.0
 
     def encode(self) -> bytes:
         """Raises :class:`ProtocolError` if the body holds a value msgpack cannot
@@ -141,6 +150,8 @@ class Request:
                 "edge": self.edge,
                 "mux": self.mux,
                 "extra": self.extra,
+                "resumable": self.resumable,
+                "grace": self.grace,
             }
         )
 
@@ -175,6 +186,8 @@ class Request:
                 edge=str(m.get("edge", "")),
                 mux=str(m.get("mux", "")),
                 extra=dict(m.get("extra") or {}),
+                resumable=bool(m.get("resumable", False)),
+                grace=float(m.get("grace", 0.0)),
             )
         except (KeyError, ValueError, TypeError, OverflowError) as exc:
             raise ProtocolError(f"malformed request envelope: {exc!r}") from exc
@@ -390,8 +403,44 @@ class Cancel(NamedTuple):
         return _pack([VERSION, Kind.CANCEL, 0, self.request_id, self.reason])
 
 
+class Retransmit(NamedTuple):
+    """Edge -> worker: a message was lost in transit (the edge saw a gap);
+    send every message from ``seq`` on again. Idempotent: a repeat, or one for
+    messages already resent, resends again; the edge drops what it already has."""
+
+    request_id: str
+    seq: int
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.RETRANSMIT, 0, self.request_id, self.seq])
+
+
+class Attach(NamedTuple):
+    """Edge -> worker: ``reader`` (a random id per reading connection) reads
+    this resumable stream. Sent again every ``resume.attach_interval``: a
+    reader not heard from for three of them is gone (its edge died)."""
+
+    request_id: str
+    reader: str
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.ATTACH, 0, self.request_id, self.reader])
+
+
+class Detach(NamedTuple):
+    """Edge -> worker: ``reader`` left (its client disconnected). For the
+    original connection ``reader`` is ``""``. Once no reader is left the
+    worker generates on for the request's grace, then cancels."""
+
+    request_id: str
+    reader: str
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.DETACH, 0, self.request_id, self.reader])
+
+
 SessionMessage = Status | Head | Chunk | Heartbeat | Done | Error
-ControlMessage = Ack | Cancel
+ControlMessage = Ack | Cancel | Retransmit | Attach | Detach
 
 _pack = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
@@ -443,6 +492,12 @@ def decode_control(data: bytes) -> ControlMessage:
             return Ack(str(t[3]), int(t[4]))
         if kind == Kind.CANCEL:
             return Cancel(str(t[3]), str(t[4]))
+        if kind == Kind.RETRANSMIT:
+            return Retransmit(str(t[3]), int(t[4]))
+        if kind == Kind.ATTACH:
+            return Attach(str(t[3]), str(t[4]))
+        if kind == Kind.DETACH:
+            return Detach(str(t[3]), str(t[4]))
     except ProtocolError:
         raise
     except Exception as exc:

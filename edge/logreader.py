@@ -1,0 +1,253 @@
+"""The edge's reader of resumable streams: replay, then live tail, from any edge.
+
+This is the one API every resumable reader uses: SSE resume
+(``GET /v1/streams/{id}``, ``edge.resume``), WebSocket resume, the Responses
+API's background mode / ``starting_after``, and batch results. Usage::
+
+    async with state.streamlog.read(request_id, principal.tenant, after=n) as reader:
+        reader.open          # LogOpen: tenant, stream (SSE or JSON body), api, created_ms
+        async for item in reader:
+            if isinstance(item, LogEvent):
+                ...          # item.id (1, 2, 3, ...), item.data: one SSE event,
+                             # b"data: {...}\\n\\n" without an "id:" line
+            else:            # LogEnd, always the last item
+                ...          # item.done (Done: usage) or item.error (ErrorInfo)
+
+``read`` raises :class:`tidegate.errors.ApiError` 404 ``stream_not_found``
+when the stream is unknown, expired, or another tenant's (never 403: that
+would tell the caller it exists). The iterator yields exactly the events
+with ``id > after``, each once, in order: first what the log already holds,
+then what the worker writes while the reader waits. The seam is exact
+because both come from one source, the JetStream log, read by one ordered
+consumer; event ids count events the same way on every edge
+(``tidegate.wire.streamlog``). ``after`` beyond the last event so far just
+waits for the live tail. ``await reader.next(within)`` is the same with a
+bound: ``None`` when nothing came within ``within`` seconds (write a
+keep-alive then). The iterator always ends with one :class:`LogEnd`, also
+when the worker died (``worker_lost``, after the edge's usual silence limit)
+or the stream was never picked up (``no_worker_available``).
+
+While a reader is inside the ``async with``, it counts as a reader of the
+stream: it attaches to the worker (``Attach`` every
+``resume.attach_interval``) and detaches on exit, so a stream with a reader
+keeps generating and one without stops after its grace.
+
+Memory: the consumer delivers into a bounded subscription queue (its
+limits below); what the client has not read stays in the log, in JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+
+from tidegate.config import Config
+from tidegate.errors import ApiError, ProtocolError
+from tidegate.wire import streamlog
+from tidegate.wire.protocol import Attach, Detach, ErrorInfo
+from tidegate.wire.streamlog import LogCursor, LogEnd, LogEvent, LogItem, LogOpen
+
+log = logging.getLogger("tidegate.edge")
+
+# The reader's subscription queue: the backstop between JetStream and a slow
+# client. Past it the client library drops messages and the ordered consumer
+# restarts after the last one it handed over: nothing is lost, and nothing
+# beyond this piles up in the edge.
+_PENDING_MSGS = 4096
+_PENDING_BYTES = 16 << 20
+
+
+def not_found() -> ApiError:
+    return ApiError(404, "No stream with this id (it may have expired, or was not resumable).",
+                    type="not_found_error", code="stream_not_found")
+
+
+def valid_id(request_id: str) -> bool:
+    """Request ids are 24 lower-case hex digits (96 random bits)."""
+    return len(request_id) == 24 and all(c in "0123456789abcdef" for c in request_id)
+
+
+class StreamLog:
+    """The stream log as this edge reads it; one per edge process."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, config: Config) -> None:
+        self.nc = nc
+        self.js = js
+        self.config = config
+        self.stream = streamlog.stream_name(config.nats.subjects)
+
+    async def lookup(self, request_id: str, tenant: str) -> LogOpen:
+        """The stream's :class:`LogOpen`, if it exists and is ``tenant``'s;
+        else 404 ``stream_not_found``."""
+        if not valid_id(request_id):
+            raise not_found()
+        subject = streamlog.subject(self.config.nats.subjects, request_id)
+        try:
+            raw = await self.js.get_msg(self.stream, seq=1, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            raise not_found() from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise ApiError(503, f"The stream log is unavailable ({type(exc).__name__}); "
+                                "retry later.", type="server_error",
+                           code="broker_unavailable", retryable=True, retry_after=2) from None
+        try:
+            first = streamlog.decode_entry(raw.data or b"")[0]
+        except (ProtocolError, IndexError):
+            raise not_found() from None
+        if not isinstance(first, LogOpen) or first.tenant != tenant:
+            raise not_found()
+        return first
+
+    def read(self, request_id: str, tenant: str, after: int = 0) -> LogReader:
+        return LogReader(self, request_id, tenant, after)
+
+
+class LogReader:
+    """One reader of one stream (see the module docstring)."""
+
+    def __init__(self, log_: StreamLog, request_id: str, tenant: str, after: int) -> None:
+        self._log = log_
+        self.request_id = request_id
+        self.tenant = tenant
+        self.after = after
+        self.reader_id = secrets.token_hex(8)
+        self.cursor = LogCursor(after)
+        self._psub: JetStreamContext.PushSubscription | None = None
+        self._ready: deque[LogItem] = deque()
+        self._attach: asyncio.Task[None] | None = None
+        self._attached_to = ""
+        self._last_entry = time.monotonic()
+        self.open: LogOpen = LogOpen("", True, 0, 0, 0.0)
+        self.last_id = after  # the id of the last event handed out
+
+    async def __aenter__(self) -> LogReader:
+        self.open = await self._log.lookup(self.request_id, self.tenant)
+        self.cursor.open = self.open
+        cfg = self._log.config
+        sub = await self._log.js.subscribe(
+            streamlog.subject(cfg.nats.subjects, self.request_id), stream=self._log.stream,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
+            idle_heartbeat=max(1.0, min(5.0, cfg.session.heartbeat_interval)),
+            pending_msgs_limit=_PENDING_MSGS, pending_bytes_limit=_PENDING_BYTES)
+        self._psub = sub
+        self._attach = asyncio.create_task(self._keep_attached(),
+                                           name=f"tidegate-attach-{self.request_id}")
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._attach is not None:
+            self._attach.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._attach
+        if self._psub is not None:
+            with contextlib.suppress(Exception):
+                await self._psub.unsubscribe()
+        if self._attached_to and not self.cursor.ended:
+            with contextlib.suppress(Exception):
+                await self._log.nc.publish(self._attached_to,
+                                           Detach(self.request_id, self.reader_id).encode())
+
+    def __aiter__(self) -> AsyncIterator[LogItem]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[LogItem]:
+        while True:
+            item = await self.next(None)
+            assert item is not None
+            yield item
+            if isinstance(item, LogEnd):
+                return
+
+    async def next(self, within: float | None) -> LogItem | None:
+        """The next item, or None when nothing came within ``within``
+        seconds (``None``: wait as long as it takes; the silence limits below
+        still end the stream). After the :class:`LogEnd`, raises
+        ``StopAsyncIteration``."""
+        deadline = None if within is None else time.monotonic() + within
+        while not self._ready:
+            if self.cursor.ended:
+                raise StopAsyncIteration
+            wait = self._silence_left()
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                self._ready.extend(self.cursor.fail(self._silence_error()))
+                break
+            assert self._psub is not None
+            try:
+                msg = await self._psub.next_msg(timeout=wait)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            self._last_entry = time.monotonic()
+            try:
+                entries = streamlog.decode_entry(msg.data)
+            except ProtocolError as exc:
+                log.error("stream %s: malformed log entry: %s", self.request_id, exc)
+                continue
+            for entry in entries:
+                self._ready.extend(self.cursor.feed(entry))
+            if self.cursor.control and self.cursor.control != self._attached_to:
+                await self._attach_now()
+        item = self._ready.popleft()
+        if isinstance(item, LogEvent):
+            self.last_id = item.id
+        return item
+
+    # -- silence limits, as the relay's ----------------------------------------
+
+    def _silence_left(self) -> float:
+        cfg = self._log.config
+        now = time.monotonic()
+        if self.cursor.control:  # a worker runs it: heartbeats are logged
+            limit = cfg.session.heartbeat_interval * cfg.session.worker_lost_after
+            return self._last_entry + limit - now
+        # Not started yet: as long as the edge waits for a worker, plus a margin
+        # for the original edge to write its own end.
+        waited = time.time() - self.open.created_ms / 1000
+        return cfg.edge.queue_timeout + cfg.session.heartbeat_interval - waited
+
+    def _silence_error(self) -> ErrorInfo:
+        if self.cursor.control:
+            return streamlog.WORKER_LOST
+        return ErrorInfo(503, "server_error", "no_worker_available",
+                         "No worker started this request in time.", True, 5.0)
+
+    # -- attaching to the worker -------------------------------------------------
+
+    async def _attach_now(self) -> None:
+        """Attach to the worker named by the (latest) Head, at once: a stream
+        in its grace must learn of the reader before the grace runs out."""
+        self._attached_to = self.cursor.control
+        if self.cursor.ended:
+            return
+        try:
+            await self._log.nc.publish(self._attached_to,
+                                       Attach(self.request_id, self.reader_id).encode())
+        except Exception as exc:
+            log.debug("attach for %s failed: %s", self.request_id, exc)
+
+    async def _keep_attached(self) -> None:
+        interval = self._log.config.resume.attach_interval
+        while True:
+            await asyncio.sleep(interval)
+            if self._attached_to and not self.cursor.ended:
+                try:
+                    await self._log.nc.publish(self._attached_to,
+                                               Attach(self.request_id, self.reader_id).encode())
+                except Exception as exc:  # broker down: the worker's lease covers a gap
+                    log.debug("attach for %s failed: %s", self.request_id, exc)

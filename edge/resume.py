@@ -1,0 +1,221 @@
+"""Resumable streams at the edge: opt-in, ``/v1/streams`` routes, remote cancel.
+
+* :func:`resume_grace` decides whether a request is resumable (header
+  ``X-Tidegate-Resumable``, the tenant's setting, the model's config) and with
+  which grace (``X-Tidegate-Resume-Grace``, the tenant's, ``resume.grace``).
+* ``GET /v1/streams/{request_id}`` replays a stream from ``Last-Event-ID`` (or
+  ``?after=N``) and follows its live tail, on any edge (``edge.logreader``).
+* ``POST /v1/streams/{request_id}/cancel`` cancels a stream at once,
+  resumable or not, from any edge: the edge holding the request's connection
+  (found with a core NATS request to every edge) ends it, and a resumable
+  stream's worker gets the cancel through its tombstone.
+
+Every route checks the caller's tenant: another tenant's id is 404
+``stream_not_found``, exactly as an unknown one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgpack
+from aiohttp import web
+from nats.aio.msg import Msg
+
+from edge.errors import sse_error_event
+from edge.logreader import LogReader, StreamLog, not_found, valid_id
+from edge.session import SessionTable
+from tidegate.config import Config, ModelConfig
+from tidegate.control.tenants import TenantTable
+from tidegate.errors import ApiError, invalid_request
+from tidegate.wire import streamlog
+from tidegate.wire.protocol import Error, ErrorInfo
+from tidegate.wire.streamlog import LogEnd, LogEvent
+
+log = logging.getLogger("tidegate.edge")
+
+RESUMABLE_HEADER = "X-Tidegate-Resumable"
+GRACE_HEADER = "X-Tidegate-Resume-Grace"
+_DONE = b"data: [DONE]\n\n"
+_PING = b": ping\n\n"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+CANCELLED = ApiError(409, "The stream was cancelled (POST /v1/streams/{id}/cancel).",
+                     type="invalid_request_error", code="stream_cancelled")
+_CANCELLED_INFO = ErrorInfo(409, "invalid_request_error", "stream_cancelled",
+                            CANCELLED.message, False, 0.0)
+# How long an edge waits for the edge holding a stream to answer a cancel.
+_REMOTE_CANCEL_TIMEOUT = 0.5
+
+
+def resume_grace(headers: object, tenants: TenantTable, tenant: str, model: ModelConfig,
+                 config: Config) -> float | None:
+    """The grace of a resumable request, or None when it is not resumable.
+
+    The header wins in both directions (``false`` turns a tenant's or model's
+    default off for one request); then the tenant's setting, then the model's.
+    """
+    get = headers.get  # type: ignore[attr-defined]
+    raw = get(RESUMABLE_HEADER)
+    settings = tenants.get(tenant)
+    if raw is not None:
+        value = raw.strip().lower()
+        if value in _FALSE:
+            return None
+        if value not in _TRUE:
+            raise invalid_request(f"{RESUMABLE_HEADER} must be true or false, got {raw!r}.",
+                                  code="invalid_header")
+    elif not ((settings is not None and settings.resumable) or model.resumable):
+        return None
+    grace = config.resume.grace
+    if settings is not None and settings.grace is not None:
+        grace = settings.grace
+    raw_grace = get(GRACE_HEADER)
+    if raw_grace is not None:
+        try:
+            grace = float(raw_grace)
+        except ValueError:
+            grace = -1.0
+        if not 0 <= grace <= config.resume.max_grace:
+            raise invalid_request(f"{GRACE_HEADER} must be seconds between 0 and "
+                                  f"{config.resume.max_grace:g}, got {raw_grace!r}.",
+                                  code="invalid_header")
+    return min(grace, config.resume.max_grace)
+
+
+def _after(http: web.Request) -> int:
+    raw = http.headers.get("Last-Event-ID")
+    if raw is None:
+        raw = http.query.get("after", "0")
+    try:
+        after = int(raw.strip() or "0")
+    except ValueError:
+        after = -1
+    if after < 0:
+        raise invalid_request(f"Last-Event-ID / after must be a non-negative event id, got "
+                              f"{raw!r}.", code="invalid_value", param="after")
+    return after
+
+
+async def stream_events(http: web.Request, streamlog_: StreamLog, config: Config,
+                        tenant: str) -> web.StreamResponse:
+    """``GET /v1/streams/{request_id}``: the events after ``Last-Event-ID``,
+    then the live tail, then ``data: [DONE]`` (or a final error event)."""
+    request_id = http.match_info["request_id"]
+    after = _after(http)
+    async with streamlog_.read(request_id, tenant, after) as reader:
+        headers = {"x-request-id": request_id, "x-tidegate-resumable": "true"}
+        if not reader.open.stream:
+            return await _body(reader, headers)
+        response = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", **headers})
+        await response.prepare(http)
+        await response.write(streamlog.retry_field(config.resume.retry_ms))
+        ping_every = config.session.heartbeat_interval
+        slow = config.edge.slow_client_timeout
+        while True:
+            try:
+                item = await reader.next(ping_every)
+            except StopAsyncIteration:
+                break
+            try:
+                async with asyncio.timeout(slow):
+                    if item is None:
+                        await response.write(_PING)
+                    elif isinstance(item, LogEvent):
+                        await response.write(b"id: %d\n%b" % (item.id, item.data))
+                    elif item.error is None:
+                        await response.write_eof(_DONE)
+                        break
+                    else:
+                        await response.write(sse_error_event(_api_error(item.error)))
+                        await response.write_eof()
+                        break
+            except TimeoutError:
+                if http.transport is not None:
+                    http.transport.abort()
+                break
+        return response
+
+
+async def _body(reader: LogReader, headers: dict[str, str]) -> web.Response:
+    """A non-streaming resumable request: its JSON body, once complete."""
+    parts: list[bytes] = []
+    async for item in reader:
+        if isinstance(item, LogEvent):
+            parts.append(item.data)
+        elif isinstance(item, LogEnd) and item.error is not None:
+            raise _api_error(item.error)
+    return web.Response(body=b"".join(parts), content_type="application/json", headers=headers)
+
+
+def _api_error(info: ErrorInfo) -> ApiError:
+    return ApiError(info.status, info.message, type=info.type, code=info.code or None,
+                    retryable=info.retryable, retry_after=info.retry_after)
+
+
+async def cancel_stream(request_id: str, tenant: str, sessions: SessionTable,
+                        streamlog_: StreamLog,
+                        tombstone: Callable[[str, str], Awaitable[None]]) -> web.Response:
+    """``POST /v1/streams/{request_id}/cancel``. Idempotent: cancelling a
+    stream that already ended (and is still in the log) answers 200 too."""
+    if not valid_id(request_id):
+        raise not_found()
+    ok = {"id": request_id, "object": "stream.cancel", "cancelled": True}
+    if local_cancel(sessions, request_id, tenant):
+        return web.json_response(ok)
+    nc = streamlog_.nc
+    cfg = streamlog_.config
+    payload = msgpack.packb([request_id, tenant])
+    try:
+        await streamlog_.lookup(request_id, tenant)
+    except ApiError as error:
+        if error.status != 404:
+            raise
+        # Not resumable (or unknown): only the edge holding it can tell.
+        try:
+            reply = await nc.request(streamlog.edge_cancel_subject(cfg.nats.subjects), payload,
+                                     timeout=_REMOTE_CANCEL_TIMEOUT)
+        except Exception:
+            raise not_found() from None
+        if reply.data != b"1":
+            raise not_found() from None
+        return web.json_response(ok)
+    # Resumable: the tombstone reaches the worker (and a dispatcher or worker
+    # that has not started it), whatever edge holds the connection, if any;
+    # the edge holding it hears too; and the log gets a final event for a
+    # stream that no worker runs (an entry the log's readers ignore once a
+    # worker has: its own cancel Error follows).
+    await tombstone(request_id, "client_cancel")
+    await nc.publish(streamlog.edge_cancel_subject(cfg.nats.subjects), payload)
+    await nc.publish(streamlog.subject(cfg.nats.subjects, request_id),
+                     Error(0, _CANCELLED_INFO).encode())
+    return web.json_response(ok)
+
+
+def local_cancel(sessions: SessionTable, request_id: str, tenant: str) -> bool:
+    """End the stream if this edge holds it for ``tenant``."""
+    session = sessions.get(request_id)
+    if session is None or session.tenant != tenant:
+        return False
+    session.abort(CANCELLED)
+    return True
+
+
+def remote_cancel_handler(sessions: SessionTable) -> Callable[[Msg], Awaitable[None]]:
+    """The subscriber of ``<p>.streams.cancel``: another edge asks every edge
+    to cancel a stream; the one holding it does and says so."""
+
+    async def on_cancel(msg: Msg) -> None:
+        try:
+            request_id, tenant = msgpack.unpackb(msg.data)
+        except Exception:
+            return
+        if local_cancel(sessions, str(request_id), str(tenant)) and msg.reply:
+            await msg.respond(b"1")
+
+    return on_cancel

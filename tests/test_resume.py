@@ -1,0 +1,339 @@
+"""Resumable streams against real servers: two edges, the stream log in
+JetStream, explicit cancel, grace, tenant isolation (docs/resume.md).
+
+Byte-exactness is checked against the stream's own full replay
+(``GET /v1/streams/{id}?after=0`` once it has ended) and against what the
+fake backend wrote: what a client got across connections, event by event,
+is what one uninterrupted connection gets, and what the backend produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
+from tidegate.bench.fake_backend import FakeBackend
+
+pytestmark = pytest.mark.pipeline
+
+AUTH = {"Authorization": f"Bearer {DEV_KEY}"}
+RESUMABLE = {**AUTH, "X-Tidegate-Resumable": "true"}
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[FakeBackend]:
+    with threaded_fake_backend(models=["fake"], ttft=0.01, itl=0.01, tokens=10**9,
+                                keep_output=True) as fake:
+        yield fake
+
+
+@pytest.fixture
+def pipelines(tmp_path: Path, module_nats_url: str, module_redis_url: str,
+              backend: FakeBackend) -> Iterator[Any]:
+    started: list[Pipeline] = []
+
+    def start(edges: int = 2, **sections: dict[str, Any]) -> Pipeline:
+        overrides: dict[str, Any] = {
+            "nats": {"subject_prefix": "r" + uuid.uuid4().hex[:8]},
+            "session": {"heartbeat_interval": 1.0, "worker_lost_after": 4, "ack_timeout": 6.0},
+            "worker": {"ack_wait": 2.0, "shutdown_timeout": 3.0},
+            "edge": {"shutdown_timeout": 4.0, "slow_client_timeout": 4.0},
+            "resume": {"attach_interval": 0.5},
+            "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
+                        "max_streams": 64}],
+        }
+        for section, values in sections.items():
+            overrides.setdefault(section, {}).update(values)
+        p = Pipeline(tmp_path / f"p{len(started)}", module_nats_url, module_redis_url,
+                     overrides=overrides, edges=edges)
+        started.append(p)
+        p.start()
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def body(marker: str, **extra: Any) -> dict[str, Any]:
+    # With the usage event, so the client gets every event the backend wrote.
+    return {"model": "fake", "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": marker}], **extra}
+
+
+class Sse:
+    """The blocks of one SSE response, as received (each without its blank line)."""
+
+    def __init__(self) -> None:
+        self.blocks: list[bytes] = []
+
+    @property
+    def events(self) -> list[bytes]:
+        """Blocks that carry data (not ``retry:``, ``: ping`` or ``[DONE]``)."""
+        return [b for b in self.blocks if b"data: " in b and b != b"data: [DONE]"]
+
+    @property
+    def ids(self) -> list[int]:
+        return [int(b.split(b"\n", 1)[0][4:]) for b in self.events if b.startswith(b"id: ")]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.blocks) and self.blocks[-1] == b"data: [DONE]"
+
+    @property
+    def last_error(self) -> dict[str, Any] | None:
+        for block in reversed(self.events):
+            if b'"error"' in block and b"id: " not in block[:4]:
+                return dict(json.loads(block.split(b"data: ", 1)[1])["error"])
+        return None
+
+    async def read(self, resp: aiohttp.ClientResponse, events: int | None = None) -> Sse:
+        current: list[bytes] = []
+        async for line in resp.content:
+            if line == b"\n":
+                self.blocks.append(b"".join(current).rstrip(b"\n"))
+                current = []
+                if events is not None and len(self.events) >= events:
+                    break
+            else:
+                current.append(line)
+        return self
+
+
+async def replay(session: aiohttp.ClientSession, url: str, request_id: str,
+                 after: int = 0, key: str = DEV_KEY) -> Sse:
+    resp = await session.get(f"{url}/v1/streams/{request_id}",
+                             headers={"Authorization": f"Bearer {key}",
+                                      "Last-Event-ID": str(after)})
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["x-tidegate-resumable"] == "true"
+    return await Sse().read(resp)
+
+
+def payloads(sse: Sse) -> bytes:
+    """The events as the backend wrote them: without our ``id:`` lines."""
+    out = []
+    for block in sse.events:
+        out.append(block.split(b"\n", 1)[1] if block.startswith(b"id: ") else block)
+    return b"".join(e + b"\n\n" for e in out)
+
+
+def backend_events(backend: FakeBackend, marker: str) -> bytes:
+    (record,) = record_for(backend, marker)
+    return bytes(record.output).replace(b"data: [DONE]\n\n", b"")
+
+
+async def tenant_key(pipeline: Pipeline, tenant: str) -> str:
+    """A new API key of ``tenant``, once every edge accepts it."""
+    created = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "tidegate", "keys", "create", "--tenant", tenant,
+                         "--json", "--config", str(pipeline.config_path)],
+        capture_output=True, text=True, check=True)
+    key = str(json.loads(created.stdout)["key"])
+    async with aiohttp.ClientSession() as session:
+        for url in pipeline.edge_urls:
+            deadline = time.monotonic() + 10
+            while True:
+                got = await session.get(f"{url}/v1/models",
+                                        headers={"Authorization": f"Bearer {key}"})
+                if got.status == 200:
+                    break
+                assert time.monotonic() < deadline, "the new key never reached the edge"
+                await asyncio.sleep(0.05)
+    return key
+
+
+def abort(resp: aiohttp.ClientResponse) -> None:
+    resp.connection.transport.abort()  # type: ignore[union-attr]
+    resp.close()
+
+
+# ---------------------------------------------------------------------------
+
+
+async def test_resume_on_another_edge_mid_stream_is_byte_exact(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    marker = f"resume-{uuid.uuid4().hex}"
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(marker, max_tokens=300), headers=RESUMABLE)
+        assert resp.status == 200
+        assert resp.headers["x-tidegate-resumable"] == "true"
+        request_id = resp.headers["x-request-id"]
+        first = await Sse().read(resp, events=20)
+        abort(resp)
+        assert first.blocks[0] == b"retry: 1000"
+        assert first.ids == list(range(1, 21))
+
+        second = await replay(session, b, request_id, after=first.ids[-1])
+        assert second.done
+        full = await replay(session, b, request_id)
+    assert full.done
+    assert first.events + second.events == full.events  # byte for byte, no event twice
+    assert full.ids == list(range(1, len(full.events) + 1))
+    assert len(full.events) > 300  # one per token, plus the role and finish events
+    assert payloads(full) == backend_events(backend, marker)
+
+
+async def test_resume_after_completion_and_after_the_worker_exited(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    marker = f"finished-{uuid.uuid4().hex}"
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(marker, max_tokens=40), headers=RESUMABLE)
+        request_id = resp.headers["x-request-id"]
+        original = await Sse().read(resp)
+        assert original.done
+        pipeline.workers[0].stop()
+        whole = await replay(session, b, request_id)
+        tail = await replay(session, a, request_id, after=30)
+        beyond = await replay(session, b, request_id, after=10_000)
+    assert whole.events == original.events
+    assert tail.events == original.events[30:]
+    assert tail.done
+    assert beyond.events == []
+    assert beyond.done
+    assert payloads(whole) == backend_events(backend, marker)
+
+
+async def test_edge_killed_mid_stream_client_resumes_elsewhere(
+        pipelines: Any, backend: FakeBackend) -> None:
+    # Far more than the credit window (64 KiB): the worker stalls on the dead
+    # edge's acks until the resumed reader attaches.
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    marker = f"edgekill-{uuid.uuid4().hex}"
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(marker, max_tokens=1500, fake_itl=0.001),
+                                  headers=RESUMABLE)
+        request_id = resp.headers["x-request-id"]
+        first = await Sse().read(resp, events=10)
+        pipeline.edge.kill()
+        resp.close()
+        rest = await replay(session, b, request_id, after=first.ids[-1])
+        full = await replay(session, b, request_id)
+    assert rest.done
+    assert first.events + rest.events == full.events
+    assert payloads(full) == backend_events(backend, marker)
+
+
+async def test_other_tenant_gets_404_and_cancel_ends_every_reader(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    other = await tenant_key(pipeline, "other")
+    marker = f"cancel-{uuid.uuid4().hex}"
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(marker, max_tokens=5000), headers=RESUMABLE)
+        request_id = resp.headers["x-request-id"]
+        first = await Sse().read(resp, events=3)
+
+        for url in (a, b):
+            for rid in (request_id, "0" * 24, "not-an-id"):
+                got = await session.get(f"{url}/v1/streams/{rid}",
+                                        headers={"Authorization": f"Bearer {other}"})
+                assert got.status == 404, (url, rid)
+                assert (await got.json())["error"]["code"] == "stream_not_found"
+                got = await session.post(f"{url}/v1/streams/{rid}/cancel",
+                                         headers={"Authorization": f"Bearer {other}"})
+                assert got.status == 404
+                assert (await got.json())["error"]["code"] == "stream_not_found"
+
+        reader = await session.get(f"{b}/v1/streams/{request_id}",
+                                   headers={**AUTH, "Last-Event-ID": "0"})
+        cancelled = await session.post(f"{b}/v1/streams/{request_id}/cancel", headers=AUTH)
+        cancelled_at = time.monotonic()
+        assert cancelled.status == 200, await cancelled.text()
+        again = await session.post(f"{a}/v1/streams/{request_id}/cancel", headers=AUTH)
+        assert again.status == 200  # idempotent
+        rest = await asyncio.wait_for(first.read(resp), 10)
+        other_reader = await asyncio.wait_for(Sse().read(reader), 10)
+    for sse in (rest, other_reader):
+        assert not sse.done
+        assert sse.last_error is not None
+        assert sse.last_error["code"] == "stream_cancelled"
+    (record,) = record_for(backend, marker)
+    assert await wait_for(lambda: record.closed_at is not None, 5.0)
+    assert record.closed_at is not None
+    assert record.closed_at - cancelled_at < 1.0
+    assert not record.completed
+
+
+async def test_cancel_of_a_plain_stream_from_another_edge(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    marker = f"plaincancel-{uuid.uuid4().hex}"
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(marker, max_tokens=5000), headers=AUTH)
+        assert "x-tidegate-resumable" not in resp.headers
+        request_id = resp.headers["x-request-id"]
+        first = await Sse().read(resp, events=3)
+        assert first.ids == []
+        assert first.blocks[0].startswith(b"data: ")
+        cancelled = await session.post(f"{b}/v1/streams/{request_id}/cancel", headers=AUTH)
+        cancelled_at = time.monotonic()
+        assert cancelled.status == 200, await cancelled.text()
+        rest = await asyncio.wait_for(first.read(resp), 10)
+        # A plain stream has no log: nothing to resume.
+        gone = await session.get(f"{b}/v1/streams/{request_id}", headers=AUTH)
+        assert gone.status == 404
+    assert rest.last_error is not None
+    assert rest.last_error["code"] == "stream_cancelled"
+    (record,) = record_for(backend, marker)
+    assert await wait_for(lambda: record.closed_at is not None, 5.0)
+    assert record.closed_at is not None
+    assert record.closed_at - cancelled_at < 1.0
+
+
+async def test_grace_cancels_after_it_and_not_before(
+        pipelines: Any, backend: FakeBackend) -> None:
+    grace = 2.0
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    gone, back = f"gone-{uuid.uuid4().hex}", f"back-{uuid.uuid4().hex}"
+    headers = {**RESUMABLE, "X-Tidegate-Resume-Grace": str(grace)}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(gone, max_tokens=100_000, fake_itl=0.005),
+                                  headers=headers)
+        await Sse().read(resp, events=3)
+        abort(resp)
+        left = time.monotonic()
+
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(back, max_tokens=400), headers=headers)
+        request_id = resp.headers["x-request-id"]
+        first = await Sse().read(resp, events=5)
+        abort(resp)
+        await asyncio.sleep(grace / 4)
+        rest = await replay(session, b, request_id, after=first.ids[-1])
+        full = await replay(session, a, request_id)
+
+    (record,) = record_for(backend, gone)
+    assert await wait_for(lambda: record.closed_at is not None, grace + 6.0), \
+        "the abandoned stream was never cancelled"
+    assert record.closed_at is not None
+    assert record.closed_at - left >= grace  # not before the grace
+    assert record.closed_at - left < grace + 3.0
+    assert rest.done
+    assert first.events + rest.events == full.events
+    assert record_for(backend, back)[0].completed

@@ -1,0 +1,258 @@
+"""The stream log of resumable streams: names, entries, event ids (sans-I/O).
+
+A resumable stream (docs/resume.md) is written, as it is produced, to the
+JetStream stream ``<P>_STREAMLOG`` under the subject ``<p>.log.<request_id>``.
+Any edge can then replay it and follow its live tail; see ``edge.resume`` for
+the reader. Entries, in the order JetStream stored them:
+
+1. :class:`LogOpen`, written by the edge that accepted the request, before it
+   publishes the request: the tenant (the resume and cancel routes answer 404
+   to any other) and the request's shape. A log without it is not served.
+2. The worker's session messages, the very bytes it sends the edge
+   (``tidegate.wire.protocol``): ``Head``, ``Chunk``, ``Heartbeat``, ``Done``,
+   ``Error``. One log message holds one of them, or several of the same
+   request as a mux batch (``tidegate.wire.mux``: the worker's outbox batches
+   per subject and loop iteration, so a fast stream costs one stored message
+   per iteration, not one per chunk).
+
+Event ids. Every SSE event of a resumable stream gets ``id: N``, N counting
+the stream's events from 1. A ``Chunk`` may carry several events (the worker
+coalesces), so ids count *events*, not messages: a client that received half
+of a chunk before its connection broke resumes after the last event it got,
+neither losing nor repeating one. The live relay and every log reader number
+events with the same :class:`EventIds` over the same chunks, which is what
+makes the seam between what one connection got and what the next replays
+exact. The chunk bytes are not touched: ``id:`` goes in front of each event.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgpack
+
+from tidegate.errors import ProtocolError
+from tidegate.wire.protocol import (
+    VERSION,
+    Chunk,
+    Done,
+    Error,
+    ErrorInfo,
+    Head,
+    Heartbeat,
+    Kind,
+    SessionMessage,
+    decode_session,
+)
+from tidegate.wire.subjects import Subjects
+
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
+def stream_name(subjects: Subjects) -> str:
+    return f"{subjects.prefix.upper()}_STREAMLOG"
+
+
+def wildcard(subjects: Subjects) -> str:
+    return f"{subjects.prefix}.log.>"
+
+
+def subject(subjects: Subjects, request_id: str) -> str:
+    """The log subject of one request (request ids are hex: a valid token)."""
+    return f"{subjects.prefix}.log.{request_id}"
+
+
+def edge_cancel_subject(subjects: Subjects) -> str:
+    """Every edge listens here for ``POST /v1/streams/{id}/cancel`` made on
+    another edge; the edge holding the request's connection answers."""
+    return f"{subjects.prefix}.streams.cancel"
+
+
+class LogOpen(NamedTuple):
+    """The edge's first entry: whose stream it is and what it looks like."""
+
+    tenant: str
+    stream: bool  # SSE events (True) or a JSON body in slices (False)
+    api: int
+    created_ms: int
+    grace: float
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.LOG_OPEN, 0, self.tenant, self.stream, self.api,
+                      self.created_ms, self.grace])
+
+
+LogEntry = LogOpen | SessionMessage
+
+
+def decode_entry(data: bytes) -> list[LogEntry]:
+    """The entries of one log message, in order. Raises :class:`ProtocolError`."""
+    try:
+        t = msgpack.unpackb(data)
+    except Exception as exc:
+        raise ProtocolError(f"log entry is not msgpack: {exc}") from exc
+    if not isinstance(t, list) or len(t) < 2 or t[0] != VERSION:
+        raise ProtocolError("log entry is not a version-1 array")
+    kind = t[1]
+    if kind == Kind.LOG_OPEN:
+        try:
+            return [LogOpen(str(t[3]), bool(t[4]), int(t[5]), int(t[6]), float(t[7]))]
+        except (IndexError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed log open entry: {exc!r}") from exc
+    if kind == Kind.MUX:
+        if len(t) % 2:
+            raise ProtocolError("malformed mux batch in the log")
+        out: list[LogEntry] = []
+        for message in t[3::2]:
+            if type(message) is not bytes:
+                raise ProtocolError("mux frame in the log is not bytes")
+            out.append(decode_session(message))
+        return out
+    return [decode_session(data)]
+
+
+def split_events(data: bytes) -> list[bytes]:
+    """The SSE events of a chunk, each with its terminating blank line. A
+    trailing piece without one (a backend that breaks the format) is kept as
+    its own event rather than dropped."""
+    pieces = data.split(b"\n\n")
+    events = [p + b"\n\n" for p in pieces[:-1] if p]
+    if pieces[-1]:
+        events.append(pieces[-1])
+    return events
+
+
+class EventIds:
+    """Numbers a stream's SSE events 1, 2, 3, ... (see the module docstring)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def frame(self, data: bytes) -> bytes:
+        """``data`` (one chunk's events) with ``id: N`` in front of each event."""
+        parts: list[bytes] = []
+        n = self.last
+        for event in split_events(data):
+            n += 1
+            parts.append(b"id: %d\n%b" % (n, event))
+        self.last = n
+        return b"".join(parts)
+
+
+def retry_field(ms: int) -> bytes:
+    """The SSE ``retry:`` field, sent once at the start of a resumable stream."""
+    return b"retry: %d\n\n" % ms
+
+
+class LogEvent(NamedTuple):
+    """One event of a stream: ``id`` counts from 1. For a streaming request
+    ``data`` is one complete SSE event as the backend produced it
+    (``data: {...}\\n\\n``, no ``id:`` line); for a non-streaming one it is a
+    slice of the JSON body (``id`` then counts slices)."""
+
+    id: int
+    data: bytes
+
+
+class LogEnd(NamedTuple):
+    """The stream's end: ``done`` (usage from the worker) or ``error``."""
+
+    done: Done | None = None
+    error: ErrorInfo | None = None
+
+
+LogItem = LogEvent | LogEnd
+
+WORKER_LOST = ErrorInfo(502, "server_error", "worker_lost",
+                        "The worker running this request was lost mid-response.", True, 1.0)
+
+
+def gap_error(expected: int, got: int) -> ErrorInfo:
+    return ErrorInfo(502, "server_error", "stream_gap",
+                     f"The stream log lost part of the response (expected message "
+                     f"{expected}, got {got}).", True, 1.0)
+
+
+class LogCursor:
+    """Turns a stream's log entries, fed in order, into :class:`LogItem` s:
+    the events after ``after``, then one :class:`LogEnd`.
+
+    It applies the relay's rules to the log: sequence numbers must follow
+    each other (a gap ends the stream with ``stream_gap``), and a second
+    ``Head`` after output (the job redelivered after its worker died) ends it
+    with ``worker_lost``, since two generations cannot be spliced.
+    """
+
+    __slots__ = ("_after", "_expected", "_output", "control", "ended", "ids", "open")
+
+    def __init__(self, after: int = 0) -> None:
+        self._after = after
+        self._expected = 0  # 0: no Head yet
+        self._output = False
+        self.ids = EventIds()
+        self.control = ""  # the worker's control subject, from the last Head
+        self.open: LogOpen | None = None
+        self.ended = False
+
+    def feed(self, entry: LogEntry) -> list[LogItem]:
+        if self.ended:
+            return []
+        kind = type(entry)
+        if kind is LogOpen:
+            assert isinstance(entry, LogOpen)
+            self.open = entry
+            return []
+        if kind is Head:
+            assert isinstance(entry, Head)
+            if self._output:
+                return self._end(LogEnd(error=WORKER_LOST))
+            self.control = entry.control
+            self._expected = entry.seq + 1
+            return []
+        seq: int = entry.seq  # type: ignore[union-attr]
+        if not self._expected:
+            if kind is Error:  # ended before any worker started (an edge wrote it)
+                assert isinstance(entry, Error)
+                return self._end(LogEnd(error=entry.error))
+            return []  # a message before any Head: not the worker's output
+        if seq < self._expected:
+            return []  # a duplicate (a retransmitted message also logged): already had it
+        if seq != self._expected:
+            return self._end(LogEnd(error=gap_error(self._expected, seq)))
+        self._expected = seq + 1
+        if kind is Chunk:
+            assert isinstance(entry, Chunk)
+            self._output = True
+            return self._events(entry.data)
+        if kind is Heartbeat:
+            return []
+        if kind is Done:
+            assert isinstance(entry, Done)
+            return self._end(LogEnd(done=entry))
+        if kind is Error:
+            assert isinstance(entry, Error)
+            return self._end(LogEnd(error=entry.error))
+        return []
+
+    def fail(self, error: ErrorInfo) -> list[LogItem]:
+        """End the stream from the reader's side (its silence limits)."""
+        if self.ended:
+            return []
+        return self._end(LogEnd(error=error))
+
+    def _events(self, data: bytes) -> list[LogItem]:
+        ids = self.ids
+        stream = self.open.stream if self.open is not None else True
+        pieces = split_events(data) if stream else [data]
+        out: list[LogItem] = []
+        for piece in pieces:
+            ids.last += 1
+            if ids.last > self._after:
+                out.append(LogEvent(ids.last, piece))
+        return out
+
+    def _end(self, end: LogEnd) -> list[LogItem]:
+        self.ended = True
+        return [end]

@@ -1,0 +1,152 @@
+"""A resumable stream's job: the stream log's writer, readers and grace.
+
+:class:`ResumableJob` is a :class:`workers.job.Job` that also writes every
+message it sends its edge (``Head``, chunks, heartbeats, ``Done``, ``Error``)
+to the stream log, ``<p>.log.<request_id>`` in the ``<P>_STREAMLOG``
+JetStream stream (format: ``tidegate.wire.streamlog``). Log entries go
+through an outbox, batched per loop iteration, as plain publishes: JetStream
+stores them, and nothing waits for a publish ack (the log is a second copy
+for readers that come later; the live path does not wait on it).
+
+Readers and grace. The connection that made the request is the original
+reader; it acks as today, and while it reads, the credit window works as
+for any job (a slow client slows the backend). Other readers (a resumed
+connection on any edge) send ``Attach`` every ``resume.attach_interval``
+and ``Detach`` when they leave. Once the original reader is gone (its edge
+sent ``Detach``, or stopped acking for the ack timeout) or another reader
+attached (the client moved), the window stops limiting: output goes on at
+the backend's pace into the log, which holds it for whoever reads it, so a
+slow or gone reader is held in the log, not in a process. When no reader is
+left the job generates on for the request's grace, then cancels itself
+(``resume_grace``) and the log ends with a ``stream_abandoned`` error.
+
+The log's size per stream is bounded by ``resume.max_stream_bytes``: past
+it, the log ends with a ``resume_log_full`` error entry (the live
+connection goes on), and a job without its original reader stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from tidegate.wire import streamlog
+from tidegate.wire.protocol import Error, ErrorInfo, Request, encode_chunk
+from workers.backends import Backend
+from workers.job import RESUME_GRACE, Job, JobContext
+
+log = logging.getLogger("tidegate.worker")
+
+LOG_FULL = "resume_log_full"
+
+
+class ResumableJob(Job):
+    def __init__(self, msg: Msg, request: Request, backend: Backend, ctx: JobContext) -> None:
+        super().__init__(msg, request, backend, ctx)
+        cfg = ctx.config.resume
+        self._log_subject = streamlog.subject(ctx.config.nats.subjects, request.id)
+        self._log_outbox = ctx.log_outbox
+        self._log_budget = cfg.max_stream_bytes
+        self._lease = 3 * cfg.attach_interval
+        self._grace = request.grace
+        self.readers: dict[str, float] = {}  # reader id -> when last heard (monotonic)
+        self.original = True  # the connection that made the request still reads
+        self._grace_timer: asyncio.TimerHandle | None = None
+        self._log_put = self._log
+
+    # -- the log -----------------------------------------------------------
+
+    def _log(self, message: bytes) -> None:
+        budget = self._log_budget
+        if budget < 0:
+            return  # full: ended with LOG_FULL already
+        budget -= len(message)
+        if budget < 0:
+            log.warning("job %s: stream log past resume.max_stream_bytes; no resume after "
+                        "this point", self.request.id)
+            message = Error(self.seq, ErrorInfo(
+                502, "server_error", LOG_FULL, "This stream outgrew its resume log "
+                "(resume.max_stream_bytes); it cannot be resumed past this point.",
+                False, 0.0)).encode()
+            if not self.original:
+                asyncio.get_running_loop().call_soon(self.cancel, LOG_FULL)
+        self._log_budget = budget
+        outbox = self._log_outbox
+        assert outbox is not None  # workers.service always provides one
+        outbox.put(self._log_subject, self.request.id, message)
+
+    async def _send(self, payload: bytes) -> None:
+        await super()._send(payload)
+        self._log(payload)
+
+    def data(self, data: bytes) -> None:
+        # The push path's chunk (see Job.data), also into the log.
+        seq = self._account(len(data))
+        message = encode_chunk(seq, data)
+        assert self.outbox is not None
+        self.outbox.put(self.request.mux, self.request.id, message)
+        self._log(message)
+
+    # -- readers -------------------------------------------------------------
+
+    def on_attach(self, reader: str) -> None:
+        self.readers[reader] = time.monotonic()
+        self._unbind()
+        self._check_readers()
+
+    def on_detach(self, reader: str) -> None:
+        if reader:
+            self.readers.pop(reader, None)
+        elif self.original:
+            log.info("job %s: its client left; resumable, generating on", self.request.id)
+            self.original = False
+            self._unbind()
+        self._check_readers()
+
+    def _ack_timed_out(self) -> bool:
+        # The original edge is gone without a word (killed): a reader may
+        # resume anywhere, so this is a detach, not a cancel.
+        if self.original:
+            self.on_detach("")
+        return False
+
+    def _on_tick(self, now: float) -> None:
+        stale = [r for r, seen in self.readers.items() if now - seen > self._lease]
+        for reader in stale:
+            del self.readers[reader]
+        if stale:
+            self._check_readers()
+
+    def _unbind(self) -> None:
+        """Output no longer waits for one reader's acks (see the module docstring)."""
+        self.last_ack_at = float("inf")  # and the ack timeout no longer applies
+        window = self.window
+        window.unbound()
+        self._window_open.set()
+        pushing = self._pushing
+        if pushing is not None:
+            if self._stalled_at:
+                self._stalled(time.monotonic() - self._stalled_at)
+                self._stalled_at = 0.0
+            pushing.resume()
+
+    def _check_readers(self) -> None:
+        if self.original or self.readers:
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+                self._grace_timer = None
+            return
+        if self._grace_timer is None:
+            log.info("job %s: no reader left; cancelling in %.1fs unless one comes back",
+                     self.request.id, self._grace)
+            self._grace_timer = asyncio.get_running_loop().call_later(
+                self._grace, self.cancel, RESUME_GRACE)
+
+    def release(self) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
+        super().release()
