@@ -43,7 +43,8 @@ def pipelines(tmp_path: Path, module_nats_url: str, module_redis_url: str,
               backend: FakeBackend) -> Iterator[Any]:
     started: list[Pipeline] = []
 
-    def start(edges: int = 2, **sections: dict[str, Any]) -> Pipeline:
+    def start(edges: int = 2, models: list[dict[str, Any]] | None = None,
+              **sections: dict[str, Any]) -> Pipeline:
         overrides: dict[str, Any] = {
             "nats": {"subject_prefix": "r" + uuid.uuid4().hex[:8]},
             "session": {"heartbeat_interval": 1.0, "worker_lost_after": 4, "ack_timeout": 6.0},
@@ -53,6 +54,8 @@ def pipelines(tmp_path: Path, module_nats_url: str, module_redis_url: str,
             "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
                         "max_streams": 64}],
         }
+        if models is not None:
+            overrides["models"] = models
         for section, values in sections.items():
             overrides.setdefault(section, {}).update(values)
         p = Pipeline(tmp_path / f"p{len(started)}", module_nats_url, module_redis_url,
@@ -337,3 +340,47 @@ async def test_grace_cancels_after_it_and_not_before(
     assert rest.done
     assert first.events + rest.events == full.events
     assert record_for(backend, back)[0].completed
+
+
+async def test_opt_in_by_tenant_setting_live_by_model_and_by_header(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines(edges=1, models=[
+        {"name": "fake", "backend": "openai", "base_url": backend.base_url},
+        {"name": "fake-resumable", "backend": "openai", "base_url": backend.base_url,
+         "upstream_model": "fake", "resumable": True}])
+    url = pipeline.url
+    key = await tenant_key(pipeline, "acme")
+
+    async def resumable(model: str, headers: dict[str, str]) -> bool:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"{url}/v1/chat/completions",
+                                      json={**body(uuid.uuid4().hex, max_tokens=3),
+                                            "model": model}, headers=headers)
+            sse = await Sse().read(resp)
+            assert sse.done
+            flagged = resp.headers.get("x-tidegate-resumable") == "true"
+            assert flagged == (sse.ids == list(range(1, len(sse.events) + 1)))
+            return flagged
+
+    acme = {"Authorization": f"Bearer {key}"}
+    assert not await resumable("fake", acme)
+    assert await resumable("fake-resumable", acme)
+    assert not await resumable("fake-resumable", {**acme, "X-Tidegate-Resumable": "false"})
+    assert await resumable("fake", {**acme, "X-Tidegate-Resumable": "true"})
+
+    async def cli(*args: str) -> None:
+        await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "tidegate", "tenant", *args, "--config",
+            str(pipeline.config_path)], check=True, capture_output=True)
+
+    await cli("set", "acme", "--resumable", "on")
+    deadline = time.monotonic() + 5
+    while not await resumable("fake", acme):  # applied live, no restart
+        assert time.monotonic() < deadline, "the tenant setting never reached the edge"
+        await asyncio.sleep(0.05)
+    assert not await resumable("fake", AUTH)  # another tenant: unchanged
+    await cli("set", "acme", "--resumable", "off")
+    deadline = time.monotonic() + 5
+    while await resumable("fake", acme):
+        assert time.monotonic() < deadline, "turning the setting off never applied"
+        await asyncio.sleep(0.05)

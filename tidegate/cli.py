@@ -11,6 +11,7 @@ Subcommands::
     tidegate keys        create, list and revoke API keys (NATS KV)
     tidegate policy      set, list and delete quota policies (NATS KV)
     tidegate batches     list, show and cancel batches of every tenant (NATS KV)
+    tidegate tenant      set, list and delete per-tenant settings (resumable streams)
     tidegate status      live view of models, workers, queues, batches (``--json`` once)
     tidegate version
 
@@ -237,6 +238,47 @@ def _admin_parsers(sub: Any) -> None:
     plist = policy_sub.add_parser("list", help="list policies")
     _common(plist)
     plist.add_argument("--json", action="store_true", help="print JSON")
+    _tenant_parsers(sub)
+
+
+def _on_off(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
+    return number
+
+
+def _tenant_parsers(sub: Any) -> None:
+    tenant = sub.add_parser("tenant", help="set, list and delete per-tenant settings",
+                            description="Tenant settings (resumable streams) live in the NATS "
+                                        "KV bucket TG_TENANTS; edges pick up changes within a "
+                                        "second. See docs/resume.md.")
+    tenant_sub = tenant.add_subparsers(dest="tenant_command", metavar="ACTION", required=True)
+    tset = tenant_sub.add_parser("set", help="set a tenant's settings (replacing them)")
+    _common(tset)
+    tset.add_argument("tenant", metavar="TENANT", type=_name)
+    tset.add_argument("--resumable", type=_on_off, required=True, metavar="on|off",
+                      help="every streaming request of the tenant is resumable")
+    tset.add_argument("--grace", type=_seconds, metavar="SECONDS",
+                      help="the tenant's resume grace (default: resume.grace)")
+    tdelete = tenant_sub.add_parser("delete", help="delete a tenant's settings")
+    _common(tdelete)
+    tdelete.add_argument("tenant", metavar="TENANT", type=_name)
+    tlist = tenant_sub.add_parser("list", help="list tenant settings")
+    _common(tlist)
+    tlist.add_argument("--json", action="store_true", help="print JSON")
 
     batches = sub.add_parser("batches", help="list, show and cancel batches",
                              description="Batches of every tenant, from the NATS KV bucket "
@@ -409,6 +451,17 @@ def _cmd_batches(args: argparse.Namespace) -> int:
     return batch_admin.batches_cancel(config, args.batch_id)
 
 
+def _cmd_tenant(args: argparse.Namespace) -> int:
+    from tidegate.control import tenants
+
+    config = load_config(args)
+    if args.tenant_command == "set":
+        return tenants.cli_set(config, args.tenant, args.resumable, args.grace)
+    if args.tenant_command == "list":
+        return tenants.cli_list(config, args.json)
+    return tenants.cli_delete(config, args.tenant)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from tidegate.run import status
 
@@ -434,6 +487,7 @@ _COMMANDS = {
     "keys": _cmd_keys,
     "policy": _cmd_policy,
     "batches": _cmd_batches,
+    "tenant": _cmd_tenant,
     "status": _cmd_status,
 }
 

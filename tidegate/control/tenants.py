@@ -108,3 +108,57 @@ async def list_tenants(kv: KeyValue) -> list[TenantSettings]:
         if entry.value:
             out.append(TenantSettings.decode(decode_token(key), entry.value))
     return sorted(out, key=lambda s: s.tenant)
+
+
+# --------------------------------------------------------------------------
+# ``tidegate tenant`` (the CLI's commands; tidegate.control.admin's conventions)
+# --------------------------------------------------------------------------
+
+
+def cli_set(config: Config, tenant: str, resumable: bool, grace: float | None) -> int:
+    from tidegate.control import admin
+
+    if grace is not None and not 0 <= grace <= config.resume.max_grace:
+        raise admin.UsageError(f"tenant set: --grace must be between 0 and resume.max_grace "
+                               f"({config.resume.max_grace:g}), got {grace:g}")
+    settings = TenantSettings(tenant, resumable, grace)
+
+    async def work(js: JetStreamContext) -> None:
+        await set_tenant(await ensure_tenants_bucket(js, config), settings)
+
+    admin.run(config, work)
+    print(f"set tenant {tenant}: resumable {'on' if resumable else 'off'}"
+          + (f", grace {grace:g}s" if grace is not None else ""))
+    return 0
+
+
+def cli_list(config: Config, as_json: bool = False) -> int:
+    from tidegate.control import admin
+
+    async def work(js: JetStreamContext) -> list[TenantSettings]:
+        return await list_tenants(await ensure_tenants_bucket(js, config))
+
+    tenants = admin.run(config, work)
+    if as_json:
+        print(json.dumps([{"tenant": t.tenant, "resumable": t.resumable, "grace": t.grace}
+                          for t in tenants]))
+        return 0
+    if not tenants:
+        print(f"no tenant settings in {bucket_name(config)}")
+        return 0
+    admin._table(["TENANT", "RESUMABLE", "GRACE"],
+                 [[t.tenant, "on" if t.resumable else "off",
+                   "-" if t.grace is None else f"{t.grace:g}s"] for t in tenants])
+    return 0
+
+
+def cli_delete(config: Config, tenant: str) -> int:
+    from tidegate.control import admin
+
+    async def work(js: JetStreamContext) -> bool:
+        return await delete_tenant(await ensure_tenants_bucket(js, config), tenant)
+
+    if not admin.run(config, work):
+        raise admin.NotFound(f"no settings for tenant {tenant} (see `tidegate tenant list`)")
+    print(f"deleted the settings of tenant {tenant}")
+    return 0
