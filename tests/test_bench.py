@@ -287,3 +287,27 @@ def test_alternate_runs_a_variant_end_to_end() -> None:
         lines = [line for line in done.stdout.splitlines() if line.strip().startswith(name)]
         assert len(lines) == 1, done.stdout
         assert float(lines[0].split()[1]) > 0  # µs of CPU per chunk, summed over the tiers
+
+
+@pytest.mark.pipeline
+def test_quick_websocket_scenario(tmp_path: Path) -> None:
+    """Scenario w, tiny: sockets x generations over the WebSocket protocol, the
+    same load over SSE, idle sockets' RSS, and cancel frames seen by the backend."""
+    out = tmp_path / "results"
+    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+                           "w", "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    w = json.loads((out / "results.json").read_text())["scenarios"]["w"]
+    ws_run, sse_run = w["runs"]
+    assert ws_run["transport"] == "websocket"
+    assert sse_run["transport"] == "sse"
+    for run in (ws_run, sse_run):
+        assert run["error_count"] == 0, run["errors"]
+        assert run["window_completed"] > 0
+        assert run["ttft_ms"]["count"] > 0
+    assert w["idle"]["open_ok"] == w["params"]["idle_sockets"]
+    assert w["idle"]["rss_per_socket_kib"]["edge"] is not None
+    cancel = w["cancel"]
+    assert cancel["cancels"] == w["params"]["cancel_sockets"] * w["params"]["per_socket"]
+    assert cancel["closed"] == cancel["cancels"]
+    assert "## (w) WebSocket against SSE" in (out / "results.md").read_text()

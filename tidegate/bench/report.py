@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tidegate.bench import quota
+from tidegate.bench import quota, wsbench
 
 __all__ = ["check_targets", "markdown", "plot", "write"]
 
@@ -270,6 +270,8 @@ def markdown(results: dict[str, Any]) -> str:
                        "RSS end"], rows)
     if "r" in scen:
         out += _responses_markdown(scen["r"])
+    if "w" in scen:
+        out += wsbench.markdown(scen["w"])
     if "t" in scen:
         out += _telemetry_markdown(scen["t"])
     if "q" in scen:

@@ -14,7 +14,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tidegate.bench import procstats, quota, report, responses_bench, run_async, scenarios
+from tidegate.bench import (
+    procstats,
+    quota,
+    report,
+    responses_bench,
+    run_async,
+    scenarios,
+    wsbench,
+)
 from tidegate.bench.profiling import PySpy
 from tidegate.bench.targets import Target, Targets
 from tidegate.errors import TidegateError
@@ -23,8 +31,8 @@ __all__ = ["KNOWN_SCENARIOS", "SCENARIOS", "BenchOptions", "machine", "run"]
 
 SCENARIOS = "abcde"  # the default run
 # Only when asked for: q (quota check cost), t (telemetry overhead), r (Responses
-# API streaming overhead next to chat's).
-KNOWN_SCENARIOS = SCENARIOS + "qrt"
+# API streaming overhead next to chat's), w (WebSocket against SSE).
+KNOWN_SCENARIOS = SCENARIOS + "qrtw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +124,8 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["d"] = await scenarios.slow_clients(env, gateways, profile)
     if "r" in letters:
         out["r"] = await responses_bench.responses_overhead(targets, profile)
+    if "w" in letters:
+        out["w"] = await wsbench.run(env, env.available["tidegate"], profile.name)
     if "t" in letters:
         if "tidegate" in env.available:  # (a)-(d) are done with it: a quiet machine for (t)
             await asyncio.to_thread(env.stop_stack, "tidegate")
@@ -155,8 +165,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
                       2 * max(profile.concurrencies) + 256)
     with Targets(out, heartbeat_interval=profile.heartbeat_interval,
                  max_streams=max_streams, overrides=dict(options.tidegate_config)) as env:
-        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "rt") else []
-        if set(options.scenarios) & set("abcdr"):
+        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "rtw") else []
+        if set(options.scenarios) & set("abcdrw"):
             targets.append(env.start_tidegate())
         if "e" in options.scenarios:
             targets.append(env.start_proxy())
