@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated list of a (overhead), b (idle streams), "
                             "c (cancel), d (slow clients), e (other gateways), "
                             "q (quota check cost), t (telemetry overhead: off, metrics, "
-                            "traced), w (WebSocket against SSE) (default: a,b,c,d,e; q, t "
-                            "and w only when named)")
+                            "traced), r (Responses API overhead), w (WebSocket against "
+                            "SSE) (default: a,b,c,d,e; q, r, t and w only when named)")
     bench.add_argument("--out", default="bench-results", metavar="DIR",
                        help="results folder (default: ./bench-results)")
     bench.add_argument("--idle-streams", type=int, metavar="N",
