@@ -21,18 +21,29 @@ import nats
 import openai
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+from tests.pipeline import DEV_KEY, Pipeline, record_for, running_pipeline, threaded_fake_backend
+from tidegate.bench.fake_backend import FakeBackend
 from tidegate.control.keys import create_key, ensure_keys_bucket
 
 pytestmark = pytest.mark.pipeline
 
 MAX_FILE = 1 << 20
+RETRIES = 2
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeBackend]:
+    with threaded_fake_backend(models=["fake-model"], ttft=0.01, itl=0.002,
+                               tokens=8) as backend:
+        yield backend
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
-             module_redis_url: str) -> Iterator[Pipeline]:
+             module_redis_url: str, fake: FakeBackend) -> Iterator[Pipeline]:
     models: list[dict[str, Any]] = [
+        {"name": "fake", "backend": "openai", "base_url": fake.base_url,
+         "upstream_model": "fake-model"},
         {"name": "tidegate-sim", "aliases": ["sim"],
          "simulator": {"ttft": 0.01, "tokens_per_second": 400.0, "length": 32}},
         # Slow enough that a batch is still running when the test cancels or expires it.
@@ -41,7 +52,8 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
     ]
     yield from running_pipeline(
         tmp_path_factory.mktemp("batch"), module_nats_url, module_redis_url,
-        overrides={"models": models, "batch": {"max_file_bytes": MAX_FILE, "lease": 1.0}})
+        overrides={"models": models, "batch": {"max_file_bytes": MAX_FILE, "lease": 1.0,
+                                                "max_retries": RETRIES}})
 
 
 @pytest.fixture
@@ -283,3 +295,29 @@ async def test_operator_cli_lists_shows_and_cancels(pipeline: Pipeline,
     again = await asyncio.to_thread(cli, pipeline, "batches", "show", "batch_nope")
     assert again.returncode == 2
     assert "not a batch id" in again.stderr
+
+
+async def test_4xx_to_the_error_file_5xx_retried_first(client: openai.AsyncOpenAI,
+                                                      fake: FakeBackend) -> None:
+    ok = chat_line("ok", "fine marker-ok", model="fake")
+    bad = chat_line("bad", "refused marker-400", model="fake")
+    bad["body"]["fake_status"] = 400
+    down = chat_line("down", "broken marker-503", model="fake")
+    down["body"]["fake_status"] = 503
+    batch = await submit(client, [ok, bad, down])
+    done = await poll(client, batch.id, {"completed", "failed", "expired"})
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 2)
+    output = await lines_of(client, done.output_file_id)
+    assert [o["custom_id"] for o in output] == ["ok"]
+    errors = {e["custom_id"]: e for e in await lines_of(client, done.error_file_id)}
+    assert set(errors) == {"bad", "down"}
+    assert errors["bad"]["response"]["status_code"] == 400
+    assert errors["bad"]["response"]["body"]["error"]["type"] == "invalid_request_error"
+    assert errors["down"]["response"] is None
+    assert errors["down"]["error"]["code"]
+    # The 4xx ran once; the 5xx once and then RETRIES more times.
+    assert len(record_for(fake, "marker-400")) == 1
+    assert len(record_for(fake, "marker-503")) == 1 + RETRIES
+    assert len(record_for(fake, "marker-ok")) == 1

@@ -276,6 +276,10 @@ def markdown(results: dict[str, Any]) -> str:
         out += _telemetry_markdown(scen["t"])
     if "q" in scen:
         out += quota.markdown(scen["q"])
+    if "j" in scen:
+        from tidegate.bench import batch_bench
+
+        out += batch_bench.markdown(scen["j"])
     for key, prof in results.get("profiles", {}).items():
         out += [f"## Profile {key} ({prof['samples']} busy samples)", ""]
         out += _table(["library (self time)", "%"], prof.get("area_pct", []))

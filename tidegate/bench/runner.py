@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.bench import (
+    batch_bench,
     procstats,
     quota,
     report,
@@ -31,8 +32,9 @@ __all__ = ["KNOWN_SCENARIOS", "SCENARIOS", "BenchOptions", "machine", "run"]
 
 SCENARIOS = "abcde"  # the default run
 # Only when asked for: q (quota check cost), t (telemetry overhead), r (Responses
-# API streaming overhead next to chat's), w (WebSocket against SSE).
-KNOWN_SCENARIOS = SCENARIOS + "qrtw"
+# API streaming overhead next to chat's), w (WebSocket against SSE), j (the batch
+# API: throughput, priority).
+KNOWN_SCENARIOS = SCENARIOS + "jqrtw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +116,8 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     out: dict[str, Any] = {}
     letters = options.scenarios
     gateways = [t for t in targets if t.name != "direct"]
-    if "a" in letters or letters.replace("q", "").replace("t", "").replace("r", "") == "e":
+    if "a" in letters or letters.replace("q", "").replace("t", "").replace("r", "").replace(
+            "j", "") == "e":
         out["a"] = await scenarios.overhead(targets, profile, spy)
     if "b" in letters:
         out["b"] = await scenarios.idle(gateways, profile)
@@ -132,6 +135,8 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["t"] = await scenarios.telemetry_overhead(env, profile)
     if "q" in letters:
         out["q"] = await asyncio.to_thread(quota.run, options.out, options.quick)
+    if "j" in letters:
+        out["j"] = await batch_bench.run(targets, profile, options.quick)
     return out
 
 
@@ -165,8 +170,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
                       2 * max(profile.concurrencies) + 256)
     with Targets(out, heartbeat_interval=profile.heartbeat_interval,
                  max_streams=max_streams, overrides=dict(options.tidegate_config)) as env:
-        targets = [env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "rtw") else []
-        if set(options.scenarios) & set("abcdrw"):
+        targets = ([env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "jrtw")
+                   else [])
+        if set(options.scenarios) & set("abcdjrw"):
             targets.append(env.start_tidegate())
         if "e" in options.scenarios:
             targets.append(env.start_proxy())
