@@ -52,6 +52,7 @@ from nats.js import JetStreamContext
 from dispatcher import batch_files as bf
 from dispatcher.batch_session import Limits, LineSession, Verdict
 from dispatcher.queueing import QueueMode
+from tidegate.broker.kvwatch import follow_bucket
 from tidegate.config import Config
 from tidegate.control import workers_registry
 from tidegate.control.batches import LEASE_KEY, Stores, open_stores
@@ -151,7 +152,8 @@ class Runner:
         self.ended: deque[str] = deque()  # request ids whose session has an outcome
         self.wake = asyncio.Event()
         self.slots: dict[str, int] = {}
-        self._turn = 0
+        self._last_tenant = ""  # the tenant the last released line belonged to
+        self.records: dict[str, BatchRecord] = {}  # the batches bucket, followed live
         tm.get().metrics  # noqa: B018 - the process's telemetry exists before observers
 
     # -- the loop ------------------------------------------------------------------
@@ -160,6 +162,10 @@ class Runner:
         self.stores = await open_stores(self.js, self.config)
         registry = await workers_registry.ensure_bucket(self.js, self.config)
         sub = await self.nc.subscribe(self.subjects.edge_inbox(INBOX), cb=self.on_message)
+        # The batch records, followed live: a refresh reads memory, not one
+        # KV get per batch ever kept.
+        follower = asyncio.create_task(follow_bucket(self.stores.batches, self._on_record,
+                                                     self._on_record_gone))
         next_lease = next_refresh = next_slots = 0.0
         try:
             while not stop.is_set():
@@ -188,8 +194,20 @@ class Runner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), _TICK)
         finally:
+            follower.cancel()
             await sub.unsubscribe()
             self._abandon()
+
+    def _on_record_gone(self, key: str) -> None:
+        self.records.pop(key, None)
+
+    def _on_record(self, key: str, value: bytes) -> None:
+        if key == LEASE_KEY:
+            return
+        try:
+            self.records[key] = BatchRecord.decode(value)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("unreadable batch record %s: %s", key, exc)
 
     # -- leadership ----------------------------------------------------------------
 
@@ -245,7 +263,7 @@ class Runner:
     async def _refresh(self) -> None:
         assert self.stores is not None
         wall = time.time()
-        records = await self.stores.list_batches(None)
+        records = list(self.records.values())
         self._gauges(records, wall)
         for record in records:
             run = self.runs.get(record.id)
@@ -473,13 +491,13 @@ class Runner:
         for run in sorted(runs, key=lambda r: r.record.created_at):
             by_tenant.setdefault(run.record.tenant, []).append(run)
         tenants = sorted(by_tenant)
-        self._turn += 1
         progress = True
         while progress and budget > 0 and any(v > 0 for v in free.values()):
             progress = False
-            for i in range(len(tenants)):
-                tenant_runs = by_tenant[tenants[(i + self._turn) % len(tenants)]]
-                for run in tenant_runs:
+            # Round robin: start after the tenant served last, whatever tick it was.
+            last = self._last_tenant
+            for tenant in [t for t in tenants if t > last] + [t for t in tenants if t <= last]:
+                for run in by_tenant[tenant]:
                     pending = run.next_line(now)
                     if pending is None or free.get(pending.model, 0) <= 0:
                         continue
@@ -487,6 +505,7 @@ class Runner:
                     free[pending.model] -= 1
                     budget -= 1
                     await self._publish(run, pending, now)
+                    self._last_tenant = tenant
                     progress = True
                     break  # one line per tenant per round: fair between tenants
                 if budget <= 0:

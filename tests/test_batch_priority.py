@@ -9,10 +9,12 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import nats
 import openai
 import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+from tidegate.control.keys import create_key, ensure_keys_bucket
 
 pytestmark = pytest.mark.pipeline
 
@@ -83,3 +85,58 @@ async def test_interactive_starts_within_one_slot_turnover(client: openai.AsyncO
     assert ttft < LINE_SECONDS + 2.0
     final = await client.batches.retrieve(batch.id)
     assert final.status == "in_progress"  # the batch was still going: it did not block
+    await client.batches.cancel(batch.id)  # free the slots for the next test
+
+
+async def test_tenants_share_batch_capacity(pipeline: Pipeline, client: openai.AsyncOpenAI,
+                                            module_nats_url: str) -> None:
+    """A second tenant's batch, submitted behind a long one, gets lines in turn
+    (round robin), not after the whole first batch."""
+    nc = await nats.connect(module_nats_url)
+    try:
+        other_key, _ = await create_key(await ensure_keys_bucket(nc.jetstream(),
+                                                                 pipeline.config), "tenant-b")
+    finally:
+        await nc.close()
+
+    def lines(prefix: str, n: int) -> bytes:
+        return b"".join(json.dumps({
+            "custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tidegate-sim", "max_tokens": TOKENS,
+                     "messages": [{"role": "user", "content": f"{prefix} {i}"}]}}).encode()
+            + b"\n" for i in range(n))
+
+    async def submit(c: openai.AsyncOpenAI, data: bytes) -> str:
+        file = await c.files.create(file=("f.jsonl", io.BytesIO(data)), purpose="batch")
+        return (await c.batches.create(input_file_id=file.id,
+                                       endpoint="/v1/chat/completions",
+                                       completion_window="24h")).id
+
+    long_id = await submit(client, lines("a", LINES))
+    async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=other_key,
+                                  max_retries=0, timeout=60) as other:
+        deadline = time.monotonic() + 10
+        while True:  # the new key reaches the edge through its KV watch
+            try:
+                await other.files.list()
+                break
+            except openai.AuthenticationError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while (await client.batches.retrieve(long_id)).status != "in_progress":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        short_id = await submit(other, lines("b", 2))
+        deadline = time.monotonic() + 60
+        while (short := await other.batches.retrieve(short_id)).status != "completed":
+            assert time.monotonic() < deadline, short
+            await asyncio.sleep(0.1)
+    long = await client.batches.retrieve(long_id)
+    assert long.request_counts is not None
+    print(f"tenant b's 2 lines done while tenant a's batch had "
+          f"{long.request_counts.completed}/{LINES} lines done")
+    # FIFO would finish all of a's lines first; round robin interleaves b's two.
+    assert long.status == "in_progress"
+    assert long.request_counts.completed <= LINES // 2
+    await client.batches.cancel(long_id)
