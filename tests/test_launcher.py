@@ -302,6 +302,22 @@ def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
     assert (up.data_dir / "tidegate.toml").exists()
     effective = tgconfig.load(up.data_dir / "tidegate.toml", {})
     assert (effective.edge.port, effective.auth.dev_key) == (up.port, DEV_KEY)
+    # The embedded NATS runs with per-tier users by default (docs/security.md):
+    # the stream above crossed it without one permissions violation, the
+    # admin CLI gets in with the admin login, and no login gets nothing.
+    assert effective.nats.credentials.endswith("{tier}.creds.toml")
+    nats_log = (up.data_dir / "logs" / "nats.log").read_text()
+    assert "Violation" not in nats_log, nats_log[-2000:]
+    keys = subprocess.run([sys.executable, "-m", "tidegate", "keys", "list", "--config",
+                           str(up.data_dir / "tidegate.toml")], capture_output=True, text=True,
+                          timeout=30)
+    assert keys.returncode == 0, keys.stderr
+    anonymous = subprocess.run(
+        [sys.executable, "-m", "tidegate", "keys", "list", "--config",
+         str(up.data_dir / "tidegate.toml")], capture_output=True, text=True, timeout=30,
+        env={**os.environ, "TIDEGATE__NATS__CREDENTIALS": ""})
+    assert anonymous.returncode != 0
+    assert "Authorization" in anonymous.stderr, anonymous.stderr
 
     up.proc.send_signal(signal.SIGTERM)
     try:

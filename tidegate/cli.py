@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="environment variable holding the backend's API key")
     up.add_argument("--model", action="append", default=[], metavar="NAME",
                     help="with --backend: serve these model names instead of listing them")
+    up.add_argument("--no-nats-auth", action="store_true",
+                    help="run the embedded NATS without per-tier users and permissions "
+                         "(default: with them, see docs/security.md)")
     up.add_argument("--ready-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="how long every child may take to become ready (default: 60)")
 
@@ -158,6 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the --config file's directory)")
 
     _admin_parsers(sub)
+    natscfg = sub.add_parser(
+        "nats-config", help="write nats-server users and per-tier credentials",
+        description="Write DIR/auth.conf (an authorization block: one user per tier with "
+                    "least-privilege permissions) and DIR/<tier>.creds.toml; see "
+                    "docs/security.md.")
+    _common(natscfg)
+    natscfg.add_argument("--out", metavar="DIR", default=".tidegate/nats-auth",
+                         help="where to write (default: .tidegate/nats-auth)")
+    natscfg.add_argument("--rotate", action="store_true",
+                         help="new passwords even where credentials exist")
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -332,6 +345,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_nats_config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tidegate.broker import natsconfig
+
+    config = load_config(args)
+    out = Path(args.out)
+    auth = natsconfig.write(out, config.nats.subjects, rotate=args.rotate)
+    print(f"wrote {auth} and {out}/<tier>.creds.toml (edge, dispatcher, worker, admin)")
+    print(f"  nats-server: -c {auth} (or include it in your server config)")
+    print(f'  tidegate:    [nats] credentials = "{natsconfig.credentials_setting(out)}"')
+    return 0
+
+
 def _cmd_version(_args: argparse.Namespace) -> int:
     print(f"{PROG} {version()}")
     return 0
@@ -389,6 +416,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         backend_key_env=args.backend_key_env,
         models=tuple(args.model),
         ready_timeout=args.ready_timeout,
+        nats_auth=not args.no_nats_auth,
     )
     plan = launcher.prepare(options)
     logs.setup(plan.config.logging)
@@ -490,6 +518,7 @@ _COMMANDS = {
     "batches": _cmd_batches,
     "tenant": _cmd_tenant,
     "status": _cmd_status,
+    "nats-config": _cmd_nats_config,
 }
 
 

@@ -199,6 +199,15 @@ class NatsConfig:
     subject_prefix: str = "tg"
     connect_timeout: float = 5.0
     request_timeout: float = 5.0  # JetStream publish / API calls
+    # Per-tier login written by `tidegate nats-config` (a TOML file: user,
+    # password, inbox_prefix); "{tier}" is replaced by the connecting tier's
+    # name (edge, dispatcher, worker, admin). Empty: connect without auth.
+    credentials: str = ""
+    # TLS to NATS: CA bundle to verify the server, optional client cert + key.
+    # A tls:// URL or tls_ca turns TLS on.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
     @property
     def subjects(self) -> Subjects:

@@ -27,6 +27,7 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from tidegate.broker.auth import connect_options
 from tidegate.broker.kvwatch import follow_bucket, wait_synced
 from tidegate.config import Config, NatsConfig
 from tidegate.errors import BrokerError
@@ -55,12 +56,14 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None)
         log.info("nats reconnected (%s)", name)
 
     servers = [s.strip() for s in cfg.url.split(",") if s.strip()]
+    login = connect_options(cfg, name)  # a bad credentials file fails here, once
     delay = 0.2
     while True:
         try:
             nc = await nats.connect(
                 servers=servers,
                 name=name,
+                **login,
                 connect_timeout=max(1, int(cfg.connect_timeout)),
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,

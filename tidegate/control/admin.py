@@ -24,6 +24,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from tidegate.broker.auth import connect_options
 from tidegate.config import Config, NatsConfig
 from tidegate.control import keys as tgkeys
 from tidegate.control import policies as tgpolicies
@@ -62,6 +63,7 @@ async def connect_once(cfg: NatsConfig, name: str) -> NATS:
     try:
         async with asyncio.timeout(cfg.connect_timeout + 1):
             return await nats.connect(servers=servers, name=name,
+                                      **connect_options(cfg, name),
                                       connect_timeout=cfg.connect_timeout,
                                       allow_reconnect=False,
                                       # nats-py reads 0 as "forever"; 1 = two tries each.

@@ -61,6 +61,7 @@ from typing import IO, Any
 
 import tidegate
 from tidegate import config as tgconfig
+from tidegate.broker import natsconfig
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
 from tidegate.run.servers import (
@@ -109,6 +110,10 @@ class UpOptions:
     models: tuple[str, ...] = ()
     ready_timeout: float = 60.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # The embedded NATS runs with per-tier users and permissions
+    # (tidegate.broker.permissions), as production should; --no-nats-auth
+    # turns that off.
+    nats_auth: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +128,7 @@ class Plan:
     child_env: dict[str, str] = field(default_factory=dict)
     # child name ("dispatcher", "worker-1", ...) -> its /metrics port
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    nats_auth: Path | None = None  # the embedded NATS's auth.conf, when it has one
 
     @property
     def config_file(self) -> Path:
@@ -201,8 +207,13 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
                           or env.get("TIDEGATE__REDIS__URL") or _has_key(raw, "redis", "url"))
     nats_port = None if external_nats else free_port(preferred=DEFAULT_NATS_PORT)
     redis_port = None if external_redis else free_port(preferred=DEFAULT_REDIS_PORT)
+    nats_auth: Path | None = None
     if nats_port is not None:
         overrides.setdefault("nats", {})["url"] = f"nats://127.0.0.1:{nats_port}"
+        if options.nats_auth:
+            auth_dir = data_dir / "nats-auth"
+            nats_auth = natsconfig.write(auth_dir, base.nats.subjects)
+            overrides["nats"]["credentials"] = natsconfig.credentials_setting(auth_dir)
     if redis_port is not None:
         overrides.setdefault("redis", {})["url"] = f"redis://127.0.0.1:{redis_port}/0"
 
@@ -233,7 +244,7 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
         metrics_ports[name] = port
     return Plan(options=options, config=config, data_dir=data_dir, nats_port=nats_port,
                 redis_port=redis_port, child_env=child_environment(env),
-                metrics_ports=metrics_ports)
+                metrics_ports=metrics_ports, nats_auth=nats_auth)
 
 
 def _raw_toml(path: str | None) -> dict[str, Any]:
@@ -403,8 +414,9 @@ class Launcher:
         plan, cfg = self.plan, self.plan.config
         plan.log_dir.mkdir(parents=True, exist_ok=True)
         if plan.nats_port is not None:
+            auth = ["-c", str(plan.nats_auth)] if plan.nats_auth else []
             self.nats = NatsServer(plan.data_dir / "nats", port=plan.nats_port,
-                                   log_path=plan.log_dir / "nats.log")
+                                   log_path=plan.log_dir / "nats.log", extra_args=auth)
             self.nats.name = "nats"
             log.info("starting nats-server on port %d", plan.nats_port)
             self._start_server(self.nats)
