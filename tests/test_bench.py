@@ -6,6 +6,7 @@ check that a run completes and writes what docs/benchmarks.md promises.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tidegate.bench import alternate, loadgen, procstats, runner, scenarios
@@ -311,3 +313,31 @@ def test_quick_websocket_scenario(tmp_path: Path) -> None:
     assert cancel["cancels"] == w["params"]["cancel_sockets"] * w["params"]["per_socket"]
     assert cancel["closed"] == cancel["cancels"]
     assert "## (w) WebSocket against SSE" in (out / "results.md").read_text()
+
+
+async def test_fake_saturation_slows_every_stream_past_k() -> None:
+    """saturate_at=2: 2 streams keep the configured pace, 6 at once take
+    about 3x as long each (N / K), and the pace recovers once they are done."""
+    async def one(session: aiohttp.ClientSession, url: str) -> float:
+        started = time.monotonic()
+        async with session.post(f"{url}/chat/completions", json={
+                "model": "m", "stream": True, "max_tokens": 20,
+                "messages": [{"role": "user", "content": "x"}]}) as resp:
+            assert resp.status == 200
+            body = await resp.read()
+        assert body.endswith(b"data: [DONE]\n\n")
+        return time.monotonic() - started
+
+    async with FakeBackend(ttft=0.02, itl=0.01, saturate_at=2) as fake, \
+            aiohttp.ClientSession() as session:
+        paced = await asyncio.gather(*(one(session, fake.base_url) for _ in range(2)))
+        crowded = await asyncio.gather(*(one(session, fake.base_url) for _ in range(6)))
+        again = await one(session, fake.base_url)
+        assert fake.peak_active == 6
+        assert fake.active == 0
+        assert all(r.first_byte_at is not None for r in fake.records)
+    uncongested = 0.02 + 20 * 0.01
+    assert max(paced) < 2 * uncongested
+    # 3x slower while all six run; at least 2x on a loaded machine's timers.
+    assert min(crowded) > 2 * min(paced)
+    assert again < 2 * uncongested

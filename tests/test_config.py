@@ -106,6 +106,12 @@ def test_comma_separated_list_from_env() -> None:
     ({"models": [{"name": "a", "backend": "openai"}]}, "models[0].base_url"),
     ({"models": [{"name": "a", "backend": "magic"}]}, "models[0].backend"),
     ({"models": [{"name": "a", "max_streams": 0}]}, "models[0].max_streams"),
+    ({"models": [{"name": "a", "max_streams": "lots"}]}, "models[0].max_streams"),
+    ({"models": [{"name": "a", "max_streams": True}]}, "models[0].max_streams"),
+    ({"models": [{"name": "a", "min_streams": 0}]}, "models[0].min_streams"),
+    ({"models": [{"name": "a", "min_streams": 8, "max_streams_limit": 4}]},
+     "models[0].max_streams_limit"),
+    ({"models": [{"name": "a", "latency_tolerance": 1.0}]}, "models[0].latency_tolerance"),
     ({"models": [{"name": "a", "simulator": {"length": 0}}]}, "models[0].simulator.length"),
     ({"models": [{"name": "a", "simulator": {"ttft": -1}}]}, "models[0].simulator.ttft"),
     ({"models": [{"name": "a", "idle_timeout": 0}]}, "models[0].idle_timeout"),
@@ -187,3 +193,27 @@ def test_worker_ack_wait_must_beat_worker_lost_detection() -> None:
 def test_dispatcher_ack_wait_must_beat_admission_timeout() -> None:
     with pytest.raises(ConfigError, match=r"dispatcher\.ack_wait"):
         tgconfig.from_dict({"edge": {"admission_timeout": 5.0}})
+
+
+def test_max_streams_defaults_to_auto_for_openai_and_64_for_the_simulator() -> None:
+    cfg = tgconfig.from_dict({"models": [
+        {"name": "a", "backend": "openai", "base_url": "http://x/v1"},
+        {"name": "b"},
+        {"name": "c", "backend": "openai", "base_url": "http://x/v1", "max_streams": 12},
+        {"name": "d", "max_streams": "auto", "min_streams": 2, "max_streams_limit": 50}]})
+    a, b, c, d = cfg.models
+    assert (a.max_streams, a.adaptive, a.initial_streams, a.streams_ceiling) == (
+        "auto", True, 4, 1024)
+    assert (b.max_streams, b.adaptive, b.initial_streams, b.streams_ceiling) == (
+        64, False, 64, 64)
+    assert (c.max_streams, c.adaptive, c.initial_streams) == (12, False, 12)
+    assert (d.adaptive, d.initial_streams, d.streams_ceiling) == (True, 2, 50)
+    # The launcher hands children the effective config: "auto" survives the round trip.
+    again = tgconfig.from_dict(tomllib.loads(tgconfig.dump_toml(cfg)))
+    assert [m.max_streams for m in again.models] == ["auto", 64, 12, "auto"]
+
+
+def test_max_streams_from_the_environment() -> None:
+    env = {"TIDEGATE_CONFIG": ""}
+    assert tgconfig.load(env=env, overrides={"models": [{"name": "a", "max_streams": "8"}]}
+                         ).models[0].max_streams == 8

@@ -35,6 +35,8 @@ from tidegate.errors import ConfigError
 from tidegate.wire.subjects import Subjects
 
 BackendKind = Literal["simulator", "openai"]
+# A model's worker concurrency: a pinned number, or "auto" (workers.limiter).
+StreamLimit = int | Literal["auto"]
 StorageKind = Literal["file", "memory"]
 QuotaFailure = Literal["closed", "open"]
 AffinityMode = Literal["auto", "off"]
@@ -83,7 +85,18 @@ class ModelConfig:
     base_urls: tuple[str, ...] = ()
     upstream_model: str = ""  # name the backend knows; defaults to `name`
     api_key_env: str = ""  # environment variable holding the backend's API key
-    max_streams: int = 64  # concurrent streams per worker process
+    # Concurrent streams per worker process: a number pins it; "auto" lets
+    # each worker find what the backend serves well from its latency
+    # (workers.limiter), between min_streams and max_streams_limit. Unset
+    # (None): "auto" for backend = "openai", 64 for the simulator, whose pace
+    # does not depend on load (so there is no limit to find).
+    max_streams: StreamLimit | None = None
+    min_streams: int = 4  # "auto" never goes below this, and starts from it
+    max_streams_limit: int = 1024  # "auto" never goes above this
+    # "auto": time per output token (and, 1.5x as lenient, time to first byte)
+    # may exceed its uncongested baseline by this factor before the worker
+    # backs off. Larger trades latency for throughput.
+    latency_tolerance: float = 1.3
     connect_timeout: float = 10.0
     first_byte_timeout: float = 300.0  # backend silence before its first byte
     idle_timeout: float = 120.0  # backend silence between two chunks
@@ -95,6 +108,11 @@ class ModelConfig:
     queue: QueueModeConfig = field(default_factory=QueueModeConfig)
     # Every streaming request for this model is resumable (docs/resume.md).
     resumable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_streams is None:  # the backend's default (see max_streams)
+            object.__setattr__(self, "max_streams",
+                               "auto" if self.backend == "openai" else 64)
 
     @property
     def backend_model(self) -> str:
@@ -115,6 +133,21 @@ class ModelConfig:
         """This model as served by one replica (its ``base_url``)."""
         url = dict(zip(self.replica_names, self.replicas, strict=True))[name]
         return dataclasses.replace(self, base_url=url, base_urls=())
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether workers size this model's concurrency themselves."""
+        return self.max_streams == "auto"
+
+    @property
+    def initial_streams(self) -> int:
+        """A worker's slots at start: the pinned number, or where "auto" begins."""
+        return self.max_streams if isinstance(self.max_streams, int) else self.min_streams
+
+    @property
+    def streams_ceiling(self) -> int:
+        """The most slots a worker may ever have for this model."""
+        return self.max_streams if isinstance(self.max_streams, int) else self.max_streams_limit
 
 
 def replica_name(url: str) -> str:
@@ -510,7 +543,15 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         return tuple(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin in (types.UnionType, typing.Union):
-        raise TypeError(f"unsupported config type {tp!r}")
+        # e.g. int | Literal["auto"]: the first member that takes the value.
+        members = [t for t in typing.get_args(tp) if t is not type(None)]
+        for member in members:
+            try:
+                return _coerce(member, value, path)
+            except ConfigError:
+                continue
+        expected = " or ".join(_describe(m) for m in members)
+        raise ConfigError(f"{path}: expected {expected}, got {value!r}")
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
             return value.lower() in ("true", "1")
@@ -540,6 +581,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a string, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, repr(tp))
 
 
 def _check(config: Config) -> None:
@@ -705,8 +753,17 @@ def _check(config: Config) -> None:
         if m.reserve_max_tokens < 1:
             raise ConfigError(f"{where}.reserve_max_tokens: must be >= 1, got "
                               f"{m.reserve_max_tokens}")
-        if m.max_streams < 1:
-            raise ConfigError(f"{where}.max_streams: must be >= 1, got {m.max_streams}")
+        if isinstance(m.max_streams, int) and m.max_streams < 1:
+            raise ConfigError(f"{where}.max_streams: must be >= 1 or \"auto\", got "
+                              f"{m.max_streams}")
+        if m.min_streams < 1:
+            raise ConfigError(f"{where}.min_streams: must be >= 1, got {m.min_streams}")
+        if m.max_streams_limit < m.min_streams:
+            raise ConfigError(f"{where}.max_streams_limit: must be >= min_streams "
+                              f"({m.min_streams}), got {m.max_streams_limit}")
+        if m.latency_tolerance <= 1.0:
+            raise ConfigError(f"{where}.latency_tolerance: must be > 1 (a latency ratio over "
+                              f"the uncongested baseline), got {m.latency_tolerance}")
         for name, value in (("connect_timeout", m.connect_timeout),
                             ("first_byte_timeout", m.first_byte_timeout),
                             ("idle_timeout", m.idle_timeout),

@@ -75,6 +75,7 @@ from tidegate.wire.protocol import (
     encode_chunk,
 )
 from workers.backends import Backend, BackendStream, PushStream, Usage
+from workers.limiter import AdaptiveLimit
 
 log = logging.getLogger("tidegate.worker")
 
@@ -162,7 +163,8 @@ class Job:
     # sets it); None here, so a default job's chunk path only tests a local.
     _log_put: Callable[[bytes], None] | None = None
 
-    def __init__(self, msg: Msg, request: Request, backend: Backend, ctx: JobContext) -> None:
+    def __init__(self, msg: Msg, request: Request, backend: Backend, ctx: JobContext,
+                 limit: AdaptiveLimit | None = None) -> None:
         self.msg = msg
         self.request = request
         self.backend = backend
@@ -190,6 +192,11 @@ class Job:
         self._end: asyncio.Future[None] | None = None  # set by a PushStream's end()
         self._pushing: PushStream | None = None
         self._stalled_at = 0.0  # when a pushed stream's window filled (0: open)
+        # Adaptive concurrency (workers.limiter): this job's latency samples,
+        # taken at the backend call, the first chunk and the end; never per chunk.
+        self.limit = limit
+        self._backend_at = 0.0  # when the backend call started
+        self._mark = 0.0  # the limiter's in-flight integral at the last sample point
 
     def release(self) -> None:
         """Drop what the ended job points at. The job, its stream and the
@@ -370,10 +377,16 @@ class Job:
         return True
 
     async def _call_backend(self) -> None:
+        limit = self.limit
+        if limit is not None:
+            now = self._backend_at = time.monotonic()
+            self._mark = limit.mark(now)
         try:
             stream = self.stream = await self.backend.open(self.request)
         except BackendError as error:
             log.info("job %s: backend refused: %s", self.request.id, error.message)
+            if limit is not None and error.status in (429, 503):
+                limit.overload(time.monotonic())
             self.outcome = "error"
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
@@ -447,6 +460,10 @@ class Job:
     async def _done(self, stream: BackendStream) -> None:
         self.outcome = "done"
         usage = stream.usage
+        limit = self.limit
+        if limit is not None and self.first_chunk_at:
+            limit.tpot(self._mark, self.first_chunk_at, usage.completion_tokens,
+                       time.monotonic())
         self.seq += 1
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())
@@ -461,6 +478,10 @@ class Job:
             self.first_chunk_at = now
             if self.span is not None:
                 self.span.add_event(tracing.FIRST_TOKEN_EVENT)
+            limit = self.limit
+            if limit is not None:
+                limit.ttfb(self._mark, self._backend_at, now)
+                self._mark = limit.mark(now)
         self.chunks_sent += 1
         if not self.window.on_send(seq, nbytes, now):
             self._window_open.clear()

@@ -16,10 +16,17 @@ Stop (SIGTERM): stop pulling, let in-flight jobs finish within
 is handed back to JetStream for another worker; one that has ends with a
 retryable error event.
 
+Slots: a model with a pinned ``max_streams`` has that many; one with
+``max_streams = "auto"`` has as many as its :class:`~workers.limiter.AdaptiveLimit`
+allows at the moment, from the backend's latency (docs/lifecycle.md,
+"Adaptive concurrency"). The pool tells the limiter when a job takes and
+frees a slot; the job reports its latency samples itself.
+
 Fleet view: every few seconds the worker puts its slots and in-flight jobs
 per model into the ``<P>_WORKERS`` KV bucket (``tidegate.control.workers_registry``),
 which dispatchers and ``tidegate status`` read; the same numbers are the
-``tidegate.worker.slots`` gauge of this process.
+``tidegate.worker.slots`` gauge of this process, and the limit is
+``tidegate.worker.concurrency_limit``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from tidegate.wire.mux import Outbox, batch_limit
 from tidegate.wire.protocol import Ack, Attach, Cancel, Detach, Request, UsageRecord, decode_control
 from workers.backends import Backend, create_backend
 from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
+from workers.limiter import AdaptiveLimit
 from workers.resumable import ResumableJob
 from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
 
@@ -68,22 +76,38 @@ class Pool:
         self.replicas: dict[str, dict[str, ReplicaPullers]] = {}
         self.routing: WorkerRouting | None = None
         self.load: LoadReporter | None = None
+        self.limits: dict[str, AdaptiveLimit] = {}  # models with max_streams = "auto"
+        # ... and per replica of a model with several: the limit is each backend's.
+        self.replica_limits: dict[tuple[str, str], AdaptiveLimit] = {}
         ctx.telemetry.metrics.observe_worker_slots(self._slot_observations)
+        ctx.telemetry.metrics.observe_worker_limit(self._limit_observations)
 
     def slot_info(self, models: list[ModelConfig] | None = None) -> dict[str, SlotInfo]:
         """Slots and running jobs per served model (``models``: also those
         whose pull loop has not started yet)."""
-        out = {m.name: SlotInfo(m.max_streams * len(m.replicas) if len(m.replicas) > 1
-                                else m.max_streams, 0) for m in models or ()}
-        out.update({m: SlotInfo(p.capacity, p.busy) for m, p in self.by_model.items()})
+        out = {m.name: SlotInfo(m.initial_streams * len(m.replicas) if len(m.replicas) > 1
+                                else m.initial_streams, 0, m.adaptive) for m in models or ()}
+        out.update({m: SlotInfo(p.capacity, p.busy, m in self.limits)
+                    for m, p in self.by_model.items()})
         out.update({m: SlotInfo(sum(g.capacity for g in groups.values()),
-                                sum(g.busy for g in groups.values()))
+                                sum(g.busy for g in groups.values()),
+                                any((m, r) in self.replica_limits for r in groups))
                     for m, groups in self.replicas.items()})
         return out
 
     def replica_info(self) -> dict[str, dict[str, ReplicaSlot]]:
         return {m: {r: g.slot() for r, g in groups.items()}
                 for m, groups in self.replicas.items()}
+
+    def _limit_observations(self) -> list[tuple[float, tm.Attributes]]:
+        out: list[tuple[float, tm.Attributes]] = [
+            (float(p.capacity), {tm.MODEL: m, tm.SLOT_MODE: "auto" if m in self.limits
+                                 else "fixed"}) for m, p in self.by_model.items()]
+        out.extend((float(g.capacity), {tm.MODEL: m, tracing.REPLICA: r,
+                                        tm.SLOT_MODE: "auto" if (m, r) in self.replica_limits
+                                        else "fixed"})
+                   for m, groups in self.replicas.items() for r, g in groups.items())
+        return out
 
     def _slot_observations(self) -> list[tuple[float, tm.Attributes]]:
         out: list[tuple[float, tm.Attributes]] = []
@@ -121,7 +145,8 @@ class Pool:
             job.cancel(reason)
 
     async def run_job(self, msg: Msg, backend: Backend,
-                      group: ReplicaPullers | None = None) -> None:
+                      group: ReplicaPullers | None = None,
+                      limit: AdaptiveLimit | None = None) -> None:
         try:
             request = Request.decode(msg.data)
         except ProtocolError as exc:
@@ -175,7 +200,10 @@ class Pool:
             BAD_INPUT.drop("job", "invalid", repr(exc))
             await msg.term()
             return
+        job.limit = limit  # adaptive concurrency: this job's latency samples
         self.jobs[request.id] = job
+        if limit is not None:
+            limit.acquire(time.monotonic())
         try:
             await job.run()
         except asyncio.CancelledError:
@@ -184,6 +212,8 @@ class Pool:
             # Unacked: JetStream redelivers it (up to worker.max_deliver).
             log.exception("job %s failed", request.id)
         finally:
+            if limit is not None:
+                limit.release(time.monotonic())
             # A second job with the same id (a replay) must not unregister the first.
             if self.jobs.get(request.id) is job:
                 del self.jobs[request.id]
@@ -197,16 +227,26 @@ class Pool:
         await broker.ensure_consumer(
             js, subjects.jobs_stream, durable, subjects.job(model.name),
             ack_wait=cfg.ack_wait, max_deliver=cfg.max_deliver,
-            max_ack_pending=max(10_000, model.max_streams * 64))
+            max_ack_pending=max(10_000, model.streams_ceiling * 64))
+        limit: AdaptiveLimit | None = None
+        if model.adaptive:
+            def resize(slots: int) -> None:
+                log.info("%s: concurrency limit %d -> %d", model.name, puller.capacity, slots)
+                puller.resize(slots)
+
+            limit = self.limits[model.name] = AdaptiveLimit(
+                model.min_streams, model.max_streams_limit, tolerance=model.latency_tolerance,
+                now=time.monotonic(), on_change=resize)
         # Credit = free slots: the puller never holds more jobs than this
         # worker can start at once.
         puller = Puller(self.ctx.nc, subjects.jobs_stream, durable,
-                        lambda msg: self.run_job(msg, backend), capacity=model.max_streams,
-                        expires=cfg.fetch_timeout)
+                        lambda msg: self.run_job(msg, backend, limit=limit),
+                        capacity=model.initial_streams, expires=cfg.fetch_timeout)
         self.pullers.append(puller)
         self.by_model[model.name] = puller
-        log.info("worker serving %s (%s backend, %d slots)", model.name, model.backend,
-                 model.max_streams)
+        log.info("worker serving %s (%s backend, %s slots)", model.name, model.backend,
+                 f"auto, {model.min_streams}..{model.max_streams_limit}" if model.adaptive
+                 else model.initial_streams)
         await puller.run(stop)
 
     def replica_group(self, model: ModelConfig, replica: str) -> ReplicaPullers:
@@ -214,9 +254,19 @@ class Pool:
         the first registry heartbeat already names every replica served."""
         groups = self.replicas.setdefault(model.name, {})
         if replica not in groups:
-            groups[replica] = ReplicaPullers(
-                model.name, replica, model.max_streams,
+            group = groups[replica] = ReplicaPullers(
+                model.name, replica, model.initial_streams,
                 on_change=self.load.changed if self.load is not None else None)
+            if model.adaptive:
+                def resize(slots: int) -> None:
+                    log.debug("%s replica %s: concurrency limit %d -> %d", model.name, replica,
+                              group.capacity, slots)
+                    group.capacity = slots
+                    group.on_done()  # re-check both pullers' credit, report the load
+
+                self.replica_limits[(model.name, replica)] = AdaptiveLimit(
+                    model.min_streams, model.max_streams_limit,
+                    tolerance=model.latency_tolerance, now=time.monotonic(), on_change=resize)
         return groups[replica]
 
     async def pull_replica(self, js: JetStreamContext, model: ModelConfig, replica: str,
@@ -226,9 +276,10 @@ class Pool:
         subjects = self.config.nats.subjects
         cfg = self.config.worker
         group = self.replica_group(model, replica)
+        limit = self.replica_limits.get((model.name, replica))
 
         async def handle(msg: Msg) -> None:
-            await self.run_job(msg, backend, group)
+            await self.run_job(msg, backend, group, limit)
 
         consumers = [(subjects.worker_consumer(model.name), subjects.job(model.name),
                       group.shared_credit)]
@@ -238,14 +289,19 @@ class Pool:
         for durable, subject, credit in consumers:
             await broker.ensure_consumer(
                 js, subjects.jobs_stream, durable, subject, ack_wait=cfg.ack_wait,
-                max_deliver=cfg.max_deliver, max_ack_pending=max(10_000, model.max_streams * 64))
+                max_deliver=cfg.max_deliver,
+                max_ack_pending=max(10_000, model.streams_ceiling * 64))
+            # The credit function, not capacity, bounds these pullers: the
+            # group's slots (its adaptive limit, or max_streams).
             puller = Puller(self.ctx.nc, subjects.jobs_stream, durable, handle,
-                            capacity=model.max_streams, expires=cfg.fetch_timeout,
+                            capacity=model.streams_ceiling, expires=cfg.fetch_timeout,
                             credit=credit, on_done=group.on_done)
             group.pullers.append(puller)
             self.pullers.append(puller)
-        log.info("worker serving %s replica %s (%d slots, %s)", model.name, replica,
-                 model.max_streams, "own queue + shared" if self.routing else "shared queue")
+        log.info("worker serving %s replica %s (%s slots, %s)", model.name, replica,
+                 f"auto, {model.min_streams}..{model.max_streams_limit}" if model.adaptive
+                 else model.initial_streams,
+                 "own queue + shared" if self.routing else "shared queue")
         async with asyncio.TaskGroup() as tg:
             for puller in group.pullers:
                 tg.create_task(puller.run(stop))

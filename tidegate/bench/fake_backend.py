@@ -22,6 +22,14 @@ faults through it with the SDK's ``extra_body``; a header wins over the body):
 * ``x-fake-ttft: S`` / ``x-fake-itl: S`` - override the pace.
 * ``x-fake-header-delay: S`` - wait S seconds before sending response headers.
 
+Saturation (``FakeConfig.saturate_at = K``, ``--saturate-at K``): like a GPU
+whose batch is past its sweet spot, the fake serves up to K concurrent
+streams at its configured pace, and beyond K every step takes longer in
+proportion: with N streams generating, TTFT and each inter-token gap are
+scaled by ``max(1, N / K)`` (the gap is re-read at every token, so the pace
+follows the load as streams come and go). :attr:`FakeBackend.active` is N,
+:attr:`FakeBackend.peak_active` its highest value.
+
 Run it standalone::
 
     python -m tidegate.bench.fake_backend --port 8001 --ttft 0.05 --itl 0.01 --tokens 64
@@ -83,6 +91,7 @@ class FakeConfig:
     # prompt character the cache did not hold (0 = no model, ttft only).
     prefill_per_char: float = 0.0
     cache_blocks: int = 4096  # the cache's size in 256-character blocks
+    saturate_at: int = 0  # K: past K concurrent streams the pace slows by N / K (0 = never)
 
 
 @dataclass(slots=True)
@@ -107,6 +116,7 @@ class FakeRecord:
     dropped: bool = False  # the fake dropped the connection (x-fake-fail-after)
     closed_at: float | None = None
     finished_at: float | None = None
+    first_byte_at: float | None = None  # when the first token's event was written
     output: bytearray = field(default_factory=bytearray)
     prompt_chars: int = 0  # with the prefix-cache model: the prompt's size
     cached_chars: int = 0  # and how much of it the cache held
@@ -189,17 +199,20 @@ class FakeBackend:
     def __init__(self, config: FakeConfig | None = None, *, ttft: float | None = None,
                  itl: float | None = None, tokens: int | None = None,
                  token_size: int | None = None, models: Sequence[str] | None = None,
-                 keep_output: bool | None = None) -> None:
+                 keep_output: bool | None = None, saturate_at: int | None = None) -> None:
         """``FakeBackend(FakeConfig(...))`` or ``FakeBackend(ttft=..., models=[...])``;
         keyword arguments override the config's fields."""
         overrides: dict[str, Any] = {
             k: v for k, v in (("ttft", ttft), ("itl", itl), ("tokens", tokens),
-                              ("token_size", token_size), ("keep_output", keep_output))
+                              ("token_size", token_size), ("keep_output", keep_output),
+                              ("saturate_at", saturate_at))
             if v is not None}
         if models is not None:
             overrides["models"] = tuple(models)
         self.config = dataclasses.replace(config or FakeConfig(), **overrides)
         self.records: list[FakeRecord] = []
+        self.active = 0  # generations in progress (what saturate_at compares)
+        self.peak_active = 0
         self.base_url = ""
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
@@ -230,6 +243,11 @@ class FakeBackend:
         self.base_url = f"http://{bound_host}:{bound_port}/v1"
         return self.base_url
 
+    def load(self) -> float:
+        """The slow-down factor now: ``max(1, active / saturate_at``), 1 when off."""
+        k = self.config.saturate_at
+        return self.active / k if k and self.active > k else 1.0
+
     async def stop(self) -> None:
         """Stop serving; open streams are cut after a one second grace period."""
         if self._runner is not None:
@@ -257,6 +275,8 @@ class FakeBackend:
         self.records.append(record)
         if len(self.records) > self.config.max_records:
             del self.records[: len(self.records) - self.config.max_records]
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
         try:
             return await self._answer(request, record)
         except asyncio.CancelledError:
@@ -268,6 +288,7 @@ class FakeBackend:
             record.closed_at = time.monotonic()
             return web.Response(status=499)
         finally:
+            self.active -= 1
             record.finished_at = time.monotonic()
 
     async def _answer(self, request: web.Request, record: FakeRecord) -> web.StreamResponse:
@@ -323,7 +344,7 @@ class FakeBackend:
             include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
             return await self._stream(request, record, faults, chat, head, usage, n, finish,
                                       ttft, itl, include_usage)
-        await asyncio.sleep(ttft + itl * max(n - 1, 0))
+        await asyncio.sleep((ttft + itl * max(n - 1, 0)) * self.load())
         text = json.dumps("".join(self._texts[i % 26] for i in range(n))).encode()
         if chat:
             choice = b'{"index":0,"message":{"role":"assistant","content":' + text + b"}"
@@ -362,8 +383,7 @@ class FakeBackend:
         if chat:
             events.append(b"data: " + head + b'{"index":0,"delta":{"role":"assistant",'
                           b'"content":""},"logprobs":null,"finish_reason":null}]' + tail)
-        start = time.monotonic() + ttft
-        due = start
+        due = time.monotonic() + ttft * self.load()
         for i in range(n + 1):
             if i < n:
                 events.append(tok_prefix + self._pieces[i % 26] + tok_suffix)
@@ -384,8 +404,10 @@ class FakeBackend:
                         request.transport.close()
                     return resp
                 await self._write(resp, record, event)
+            if record.first_byte_at is None:
+                record.first_byte_at = time.monotonic()
             events.clear()
-            due = start + (i + 1) * itl
+            due += itl * self.load()
         record.completed = True
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
@@ -433,10 +455,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="prefix-cache model: seconds of TTFT per uncached prompt char")
     parser.add_argument("--cache-blocks", type=int, default=4096,
                         help="prefix-cache model: 256-char blocks kept (LRU)")
+    parser.add_argument("--saturate-at", type=int, default=0,
+                        help="past this many concurrent streams, slow down like a GPU batch")
     args = parser.parse_args(argv)
     config = FakeConfig(ttft=args.ttft, itl=args.itl, tokens=args.tokens,
                         token_size=args.token_size, models=tuple(args.model),
-                        prefill_per_char=args.prefill_per_char, cache_blocks=args.cache_blocks)
+                        prefill_per_char=args.prefill_per_char, cache_blocks=args.cache_blocks,
+                        saturate_at=args.saturate_at)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(config, args.host, args.port))
 

@@ -63,6 +63,18 @@ class Puller:
         """Re-check the credit now (a slot shared with another puller freed)."""
         self._wake.set()
 
+    def resize(self, capacity: int) -> None:
+        """A new credit (an adaptive limit moved). Growth is requested at
+        once; a shrink takes effect as running handlers finish, and pull
+        requests already outstanding still deliver (at most until they
+        expire), so the busy count may briefly exceed a lowered capacity."""
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        grew = capacity > self.capacity
+        self.capacity = capacity
+        if grew:
+            self._wake.set()
+
     def _on_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         self._wake.set()

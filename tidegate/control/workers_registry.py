@@ -41,8 +41,9 @@ TTL = 15.0  # an entry not refreshed for this long is gone: three missed heartbe
 
 @dataclass(frozen=True, slots=True)
 class SlotInfo:
-    slots: int
+    slots: int  # with adaptive concurrency: the worker's current limit
     in_flight: int
+    adaptive: bool = False  # max_streams = "auto": slots moves with the backend's latency
 
     @property
     def free(self) -> int:
@@ -91,8 +92,7 @@ class WorkerInfo:
         return json.dumps({
             "worker_id": self.worker_id, "host": self.host, "pid": self.pid,
             "started": self.started, "updated": self.updated, "draining": self.draining,
-            "models": {m: {"slots": s.slots, "in_flight": s.in_flight}
-                       for m, s in self.models.items()},
+            "models": {m: _slot_doc(s) for m, s in self.models.items()},
             **({"replicas": {m: {r: s.encode() for r, s in rs.items()}
                              for m, rs in self.replicas.items()}} if self.replicas else {}),
         }, separators=(",", ":")).encode()
@@ -100,7 +100,8 @@ class WorkerInfo:
     @classmethod
     def decode(cls, data: bytes) -> WorkerInfo:
         raw: dict[str, Any] = json.loads(data)
-        models = {str(m): SlotInfo(int(s["slots"]), int(s["in_flight"]))
+        models = {str(m): SlotInfo(int(s["slots"]), int(s["in_flight"]),
+                                   bool(s.get("adaptive", False)))
                   for m, s in (raw.get("models") or {}).items()}
         replicas = {str(m): {str(r): ReplicaSlot.decode(s) for r, s in rs.items()}
                     for m, rs in (raw.get("replicas") or {}).items()}
@@ -108,6 +109,14 @@ class WorkerInfo:
                    pid=int(raw.get("pid", 0)), started=float(raw.get("started", 0.0)),
                    updated=float(raw.get("updated", 0.0)), models=models,
                    draining=bool(raw.get("draining", False)), replicas=replicas)
+
+
+def _slot_doc(s: SlotInfo) -> dict[str, Any]:
+    # "adaptive" only when set: entries of pinned models keep their old shape.
+    doc: dict[str, Any] = {"slots": s.slots, "in_flight": s.in_flight}
+    if s.adaptive:
+        doc["adaptive"] = True
+    return doc
 
 
 async def ensure_bucket(js: JetStreamContext, config: Config) -> KeyValue:

@@ -69,6 +69,7 @@ REASON = "tidegate.reason"
 SUBJECT_KIND = "tidegate.subject"
 BATCH_STATUS = "tidegate.batch.status"
 LINE_STATE = "tidegate.batch.line_state"
+SLOT_MODE = "tidegate.slot.mode"  # "auto" (adaptive concurrency) | "fixed"
 
 Attributes = Mapping[str, str | int | float | bool]
 Observe = Callable[[], Iterable[tuple[float, Attributes]]]
@@ -169,6 +170,11 @@ class Metrics:
             "tidegate.worker.slots", callbacks=[self._slots], unit="{slot}",
             description="This worker's job slots per model, by tidegate.slot.state "
                         "(used, free)")
+        self._limit = _Observed()
+        meter.create_observable_gauge(
+            "tidegate.worker.concurrency_limit", callbacks=[self._limit], unit="{stream}",
+            description="This worker's concurrent streams per model: the adaptive limit "
+                        "(tidegate.slot.mode auto) or max_streams (fixed)")
 
         # -- edge ------------------------------------------------------------
         self.edge_requests = meter.create_counter(
@@ -276,6 +282,10 @@ class Metrics:
     def observe_worker_slots(self, source: Observe) -> None:
         """``source`` yields ``(count, {MODEL: m, SLOT_STATE: "used"|"free"})``."""
         self._slots.sources.append(source)
+
+    def observe_worker_limit(self, source: Observe) -> None:
+        """``source`` yields ``(limit, {MODEL: m, SLOT_MODE: "auto"|"fixed"})``."""
+        self._limit.sources.append(source)
 
     def observe_edge(self, streams: Callable[[], int], connections: Callable[[], int]) -> None:
         self._edge_streams.sources.append(lambda: ((float(streams()), {}),))

@@ -1,0 +1,272 @@
+"""Adaptive concurrency for one backend (sans-I/O).
+
+A worker pulls a job only when it has a free slot, so its number of slots is
+how many streams it runs against the backend at once, and everything beyond
+waits in JetStream as queue depth. :class:`AdaptiveLimit` sizes those slots
+from the latency the backend shows, in the spirit of Envoy's adaptive
+concurrency filter and Netflix's concurrency-limits (gradient): a backend
+with capacity to spare answers as fast at 200 streams as at 4, one that is
+saturated (a GPU batch past its sweet spot, a llama.cpp with all its parallel
+slots taken) answers slower the more it is given.
+
+Signals, both per job, never per chunk:
+
+* **time per output token** (TPOT), at the job's end: the decode step time,
+  what grows when a GPU batch gets too large; independent of how the bytes
+  were cut into chunks, of the prompt's length and of the response's length;
+* **time to first byte** (TTFB), at the job's first chunk: prefill plus any
+  wait inside the backend, what grows when the backend queues requests it
+  cannot run yet. It reacts within one TTFB instead of one whole response.
+
+Each is compared with its **uncongested baseline**, the lowest window mean
+seen (a mean over a window, not one lucky sample). The congestion ratio ``c``
+of a window is TPOT over its baseline, or TTFB over its baseline scaled to the
+same tolerance (TTFB varies with the prompts, so its excess may be three
+times larger), the worse of the two.
+
+**Concurrency per sample.** Each sample also carries the concurrency it was
+measured under: the time average of this worker's in-flight jobs over the
+sample's interval, from a running integral of in-flight x time (O(1) per
+event). A decision scales *that* concurrency, not the current limit::
+
+    c > tolerance:            limit = min(limit, x * target / c)   (at most halving)
+    c < target, slow start:   limit = max(limit, 2 x')
+    c < target, afterwards:   limit = max(limit, x' * (1 + 0.25 h)), at least +1
+    otherwise (dead band):    unchanged
+
+where ``x`` is the window's mean sample concurrency (``x'`` its highest),
+``target`` sits below
+``tolerance`` (the band between them is what keeps the limit still) and ``h``
+(0..1) is how far below ``target`` the latency is. Because ``x`` is what the
+samples saw, late samples (a response that ran while the limit was higher)
+give the same answer as fresh ones instead of pushing the limit down again,
+and growth needs demand: a worker that runs 10 streams under a limit of 100
+does not grow its limit to 1000. The limit never shrinks for lack of load.
+
+**Several workers on one backend.** Every worker runs its own controller; the
+latency they see is the backend's, caused by all of them. With ``X`` the
+backend's total concurrency and ``c(X)`` its congestion, each worker sets
+``limit_i = x_i * target / c(X)`` and the sum is ``X * target / c(X)``: the
+same fixed point as one worker holding everything, whatever the number of
+workers (for a backend whose step time grows linearly past ``K`` streams,
+``c = X / K`` and the sum settles at ``target x K``). Growth is multiplicative
+in each worker's own concurrency, so it also sums to the total's. Only the
+"+1 at least" step adds up per worker, one stream each per window. A shared
+counter (Redis, the registry) would add a round trip per job and a new way to
+fail, and the registry is seconds old; the latency signal is already shared.
+
+**Baseline drift.** The baseline only goes down, so a backend that became
+slower for good (a longer prompt mix, a neighbour on its GPU) would keep the
+limit at its floor; when the limit is at ``min_limit`` and a window is still
+congested, that window's latency becomes the baseline: what the backend does
+at the lowest concurrency allowed is by definition uncongested. (Workers that
+share the backend all back off on the same signal, so by the time one sits at
+its floor the others have come down too.)
+
+**Overload.** A 429 or 503 from the backend halves the limit (from the
+current in-flight count), at most once per window.
+
+Time is passed in by the caller (``now``, seconds, one monotonic clock); the
+controller never reads a clock or sleeps. Every method is O(1) and allocates
+nothing beyond float arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from enum import Enum
+
+__all__ = ["AdaptiveLimit", "Phase"]
+
+# A window closes after at least MIN_SAMPLES samples, and after WINDOW
+# seconds (SLOW_START_WINDOW in slow start) or as many samples as the limit.
+WINDOW = 0.25
+SLOW_START_WINDOW = 0.1
+MIN_SAMPLES = 3
+# TTFB may exceed its baseline TTFB_LENIENCY times more than TPOT may.
+TTFB_LENIENCY = 3.0
+GROWTH = 0.25  # steady-state growth per window at full headroom
+
+
+class Phase(Enum):
+    SLOW_START = "slow_start"  # doubling until the first congested window
+    STEADY = "steady"
+
+
+class _Signal:
+    """One latency signal's window sums and its baseline."""
+
+    __slots__ = ("base", "n", "sum", "x_max", "x_sum")
+
+    def __init__(self) -> None:
+        self.base = math.inf
+        self.n = 0
+        self.sum = 0.0
+        self.x_sum = 0.0
+        self.x_max = 0.0
+
+    def add(self, seconds: float, concurrency: float) -> None:
+        self.n += 1
+        self.sum += seconds
+        self.x_sum += concurrency
+        if concurrency > self.x_max:
+            self.x_max = concurrency
+
+    def close(self) -> tuple[float, float, float]:
+        """(ratio of the window mean to the baseline, mean concurrency, highest
+        concurrency); zeros for an empty window. Lowers the baseline first."""
+        if not self.n:
+            return 0.0, 0.0, 0.0
+        mean = self.sum / self.n
+        if mean < self.base:
+            self.base = mean
+        ratio = mean / self.base if self.base > 0 else 1.0
+        x, x_max = self.x_sum / self.n, self.x_max
+        self.n, self.sum, self.x_sum, self.x_max = 0, 0.0, 0.0, 0.0
+        return ratio, x, x_max
+
+    def rebase(self, ratio: float) -> None:
+        """Take the mean of a window that was ``ratio`` above the baseline as the baseline."""
+        if ratio > 1.0 and math.isfinite(self.base):
+            self.base *= ratio
+
+
+class AdaptiveLimit:
+    """The concurrency limit of one worker for one backend.
+
+    The caller (the worker pool) reports every job: :meth:`acquire` when it
+    takes a slot, :meth:`release` when it frees it; the job itself reports
+    :meth:`ttfb` at its first chunk and :meth:`tpot` at its successful end,
+    each with the :meth:`mark` it took at the start of the measured interval,
+    and :meth:`overload` for a backend's 429/503. :attr:`limit` is the number
+    of slots; ``on_change(limit)`` is called whenever it changes.
+    """
+
+    __slots__ = ("_area", "_limit", "_next_overload", "_t", "_tpot", "_ttfb",
+                 "_window_end", "decisions", "in_flight", "max_limit", "min_limit",
+                 "on_change", "phase", "target", "tolerance")
+
+    def __init__(self, min_limit: int, max_limit: int, *, initial: int | None = None,
+                 tolerance: float = 1.3, now: float = 0.0,
+                 on_change: Callable[[int], None] | None = None) -> None:
+        if not 1 <= min_limit <= max_limit:
+            raise ValueError(f"need 1 <= min_limit <= max_limit, got {min_limit}, {max_limit}")
+        if tolerance <= 1.0:
+            raise ValueError(f"tolerance must be > 1, got {tolerance}")
+        self.min_limit = min_limit
+        self.max_limit = max_limit
+        self.tolerance = tolerance
+        # The dead band [target, tolerance]: half of the tolerance's excess.
+        self.target = 1.0 + (tolerance - 1.0) / 2
+        start = min_limit if initial is None else initial
+        self._limit = float(min(max(start, min_limit), max_limit))
+        self.on_change = on_change
+        self.phase = Phase.SLOW_START
+        self.in_flight = 0
+        self.decisions = 0  # windows closed (for tests and metrics)
+        self._area = 0.0  # integral of in_flight over time, up to _t
+        self._t = now
+        self._tpot = _Signal()
+        self._ttfb = _Signal()
+        self._window_end = now + SLOW_START_WINDOW
+        self._next_overload = now
+
+    @property
+    def limit(self) -> int:
+        return int(self._limit + 1e-9)  # 40 x 1.15 / 2 is 23, not 22.999...
+
+    # -- what the worker reports ---------------------------------------------------
+
+    def mark(self, now: float) -> float:
+        """The in-flight integral at ``now``: the start of a measured interval."""
+        return self._area + self.in_flight * (now - self._t)
+
+    def acquire(self, now: float) -> None:
+        self._advance(now)
+        self.in_flight += 1
+
+    def release(self, now: float) -> None:
+        self._advance(now)
+        self.in_flight = max(0, self.in_flight - 1)
+
+    def ttfb(self, mark: float, started: float, now: float) -> None:
+        """A first byte ``now`` of a backend call started at ``started``
+        (``mark``: :meth:`mark` then)."""
+        self._ttfb.add(now - started, self._concurrency(mark, started, now))
+        self._maybe_decide(now)
+
+    def tpot(self, mark: float, first_at: float, tokens: int, now: float) -> None:
+        """A successful end ``now`` of a response whose first chunk came at
+        ``first_at`` (``mark`` taken then) and that has ``tokens`` output tokens."""
+        if tokens > 1 and now > first_at:
+            self._tpot.add((now - first_at) / (tokens - 1),
+                           self._concurrency(mark, first_at, now))
+            self._maybe_decide(now)
+
+    def overload(self, now: float) -> None:
+        """The backend refused for load (429, 503): halve, once per window."""
+        if now < self._next_overload:
+            return
+        self._next_overload = now + WINDOW
+        self.phase = Phase.STEADY
+        self._set(min(self._limit, max(1.0, float(self.in_flight))) / 2)
+
+    # -- the controller -------------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        if now > self._t:
+            self._area += self.in_flight * (now - self._t)
+            self._t = now
+
+    def _concurrency(self, mark: float, since: float, now: float) -> float:
+        if now <= since:
+            return float(max(1, self.in_flight))
+        return max(1.0, (self.mark(now) - mark) / (now - since))
+
+    def _maybe_decide(self, now: float) -> None:
+        n = self._tpot.n + self._ttfb.n
+        # A window is WINDOW long, or as many samples as the limit when they
+        # come sooner (in slow start: one doubling per round of first bytes).
+        if n < MIN_SAMPLES or (now < self._window_end and n < self._limit):
+            return
+        self.decisions += 1
+        tpot_ratio, tpot_x, tpot_top = self._tpot.close()
+        ttfb_ratio, ttfb_x, ttfb_top = self._ttfb.close()
+        # The worse signal, TTFB's scaled to TPOT's tolerance.
+        ttfb_c = 1.0 + (ttfb_ratio - 1.0) / TTFB_LENIENCY if ttfb_ratio else 0.0
+        c, x = (tpot_ratio, tpot_x) if tpot_ratio >= ttfb_c else (ttfb_c, ttfb_x)
+        self._decide(c, x, max(tpot_top, ttfb_top), tpot_ratio, ttfb_ratio)
+        self._window_end = now + (SLOW_START_WINDOW if self.phase is Phase.SLOW_START
+                                  else WINDOW)
+
+    def _decide(self, c: float, x: float, x_max: float, tpot_ratio: float,
+                ttfb_ratio: float) -> None:
+        """``c``: the window's congestion, ``x``: the mean concurrency its
+        worse signal saw; ``x_max``: the highest any sample saw (when growing:
+        latency was fine up to there; the window's samples mix jobs started
+        before and after the last change, and the newest are the evidence)."""
+        if c > self.tolerance:
+            self.phase = Phase.STEADY
+            if self._limit <= self.min_limit:
+                # Slow even at the floor: that is this backend's normal now.
+                self._tpot.rebase(tpot_ratio)
+                self._ttfb.rebase(ttfb_ratio)
+                return
+            self._set(min(self._limit, max(x * self.target / c, self._limit / 2)))
+        elif c < self.target:
+            if self.phase is Phase.SLOW_START:
+                self._set(max(self._limit, 2 * x_max))
+            else:
+                headroom = min(1.0, (self.target - c) / (self.target - 1.0))
+                grown = x_max * (1.0 + GROWTH * headroom)
+                if grown > self._limit:
+                    self._set(max(grown, self._limit + 1))
+        else:
+            self.phase = Phase.STEADY
+
+    def _set(self, limit: float) -> None:
+        before = self.limit
+        self._limit = min(max(limit, float(self.min_limit)), float(self.max_limit))
+        if self.limit != before and self.on_change is not None:
+            self.on_change(self.limit)
