@@ -22,7 +22,7 @@ Each is compared with its **uncongested baseline**, the lowest window mean
 seen (a mean over a window, not one lucky sample). The congestion ratio ``c``
 of a window is TPOT over its baseline, or TTFB over its baseline scaled to the
 same tolerance (TTFB varies with the prompts, so its excess may be three
-times larger), the worse of the two.
+times larger, and its first 25 ms of excess are forgiven), the worse of the two.
 
 **Concurrency per sample.** Each sample also carries the concurrency it was
 measured under: the time average of this worker's in-flight jobs over the
@@ -86,6 +86,9 @@ SLOW_START_WINDOW = 0.1
 MIN_SAMPLES = 3
 # TTFB may exceed its baseline TTFB_LENIENCY times more than TPOT may.
 TTFB_LENIENCY = 3.0
+# ... and only its excess beyond this many seconds counts: 20 ms of TTFB that
+# became 45 ms is scheduling noise, not a backend queue.
+TTFB_SLACK = 0.025
 GROWTH = 0.25  # steady-state growth per window at full headroom
 
 
@@ -113,15 +116,16 @@ class _Signal:
         if concurrency > self.x_max:
             self.x_max = concurrency
 
-    def close(self) -> tuple[float, float, float]:
+    def close(self, slack: float = 0.0) -> tuple[float, float, float]:
         """(ratio of the window mean to the baseline, mean concurrency, highest
-        concurrency); zeros for an empty window. Lowers the baseline first."""
+        concurrency); zeros for an empty window. Lowers the baseline first;
+        ``slack`` seconds of excess are forgiven."""
         if not self.n:
             return 0.0, 0.0, 0.0
         mean = self.sum / self.n
         if mean < self.base:
             self.base = mean
-        ratio = mean / self.base if self.base > 0 else 1.0
+        ratio = max(self.base, mean - slack) / self.base if self.base > 0 else 1.0
         x, x_max = self.x_sum / self.n, self.x_max
         self.n, self.sum, self.x_sum, self.x_max = 0, 0.0, 0.0, 0.0
         return ratio, x, x_max
@@ -232,7 +236,7 @@ class AdaptiveLimit:
             return
         self.decisions += 1
         tpot_ratio, tpot_x, tpot_top = self._tpot.close()
-        ttfb_ratio, ttfb_x, ttfb_top = self._ttfb.close()
+        ttfb_ratio, ttfb_x, ttfb_top = self._ttfb.close(TTFB_SLACK)
         # The worse signal, TTFB's scaled to TPOT's tolerance.
         ttfb_c = 1.0 + (ttfb_ratio - 1.0) / TTFB_LENIENCY if ttfb_ratio else 0.0
         c, x = (tpot_ratio, tpot_x) if tpot_ratio >= ttfb_c else (ttfb_c, ttfb_x)

@@ -231,7 +231,7 @@ class Pool:
         limit: AdaptiveLimit | None = None
         if model.adaptive:
             def resize(slots: int) -> None:
-                log.info("%s: concurrency limit %d -> %d", model.name, puller.capacity, slots)
+                log.debug("%s: concurrency limit %d -> %d", model.name, puller.capacity, slots)
                 puller.resize(slots)
 
             limit = self.limits[model.name] = AdaptiveLimit(

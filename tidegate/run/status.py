@@ -7,7 +7,9 @@ Read-only. Sources:
   (:mod:`tidegate.control.queue_stats`); the requests consumer's backlog; stream
   counters for rates;
 * the ``<P>_WORKERS`` KV registry: live workers, their slots and jobs in
-  flight (:mod:`tidegate.control.workers_registry`);
+  flight (:mod:`tidegate.control.workers_registry`); for a model with
+  ``max_streams = "auto"`` the slots are the workers' adaptive limits, and
+  the model's total is the limit in front of its backend;
 * Redis: queue mode per model (``mode``, ``limit``, ``p99_ms``) and the
   number of requests held in its fair queue, as the dispatchers keep them
   (:mod:`dispatcher.queueing`). Without Redis those columns say ``?``;
@@ -106,6 +108,8 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
             "model": q.model,
             "workers": len(serving),
             "slots": {"total": slots, "used": used, "free": max(0, slots - used)},
+            # Slots are adaptive limits (workers.limiter), not a pinned max_streams.
+            "adaptive": any(w.models[q.model].adaptive for w in serving),
             "queue": {"depth": q.depth, "waiting": q.waiting, "running": q.running,
                       "oldest_age_s": round(q.oldest_age, 3)},
             "queue_mode": None if mode is None else {
@@ -123,7 +127,9 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
         "uptime_s": round(max(0.0, now - w.started), 1),
         "heartbeat_age_s": round(max(0.0, now - w.updated), 1),
         "draining": w.draining,
-        "models": {m: {"slots": s.slots, "in_flight": s.in_flight} for m, s in w.models.items()},
+        "models": {m: {"slots": s.slots, "in_flight": s.in_flight,
+                       **({"adaptive": True} if s.adaptive else {})}
+                   for m, s in w.models.items()},
     } for w in snap.workers]
     return {
         "taken": round(snap.taken, 3),
@@ -163,7 +169,8 @@ def render(doc: dict[str, Any]) -> Any:
         models.add_row(
             m["model"],
             Text(str(m["workers"]), style="bold red" if not m["workers"] and q["depth"] else ""),
-            f"{slots['used']}/{slots['total']}", str(q["waiting"]), str(q["running"]),
+            f"{slots['used']}/{slots['total']}{' auto' if m.get('adaptive') else ''}",
+            str(q["waiting"]), str(q["running"]),
             _age(q["oldest_age_s"]), Text(mode, style=style),
             "-" if qm is None or mode != "queue" else str(qm["limit"]),
             "-" if qm is None or not qm["p99_ms"] else f"{qm['p99_ms']:.0f} ms",
@@ -175,7 +182,9 @@ def render(doc: dict[str, Any]) -> Any:
     for column in ("worker", "host", "pid", "up", "models (in flight/slots)", "heartbeat"):
         workers.add_column(column)
     for w in doc["workers"]:
-        served = ", ".join(f"{m} {s['in_flight']}/{s['slots']}" for m, s in w["models"].items())
+        served = ", ".join(
+            f"{m} {s['in_flight']}/{s['slots']}{' auto' if s.get('adaptive') else ''}"
+            for m, s in w["models"].items())
         workers.add_row(w["worker_id"] + (" (draining)" if w["draining"] else ""), w["host"],
                         str(w["pid"]), _age(w["uptime_s"]), served,
                         f"{w['heartbeat_age_s']:.0f}s ago")
