@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -341,3 +342,46 @@ async def test_fake_saturation_slows_every_stream_past_k() -> None:
     # 3x slower while all six run; at least 2x on a loaded machine's timers.
     assert min(crowded) > 2 * min(paced)
     assert again < 2 * uncongested
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("peer", ["fastapi", "litellm"])
+def test_bench_peer_relays_streams_and_cancels(tmp_path: Path, peer: str) -> None:
+    """A tiny run through each optional peer as `tidegate bench` starts it
+    (skipped without the `peers` extra): streams complete with every chunk,
+    and a client that leaves makes the peer close the backend connection."""
+    from tidegate.bench.targets import MODEL, Targets
+
+    pytest.importorskip("fastapi" if peer == "fastapi" else "litellm")
+    with Targets(tmp_path, heartbeat_interval=2.0, max_streams=64) as env:
+        env.start_fake()
+        target = env.start_fastapi() if peer == "fastapi" else env.start_litellm()
+        assert target is not None, env.notes
+
+        async def drive() -> tuple[loadgen.Recorder, Any]:
+            rec = loadgen.Recorder()
+            async with loadgen.new_session() as session:
+                await loadgen.closed_loop(
+                    session, target.endpoint,
+                    lambda: loadgen.chat_body(MODEL, tokens=5, itl=0.002, ttft=0.0),
+                    rec, concurrency=4, warmup=0.2, duration=1.0)
+                body = loadgen.chat_body(MODEL, tokens=2000, itl=0.005, ttft=0.0,
+                                         bench_id=f"cancel-{peer}")
+                closed = await loadgen.stream_once(session, target.endpoint, body, rec, 0.0,
+                                                   cancel_after=3)
+            return rec, closed
+
+        rec, closed = asyncio.run(drive())
+        summary = rec.summary()
+        assert summary["error_count"] == 0, summary
+        assert summary["completed"] > 0
+        assert closed is not None
+        deadline = time.monotonic() + 10
+        record: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            record = next((r for r in env.records() if r.get("bench_id") == f"cancel-{peer}"),
+                          {})
+            if record.get("closed_at"):
+                break
+            time.sleep(0.1)
+        assert record.get("closed_at"), record

@@ -176,9 +176,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
             targets.append(env.start_tidegate())
         if "e" in options.scenarios:
             targets.append(env.start_proxy())
-            litellm = env.start_litellm()
-            if litellm is not None:
-                targets.append(litellm)
+            for peer in (env.start_fastapi(), env.start_litellm()):
+                if peer is not None:
+                    targets.append(peer)
         results_by_scenario = run_async(_scenarios(env, targets, options, profile, spy))
         notes += env.notes
     if targets:

@@ -5,6 +5,8 @@
   serving the fake backend through a model with ``backend = "openai"``.
 * ``proxy`` - :mod:`tidegate.bench.baseline_proxy`, the plain single-process
   streaming proxy.
+* ``fastapi`` - :mod:`tidegate.bench.fastapi_proxy`, the seed articles'
+  FastAPI + httpx streaming proxy, only when the ``peers`` extra is installed.
 * ``litellm`` - LiteLLM's proxy, only when ``litellm`` is importable.
 
 Scenario (t) starts further tidegate stacks, each with its own nats-server
@@ -168,6 +170,31 @@ class Targets:
         endpoint = Endpoint("proxy", f"http://{_HOST}:{port}/v1", MODEL)
         return self._with_backend(Target("proxy", endpoint, port, cpu={"proxy": proc},
                                          memory={"proxy": proc}))
+
+    # -- the seed articles' FastAPI + httpx proxy ------------------------------
+
+    def start_fastapi(self) -> Target | None:
+        """:mod:`tidegate.bench.fastapi_proxy`, if fastapi, httpx and uvicorn import."""
+        missing = [m for m in ("fastapi", "httpx", "uvicorn")
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            self.notes.append(f"FastAPI proxy: skipped, {', '.join(missing)} not importable "
+                              "here (pip install -e '.[peers]' to include it).")
+            return None
+        port = free_port(_HOST)
+        proc = self._proc(
+            "fastapi",
+            _python("tidegate.bench.fastapi_proxy", "--host", _HOST, "--port", str(port),
+                    "--upstream", self.fake_url),
+            ready=lambda: http_ok(f"http://{_HOST}:{port}/healthz"))
+        try:
+            proc.start()
+        except TidegateError as exc:
+            self.notes.append(f"FastAPI proxy: failed to start, skipped: {str(exc)[:300]}")
+            return None
+        endpoint = Endpoint("fastapi", f"http://{_HOST}:{port}/v1", MODEL)
+        return self._with_backend(Target("fastapi", endpoint, port, cpu={"fastapi": proc},
+                                         memory={"fastapi": proc}))
 
     # -- tidegate ----------------------------------------------------------
 
