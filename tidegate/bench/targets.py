@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -298,19 +300,28 @@ class Targets:
             return None
         port = free_port(_HOST)
         cfg = self.workdir / "litellm.yaml"
+        # Recent LiteLLM refuses to start without a master key (every request
+        # would be unauthenticated); the bench's clients send this one.
+        master_key = f"sk-{secrets.token_hex(32)}"
         # JSON is valid YAML; no yaml writer needed.
-        cfg.write_text(json.dumps({"model_list": [{"model_name": MODEL, "litellm_params": {
-            "model": f"openai/{MODEL}", "api_base": self.fake_url, "api_key": "sk-fake"}}]}))
+        cfg.write_text(json.dumps({
+            "model_list": [{"model_name": MODEL, "litellm_params": {
+                "model": f"openai/{MODEL}", "api_base": self.fake_url, "api_key": "sk-fake"}}],
+            "general_settings": {"master_key": master_key}}))
+        # The bundled cost map, not a fetch from GitHub at every start (this
+        # machine may have no route out, and the retries take seconds).
+        env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
         proc = self._proc("litellm", _python("litellm.proxy.proxy_cli", "--host", _HOST,
                                              "--port", str(port), "--config", str(cfg)),
-                          ready=lambda: http_ok(f"http://{_HOST}:{port}/health/liveliness"))
+                          ready=lambda: http_ok(f"http://{_HOST}:{port}/health/liveliness"),
+                          env=env)
         try:
             proc.start(timeout=60)
         except TidegateError as exc:
             self.notes.append(f"LiteLLM: failed to start, skipped: {str(exc)[:300]}")
             return None
         endpoint = Endpoint("litellm", f"http://{_HOST}:{port}/v1", MODEL,
-                            {"Authorization": "Bearer sk-fake"})
+                            {"Authorization": f"Bearer {master_key}"})
         return self._with_backend(Target("litellm", endpoint, port, cpu={"litellm": proc},
                                          memory={"litellm": proc}))
 
