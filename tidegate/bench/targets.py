@@ -241,6 +241,9 @@ class Targets:
         }
         for dotted, value in self.overrides.items():  # from `tidegate bench --set`
             section, _, key = dotted.rpartition(".")
+            if section == "models":  # models.max_streams=auto: the bench's one model
+                raw["models"][0][key] = value
+                continue
             node = raw
             for part in filter(None, section.split(".")):
                 node = node.setdefault(part, {})
