@@ -30,12 +30,13 @@ sample's interval, from a running integral of in-flight x time (O(1) per
 event). A decision scales *that* concurrency, not the current limit::
 
     c > tolerance:            limit = min(limit, x * target / c)   (at most halving)
-    c < target, slow start:   limit = max(limit, 2 x')
-    c < target, afterwards:   limit = max(limit, x' * (1 + 0.25 h)), at least +1
+    c < target, slow start:   limit = max(limit, 2 u)
+    c < target, afterwards:   limit = max(limit, u * (1 + 0.25 h))
     otherwise (dead band):    unchanged
 
-where ``x`` is the window's mean sample concurrency (``x'`` its highest),
-``target`` sits below
+where ``x`` is the window's mean sample concurrency, ``u`` the concurrency
+in use (the limit when the samples saw every slot taken, else the highest
+sample concurrency), ``target`` sits below
 ``tolerance`` (the band between them is what keeps the limit still) and ``h``
 (0..1) is how far below ``target`` the latency is. Because ``x`` is what the
 samples saw, late samples (a response that ran while the limit was higher)
@@ -49,9 +50,11 @@ backend's total concurrency and ``c(X)`` its congestion, each worker sets
 ``limit_i = x_i * target / c(X)`` and the sum is ``X * target / c(X)``: the
 same fixed point as one worker holding everything, whatever the number of
 workers (for a backend whose step time grows linearly past ``K`` streams,
-``c = X / K`` and the sum settles at ``target x K``). Growth is multiplicative
-in each worker's own concurrency, so it also sums to the total's. Only the
-"+1 at least" step adds up per worker, one stream each per window. A shared
+``c = X / K`` and the sum settles between ``target x K`` and ``tolerance x
+K``). Growth is multiplicative in each worker's own concurrency, so it also
+sums to the total's, and the limit is kept as a real number (the slots are
+it rounded), so small shares grow by fractions instead of whole streams,
+which would add up per worker. A shared
 counter (Redis, the registry) would add a round trip per job and a new way to
 fail, and the registry is seconds old; the latency signal is already shared.
 
@@ -178,7 +181,9 @@ class AdaptiveLimit:
 
     @property
     def limit(self) -> int:
-        return int(self._limit + 1e-9)  # 40 x 1.15 / 2 is 23, not 22.999...
+        # Rounded, not truncated: truncation would bias every worker's share
+        # down by up to one stream, which adds up over several workers.
+        return int(self._limit + 0.5)
 
     # -- what the worker reports ---------------------------------------------------
 
@@ -259,13 +264,15 @@ class AdaptiveLimit:
                 return
             self._set(min(self._limit, max(x * self.target / c, self._limit / 2)))
         elif c < self.target:
+            # Growth is relative to what was in use: the limit itself once
+            # every slot was taken (so a small limit grows by fractions that
+            # add up), else the highest concurrency the samples saw.
+            used = self._limit if x_max >= self.limit - 0.5 else x_max
             if self.phase is Phase.SLOW_START:
-                self._set(max(self._limit, 2 * x_max))
+                self._set(max(self._limit, 2 * used))
             else:
                 headroom = min(1.0, (self.target - c) / (self.target - 1.0))
-                grown = x_max * (1.0 + GROWTH * headroom)
-                if grown > self._limit:
-                    self._set(max(grown, self._limit + 1))
+                self._set(max(self._limit, used * (1.0 + GROWTH * headroom)))
         else:
             self.phase = Phase.STEADY
 
