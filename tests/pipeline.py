@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ class Pipeline:
     def __init__(self, workdir: Path, nats_url: str, redis_url: str,
                  overrides: Mapping[str, Any] | None = None, workers: int = 1,
                  env: Mapping[str, str] | None = None, metrics: bool = False,
-                 edges: int = 1) -> None:
+                 edges: int = 1, worker_env: Sequence[Mapping[str, str]] = ()) -> None:
         self.workdir = workdir
         self.env = dict(env) if env else None
         self.metrics = metrics
@@ -77,7 +77,11 @@ class Pipeline:
         self.config_path.write_text(tgconfig.dump_toml(self.config))
         self.dispatcher = self._process("dispatcher")
         self.dispatchers = [self.dispatcher]
-        self.workers = [self._process("worker", f"worker{i}") for i in range(workers)]
+        # worker_env[i]: more environment for worker i only (its own config
+        # overrides, e.g. TIDEGATE__WORKER__REPLICAS).
+        self.workers = [self._process("worker", f"worker{i}",
+                                      extra_env=worker_env[i] if i < len(worker_env) else None)
+                        for i in range(workers)]
         self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"))
         # More edges (``edges`` > 1), each on a port of its own: edge_urls[i].
         self.edge_ports = [self.port] + [free_port() for _ in range(edges - 1)]
@@ -97,11 +101,12 @@ class Pipeline:
         return [f"http://127.0.0.1:{port}" for port in self.edge_ports]
 
     def _process(self, tier: str, name: str | None = None,
-                 ready: Any = None, args: list[str] | None = None) -> ManagedProcess:
+                 ready: Any = None, args: list[str] | None = None,
+                 extra_env: Mapping[str, str] | None = None) -> ManagedProcess:
         name = name or tier
         env: dict[str, str] | None = None
-        if self.env or (self.metrics and tier != "edge"):
-            env = {**os.environ, **(self.env or {})}
+        if self.env or extra_env or (self.metrics and tier != "edge"):
+            env = {**os.environ, **(self.env or {}), **(extra_env or {})}
             if self.metrics and tier != "edge":
                 port = self.metrics_ports[name] = free_port()
                 env[METRICS_PORT_ENV] = str(port)

@@ -181,3 +181,45 @@ def test_with_affinity_off_turns_spread(
     # 24 turns on a shared queue pulled by two replicas' slots: at least one
     # chat crosses replicas (all six staying put by chance: < 0.5^18).
     assert any(len(set(where)) > 1 for where in placements), placements
+
+
+@pytest.fixture
+def per_replica(tmp_path: Path, nats_server: Any, redis_server: Any,
+                replicas: tuple[FakeBackend, FakeBackend]) -> Iterator[Pipeline]:
+    """One worker process per replica (worker.replicas), as a fleet runs them."""
+    names = [f.base_url.split("://", 1)[1] for f in replicas]
+    pipeline = Pipeline(tmp_path, nats_server.url, redis_server.url, workers=2,
+                        worker_env=[{"TIDEGATE__WORKER__REPLICAS": n} for n in names],
+                        overrides={"models": [{"name": MODEL, "backend": "openai",
+                                               "base_urls": [f.base_url for f in replicas]}],
+                                   "routing": {"max_affinity_wait": 0.5}})
+    try:
+        pipeline.start()
+        asyncio.run(registry_names_replicas(nats_server.url, 1))
+        yield pipeline
+    finally:
+        pipeline.stop()
+
+
+def test_a_killed_home_costs_at_most_the_affinity_wait(
+        per_replica: Pipeline, replicas: tuple[FakeBackend, FakeBackend]) -> None:
+    """kill -9 the home replica's worker: the next turn, routed there by a load
+    view that still shows it alive, is copied to the shared queue after
+    max_affinity_wait and the other replica answers; nothing is lost."""
+    key = f"dead-{uuid.uuid4().hex[:8]}"
+    # Both workers must have reported before the home is chosen.
+    for _ in range(50):
+        warm = converse(per_replica, replicas, f"w-{uuid.uuid4().hex[:8]}", turns=1)
+        if len({*warm, *served_by(replicas, "turn 0 of w-")}) == 2:
+            break
+    home = converse(per_replica, replicas, f"k-{uuid.uuid4().hex[:8]}", turns=1,
+                    prompt_cache_key=key)[0]
+    per_replica.workers[home].kill()
+    started = time.monotonic()
+    where = converse(per_replica, replicas, f"k2-{uuid.uuid4().hex[:8]}", turns=1,
+                     prompt_cache_key=key)[0]
+    took = time.monotonic() - started
+    assert where != home
+    # The wait bound (0.5 s) plus a request's round trip on a loaded machine;
+    # without the fallback the job would wait for a worker that never comes.
+    assert took < 5.0, took

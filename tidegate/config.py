@@ -298,6 +298,9 @@ class WorkerConfig:
     shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
     max_response_bytes: int = 8 << 20  # non-streaming backend body cap
     models: tuple[str, ...] = ()  # serve only these models; empty = every configured model
+    # Of models with several replicas, serve only these (replica names, see
+    # ModelConfig.replica_names); empty = every replica.
+    replicas: tuple[str, ...] = ()
     # A redelivered job waits this long for its edge to confirm the client is
     # still there and got nothing yet; otherwise it is dropped, not run twice.
     resume_timeout: float = 5.0
@@ -722,6 +725,11 @@ def _check(config: Config) -> None:
     if not config.models:
         raise ConfigError("models: at least one [[models]] entry is required")
     names = config.model_index()
+    every_replica = {r for m in config.models for r in m.replica_names if len(m.replicas) > 1}
+    for i, name in enumerate(w.replicas):
+        if name not in every_replica:
+            raise ConfigError(f"worker.replicas[{i}]: no model has a replica named {name!r} "
+                              f"(replicas: {', '.join(sorted(every_replica)) or 'none'})")
     for i, name in enumerate(w.models):
         if name not in names:
             raise ConfigError(f"worker.models[{i}]: no model or alias named {name!r} "

@@ -367,8 +367,10 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
 
     backends = {m.name: create_backend(m, config.worker) for m in models
                 if len(m.replicas) <= 1}
+    served = config.worker.replicas
     replica_backends = {(m.name, r): create_backend(m.for_replica(r), config.worker)
-                        for m in replicated for r in m.replica_names}
+                        for m in replicated for r in m.replica_names
+                        if not served or r in served}
     for m, r in replica_backends:
         pool.replica_group(index[m], r)
     try:
@@ -381,9 +383,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                                                   config.nats.request_timeout, "worker")
             pullers = [tg.create_task(pool.pull(js, m, backends[m.name], stop))
                        for m in models if m.name in backends]
-            pullers += [tg.create_task(pool.pull_replica(js, m, r, replica_backends[m.name, r],
-                                                         stop))
-                        for m in replicated for r in m.replica_names]
+            pullers += [tg.create_task(pool.pull_replica(js, index[m], r, backend, stop))
+                        for (m, r), backend in replica_backends.items()]
             await stop.wait()
             if pool.load is not None:
                 pool.load.draining = True  # dispatchers stop routing here at once
