@@ -98,6 +98,11 @@ class Puller:
         task = asyncio.create_task(self._handler(msg))
         self.tasks.add(task)
         task.add_done_callback(self._on_done)
+        if self._credit is not None:
+            # A credit rule may ask for less than the free slots (one request
+            # at a time on a replica's own queue): ask again now, not only
+            # when a job ends.
+            self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pull until ``stop`` is set. Handlers still running are left to the

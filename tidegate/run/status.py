@@ -106,6 +106,7 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
         mode = modes.get(q.model)
         models.append({
             "model": q.model,
+            "replicas": _replicas(q.model, snap.workers),
             "workers": len(serving),
             "slots": {"total": slots, "used": used, "free": max(0, slots - used)},
             # Slots are adaptive limits (workers.limiter), not a pinned max_streams.
@@ -144,6 +145,25 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
     }
 
 
+def _replicas(model: str, workers: Any) -> list[dict[str, Any]]:
+    """A model's backend replicas (models with several, docs/routing.md):
+    in-flight streams, slots (the adaptive limit where one applies), and the
+    share of its conversation jobs that reached it as their home."""
+    out: dict[str, dict[str, Any]] = {}
+    for w in workers:
+        for replica, s in w.replicas.get(model, {}).items():
+            r = out.setdefault(replica, {"replica": replica, "workers": 0, "in_flight": 0,
+                                         "slots": 0, "jobs": 0, "hits": 0})
+            r["workers"] += 1
+            r["in_flight"] += s.in_flight
+            r["slots"] += s.slots
+            r["jobs"] += s.jobs
+            r["hits"] += s.hits
+    for r in out.values():
+        r["hit_rate"] = round(r["hits"] / r["jobs"], 3) if r["jobs"] else None
+    return [out[k] for k in sorted(out)]
+
+
 def render(doc: dict[str, Any]) -> Any:
     """A rich renderable of :func:`document`'s output."""
     from rich.console import Group
@@ -178,6 +198,16 @@ def render(doc: dict[str, Any]) -> Any:
             "-" if rates is None else f"{rates['started_per_s']:g}",
             "-" if rates is None else f"{rates['finished_per_s']:g}")
 
+    replicas = Table(title="Replicas", title_justify="left", expand=True)
+    for column in ("model", "replica", "workers", "in flight/slots", "affinity hit rate"):
+        replicas.add_column(column)
+    for m in doc["models"]:
+        for r in m.get("replicas") or ():
+            replicas.add_row(m["model"], r["replica"], str(r["workers"]),
+                             f"{r['in_flight']}/{r['slots']}",
+                             "-" if r["hit_rate"] is None
+                             else f"{r['hit_rate']:.0%} of {r['jobs']}")
+
     workers = Table(title="Workers", title_justify="left", expand=True)
     for column in ("worker", "host", "pid", "up", "models (in flight/slots)", "heartbeat"):
         workers.add_column(column)
@@ -190,7 +220,7 @@ def render(doc: dict[str, Any]) -> Any:
                         f"{w['heartbeat_age_s']:.0f}s ago")
     if not doc["workers"]:
         workers.add_row(Text("no live workers", style="bold red"), "", "", "", "", "")
-    tables: list[Any] = [header, models, workers]
+    tables: list[Any] = [header, models, *([replicas] if replicas.row_count else []), workers]
     if doc.get("batches"):
         from tidegate.control import batch_admin
 
