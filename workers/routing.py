@@ -4,8 +4,12 @@ A worker serving replica R of model M pulls from two consumers with one set of
 slots: R's own queue (jobs the dispatcher routed to R as their conversation's
 home) and M's shared queue. The own queue always keeps one pull request
 outstanding while a slot is free, so a routed job starts at once; the shared
-queue gets every other free slot. Both may deliver at the same moment, so
-in-flight can pass the slot count by one, never more.
+queue gets every other free slot. Pull requests cannot be taken back, so
+when routed jobs fill the slots while the shared queue's requests are still
+out, those may deliver too: in-flight can pass the slot count by the shared
+requests outstanding, for at most their expiry (``SHARED_PULL_EXPIRES``,
+0.25 s, in workers/service.py). Such a job runs at once on its replica; it
+never waits behind it.
 
 Before running a job that carries ``Tg-Claim`` (it may exist twice: routed,
 and a fallback copy), the worker claims its request id for that copy with an

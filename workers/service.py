@@ -61,6 +61,11 @@ from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
 log = logging.getLogger("tidegate.worker")
 BAD_INPUT = BadInput("worker", log)
 
+# Expiry of a replica's pull requests on its model's shared queue (seconds):
+# the bound on how long in-flight may pass the replica's slots (see
+# workers/routing.py).
+SHARED_PULL_EXPIRES = 0.25
+
 
 class Pool:
     """Slots, jobs and the control demux of one worker process."""
@@ -291,10 +296,14 @@ class Pool:
                 js, subjects.jobs_stream, durable, subject, ack_wait=cfg.ack_wait,
                 max_deliver=cfg.max_deliver,
                 max_ack_pending=max(10_000, model.streams_ceiling * 64))
+            # The shared queue's pull requests expire fast: those still out when
+            # routed jobs fill the slots can deliver past the limit until then.
+            expires = (min(cfg.fetch_timeout, SHARED_PULL_EXPIRES)
+                       if credit == group.shared_credit and self.routing else cfg.fetch_timeout)
             # The credit function, not capacity, bounds these pullers: the
             # group's slots (its adaptive limit, or max_streams).
             puller = Puller(self.ctx.nc, subjects.jobs_stream, durable, handle,
-                            capacity=model.streams_ceiling, expires=cfg.fetch_timeout,
+                            capacity=model.streams_ceiling, expires=expires,
                             credit=credit, on_done=group.on_done)
             group.pullers.append(puller)
             self.pullers.append(puller)
