@@ -161,6 +161,20 @@ def test_backend_with_model_names_does_not_list(tmp_path: Path, models_server: s
     assert _ModelsHandler.seen == []
 
 
+def test_two_backends_with_one_model_name_are_two_replicas(tmp_path: Path,
+                                                            models_server: str) -> None:
+    """`tidegate up --backend URL --backend URL2` naming the same model: one
+    model with two replicas (docs/routing.md), not a name clash."""
+    other = models_server.replace("127.0.0.1", "localhost")
+    plan = prepare(UpOptions(data_dir=tmp_path, backends=(f"{models_server}/v1",
+                                                          f"{other}/v1"),
+                             models=("llama",)), env={})
+    (model,) = plan.config.models
+    assert model.name == "llama"
+    assert model.replicas == (f"{models_server}/v1", f"{other}/v1")
+    assert len(model.replica_names) == 2
+
+
 def test_backend_listing_failure_says_pass_model(tmp_path: Path, models_server: str) -> None:
     with pytest.raises(TidegateError, match="--model") as info:
         prepare(UpOptions(data_dir=tmp_path, backends=(f"{models_server}/nope",)), env={})

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the window of --crash-limit (default: 60)")
     up.add_argument("--backend", action="append", default=[], metavar="URL",
                     help="OpenAI-compatible server to put tidegate in front of, e.g. "
-                         "http://127.0.0.1:8000/v1 (repeatable); its /models are served")
+                         "http://127.0.0.1:8000/v1 (repeatable); its /models are served, and a "
+                         "model several backends serve is one model with replicas")
     up.add_argument("--backend-key-env", metavar="VAR",
                     help="environment variable holding the backend's API key")
     up.add_argument("--model", action="append", default=[], metavar="NAME",

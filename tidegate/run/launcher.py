@@ -181,9 +181,6 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
             raise ConfigError(f"{flag}: must be >= 1, got {count}")
     if options.models and not options.backends:
         raise ConfigError("--model names models of a --backend; give --backend URL too")
-    if options.models and len(options.backends) > 1:
-        raise ConfigError("--model works with one --backend; with several, each backend's "
-                          "models are listed from its /models")
     if options.port is not None and not 0 < options.port <= 65535:
         raise ConfigError(f"--port: must be 1..65535, got {options.port}")
 
@@ -282,13 +279,17 @@ def _backend_models(options: UpOptions, env: Mapping[str, str]) -> list[dict[str
         api_key = env.get(key_env, "")
         if not api_key:
             raise ConfigError(f"--backend-key-env: environment variable {key_env} is not set")
-    models: list[dict[str, Any]] = []
+    # A model name served by several --backend URLs is one model with that
+    # many replicas (docs/routing.md), in the order the URLs were given.
+    replicas: dict[str, list[str]] = {}
     for url in options.backends:
         base_url = url.rstrip("/")
-        names = list(options.models) or list_backend_models(base_url, api_key)
-        models.extend({"name": name, "backend": "openai", "base_url": base_url,
-                       "api_key_env": key_env} for name in names)
-    return models
+        for name in list(options.models) or list_backend_models(base_url, api_key):
+            if base_url not in replicas.setdefault(name, []):
+                replicas[name].append(base_url)
+    return [{"name": name, "backend": "openai", "api_key_env": key_env,
+             **({"base_url": urls[0]} if len(urls) == 1 else {"base_urls": urls})}
+            for name, urls in replicas.items()]
 
 
 def list_backend_models(base_url: str, api_key: str = "",
