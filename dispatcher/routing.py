@@ -172,6 +172,11 @@ class Router:
         self.subjects = config.nats.subjects
         self.metrics = tm.get().metrics
         self.tasks: set[asyncio.Task[None]] = set()  # fallback timers
+        self.metrics.observe_replicas(self._observe)
+
+    def _observe(self) -> list[tuple[float, tm.Attributes]]:
+        return [(float(load.in_flight), {tm.MODEL: model.name, tm.REPLICA: load.name})
+                for model in self.view.models.values() for load in self.view.loads(model)]
 
     def applies(self, model: ModelConfig | None) -> bool:
         return (model is not None and self.cfg.affinity == "auto"
@@ -198,7 +203,7 @@ class Router:
             subject = self.subjects.job(model.name)
         hit = "hit" if route.reason is Reason.HOME else "miss"
         self.metrics.affinity_routes.add(1, {tm.MODEL: model.name, tm.OUTCOME: hit,
-                                             tm.CAUSE: str(route.reason)})
+                                             tm.ROUTE_REASON: str(route.reason)})
         return Routed(subject, headers, route, key)
 
     async def _home(self, model: ModelConfig, key: str) -> str | None:
@@ -246,7 +251,8 @@ class Router:
             # The routed copy is still queued at its replica: late, not lost.
             log.warning("could not publish the fallback copy of %s: %s", request.id, exc)
             return
-        self.metrics.affinity_fallbacks.add(1, {tm.MODEL: request.model, tm.CAUSE: "wait"})
+        self.metrics.affinity_fallbacks.add(1, {tm.MODEL: request.model,
+                                                tm.ROUTE_REASON: "wait"})
         log.info("request %s: not claimed by replica %s within %.2fs, copied to the shared "
                  "queue", request.id, routed.route.replica, self.cfg.max_affinity_wait)
 

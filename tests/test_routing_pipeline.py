@@ -22,7 +22,7 @@ import nats
 import pytest
 
 from tests.pipeline import Pipeline, running_pipeline, threaded_fake_backend
-from tidegate.bench.fake_backend import FakeBackend
+from tidegate.bench.fake_backend import FakeBackend, FakeConfig
 from tidegate.control.workers_registry import WorkerInfo
 
 pytestmark = pytest.mark.pipeline
@@ -278,3 +278,56 @@ def test_status_shows_each_replica_with_its_hit_rate(
     # Turns 2 and 3 of each chat were home hits, turn 1 never.
     assert totals(rows)[1] - totals(before)[1] == 6, rows
     assert all(r["hit_rate"] is not None for r in rows.values())
+
+
+def test_backend_reported_load_steers_new_conversations(
+        tmp_path: Path, nats_server: Any, redis_server: Any) -> None:
+    """vLLM-style /metrics: a replica reporting waiting requests takes no new
+    conversation; one reporting a nearly full KV cache takes few."""
+    with threaded_fake_backend(config=FakeConfig(ttft=0.01, itl=0.001, tokens=4,
+                                                 report_load=True)) as a, \
+            threaded_fake_backend(config=FakeConfig(ttft=0.01, itl=0.001, tokens=4,
+                                                    report_load=True)) as b:
+        fakes = (a, b)
+        a.waiting = 4
+        for pipeline in start(tmp_path, nats_server.url, redis_server.url, fakes):
+            asyncio.run(registry_names_replicas(nats_server.url, 2))
+            # The probe polls every second; the registry beats every 5 s.
+            name_a = a.base_url.split("://", 1)[1]
+            deadline = time.monotonic() + 15
+            while not _reported(nats_server.url, name_a, waiting=4) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert _reported(nats_server.url, name_a, waiting=4)
+            first = [converse(pipeline, fakes, f"q-{uuid.uuid4().hex[:8]}", turns=1)[0]
+                     for _ in range(10)]
+            assert first == [1] * 10, first
+            a.waiting, a.kv_usage = 0, 0.95
+            deadline = time.monotonic() + 15
+            while not _reported(nats_server.url, name_a, waiting=0, kv_usage=0.95) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert _reported(nats_server.url, name_a, waiting=0, kv_usage=0.95)
+            later = [converse(pipeline, fakes, f"r-{uuid.uuid4().hex[:8]}", turns=1)[0]
+                     for _ in range(20)]
+            # Weight 0.05 against 1: about one in twenty; 5 of 20 is far out.
+            assert later.count(0) <= 5, later
+            assert later.count(1) >= 15, later
+
+
+def _reported(nats_url: str, replica: str, **expected: Any) -> bool:
+    """Whether the registry shows ``replica`` with these backend-reported
+    values (the dispatcher gets them sooner, in load messages)."""
+    async def read() -> bool:
+        nc = await nats.connect(nats_url)
+        try:
+            kv = await nc.jetstream().key_value("TG_WORKERS")
+            for key in await kv.keys():
+                info = WorkerInfo.decode((await kv.get(key)).value or b"{}")
+                slot = info.replicas.get(MODEL, {}).get(replica)
+                if slot is not None and all(getattr(slot, k) == v for k, v in expected.items()):
+                    return True
+            return False
+        finally:
+            await nc.close()
+    return asyncio.run(read())

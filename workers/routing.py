@@ -36,6 +36,7 @@ from tidegate.broker.pull import Puller
 from tidegate.control.workers_registry import ReplicaSlot
 from tidegate.wire.affinity import AFFINITY_HEADER, CLAIM_HEADER, ROUTE_HEADER, Reason, home_key
 from tidegate.wire.subjects import Subjects
+from workers.backends.load_probe import BackendLoad, LoadProbe
 
 log = logging.getLogger("tidegate.worker")
 
@@ -59,6 +60,7 @@ class ReplicaPullers:
     hits: int = 0
     pullers: list[Puller] = field(default_factory=list)
     on_change: Callable[[str], None] | None = None  # called with the model name
+    probe: LoadProbe | None = None  # the backend's own load report, where it gives one
 
     @property
     def busy(self) -> int:
@@ -81,8 +83,10 @@ class ReplicaPullers:
         if self.on_change is not None:
             self.on_change(self.model)
 
-    def slot(self, kv_usage: float | None = None, waiting: int | None = None) -> ReplicaSlot:
-        return ReplicaSlot(self.capacity, self.busy, kv_usage, waiting, self.jobs, self.hits)
+    def slot(self) -> ReplicaSlot:
+        load = self.probe.load if self.probe is not None else BackendLoad()
+        return ReplicaSlot(self.capacity, self.busy, load.kv_usage, load.waiting, self.jobs,
+                           self.hits)
 
 
 class LoadReporter:

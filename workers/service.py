@@ -53,6 +53,7 @@ from tidegate.wire.cancels import CancelRegistry
 from tidegate.wire.mux import Outbox, batch_limit
 from tidegate.wire.protocol import Ack, Attach, Cancel, Detach, Request, UsageRecord, decode_control
 from workers.backends import Backend, create_backend
+from workers.backends.load_probe import LoadProbe
 from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
 from workers.limiter import AdaptiveLimit
 from workers.resumable import ResumableJob
@@ -311,9 +312,11 @@ class Pool:
                  f"auto, {model.min_streams}..{model.max_streams_limit}" if model.adaptive
                  else model.initial_streams,
                  "own queue + shared" if self.routing else "shared queue")
+        group.probe = LoadProbe(model.for_replica(replica).base_url, on_change=group.changed)
         async with asyncio.TaskGroup() as tg:
-            for puller in group.pullers:
-                tg.create_task(puller.run(stop))
+            probe = tg.create_task(group.probe.run())
+            await asyncio.wait([tg.create_task(p.run(stop)) for p in group.pullers])
+            probe.cancel()
 
     @property
     def tasks(self) -> set[asyncio.Task[None]]:

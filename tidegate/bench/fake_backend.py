@@ -92,6 +92,7 @@ class FakeConfig:
     prefill_per_char: float = 0.0
     cache_blocks: int = 4096  # the cache's size in 256-character blocks
     saturate_at: int = 0  # K: past K concurrent streams the pace slows by N / K (0 = never)
+    report_load: bool = False  # serve vLLM-style /metrics (kv_usage, waiting)
 
 
 @dataclass(slots=True)
@@ -220,11 +221,15 @@ class FakeBackend:
         self._texts = [" " + c * (size - 1) if size > 1 else c for c in _LETTERS]
         self._pieces = [json.dumps(t).encode() for t in self._texts]
         self.prefix_cache = PrefixCache(capacity_blocks=self.config.cache_blocks)
+        self.kv_usage = 0.0  # what /metrics reports (report_load)
+        self.waiting = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind and serve; returns the base URL, ending in ``/v1``."""
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
+        if self.config.report_load:
+            app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         if self.config.responses:
@@ -260,6 +265,16 @@ class FakeBackend:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """vLLM's load gauges, from :attr:`kv_usage` and :attr:`waiting` (set
+        by a test) and the requests open now."""
+        running = sum(1 for r in self.records[-1000:] if r.finished_at is None)
+        return web.Response(text=(
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="fake"}} {self.kv_usage}\n'
+            f'vllm:num_requests_waiting{{model_name="fake"}} {self.waiting}\n'
+            f'vllm:num_requests_running{{model_name="fake"}} {running}\n'))
 
     async def _models(self, request: web.Request) -> web.Response:
         names = self.config.models or ("fake-model",)

@@ -65,6 +65,8 @@ TIER = "tidegate.tier"
 OUTCOME = "tidegate.outcome"
 LIMIT = "tidegate.quota.limit"
 SLOT_STATE = "tidegate.slot.state"
+REPLICA = "tidegate.replica"  # a backend replica of a model (docs/routing.md)
+ROUTE_REASON = "tidegate.route.reason"  # why a job went where it went
 REASON = "tidegate.reason"
 SUBJECT_KIND = "tidegate.subject"
 BATCH_STATUS = "tidegate.batch.status"
@@ -160,11 +162,16 @@ class Metrics:
         self.affinity_routes = meter.create_counter(
             "tidegate.affinity.routes", unit="{request}",
             description="Jobs of models with several replicas, by outcome (hit: sent to the "
-                        "conversation's home; miss) and cause (the routing reason)")
+                        "conversation's home; miss) and tidegate.route.reason")
         self.affinity_fallbacks = meter.create_counter(
             "tidegate.affinity.fallbacks", unit="{request}",
-            description="Routed jobs also copied to the shared queue, by cause (wait: not "
+            description="Routed jobs also copied to the shared queue, by reason (wait: not "
                         "claimed within routing.max_affinity_wait)")
+        self._replicas = _Observed()
+        meter.create_observable_gauge(
+            "tidegate.replica.in_flight", callbacks=[self._replicas], unit="{job}",
+            description="Jobs running per backend replica as this dispatcher sees them "
+                        "(the load spread across a model's replicas)")
         self._slots = _Observed()
         meter.create_observable_gauge(
             "tidegate.worker.slots", callbacks=[self._slots], unit="{slot}",
@@ -278,6 +285,10 @@ class Metrics:
                         "current rate")
 
     # -- registering observed sources ------------------------------------------
+
+    def observe_replicas(self, source: Observe) -> None:
+        """``source`` yields ``(in_flight, {MODEL: m, REPLICA: r})``."""
+        self._replicas.sources.append(source)
 
     def observe_worker_slots(self, source: Observe) -> None:
         """``source`` yields ``(count, {MODEL: m, SLOT_STATE: "used"|"free"})``."""
