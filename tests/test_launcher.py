@@ -23,7 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.servers import descendants, is_alive, kill_all, wait_until
+from tests.servers import descendants, is_alive, kill_all, proc_identity, wait_until
 from tidegate import config as tgconfig
 from tidegate.errors import ConfigError, TidegateError
 from tidegate.run.launcher import (
@@ -401,6 +401,40 @@ def test_second_signal_kills_at_once(start_up: Callable[..., Up], tmp_path: Path
     assert took < 15, f"exited {took:.1f}s after the second signal"
     assert wait_until(lambda: not any(is_alive(c) for c in up.children), 10), up.diagnostics()
     assert port_is_free(up.port)
+
+
+@pytest.mark.pipeline
+def test_up_stops_the_edge_first_then_workers_dispatcher_redis_nats(up: Up) -> None:
+    """README: Ctrl-C stops the edge first (so open streams can finish), then
+    workers, dispatcher, Redis, NATS. Each child's exit is watched in /proc."""
+    up.wait_url()
+    order = {"edge": _child_running(up, "edge"), "worker": _child_running(up, "worker"),
+             "dispatcher": _child_running(up, "dispatcher"),
+             "redis": _child_named(up, b"redis-server"), "nats": _child_named(up, b"nats-server")}
+    identities = {name: proc_identity(pid) for name, pid in order.items()}
+    gone: dict[str, float] = {}
+    up.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while len(gone) < len(order) and time.monotonic() < deadline:
+        for name, identity in identities.items():
+            if name not in gone and (identity is None or not is_alive(identity)):
+                gone[name] = time.monotonic()
+        time.sleep(0.005)
+    assert up.proc.wait(timeout=30) == 0, up.diagnostics()
+    assert len(gone) == len(order), (gone, up.diagnostics())
+    assert sorted(gone, key=gone.__getitem__) == [
+        "edge", "worker", "dispatcher", "redis", "nats"], gone
+
+
+def _child_named(up: Up, binary: bytes) -> int:
+    for pid, _start in up.children:
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except FileNotFoundError:
+            continue
+        if binary in argv0:  # redis-server rewrites its title ("redis-server 127.0.0.1:N")
+            return pid
+    pytest.fail(f"no {binary.decode()} child among {up.children}")
 
 
 def _child_running(up: Up, tier: str) -> int:
