@@ -195,7 +195,9 @@ def direct_request(pipeline: Pipeline, marker: str, deadline_in: float = 60.0) -
     """A request as an edge would publish it, answered on a test inbox."""
     request_id = uuid.uuid4().hex[:24]
     now_ms = int(time.time() * 1000)
-    return Request(id=request_id, reply=f"{pipeline.config.nats.subject_prefix}.test.{request_id}",
+    # Only an edge inbox may be a reply subject (the dispatcher drops others).
+    reply = pipeline.config.nats.subjects.out("testedge", request_id)
+    return Request(id=request_id, reply=reply, edge="testedge",
                    model="fake", api=Api.CHAT, stream=True,
                    body=chat(marker, max_tokens=3, stream=True), created_ms=now_ms,
                    deadline_ms=now_ms + int(deadline_in * 1000), window_bytes=1 << 20,
