@@ -29,7 +29,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from edge import batches, files, instrument, resume
+from edge import background, batches, files, instrument, resume
 from edge.auth import KeyTable, Principal
 from edge.errors import error_response, from_http_exception
 from edge.logreader import StreamLog
@@ -132,6 +132,8 @@ def build_app(state: EdgeState) -> web.Application:
     batches.register(app, state)
     app.router.add_get("/v1/streams/{request_id}", get_stream)
     app.router.add_post("/v1/streams/{request_id}/cancel", cancel_stream)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler(state.telemetry))
@@ -176,6 +178,19 @@ async def cancel_stream(http: web.Request) -> web.StreamResponse:
     return await resume.cancel_stream(http.match_info["request_id"], principal.tenant,
                                       state.sessions, state.streamlog,
                                       state.relay.publisher.tombstone)
+
+
+async def get_response(http: web.Request) -> web.StreamResponse:
+    """A background response's state, or its events (edge.background)."""
+    state = http.app[STATE]
+    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    return await background.retrieve(http, state, principal.tenant)
+
+
+async def cancel_response(http: web.Request) -> web.StreamResponse:
+    state = http.app[STATE]
+    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    return await background.cancel(http, state, principal.tenant)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -288,6 +303,12 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth)
     grace = resume.resume_grace(http.headers, state.tenants, principal.tenant, valid.model,
                                 config)
+    if valid.api is Api.RESPONSES and valid.body.get("background") is True:
+        # Served from the stream log (edge.background): resumable, and it
+        # generates to its end whether or not anyone reads.
+        if not valid.stream:
+            return await background.create(http, state, principal, valid, rt)
+        grace = background.grace(state)
     request = build_request(state, principal, valid, rt.carrier, grace)
     request_id = request.id
     subjects = config.nats.subjects

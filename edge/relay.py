@@ -402,8 +402,10 @@ class Relay:
     async def _start_stream(self) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self.headers})
         await response.prepare(self.http)
-        if self.ids is not None:
+        if self.ids is not None and self.request.api is not Api.RESPONSES:
             # Before any event: how long an EventSource waits to reconnect.
+            # Not on a Responses stream: the openai SDK parses every block as
+            # a JSON event, and a retry-only block has no data.
             await response.write(streamlog.retry_field(self.ctx.config.resume.retry_ms))
         transport = self.http.transport
         if transport is not None:

@@ -9,9 +9,9 @@ whose wrong type would make a backend fail confusingly, are checked; unknown
 fields (``reasoning``, ``text``, ``truncation``, vendor extensions) pass
 through to the backend untouched.
 
-Responses: ``background: true`` is refused (400 ``unsupported_value``) until
-tidegate serves background mode itself; forwarded, it would start a
-background job on the backend that no tidegate route could ever reach.
+Responses: ``background: true`` is tidegate's own (``edge.background``): it is
+kept in the body for the record but the backend never runs a background job
+of its own (``workers.backends.openai`` drops the field).
 Embeddings: ``stream`` must not be true (embeddings have no stream).
 """
 
@@ -96,10 +96,7 @@ def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
             raise invalid_request("The 'stream_options' parameter is only allowed when "
                                   "'stream' is true.", param="stream_options",
                                   code="invalid_value")
-    if _optional_bool(body, "background"):
-        raise invalid_request("tidegate does not serve background responses yet; send the "
-                              "request without 'background' (stream it to keep it short).",
-                              param="background", code="unsupported_value")
+    _optional_bool(body, "background")
     # Usage always arrives with response.completed: nothing to ask the backend for.
     return Validated(api=Api.RESPONSES, model=model, body=body, stream=stream,
                      include_usage=False)

@@ -264,7 +264,7 @@ async def test_responses_validation_errors(pipeline: Pipeline) -> None:
                         ({"model": "sim", "input": "x", "max_output_tokens": "9"},
                          "max_output_tokens"),
                         ({"model": "sim", "input": "x", "tools": {}}, "tools"),
-                        ({"model": "sim", "input": "x", "background": True}, "background")):
+                        ({"model": "sim", "input": "x", "background": "yes"}, "background")):
         status, data = await asyncio.to_thread(pipeline.post, "/v1/responses", body)
         assert status == 400, body
         assert json.loads(data)["error"]["param"] == param

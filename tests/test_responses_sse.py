@@ -157,3 +157,14 @@ def test_missing_endpoint_heuristic() -> None:
     assert is_missing_endpoint(501, "anything")
     assert not is_missing_endpoint(404, "The model `x` does not exist.")
     assert not is_missing_endpoint(400, "bad")
+
+
+def test_background_stream_gets_tidegate_response_id() -> None:
+    """A background response's events name tidegate's id (resp_<request id>)
+    instead of the backend's, everywhere it appears, and nothing else changes."""
+    raw = stream()  # the backend's id is "r"
+    p = ResponsesPassthrough(prompt_tokens=5, model="m", rename=b"resp_abc")
+    out = p.feed(raw)
+    assert out == raw.replace(b'"id": "r"', b'"id": "resp_abc"')
+    assert out.count(b'"resp_abc"') == raw.count(b'"id": "r"') == 2
+    assert parser().feed(raw) == raw  # not background: untouched

@@ -65,7 +65,7 @@ def test_valid_responses_bodies_pass_untouched(body: dict[str, Any]) -> None:
     ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"model": "m", "input": "x", "stream": "yes"}, "stream", "invalid_type"),
     ({"model": "m", "input": "x", "stream_options": {}}, "stream_options", "invalid_value"),
-    ({"model": "m", "input": "x", "background": True}, "background", "unsupported_value"),
+    ({"model": "m", "input": "x", "background": 1}, "background", "invalid_type"),
     ({"model": "m", "input": "x", "truncation": "maybe"}, "truncation", "invalid_value"),
     ({"model": "m", "input": "x", "metadata": []}, "metadata", "invalid_type"),
 ])

@@ -56,6 +56,10 @@ class ResumableJob(Job):
         self.original = True  # the connection that made the request still reads
         self._grace_timer: asyncio.TimerHandle | None = None
         self._log_put = self._log
+        if request.extra.get("background"):
+            # A Responses API background request (edge.background): no
+            # connection ever reads it; it generates to its end into the log.
+            self.on_detach("")
 
     # -- the log -----------------------------------------------------------
 

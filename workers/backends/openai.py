@@ -341,6 +341,9 @@ class OpenAIBackend:
         if request.api >= Api.RESPONSES:
             # Responses and embeddings go as the client sent them, model aside:
             # Responses streams report usage in response.completed unasked.
+            # Background mode is tidegate's (edge.background): the backend
+            # answers in the foreground, into the stream log.
+            body.pop("background", None)
             return json.dumps(body, separators=(",", ":")).encode()
         body["stream"] = request.stream
         if request.stream:
@@ -378,8 +381,10 @@ class OpenAIBackend:
             return await self._body(resp, request, prompt_tokens)
         if request.api is Api.RESPONSES:
             # Its own parser, chosen once per job: chat's tuned path stays as it is.
+            rename = ("resp_" + request.id).encode() if request.extra.get("background") \
+                or request.body.get("background") is True else None
             return OpenAIStream(resp, ResponsesPassthrough(prompt_tokens=prompt_tokens,
-                                                           model=model.name),
+                                                           model=model.name, rename=rename),
                                 model, self._worker.read_bytes)
         options = request.body.get("stream_options")
         include_usage = request.include_usage or (

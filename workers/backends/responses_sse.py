@@ -43,6 +43,7 @@ __all__ = ["ResponsesPassthrough"]
 _TYPE_RE = re.compile(rb'"type"\s*:\s*"(response\.output_text\.delta|response\.completed|'
                       rb'response\.incomplete|response\.failed|error)"')
 _SEQ = b'"sequence_number"'
+_ID_RE = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]+)"')
 _DELTA = b"response.output_text.delta"
 _KEEP = (b"event:", b"data:")
 _FINISH = {"completed": "stop", "max_output_tokens": "length", "content_filter":
@@ -52,11 +53,16 @@ _FINISH = {"completed": "stop", "max_output_tokens": "length", "content_filter":
 class ResponsesPassthrough:
     """Upstream Responses SSE bytes in, client-ready SSE bytes out, usage noted."""
 
-    __slots__ = ("_buf", "_model", "done", "events", "spliced", "usage", "usage_reported")
+    __slots__ = ("_backend_id", "_buf", "_model", "_rename", "done", "events", "spliced",
+                 "usage", "usage_reported")
 
-    def __init__(self, *, prompt_tokens: int, model: str) -> None:
+    def __init__(self, *, prompt_tokens: int, model: str, rename: bytes | None = None) -> None:
         self._buf = b""
         self._model = model
+        # A background response (edge.background): the backend's response id
+        # becomes tidegate's in every event, so clients retrieve by it.
+        self._rename = rename
+        self._backend_id: bytes | None = None
         self.done = False  # the terminal event passed; later bytes are ignored
         self.events = 0  # data events seen: also the next missing sequence_number
         self.spliced = 0  # events that got a sequence_number from us
@@ -136,7 +142,18 @@ class ResponsesPassthrough:
         if _SEQ not in payload:
             out = _splice(out, index)
             self.spliced += 1
+        if self._rename is not None:
+            out = self._renamed(out, payload)
         return out
+
+    def _renamed(self, out: bytes, payload: bytes) -> bytes:
+        if self._backend_id is None:
+            match = _ID_RE.search(payload)
+            if match is None:
+                return out
+            self._backend_id = b'"' + match.group(1) + b'"'
+        assert self._rename is not None
+        return out.replace(self._backend_id, b'"' + self._rename + b'"')
 
     def _terminal(self, payload: bytes) -> None:
         """response.completed / incomplete / failed: the final usage, and the end."""
