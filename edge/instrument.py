@@ -31,7 +31,7 @@ _current: contextvars.ContextVar[RequestTelemetry | None] = contextvars.ContextV
 
 # Causes that mean the client left, as opposed to the edge ending the request.
 _CLIENT_GONE = frozenset({"client_disconnected", "slow_client",
-                          "edge:client_cancelled"})  # a WebSocket cancel frame
+                          "client_cancel"})  # an explicit cancel (WebSocket frame, POST)
 
 
 class RequestTelemetry:

@@ -27,17 +27,20 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
 
-from edge import instrument
+from edge import instrument, resume, ws_resume
 from edge.app import STATE, EdgeState, build_request, publish_request, session_tick, set_keepalive
 from edge.auth import Principal
 from edge.jsonbody import parse_object
+from edge.logreader import LogReader
 from edge.relay import SlowClient
 from edge.validation import validate_body
-from edge.ws_relay import WsRelay, cancel_error
+from edge.ws_relay import WsRelay, cancel_error, reconnect_error
 from tidegate.errors import ApiError, unavailable
 from tidegate.telemetry import logs
 from tidegate.wire import ws as wire
+from tidegate.wire.protocol import Api
 from tidegate.wire.ws import CloseCode, KeepaliveAction
 
 log = logging.getLogger("tidegate.edge")
@@ -74,6 +77,8 @@ class _Generation:
     task: asyncio.Task[None] | None = None
     relay: WsRelay | None = None
     cancel_requested: bool = False
+    resumed: str = ""  # request id, for a generation that is a resume of a stream
+    reader: LogReader | None = None
 
 
 class WsSocket:
@@ -236,44 +241,61 @@ class WsSocket:
         elif isinstance(event, wire.Pong):
             pass  # the keepalive already counted it as traffic
         elif isinstance(event, wire.ResumeRequest):
-            # Needs the resume log's edge-side reader (issue 11), not on this edge yet.
-            self.conn.finish(event.id)
-            await self._send_quietly(wire.error(ApiError(
-                501, "Resuming a stream over WebSocket is not available on this edge yet; use "
-                     "GET /v1/streams/{request_id}.", type="invalid_request_error",
-                code="resume_not_available"), event.id))
+            self._start(event)
         elif isinstance(event, wire.Invalid):
             await self._send_quietly(wire.error(event.error, event.id))
 
     # -- generations -----------------------------------------------------------
 
-    def _start(self, event: wire.StartRequest) -> None:
+    def _start(self, event: wire.StartRequest | wire.ResumeRequest) -> None:
         assert self._tg is not None
         gen = _Generation(event.id)
+        if isinstance(event, wire.ResumeRequest):
+            gen.resumed = event.request_id
         self._gens[event.id] = gen
         gen.task = self._tg.create_task(self._generation(gen, event),
                                         name=f"tidegate-ws-gen-{event.id[:16]}")
 
     def _cancel(self, id: str) -> None:
         gen = self._gens.get(id)
-        if gen is None:
+        if gen is None or gen.cancel_requested:
             return
         gen.cancel_requested = True
         if gen.relay is not None:
             gen.relay.session.abort(cancel_error())
+        elif gen.resumed and self._tg is not None:
+            # A resumed stream runs elsewhere: cancel it as POST
+            # /v1/streams/{id}/cancel does; its log then ends, and the
+            # replay answers ``cancelled``.
+            self._tg.create_task(self._cancel_stream(gen.resumed),
+                                 name="tidegate-ws-cancel-stream")
 
-    async def _generation(self, gen: _Generation, event: wire.StartRequest) -> None:
+    async def _cancel_stream(self, request_id: str) -> None:
+        assert self.principal is not None
+        state = self.state
+        try:
+            await resume.cancel_stream(request_id, self.principal.tenant, state.sessions,
+                                       state.streamlog, state.relay.publisher.tombstone)
+        except ApiError as error:
+            log.info("WebSocket cancel of resumed stream %s: %s", request_id, error.code)
+
+    async def _generation(self, gen: _Generation,
+                          event: wire.StartRequest | wire.ResumeRequest) -> None:
         """One generation, start to end. Never raises (but CancelledError):
         a failure is this generation's error frame, not the socket's end."""
         state = self.state
         assert self.principal is not None
-        rt = instrument.RequestTelemetry(state.telemetry, self.http.headers, event.api)
+        api = event.api if isinstance(event, wire.StartRequest) else Api.CHAT
+        rt = instrument.RequestTelemetry(state.telemetry, self.http.headers, api)
         if rt.span is not None:
             rt.span.set_attribute("tidegate.transport", "websocket")
         token = rt.activate()
         status = 200
         try:
-            await self._run_generation(gen, event, rt)
+            if isinstance(event, wire.ResumeRequest):
+                await self._run_resume(gen, event)
+            else:
+                await self._run_generation(gen, event, rt)
         except ApiError as error:
             rt.on_error(error)
             status = error.status
@@ -302,11 +324,23 @@ class WsSocket:
         state = self.state
         assert self.principal is not None
         valid = validate_body(event.body, event.api, state.models)
-        request = build_request(state, self.principal, valid, rt.carrier)
+        headers: object = self.http.headers
+        if event.resumable is not None or event.resume_grace is not None:
+            # The frame's own opt-in, in the header names resume_grace reads.
+            merged = CIMultiDict(self.http.headers)
+            if event.resumable is not None:
+                merged[resume.RESUMABLE_HEADER] = "true" if event.resumable else "false"
+            if event.resume_grace is not None:
+                merged[resume.GRACE_HEADER] = str(event.resume_grace)
+            headers = merged
+        grace = resume.resume_grace(headers, state.tenants, self.principal.tenant, valid.model,
+                                    state.config)
+        request = build_request(state, self.principal, valid, rt.carrier, grace)
         rt.started_request(request)
         del valid
         # Subscribed (session open) before publishing, as for SSE.
-        session = state.sessions.open(request.id, session_tick(state.config))
+        session = state.sessions.open(request.id, session_tick(state.config),
+                                      self.principal.tenant)
         log_token = logs.bind(request.id, request.tenant, rt.trace_id)
         try:
             seq = await publish_request(state, request, rt.carrier)
@@ -320,6 +354,18 @@ class WsSocket:
         finally:
             state.sessions.close(session)
             logs.unbind(log_token)
+
+    async def _run_resume(self, gen: _Generation, event: wire.ResumeRequest) -> None:
+        assert self.principal is not None
+        async with self.state.streamlog.read(event.request_id, self.principal.tenant,
+                                             event.after) as reader:
+            if not reader.open.stream:
+                raise ApiError(400, "This stream is a non-streaming request's; read its body "
+                                    "with GET /v1/streams/{request_id}.",
+                               type="invalid_request_error", code="not_a_stream",
+                               param="request_id")
+            gen.reader = reader
+            await ws_resume.replay(self, gen.id, reader)
 
     # -- liveness and shutdown ---------------------------------------------------
 
@@ -360,9 +406,30 @@ class WsSocket:
             transport.abort()
 
     def drain(self) -> None:
+        """SIGTERM: no new generations. Resumable ones are told to reconnect
+        (``reconnect`` frame) and go on without this socket, in their grace;
+        the others run on until edge.shutdown_timeout. The socket closes with
+        1012 once the last has left."""
         self.conn.drain()
-        if not self._gens and self._tg is not None and not self._closing:
+        if self._tg is None or self._closing:
+            return
+        for gen in list(self._gens.values()):
+            if gen.relay is not None and gen.relay.request.resumable:
+                gen.relay.session.abort(reconnect_error())
+            elif gen.reader is not None:
+                self._tg.create_task(self._reconnect_resumed(gen), name="tidegate-ws-reconnect")
+        if not self._gens:
             self._tg.create_task(self.close_restart(), name="tidegate-ws-close")
+
+    async def _reconnect_resumed(self, gen: _Generation) -> None:
+        reader, task = gen.reader, gen.task
+        if reader is None or task is None:
+            return
+        task.cancel()  # the reader detaches; the stream goes on in its grace
+        await asyncio.gather(task, return_exceptions=True)
+        await self._send_quietly(wire.reconnect(gen.id, gen.resumed, reader.last_id))
+        if not self._gens:
+            await self.close_restart()
 
     async def close_restart(self) -> None:
         with contextlib.suppress(Exception):

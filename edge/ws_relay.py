@@ -23,6 +23,7 @@ loses the socket (:class:`edge.relay.SlowClient`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -30,20 +31,42 @@ from typing import Protocol
 from aiohttp import web
 
 from edge import instrument
-from edge.relay import Relay, RelayContext
+from edge.errors import to_info
+from edge.relay import CLIENT_CANCEL, Phase, Relay, RelayContext
 from edge.session import Session
 from tidegate.errors import ApiError
+from tidegate.wire import streamlog
 from tidegate.wire import ws as wire
-from tidegate.wire.protocol import Admission, Chunk, Done, Head, Request, SessionMessage, Status
+from tidegate.wire.protocol import (
+    Admission,
+    Chunk,
+    Done,
+    Error,
+    Head,
+    Request,
+    SessionMessage,
+    Status,
+)
+
+log = logging.getLogger("tidegate.edge")
 
 # The error a client's cancel frame aborts its generation with: the relay's
 # ApiError path then cancels upstream, as for any edge-side end.
 CANCEL_CODE = "client_cancelled"
+# The edge is draining and the generation is resumable: it leaves this socket
+# (the worker generates on into the log, within its grace) and the client is
+# told where to pick it up: a ``reconnect`` frame.
+RECONNECT_CODE = "edge_restarting"
 
 
 def cancel_error() -> ApiError:
     return ApiError(499, "Cancelled by the client.", type="invalid_request_error",
                     code=CANCEL_CODE)
+
+
+def reconnect_error() -> ApiError:
+    return ApiError(503, "This edge is restarting; resume the stream on a new socket.",
+                    type="service_unavailable", code=RECONNECT_CODE, retryable=True)
 
 
 class FrameSink(Protocol):
@@ -102,7 +125,8 @@ class WsRelay(Relay):
             return
         self.announced = True
         ratelimit = {k: v for k, v in self.headers.items() if k.startswith("x-ratelimit-")}
-        await self.sink.send([wire.accepted(self.gen_id, self.request.id, ratelimit)])
+        await self.sink.send([wire.accepted(self.gen_id, self.request.id, ratelimit,
+                                            resumable=self.request.resumable)])
 
     def _queue_note(self, position: int) -> bytes:
         return b": queued\n\n"  # a comment: no frame (the queued frame went out in _handle)
@@ -142,12 +166,31 @@ class WsRelay(Relay):
         await self.sink.send([frame])
         return self.sink.ws
 
+    async def _cancel_upstream(self, reason: str) -> None:
+        if self.request.resumable and reason == f"edge:{RECONNECT_CODE}":
+            await self._leave("edge_draining")  # detach: the stream goes on, in its grace
+            return
+        if reason == f"edge:{CANCEL_CODE}":
+            reason = CLIENT_CANCEL  # as POST /v1/streams/{id}/cancel: log readers are told
+        await super()._cancel_upstream(reason)
+
     async def _fail(self, error: ApiError) -> web.StreamResponse:
-        if error.code == CANCEL_CODE:
+        if error.code in (CANCEL_CODE, "stream_cancelled"):
             frame = wire.cancelled(self.gen_id)
+        elif error.code == RECONNECT_CODE:
+            frame = wire.reconnect(self.gen_id, self.request.id, self.framer.seq)
         else:
             instrument.failed(error)
             frame = wire.error(error, self.gen_id)
+            if self.request.resumable and self.phase is not Phase.STREAMING:
+                # As Relay._fail: no worker wrote to the log yet, so its
+                # readers (a resume on another socket) learn the end here.
+                try:
+                    await self.ctx.publisher.publish(
+                        streamlog.subject(self.ctx.config.nats.subjects, self.request.id),
+                        Error(0, to_info(error)).encode())
+                except Exception as exc:
+                    log.warning("could not log the end of %s: %s", self.request.id, exc)
         try:
             await self.sink.send([frame])
         except (ConnectionError, RuntimeError):

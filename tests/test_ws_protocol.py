@@ -207,6 +207,23 @@ def test_transitions() -> None:
 # -- server frames --------------------------------------------------------------
 
 
+def test_request_frame_opt_in_to_resume() -> None:
+    base = {"type": "request", "id": "a", "path": "/v1/completions", "body": {}}
+    event = parse({**base, "resumable": True, "resume_grace": 5})
+    assert isinstance(event, ws.StartRequest)
+    assert event.resumable is True
+    assert event.resume_grace == 5.0
+    assert parse(base) == ws.StartRequest("a", Api.COMPLETIONS, {"stream": True})
+    assert code_of(parse({**base, "resumable": "yes"})) == "invalid_frame"
+    assert code_of(parse({**base, "resume_grace": -1})) == "invalid_frame"
+    assert code_of(parse({**base, "resume_grace": True})) == "invalid_frame"
+
+
+def test_reconnect_frame() -> None:
+    assert json.loads(ws.reconnect("a", "rid", 7)) == {"type": "reconnect", "id": "a",
+                                                        "request_id": "rid", "after": 7}
+
+
 def test_accepted_done_cancelled_queued() -> None:
     assert json.loads(ws.accepted("a", "rid", {"x-ratelimit-remaining-requests": "9"})) == {
         "type": "accepted", "id": "a", "request_id": "rid",
@@ -258,12 +275,27 @@ def test_chunks_are_spliced_byte_for_byte() -> None:
 
 def test_comments_done_and_empty_events_make_no_frames() -> None:
     framer = ws.ChunkFramer("g")
-    assert framer.frames(b": ping\n\n") == []
-    assert framer.frames(b": queued\n\n") == []
-    assert framer.frames(b"data: [DONE]\n\n") == []
     assert framer.frames(b"") == []
-    assert framer.frames(b"data: \n\n") == []
     assert framer.seq == 0
+    # Numbered as the stream log numbers them (every non-empty piece), framed never.
+    assert framer.frames(b": ping\n\n") == []
+    assert framer.frames(b"data: [DONE]\n\n") == []
+    assert framer.frames(b"data: \n\n") == []
+    assert framer.seq == 3
+
+
+def test_seq_matches_the_stream_logs_event_ids() -> None:
+    from tidegate.wire.streamlog import EventIds
+
+    chunks = [b'data: {"a":1}\n\n', b'data: {"b":2}\n\ndata: {"c":3}\n\n',
+              b'data: {"d":\ndata: 4}\n\n']
+    framer, ids = ws.ChunkFramer("g"), EventIds()
+    for chunk in chunks:
+        seqs = [json.loads(f)["seq"] for f in framer.frames(chunk)]
+        framed = ids.frame(chunk)
+        assert seqs == [int(line[4:]) for line in framed.split(b"\n")
+                        if line.startswith(b"id: ")]
+    assert framer.seq == ids.last == 4
 
 
 def test_multi_line_event_joins_its_data_lines() -> None:

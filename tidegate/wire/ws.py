@@ -67,11 +67,15 @@ class Auth:
 @dataclass(frozen=True, slots=True)
 class StartRequest:
     """``{"type": "request"}``: one streamed generation. ``body`` has
-    ``stream`` forced to true (the socket only streams)."""
+    ``stream`` forced to true (the socket only streams). ``resumable`` and
+    ``resume_grace`` are the frame's own opt-in (docs/resume.md), None when
+    the frame does not say (the tenant's and model's settings then decide)."""
 
     id: str
     api: Api
     body: dict[str, Any]
+    resumable: bool | None = None
+    resume_grace: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +181,18 @@ def parse_client_frame(data: bytes | str | None, *, binary: bool = False,
     if not isinstance(body, dict):
         return Invalid(_frame_error("The request frame needs a 'body' object (the OpenAI "
                                     "request body).", "invalid_body", "body"), echo)
+    resumable = frame.get("resumable")
+    if resumable is not None and not isinstance(resumable, bool):
+        return Invalid(_frame_error("'resumable' must be true or false.", "invalid_frame",
+                                    "resumable"), echo)
+    grace = frame.get("resume_grace")
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float)
+                              or grace < 0):
+        return Invalid(_frame_error("'resume_grace' must be a non-negative number of seconds.",
+                                    "invalid_frame", "resume_grace"), echo)
     body["stream"] = True  # implied: a socket only streams
-    return StartRequest(echo, api, body)
+    return StartRequest(echo, api, body, resumable,
+                        None if grace is None else float(grace))
 
 
 def _resume(frame: dict[str, Any], id: str) -> ClientEvent:
@@ -333,6 +347,12 @@ def cancelled(id: str) -> bytes:
     return _dumps({"type": "cancelled", "id": id})
 
 
+def reconnect(id: str, request_id: str, after: int) -> bytes:
+    """Edge draining: this resumable generation goes on without this socket;
+    resume it on a new one (``resume`` with these ``request_id`` and ``after``)."""
+    return _dumps({"type": "reconnect", "id": id, "request_id": request_id, "after": after})
+
+
 PING = b'{"type":"ping"}'
 PONG = b'{"type":"pong"}'
 
@@ -344,8 +364,11 @@ class ChunkFramer:
     more, coalesced). Each event becomes one frame
     ``{"type":"chunk","id":<id>,"seq":N,"data":<json>}`` whose ``data`` is the
     event's bytes after ``data:``, untouched. ``seq`` counts this
-    generation's chunk frames, 1, 2, 3, ...; it is what ``resume``'s
-    ``after`` refers to.
+    generation's events, 1, 2, 3, ..., exactly as a resumable stream's event
+    ids do (``tidegate.wire.streamlog.EventIds``: every non-empty piece
+    between blank lines counts), so it is what ``resume``'s ``after`` refers
+    to. An event without data (none is expected from a worker) uses its
+    number but makes no frame.
     """
 
     __slots__ = ("_prefix", "seq")
@@ -359,11 +382,12 @@ class ChunkFramer:
         out: list[bytes] = []
         prefix = self._prefix
         for event in sse.split(b"\n\n"):
-            data = _event_data(event)
-            if data is None:
+            if not event:
                 continue
             self.seq += 1
-            out.append(b"%b%d,\"data\":%b}" % (prefix, self.seq, data))
+            data = _event_data(event)
+            if data is not None:
+                out.append(b"%b%d,\"data\":%b}" % (prefix, self.seq, data))
         return out
 
 

@@ -1,0 +1,50 @@
+"""The WebSocket ``resume`` frame: a resumable stream's log, as frames.
+
+``{"type": "resume", "id": ..., "request_id": ..., "after": N}`` attaches to
+a resumable stream with the rules of ``GET /v1/streams/{request_id}``
+(``edge.resume``): the caller's tenant only (another tenant's id is 404
+``stream_not_found``, never 403), from any edge, on any socket; the events
+after N, then the live tail, from the stream log (``edge.logreader``).
+Each log event becomes one ``chunk`` frame whose ``seq`` is the event's id,
+the same number the live generation's frames carried, so a client that
+resumes after the last ``seq`` it saw neither loses nor repeats one.
+"""
+
+from __future__ import annotations
+
+from edge.errors import from_info
+from edge.logreader import LogReader
+from edge.ws_relay import FrameSink
+from tidegate.wire import ws as wire
+from tidegate.wire.streamlog import LogEvent
+
+
+async def replay(sink: FrameSink, gen_id: str, reader: LogReader) -> None:
+    """``accepted``, a ``chunk`` per event, then ``done``, ``cancelled`` or
+    ``error``. Backpressure is the socket's: ``sink.send`` waits for the client
+    (and drops a client that does not drain); meanwhile the events wait in
+    JetStream, not in the edge."""
+    await sink.send([wire.accepted(gen_id, reader.request_id, resumable=True)])
+    framer = wire.ChunkFramer(gen_id)
+    while True:
+        try:
+            item = await reader.next(None)  # never None without a bound
+        except StopAsyncIteration:
+            return
+        assert item is not None
+        if isinstance(item, LogEvent):
+            framer.seq = item.id - 1  # the log's numbering is the seq
+            frames = framer.frames(item.data)
+            if frames:
+                await sink.send(frames)
+            continue
+        if item.error is None:
+            d = item.done
+            await sink.send([wire.done(gen_id, d.prompt_tokens, d.completion_tokens,
+                                       d.finish_reason) if d is not None
+                             else wire.done(gen_id, 0, 0, "")])
+        elif item.error.code == "stream_cancelled":
+            await sink.send([wire.cancelled(gen_id)])
+        else:
+            await sink.send([wire.error(from_info(item.error), gen_id)])
+        return
