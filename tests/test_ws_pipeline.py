@@ -11,6 +11,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -428,3 +429,21 @@ async def test_drain_closes_1012_after_ending_generations(
                               10.0)
     finally:
         p.stop()
+
+
+def test_the_python_example_in_the_docs_runs(pipeline: Pipeline) -> None:
+    """docs/websocket.md's Python example, as written, against this edge."""
+    import subprocess
+    import sys
+
+    doc = (Path(__file__).parent.parent / "docs" / "websocket.md").read_text()
+    code = doc.split("## Python (`websockets`)", 1)[1].split("```python\n", 1)[1]
+    code = code.split("```", 1)[0]
+    code = code.replace("ws://127.0.0.1:8080", f"ws://127.0.0.1:{pipeline.port}")
+    code = code.replace("sk-...", DEV_KEY)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("a done {'prompt_tokens'") for line in lines), done.stdout
+    assert any(line.startswith(("b cancelled", "b done")) for line in lines), done.stdout
