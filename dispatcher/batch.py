@@ -170,12 +170,15 @@ class Runner:
         try:
             while not stop.is_set():
                 now = time.monotonic()
+                # The leader renews every third of the lease; a standby looks
+                # at least every second, so a resigned lease is taken at once.
+                every = self.config.batch.lease / 3
                 if now >= next_lease:
-                    next_lease = now + self.config.batch.lease / 3
+                    next_lease = now + (every if self.leader else min(every, 1.0))
                     await self._lease()
                 if not self.leader:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), self.config.batch.lease / 3)
+                        await asyncio.wait_for(stop.wait(), max(0.0, next_lease - now))
                     continue
                 try:
                     if now >= next_slots:
@@ -197,6 +200,21 @@ class Runner:
             follower.cancel()
             await sub.unsubscribe()
             self._abandon()
+            if self.leader:
+                await self._resign()
+
+    async def _resign(self) -> None:
+        """A clean stop hands the lead over at once: the lease expires now
+        (keeping its epoch, so the successor's is new: request ids never repeat)."""
+        assert self.stores is not None
+        with contextlib.suppress(Exception):
+            entry = await self.stores.batches.get(LEASE_KEY)
+            held = json.loads(entry.value or b"{}")
+            if held.get("owner") == self.owner:
+                await self.stores.batches.update(
+                    LEASE_KEY, json.dumps({**held, "until": 0}).encode(), last=entry.revision)
+                log.info("batch runner %s resigned the lead", self.owner)
+        self.leader = False
 
     def _on_record_gone(self, key: str) -> None:
         self.records.pop(key, None)
@@ -456,21 +474,31 @@ class Runner:
         slots = self.slots.get(model, 0)
         if slots <= 0:
             return 0
-        try:
-            info = await self.js.consumer_info(self.subjects.jobs_stream,
-                                               self.subjects.worker_consumer(model))
-        except Exception:
-            return 0
-        if info.num_pending:
-            return 0
-        cfg = self.models[model].queue
+        config = self.models[model]
+        # A model with several replicas also has one queue per replica
+        # (routing homes): a job waiting in any of them waits for a worker.
+        consumers = [self.subjects.worker_consumer(model)]
+        if len(config.replicas) > 1:
+            consumers += [self.subjects.replica_consumer(model, r) for r in config.replica_names]
+        running = 0
+        for i, consumer in enumerate(consumers):
+            try:
+                info = await self.js.consumer_info(self.subjects.jobs_stream, consumer)
+            except Exception:
+                if i == 0:
+                    return 0  # no worker consumer yet: nothing can run
+                continue  # a replica whose workers have not started
+            if info.num_pending:
+                return 0
+            running += int(info.num_ack_pending or 0)
+        cfg = config.queue
         if self.queue is not None and cfg.ttft_p99 > 0:
             try:
                 if (await self.queue.state(model)).queueing or await self.queue.queued(model):
                     return 0
             except Exception:
                 return 0
-        return slots - int(info.num_ack_pending or 0) - unstarted
+        return slots - running - unstarted
 
     async def _release(self, now: float) -> None:
         runs = [r for r in self.runs.values() if r.ready and not r.stopping]

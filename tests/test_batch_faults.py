@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+from tidegate.run.servers import ManagedProcess
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.slow]
 
@@ -94,3 +95,37 @@ async def test_kill_worker_then_dispatcher_mid_batch(pipeline: Pipeline,
     counts = Counter(o["custom_id"] for o in output)
     assert counts == Counter(line["custom_id"] for line in lines)  # each exactly once
     assert all(o["response"]["status_code"] == 200 for o in output)
+
+
+def test_clean_stop_hands_the_lead_over_at_once(tmp_path_factory: pytest.TempPathFactory,
+                                                module_nats_url: str,
+                                                module_redis_url: str) -> None:
+    """SIGTERM to the leading dispatcher resigns its lease: a standby leads well
+    before the lease (30 s here) would have expired."""
+    pipeline = Pipeline(tmp_path_factory.mktemp("batchlead"), module_nats_url,
+                        module_redis_url, workers=0,
+                        overrides={"batch": {"lease": 30.0},
+                                   "nats": {"subject_prefix": "lead"}})
+    pipeline.dispatchers.append(pipeline._process("dispatcher", "dispatcher1"))
+    try:
+        pipeline.start()
+
+        def leader() -> ManagedProcess | None:
+            for p in pipeline.dispatchers:
+                if "leads (epoch" in p.log_path.read_text(errors="replace"):
+                    return p
+            return None
+
+        deadline = time.monotonic() + 60
+        while (first := leader()) is None:
+            assert time.monotonic() < deadline, pipeline.logs()
+            time.sleep(0.1)
+        standby = next(p for p in pipeline.dispatchers if p is not first)
+        first.stop()
+        assert "resigned the lead" in first.log_path.read_text(errors="replace")
+        stopped = time.monotonic()
+        while "leads (epoch 2)" not in standby.log_path.read_text(errors="replace"):
+            assert time.monotonic() - stopped < 10, standby.log_tail(30)
+            time.sleep(0.1)
+    finally:
+        pipeline.stop()
