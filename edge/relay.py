@@ -53,6 +53,7 @@ from tidegate.wire.protocol import (
     Head,
     Heartbeat,
     Request,
+    Retransmit,
     SessionMessage,
     Status,
 )
@@ -101,10 +102,10 @@ class Relay:
     """Drives one request. ``run`` returns the response aiohttp should finish."""
 
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
-    __slots__ = ("acks", "body_parts", "body_size", "control", "ctx", "expected_seq",
-                 "headers", "high_water", "http", "ids", "last_ack", "last_worker_msg",
-                 "last_write", "phase", "request", "response", "session", "started",
-                 "upstream_done", "wrote_chunks")
+    __slots__ = ("acks", "asked_at", "body_parts", "body_size", "control", "ctx",
+                 "expected_seq", "gap_since", "head_key", "headers", "high_water", "http",
+                 "ids", "last_ack", "last_worker_msg", "last_write", "phase", "request",
+                 "response", "session", "started", "upstream_done", "wrote_chunks")
 
     def __init__(self, http: web.Request, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
@@ -118,6 +119,11 @@ class Relay:
         self.control = ""  # worker control subject, once known
         self.acks = AckPolicy(request.window_bytes, request.window_msgs)
         self.expected_seq = 1
+        # A lost worker message (see _check_seq): when the gap opened (0 = no
+        # gap) and when this edge last asked for a retransmit.
+        self.gap_since = 0.0
+        self.asked_at = 0.0
+        self.head_key: tuple[str, int, int] | None = None
         self.wrote_chunks = False
         self.body_parts: list[bytes] = []
         self.body_size = 0
@@ -271,11 +277,27 @@ class Relay:
             raise unavailable(f"No worker for model '{self.request.model}' started the "
                               f"request within {cfg.edge.queue_timeout:g}s.",
                               code="no_worker_available", retry_after=5)
-        lost_after = cfg.session.heartbeat_interval * cfg.session.worker_lost_after
-        if self.phase is Phase.STREAMING and now - self.last_worker_msg >= lost_after:
-            raise ApiError(502, f"The worker running this request went silent for "
-                                f"{lost_after:g}s.", type="server_error",
-                           code="worker_lost", retryable=True, retry_after=1)
+        heartbeat = cfg.session.heartbeat_interval
+        lost_after = heartbeat * cfg.session.worker_lost_after
+        if self.phase is not Phase.STREAMING and self.gap_since:
+            await self._ask_retransmit(now)  # the Head is missing (see _check_seq)
+        if self.phase is Phase.STREAMING:
+            if self.gap_since and now - self.gap_since >= lost_after:
+                raise ApiError(502, f"Lost part of the response (message {self.expected_seq}) "
+                                    f"and the worker did not send it again within "
+                                    f"{lost_after:g}s.", type="server_error",
+                               code="stream_gap", retryable=True, retry_after=1)
+            silent = now - self.last_worker_msg
+            if silent >= lost_after:
+                raise ApiError(502, f"The worker running this request went silent for "
+                                    f"{lost_after:g}s.", type="server_error",
+                               code="worker_lost", retryable=True, retry_after=1)
+            if self.gap_since or (silent >= 1.5 * heartbeat and now - self.asked_at >= heartbeat):
+                # A gap still open, or a worker silent past its heartbeat: the
+                # last message(s) may be what was lost (a Done, say), with
+                # nothing behind them to show the gap. Asking costs nothing
+                # when nothing was lost.
+                await self._ask_retransmit(now)
         if self.request.stream and now - self.last_write >= cfg.session.heartbeat_interval:
             await self._write(_PING)
         if self.control and now - self.last_ack >= cfg.session.ack_timeout / 4:
@@ -295,20 +317,22 @@ class Relay:
             kind = type(m)
             if kind is Chunk:
                 assert isinstance(m, Chunk)
-                self._check_seq(m.seq)
+                if not self._check_seq(m.seq):
+                    continue
                 out.append(m.data)
                 nbytes += len(m.data)
                 last_chunk = m.seq
             elif kind is Heartbeat:
-                self._check_seq(m.seq)
-                ping = True
+                if self._check_seq(m.seq):
+                    ping = True
             elif kind is Head:
                 assert isinstance(m, Head)
                 await self._on_head(m)
             elif kind is Done:
                 assert isinstance(m, Done)
-                self._check_seq(m.seq)
-                done = True
+                if self._check_seq(m.seq):
+                    done = True
+                    break
             elif kind is Error:
                 assert isinstance(m, Error)
                 self.upstream_done = True
@@ -325,6 +349,8 @@ class Relay:
                 if m.admission is Admission.QUEUED and m.position and self.request.stream:
                     await self._write(self._queue_note(m.position))
 
+        if self.gap_since:
+            await self._ask_retransmit(now)
         if out:
             data = out[0] if len(out) == 1 else b"".join(out)
             if self.request.stream:
@@ -346,15 +372,46 @@ class Relay:
 
     # -- message handling --------------------------------------------------------
 
-    def _check_seq(self, seq: int) -> None:
+    def _check_seq(self, seq: int) -> bool:
+        """Whether the message with ``seq`` is the next one (take it). A copy
+        of one already taken (a retransmit overlapping what arrived) is
+        dropped; one past a gap (a core NATS message lost in transit) is
+        dropped too, and the gap is asked to be sent again from its first
+        missing seq (:meth:`_ask_retransmit`): the worker keeps every message
+        not acked yet, so the stream goes on byte-exact. Only a gap that
+        stays open until the worker counts as lost ends it (``stream_gap``)."""
         if self.phase is not Phase.STREAMING:
-            raise ApiError(502, "Received worker output before the worker started.",
-                           type="server_error", code="protocol_error", retryable=True)
-        if seq != self.expected_seq:
-            raise ApiError(502, f"Lost part of the response (expected message "
-                                f"{self.expected_seq}, got {seq}).", type="server_error",
-                           code="stream_gap", retryable=True, retry_after=1)
-        self.expected_seq = seq + 1
+            # Output before its Head: the Head was lost in transit. It names
+            # the worker, so ask every worker (Subjects.retransmit_any) to
+            # send again from seq 1; the request's own deadlines still apply.
+            if not self.gap_since:
+                self.gap_since = time.monotonic()
+                log.info("request %s: worker output before its Head (lost in transit?)",
+                         self.request.id)
+            return False
+        expected = self.expected_seq
+        if seq == expected:
+            self.expected_seq = seq + 1
+            self.gap_since = 0.0
+            return True
+        if seq > expected and not self.gap_since:
+            self.gap_since = time.monotonic()
+            log.info("request %s: message %d lost in transit (got %d); asking for it again",
+                     self.request.id, expected, seq)
+        return False
+
+    async def _ask_retransmit(self, now: float) -> None:
+        """Ask the worker to send everything from the first missing seq again;
+        at most every 0.25 s (a burst of messages past one gap asks once)."""
+        if now - self.asked_at < 0.25:
+            return
+        self.asked_at = now
+        subject = self.control or self.ctx.config.nats.subjects.retransmit_any
+        try:
+            await self.ctx.publisher.publish(
+                subject, Retransmit(self.request.id, self.expected_seq).encode())
+        except Exception as exc:  # the tick asks again
+            log.warning("could not ask for a retransmit of %s: %s", self.request.id, exc)
 
     async def _ack(self, seq: int) -> None:
         self.last_ack = time.monotonic()
@@ -362,6 +419,10 @@ class Relay:
             await self.ctx.publisher.publish(self.control, Ack(self.request.id, seq).encode())
 
     async def _on_head(self, head: Head) -> None:
+        key = (head.control, head.job_seq, head.attempt)
+        if self.phase is Phase.STREAMING and key == self.head_key:
+            return  # the same Head again (the worker resent what was not acked)
+        self.head_key = key
         self.control = head.control  # from now on, cancels go to this worker
         if head.attempt > 1 or self.phase is Phase.STREAMING:
             if self.wrote_chunks or self.body_size:
@@ -377,6 +438,7 @@ class Relay:
             await self.ctx.publisher.publish(head.control, Ack(self.request.id, 0).encode())
         self.phase = Phase.STREAMING
         self.expected_seq = head.seq + 1
+        self.gap_since = 0.0
         if head.job_seq:
             self.headers["x-tidegate-job-seq"] = str(head.job_seq)
 

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from edge.relay import Phase, Relay, RelayContext
 from edge.session import Session
-from tidegate.config import Config
+from tidegate.config import Config, SessionConfig
 from tidegate.errors import ApiError
 from tidegate.wire.flow import SendWindow
 from tidegate.wire.protocol import (
@@ -31,7 +31,9 @@ from tidegate.wire.protocol import (
     ControlMessage,
     Done,
     Head,
+    Heartbeat,
     Request,
+    Retransmit,
     decode_control,
 )
 
@@ -284,24 +286,51 @@ async def test_burst_is_queued_behind_the_first_declined_chunk(harness: Harness)
     assert harness.publisher.acks() == [n + 2]
 
 
-async def test_a_gap_is_not_written_directly(harness: Harness) -> None:
+async def test_a_gap_is_asked_again_and_the_stream_goes_on_byte_exact(
+        harness: Harness) -> None:
     resp, opened, sent = await start_streaming(harness)
     session = opened.session
     session.feed(Chunk(3, event(1)))
     assert not session._pending  # written directly
     sent.append(event(1))
-    session.feed(Chunk(5, event(3)))  # seq 4 lost
-    assert [m.seq for m in session._pending] == [5]
+    session.feed(Chunk(5, event(3)))  # seq 4 lost in transit
+    assert [m.seq for m in session._pending] == [5]  # not written directly
+    await wait_for(lambda: Retransmit("r-direct", 4) in harness.publisher.control())
+    session.feed(Chunk(6, event(4)))  # still in flight behind the gap: dropped too
+    # The worker sends everything from 4 again; the edge drops what it has.
+    for seq, i in ((4, 2), (5, 3), (6, 4), (5, 3)):
+        session.feed(Chunk(seq, event(i)))
+    sent.extend(event(i) for i in (2, 3, 4))
+    session.feed(Done(7, 1, 5, "stop"))
+    async with asyncio.timeout(5):
+        body = await resp.read()
+    assert body == b"".join(sent) + DONE
+    control = harness.publisher.control()
+    assert not [m for m in control if isinstance(m, Cancel)]
+    assert harness.publisher.tombstones == []
+    # One ask for the burst behind one gap (rate-limited), not one per message.
+    assert [m for m in control if isinstance(m, Retransmit)] == [Retransmit("r-direct", 4)]
+
+
+async def test_a_gap_never_filled_ends_with_stream_gap(harness: Harness) -> None:
+    harness.config = Config(session=SessionConfig(heartbeat_interval=0.2, worker_lost_after=3))
+    resp, opened, sent = await start_streaming(harness)
+    session = opened.session
+    session.feed(Chunk(4, event(2)))  # seq 3 lost, and the worker never resends it
+    started = time.monotonic()
+    while time.monotonic() - started < 0.5:  # the worker is alive: heartbeats past the gap
+        session.feed(Heartbeat(5))
+        await asyncio.sleep(0.05)
     async with asyncio.timeout(5):
         body = await resp.read()
     blocks = [b for b in body.split(b"\n\n") if b]
-    assert b"\n\n".join(blocks[:2]) + b"\n\n" == b"".join(sent)
-    error = json.loads(blocks[2][6:])["error"]
+    assert blocks[0] + b"\n\n" == sent[0]
+    error = json.loads(blocks[-1][6:])["error"]
     assert error["code"] == "stream_gap"
-    assert len(blocks) == 3  # nothing of seq 5, no [DONE]
-    assert event(3) not in body
-    control = harness.publisher.control()
-    assert Cancel("r-direct", "edge:stream_gap") in control
+    assert event(2) not in body
+    asks = [m for m in harness.publisher.control() if isinstance(m, Retransmit)]
+    assert len(asks) >= 2  # asked again while the gap stayed open
+    assert {m.seq for m in asks} == {3}
     assert harness.publisher.tombstones == [("r-direct", "edge:stream_gap")]
 
 

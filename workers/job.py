@@ -148,6 +148,16 @@ def _log_helper_failure(task: asyncio.Task[None]) -> None:
         log.error("job helper task failed", exc_info=task.exception())
 
 
+async def resend(ctx: JobContext, request: Request, messages: list[bytes]) -> None:
+    """Send kept messages to the request's edge again, in order."""
+    outbox = ctx.outbox if request.mux else None
+    for message in messages:
+        if outbox is not None:
+            outbox.put(request.mux, request.id, message)
+        else:
+            await ctx.nc.publish(request.reply, message)
+
+
 def reserved(msg: Msg) -> bool:
     """Whether the dispatcher reserved quota for this job (see RESERVED_HEADER)."""
     return bool(msg.headers and msg.headers.get(RESERVED_HEADER))
@@ -221,6 +231,15 @@ class Job:
                     self._stalled(now - self._stalled_at)
                     self._stalled_at = 0.0
                 pushing.resume()
+
+    async def on_retransmit(self, seq: int) -> None:
+        """The edge lost messages from ``seq`` on: send every kept one again
+        (to the edge only; the stream log already has them). Idempotent."""
+        messages = [m for _, m in self.window.kept(seq)]
+        if messages:
+            log.info("job %s: resending %d messages from seq %d", self.request.id,
+                     len(messages), seq)
+            await resend(self.ctx, self.request, messages)
 
     def cancel(self, reason: str) -> None:
         if self.task is not None and not self.task.done() and not self.cancel_reason:
@@ -338,7 +357,10 @@ class Job:
         await self.msg.ack()
 
     async def _send(self, payload: bytes) -> None:
+        """Send a message outside the window (Head, heartbeat, Done, Error;
+        ``self.seq`` is its seq), kept for a retransmit until acked."""
         self.last_sent = time.monotonic()
+        self.window.hold(self.seq, payload)
         if self.outbox is not None:
             self.outbox.put(self.request.mux, self.request.id, payload)
         else:
@@ -438,8 +460,7 @@ class Job:
                 data = await stream.read(min(read_bytes, window.available_bytes or read_bytes))
                 if not data:
                     break
-                seq = self._account(len(data))
-                message = encode_chunk(seq, data)
+                message = self._account(data)
                 if outbox is not None:
                     outbox.put(mux, request_id, message)
                 else:
@@ -468,10 +489,11 @@ class Job:
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())
 
-    def _account(self, nbytes: int) -> int:
-        """A chunk of ``nbytes`` is about to go out: its seq, the window, the
-        first-chunk time. Per-chunk path: one clock read, no envelope object;
-        the caller hands the message over directly (not through _send)."""
+    def _account(self, data: bytes) -> bytes:
+        """A chunk is about to go out: its seq, its message (kept in the window
+        for a retransmit), the first-chunk time. Per-chunk path: one clock
+        read, no envelope object; the caller hands the message over directly
+        (not through _send)."""
         now = self.last_sent = time.monotonic()
         seq = self.seq = self.seq + 1
         if not self.chunks_sent:
@@ -483,10 +505,11 @@ class Job:
                 limit.ttfb(self._mark, self._backend_at, now)
                 self._mark = limit.mark(now)
         self.chunks_sent += 1
-        if not self.window.on_send(seq, nbytes, now):
+        message = encode_chunk(seq, data)
+        if not self.window.on_send(seq, len(data), now, message):
             self._window_open.clear()
             self._stalled_at = now  # read by on_ack for a pushed stream only
-        return seq
+        return message
 
     # -- Sink: what a PushStream calls, from its socket callback -------------------
 
@@ -494,9 +517,9 @@ class Job:
         return self.window.credit
 
     def data(self, data: bytes) -> None:
-        seq = self._account(len(data))
+        message = self._account(data)
         assert self.outbox is not None
-        self.outbox.put(self.request.mux, self.request.id, encode_chunk(seq, data))
+        self.outbox.put(self.request.mux, self.request.id, message)
 
     def end(self, error: BackendError | None) -> None:
         end = self._end

@@ -34,7 +34,7 @@ import time
 from nats.aio.msg import Msg
 
 from tidegate.wire import streamlog
-from tidegate.wire.protocol import Error, ErrorInfo, Request, encode_chunk
+from tidegate.wire.protocol import Error, ErrorInfo, Request
 from workers.backends import Backend
 from workers.job import RESUME_GRACE, Job, JobContext
 
@@ -55,6 +55,7 @@ class ResumableJob(Job):
         self.readers: dict[str, float] = {}  # reader id -> when last heard (monotonic)
         self.original = True  # the connection that made the request still reads
         self._grace_timer: asyncio.TimerHandle | None = None
+        self._unbound = False
         self._log_put = self._log
         if request.extra.get("background"):
             # A Responses API background request (edge.background): no
@@ -85,11 +86,21 @@ class ResumableJob(Job):
     async def _send(self, payload: bytes) -> None:
         await super()._send(payload)
         self._log(payload)
+        if self._unbound:
+            self.window.on_ack(self.seq)
+
+    def _account(self, data: bytes) -> bytes:
+        message = super()._account(data)
+        if self._unbound:
+            # Nobody's acks bound the output any more, so nothing is kept for
+            # a retransmit either: the log holds it (a reader that missed
+            # something resumes from there).
+            self.window.on_ack(self.seq)
+        return message
 
     def data(self, data: bytes) -> None:
         # The push path's chunk (see Job.data), also into the log.
-        seq = self._account(len(data))
-        message = encode_chunk(seq, data)
+        message = self._account(data)
         assert self.outbox is not None
         self.outbox.put(self.request.mux, self.request.id, message)
         self._log(message)
@@ -118,6 +129,7 @@ class ResumableJob(Job):
         return False
 
     def _on_tick(self, now: float) -> None:
+        super()._on_tick(now)
         stale = [r for r, seen in self.readers.items() if now - seen > self._lease]
         for reader in stale:
             del self.readers[reader]
@@ -127,8 +139,10 @@ class ResumableJob(Job):
     def _unbind(self) -> None:
         """Output no longer waits for one reader's acks (see the module docstring)."""
         self.last_ack_at = float("inf")  # and the ack timeout no longer applies
+        self._unbound = True
         window = self.window
         window.unbound()
+        window.on_ack(window.sent_seq)
         self._window_open.set()
         pushing = self._pushing
         if pushing is not None:

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -51,13 +53,23 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.cancels import CancelRegistry
 from tidegate.wire.mux import Outbox, batch_limit
-from tidegate.wire.protocol import Ack, Attach, Cancel, Detach, Request, UsageRecord, decode_control
+from tidegate.wire.protocol import (
+    Ack,
+    Attach,
+    Cancel,
+    Detach,
+    Request,
+    Retransmit,
+    UsageRecord,
+    decode_control,
+)
 from workers.backends import Backend, create_backend
 from workers.backends.load_probe import LoadProbe
-from workers.job import WORKER_SHUTDOWN, Job, JobContext, reserved
+from workers.job import WORKER_SHUTDOWN, Job, JobContext, resend, reserved
 from workers.limiter import AdaptiveLimit
 from workers.resumable import ResumableJob
 from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
+from workers.tails import Tails
 
 log = logging.getLogger("tidegate.worker")
 BAD_INPUT = BadInput("worker", log)
@@ -75,6 +87,10 @@ class Pool:
         self.config = config
         self.ctx = ctx
         self.jobs: dict[str, Job] = {}
+        # Ended jobs' unacked messages, for a retransmit that comes late; kept
+        # as long as the edge waits before it gives up on a silent worker.
+        session = config.session
+        self.tails = Tails(session.heartbeat_interval * session.worker_lost_after)
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
         self.pullers: list[Puller] = []
         self.by_model: dict[str, Puller] = {}
@@ -129,9 +145,12 @@ class Pool:
             BAD_INPUT.drop("control", "malformed", str(exc))
             return
         job = self.jobs.get(message.request_id)
+        kind = type(message)
+        if kind is Retransmit:
+            await self._retransmit(job, message)  # type: ignore[arg-type]
+            return
         if job is None:
             return
-        kind = type(message)
         if kind is Ack:
             job.on_ack(message.seq)  # type: ignore[union-attr]
         elif kind is Cancel:
@@ -142,6 +161,16 @@ class Pool:
                 job.on_attach(message.reader)  # type: ignore[union-attr]
             elif kind is Detach:
                 job.on_detach(message.reader)  # type: ignore[union-attr]
+
+    async def _retransmit(self, job: Job | None, message: Retransmit) -> None:
+        if job is not None:
+            await job.on_retransmit(message.seq)
+            return
+        tail = self.tails.since(message.request_id, message.seq)
+        if tail is not None and tail[1]:
+            log.info("job %s (ended): resending %d messages from seq %d",
+                     message.request_id, len(tail[1]), message.seq)
+            await resend(self.ctx, *tail)
 
     def on_cancel(self, request_id: str, reason: str) -> None:
         """A tombstone from the cancels bucket."""
@@ -223,6 +252,7 @@ class Pool:
             # A second job with the same id (a replay) must not unregister the first.
             if self.jobs.get(request.id) is job:
                 del self.jobs[request.id]
+            self.tails.keep(job.request, job.window.kept())
             job.release()
 
     async def pull(self, js: JetStreamContext, model: ModelConfig, backend: Backend,
@@ -338,6 +368,32 @@ class Pool:
             task.cancel()
 
 
+# Fault injection for the retransmit tests only: drop every Nth NATS message
+# to an edge, as a lost core NATS message would be. Read once at start; unset
+# (always, outside tests) the outbox gets the client's publish itself.
+DROP_EVERY_ENV = "TIDEGATE_TEST_DROP_EVERY"
+
+
+def _lossy(publish: Callable[[str, bytes], Awaitable[None]]
+           ) -> Callable[[str, bytes], Awaitable[None]]:
+    every = int(os.environ.get(DROP_EVERY_ENV) or 0)
+    if every <= 0:
+        return publish
+    log.warning("%s=%d: dropping every %dth message to an edge (tests only)",
+                DROP_EVERY_ENV, every, every)
+    count = 0
+
+    async def lossy(subject: str, payload: bytes) -> None:
+        nonlocal count
+        if ".out." in subject:
+            count += 1
+            if count % every == 0:
+                return
+        await publish(subject, payload)
+
+    return lossy
+
+
 async def serve(config: Config, stop: asyncio.Event) -> None:
     worker_id = secrets.token_hex(6)
     subjects = config.nats.subjects
@@ -351,7 +407,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     await broker.ensure_streams(js, config)
     outbox = None
     if config.worker.coalesce_bytes:
-        outbox = Outbox(nc.publish, batch_limit(config.worker.coalesce_bytes, nc.max_payload))
+        outbox = Outbox(_lossy(nc.publish),
+                        batch_limit(config.worker.coalesce_bytes, nc.max_payload))
         outbox.start()
     # Resumable streams' log entries are batched even with coalescing off.
     log_outbox = outbox
@@ -362,6 +419,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                      outbox=outbox, log_outbox=log_outbox)
     pool = Pool(config, ctx)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
+    # Retransmits from an edge that lost a Head (it cannot know the worker).
+    await nc.subscribe(subjects.retransmit_any, cb=pool.on_control)
     cancels = await broker.ensure_cancels_bucket(js, config)
     registry = await workers_registry.ensure_bucket(js, config)
 

@@ -32,7 +32,7 @@ from collections import deque
 class SendWindow:
     """Worker-side accounting of unacknowledged messages for one stream."""
 
-    __slots__ = ("_in_flight", "acked_seq", "in_flight_bytes", "max_bytes", "max_msgs",
+    __slots__ = ("_held", "_in_flight", "acked_seq", "in_flight_bytes", "max_bytes", "max_msgs",
                  "sent_seq")
 
     def __init__(self, max_bytes: int, max_msgs: int) -> None:
@@ -43,8 +43,13 @@ class SendWindow:
         self.sent_seq = 0
         self.acked_seq = 0
         self.in_flight_bytes = 0
-        # (seq, nbytes, sent_at) of every unacknowledged message, oldest first.
-        self._in_flight: deque[tuple[int, int, float]] = deque()
+        # (seq, nbytes, sent_at, message) of every unacknowledged chunk, oldest
+        # first: the message is kept for a retransmit (a core NATS message lost
+        # in transit), in the tuple the accounting needs anyway.
+        self._in_flight: deque[tuple[int, int, float, bytes]] = deque()
+        # (seq, message) of the unacknowledged messages outside the window
+        # (Head, heartbeats, Done, Error): a retransmit resends them too.
+        self._held: deque[tuple[int, bytes]] = deque()
 
     @property
     def open(self) -> bool:
@@ -75,16 +80,33 @@ class SendWindow:
             return 0
         return max(0, self.max_bytes - self.in_flight_bytes)
 
-    def on_send(self, seq: int, nbytes: int, now: float = 0.0) -> bool:
-        """Record a message sent with sequence ``seq`` (strictly increasing) at
-        time ``now``. Returns :attr:`open` after it."""
+    def on_send(self, seq: int, nbytes: int, now: float = 0.0, message: bytes = b"") -> bool:
+        """Record a chunk ``message`` of ``nbytes`` payload sent with sequence
+        ``seq`` (strictly increasing) at time ``now``. Returns :attr:`open`
+        after it."""
         if seq <= self.sent_seq:
             raise ValueError(f"sequence {seq} not after {self.sent_seq}")
         self.sent_seq = seq
         in_flight = self._in_flight
-        in_flight.append((seq, nbytes, now))
+        in_flight.append((seq, nbytes, now, message))
         self.in_flight_bytes += nbytes
         return self.in_flight_bytes < self.max_bytes and len(in_flight) < self.max_msgs
+
+    def hold(self, seq: int, message: bytes) -> None:
+        """Keep a message sent outside the window until it is acknowledged."""
+        self._held.append((seq, message))
+
+    def kept(self, seq: int = 0) -> list[tuple[int, bytes]]:
+        """``(seq, message)`` of every kept message from ``seq`` on, in
+        sequence order: what a retransmit from ``seq`` sends again."""
+        kept = [(s, m) for s, _, _, m in self._in_flight if s >= seq]
+        kept.extend((s, m) for s, m in self._held if s >= seq)
+        kept.sort(key=lambda pair: pair[0])
+        return kept
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(len(m) for *_, m in self._in_flight) + sum(len(m) for _, m in self._held)
 
     def unbound(self) -> None:
         """Stop limiting: what is sent is no longer waiting for a reader's acks
@@ -99,6 +121,9 @@ class SendWindow:
         an ack beyond anything sent is clamped, since it can only come from a
         confused or malicious peer and must not corrupt the accounting.
         """
+        held = self._held
+        while held and held[0][0] <= seq:  # kept messages outside the window
+            held.popleft()
         if seq <= self.acked_seq:
             return False
         seq = min(seq, self.sent_seq)

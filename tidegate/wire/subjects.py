@@ -166,6 +166,13 @@ class Subjects:
         return f"{self.prefix}.ctl.{worker_id}"
 
     @property
+    def retransmit_any(self) -> str:
+        """Every worker listens here for a ``Retransmit`` from an edge that
+        lost a request's Head (which names its worker); the worker that holds
+        the request answers, the others ignore it."""
+        return f"{self.prefix}.ctl.any"
+
+    @property
     def keys_bucket(self) -> str:
         """KV bucket of API keys (key: SHA-256 hex digest of the API key)."""
         return f"{self.prefix.upper()}_KEYS"
