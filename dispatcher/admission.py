@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dispatcher.quota import Limits, QuotaResult, QuotaStore, QuotaUnavailable, Scope
+from dispatcher.quota import Limits, QuotaResult, Quotas, QuotaUnavailable, Scope
 from tidegate.config import ModelConfig
 from tidegate.control.policies import PolicySet
 from tidegate.telemetry import telemetry as tm
@@ -96,7 +96,7 @@ def _rejection(result: QuotaResult, tokens: int) -> ErrorInfo:
 
 
 class QuotaAdmission:
-    def __init__(self, store: QuotaStore, policies: PolicySet,
+    def __init__(self, store: Quotas, policies: PolicySet,
                  models: Mapping[str, ModelConfig], fail_open: bool) -> None:
         self.store = store
         self.policies = policies

@@ -64,6 +64,9 @@ class FakeMsg:
     async def in_progress(self) -> None:
         self.fate.append("in_progress")
 
+    async def term(self) -> None:
+        self.fate.append("term")
+
 
 class FakeNats:
     def __init__(self) -> None:
@@ -74,7 +77,7 @@ class FakeNats:
         self.published.append((subject, payload))
 
     def session(self) -> list[Any]:
-        return [decode_session(p) for s, p in self.published if s == REPLY]
+        return [decode_session(p) for s, p in self.published if ".usage." not in s]
 
     def usage(self) -> list[UsageRecord]:
         return [UsageRecord.decode(p) for s, p in self.published if ".usage." in s]
