@@ -162,7 +162,7 @@ def test_quick_bench_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
     done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--out",
-                           str(out)], capture_output=True, text=True, timeout=240, env=env)
+                           str(out)], capture_output=True, text=True, timeout=420, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
     assert set(results) >= {"meta", "scenarios", "targets"}
@@ -170,6 +170,10 @@ def test_quick_bench_writes_results(tmp_path: Path) -> None:
     assert {"nproc", "cpu_model", "ram_gib"} <= set(results["meta"]["machine"])
     a = results["scenarios"]["a"]["runs"]
     assert {r["target"] for r in a} >= {"direct", "tidegate", "proxy"}
+    # Each concurrency twice: users spread over the warm-up, and all at once.
+    assert {r.get("arrival") for r in a if r["mode"] == "closed"} == {"spread", "burst"}
+    assert all("throughput_ratio" in r for r in a
+               if r["target"] == "tidegate" and r["mode"] == "closed")
     for run in a:
         assert {"streams_per_s", "chunks_per_s", "ttft_ms", "itl_ms", "cpu_s",
                 "runqueue_wait_s"} <= set(run)

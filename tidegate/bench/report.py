@@ -47,8 +47,14 @@ def _runs(results: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
     return runs
 
 
+def _spread(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Closed-loop runs with users spread over the warm-up (the targets' and
+    the plots' baseline; results older than the "arrival" key are all that)."""
+    return [r for r in runs if r["mode"] == "closed" and r.get("arrival", "spread") == "spread"]
+
+
 def _at_200(results: dict[str, Any], target: str) -> dict[str, Any] | None:
-    runs = [r for r in _runs(results, "a") if r["target"] == target and r["mode"] == "closed"]
+    runs = [r for r in _spread(_runs(results, "a")) if r["target"] == target]
     return min(runs, key=lambda r: abs(r["concurrency"] - 200)) if runs else None
 
 
@@ -194,14 +200,16 @@ def markdown(results: dict[str, Any]) -> str:
         out += ["## (a) Overhead and throughput", "",
                 f"{p['tokens']} tokens at {p['itl_s'] * 1000:g} ms ITL, backend TTFT "
                 f"{p['ttft_s'] * 1000:g} ms; {p['warmup_s']:g} s warm-up, then a "
-                f"{p['window_s']:g} s window. Closed loop at each concurrency, then an open "
+                f"{p['window_s']:g} s window. Closed loop at each concurrency (users spread "
+                "over the first half of the warm-up, and, marked burst, all at once), then an open "
                 f"loop (Poisson, {p['open_rate_per_s']:g}/s, latency from the scheduled "
                 "send time). Times in ms; CPU/chunk and CPU/req sum the gateway's processes "
                 "(tidegate: edge, dispatcher, worker, nats-server); cores busy counts every "
                 "process incl. the load generator and the fake backend.", ""]
         rows = []
         for r in scen["a"]["runs"]:
-            load = f"c={r['concurrency']}" if r["mode"] == "closed" else f"{r['rate']:g}/s"
+            load = (f"c={r['concurrency']}{' burst' if r.get('arrival') == 'burst' else ''}"
+                    if r["mode"] == "closed" else f"{r['rate']:g}/s")
             rows.append([r["target"], load, r["streams_per_s"], r["chunks_per_s"],
                          _pair(r["ttft_ms"]), _pair(r.get("ttft_overhead_ms", {})),
                          _pair(r["itl_ms"]), _pair(r["total_ms"]),
@@ -299,7 +307,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     written: list[str] = []
     quantiles = [q / 100 for q in range(101)]
     runs_a = _runs(results, "a")
-    closed = [r for r in runs_a if r["mode"] == "closed"]
+    closed = _spread(runs_a)
     if closed:
         loads = sorted({r["concurrency"] for r in closed})
         fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
@@ -335,6 +343,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "throughput.png", dpi=100)
         plt.close(fig)
         written.append("throughput.png")
+        written += _scale_plot(plt, runs_a, out)
     runs_c = [r for r in _runs(results, "c") if r["latency_cdf_ms"]]
     if runs_c:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -378,3 +387,41 @@ def _main(directory: Path) -> None:
 
 if __name__ == "__main__":
     _main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results"))
+
+
+def _scale_plot(plt: Any, runs_a: list[dict[str, Any]], out: Path) -> list[str]:
+    """The scale curve: throughput against direct, TTFT overhead p99 and CPU
+    per chunk over the concurrencies, per target; burst arrivals dashed."""
+    closed = [r for r in runs_a if r["mode"] == "closed"]
+    if len({r["concurrency"] for r in closed}) < 2:
+        return []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = (("throughput_ratio", "throughput vs direct"),
+              ("ttft_overhead_p99", "TTFT overhead p99 (ms)"),
+              ("cpu_us_per_chunk", "gateway CPU µs per chunk"))
+    series = dict.fromkeys((r["target"], r.get("arrival", "spread")) for r in closed)
+    for ax, (field, label) in zip(axes, panels, strict=True):
+        for target, arrival in series:
+            rs = sorted((r for r in closed if r["target"] == target
+                         and r.get("arrival", "spread") == arrival),
+                        key=lambda r: r["concurrency"])
+            if field == "ttft_overhead_p99":
+                ys = [r.get("ttft_overhead_ms", {}).get("p99") for r in rs]
+            else:
+                ys = [r.get(field) for r in rs]
+            points = [(r["concurrency"], y) for r, y in zip(rs, ys, strict=True)
+                      if y is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o",
+                        linestyle="--" if arrival == "burst" else "-",
+                        label=f"{target}{' (burst)' if arrival == 'burst' else ''}")
+        ax.set_xscale("log")
+        ax.set_xlabel("concurrent streams (closed loop)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / "scale.png", dpi=100)
+    plt.close(fig)
+    return ["scale.png"]

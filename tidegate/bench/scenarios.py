@@ -72,10 +72,14 @@ class Profile:
     slow_bytes_per_s: int
     telemetry_concurrency: int  # (t): closed-loop streams
     telemetry_rounds: int  # (t): each variant runs this many times, order alternating
+    # (a)'s closed loop per concurrency, once per arrival pattern: "spread"
+    # (users start over the first half of the warm-up) and "burst" (all at
+    # once, as a front end after a deploy sends them).
+    arrivals: tuple[str, ...] = ("spread", "burst")
 
 
 FULL = Profile(
-    name="full", concurrencies=(50, 200, 1000), tokens=64, itl=0.010, ttft=0.05,
+    name="full", concurrencies=(50, 200, 1000, 2000), tokens=64, itl=0.010, ttft=0.05,
     warmup=2.0, duration=8.0, open_rate=150.0,
     idle_streams=10_000, idle_hold=8.0, heartbeat_interval=5.0,
     cancel_concurrency=200, cancel_rounds=3, cancel_after=8, cancel_tokens=200,
@@ -113,9 +117,11 @@ def _cpu_pids(target: Target) -> dict[str, int]:
 
 
 async def _load_run(target: Target, profile: Profile, mode: str, load: float,
-                    spy: PySpy | None, api: str = "chat") -> dict[str, Any]:
+                    spy: PySpy | None, api: str = "chat",
+                    arrival: str = "spread") -> dict[str, Any]:
     """One load level on one target; ``api`` "responses" streams the Responses
-    API instead of chat (``tidegate.bench.responses_bench``)."""
+    API instead of chat (``tidegate.bench.responses_bench``); ``arrival``
+    "burst" starts a closed loop's users all at once instead of spread."""
     endpoint = target.endpoint
     make: Callable[..., bytes] = chat_body
     if api == "responses":
@@ -132,12 +138,14 @@ async def _load_run(target: Target, profile: Profile, mode: str, load: float,
                 spy.window(target, profile.warmup, profile.duration, f"{mode}{load:g}"))
         if mode == "closed":
             await loadgen.closed_loop(session, endpoint, body, rec, concurrency=int(load),
-                                      warmup=profile.warmup, duration=profile.duration)
+                                      warmup=profile.warmup, duration=profile.duration,
+                                      ramp=0.0 if arrival == "burst" else None)
         else:
             await loadgen.open_loop(session, endpoint, body, rec, rate=load,
                                     warmup=profile.warmup, duration=profile.duration)
     result: dict[str, Any] = {"target": target.name, "api": api, "mode": mode,
                               ("concurrency" if mode == "closed" else "rate"): load,
+                              **({"arrival": arrival} if mode == "closed" else {}),
                               **rec.summary(), "ttft_cdf_ms": _cdf(rec.ttft)}
     window = rec.t1 - rec.t0
     used = rec.cpu.used or {}
@@ -160,10 +168,12 @@ async def _load_run(target: Target, profile: Profile, mode: str, load: float,
 
 def _add_ratios(runs: list[dict[str, Any]]) -> None:
     """TTFT overhead and throughput ratio of each run against direct at the same load."""
-    floor = {(r["mode"], r.get("concurrency", r.get("rate"))): r
-             for r in runs if r["target"] == "direct"}
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["mode"], r.get("concurrency", r.get("rate")), r.get("arrival")
+
+    floor = {key(r): r for r in runs if r["target"] == "direct"}
     for r in runs:
-        base = floor.get((r["mode"], r.get("concurrency", r.get("rate"))))
+        base = floor.get(key(r))
         if base is None or r is base:
             continue
         ours, theirs = r["ttft_ms"], base["ttft_ms"]
@@ -180,13 +190,17 @@ async def overhead(targets: list[Target], profile: Profile,
     runs: list[dict[str, Any]] = []
     profiled = min(profile.concurrencies, key=lambda c: abs(c - 200))
     for c in profile.concurrencies:
-        for target in targets:
-            use_spy = spy if (target.name == "tidegate" and c == profiled) else None
-            runs.append(await _load_run(target, profile, "closed", c, use_spy))
+        for arrival in profile.arrivals:
+            for target in targets:
+                use_spy = spy if (target.name == "tidegate" and c == profiled
+                                  and arrival == profile.arrivals[0]) else None
+                runs.append(await _load_run(target, profile, "closed", c, use_spy,
+                                            arrival=arrival))
     for target in targets:
         runs.append(await _load_run(target, profile, "open", profile.open_rate, None))
     _add_ratios(runs)
-    return {"params": {"concurrencies": list(profile.concurrencies), "tokens": profile.tokens,
+    return {"params": {"concurrencies": list(profile.concurrencies),
+                       "arrivals": list(profile.arrivals), "tokens": profile.tokens,
                        "itl_s": profile.itl, "ttft_s": profile.ttft,
                        "warmup_s": profile.warmup, "window_s": profile.duration,
                        "open_rate_per_s": profile.open_rate},
