@@ -339,3 +339,37 @@ def test_property_always_within_bounds(lo: int, span: int,
         if limit.limit != last:
             assert seen[-1] == limit.limit
             last = limit.limit
+
+
+def test_a_queueing_backend_is_seen_by_ttfb_alone() -> None:
+    """A backend that queues what it cannot run (Ollama's NUM_PARALLEL, a
+    full llama.cpp): TPOT stays flat, TTFB grows by whole generations."""
+    limit = AdaptiveLimit(1, 1000, initial=16, now=0.0)
+    _fill(limit, 16, 0.0)
+    t = 0.0
+    for _ in range(3):  # baseline: 50 ms to first byte
+        limit.ttfb(limit.mark(t), t, t + 0.05)
+    limit.tpot(limit.mark(0.5), 0.5, 51, 1.0)  # 10 ms per token; closes the window
+    assert limit.limit == 32  # slow start: all was fine at 16
+    for t in (1.5, 2.0):
+        limit.tpot(limit.mark(t - 0.5), t - 0.5, 51, t)  # still 10 ms per token
+        for _ in range(3):  # but first bytes after 2 s in the backend's queue
+            limit.ttfb(limit.mark(t - 2.0), t - 2.0, t)
+    assert limit.phase is Phase.STEADY
+    assert limit.limit == 8  # halved twice (32 -> 16 -> 8): at most halving per window
+
+
+def test_tens_of_ms_of_ttfb_jitter_are_not_congestion() -> None:
+    """A burst of job starts delays first bytes on the worker's own loop by
+    tens of ms: with a 20 ms baseline that is a large ratio, but within the
+    slack, so the limit keeps growing."""
+    limit = AdaptiveLimit(4, 1000, now=0.0)
+    _fill(limit, 4, 0.0)
+    for _ in range(4):
+        limit.ttfb(limit.mark(0.0), 0.0, 0.02)
+    grown = limit.limit
+    assert grown == 8
+    _fill(limit, 4, 0.1)
+    for _ in range(8):  # 80 ms: 4x the baseline, 60 ms of excess
+        limit.ttfb(limit.mark(0.12), 0.12, 0.2)
+    assert limit.limit > grown
