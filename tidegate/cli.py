@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "c (cancel), d (slow clients), e (other gateways), "
                             "q (quota check cost), t (telemetry overhead: off, metrics, "
                             "traced), r (Responses API overhead), w (WebSocket against "
-                            "SSE) (default: a,b,c,d,e; q, r, t and w only when named)")
+                            "SSE), f (affinity across 4 replicas, on and off) "
+                            "(default: a,b,c,d,e; f, q, r, t and w only when named)")
     bench.add_argument("--out", default="bench-results", metavar="DIR",
                        help="results folder (default: ./bench-results)")
     bench.add_argument("--idle-streams", type=int, metavar="N",

@@ -223,6 +223,7 @@ class FakeBackend:
         self.prefix_cache = PrefixCache(capacity_blocks=self.config.cache_blocks)
         self.kv_usage = 0.0  # what /metrics reports (report_load)
         self.waiting = 0
+        self._served = self._prompt_chars = self._cached_chars = 0  # ... and these totals
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind and serve; returns the base URL, ending in ``/v1``."""
@@ -274,7 +275,10 @@ class FakeBackend:
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f'vllm:kv_cache_usage_perc{{model_name="fake"}} {self.kv_usage}\n'
             f'vllm:num_requests_waiting{{model_name="fake"}} {self.waiting}\n'
-            f'vllm:num_requests_running{{model_name="fake"}} {running}\n'))
+            f'vllm:num_requests_running{{model_name="fake"}} {running}\n'
+            f"fake_requests_total {self._served}\n"
+            f"fake_prompt_chars_total {self._prompt_chars}\n"
+            f"fake_cached_chars_total {self._cached_chars}\n"))
 
     async def _models(self, request: web.Request) -> web.Response:
         names = self.config.models or ("fake-model",)
@@ -345,6 +349,9 @@ class FakeBackend:
             record.cached_chars, record.prompt_chars = self.prefix_cache.lookup(
                 _prompt_text(body, chat))
             ttft += self.config.prefill_per_char * (record.prompt_chars - record.cached_chars)
+            self._prompt_chars += record.prompt_chars
+            self._cached_chars += record.cached_chars
+        self._served += 1
         itl = self.config.itl if faults.itl is None else faults.itl
         ident = f"{'chatcmpl' if chat else 'cmpl'}-fake{record.id}"
         head = (b'{"id":' + json.dumps(ident).encode() + b',"object":"'
@@ -470,13 +477,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="prefix-cache model: seconds of TTFT per uncached prompt char")
     parser.add_argument("--cache-blocks", type=int, default=4096,
                         help="prefix-cache model: 256-char blocks kept (LRU)")
+    parser.add_argument("--report-load", action="store_true",
+                        help="serve vLLM-style /metrics (and request/prompt/cache totals)")
     parser.add_argument("--saturate-at", type=int, default=0,
                         help="past this many concurrent streams, slow down like a GPU batch")
     args = parser.parse_args(argv)
     config = FakeConfig(ttft=args.ttft, itl=args.itl, tokens=args.tokens,
                         token_size=args.token_size, models=tuple(args.model),
                         prefill_per_char=args.prefill_per_char, cache_blocks=args.cache_blocks,
-                        saturate_at=args.saturate_at)
+                        saturate_at=args.saturate_at, report_load=args.report_load)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(config, args.host, args.port))
 

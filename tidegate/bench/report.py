@@ -288,6 +288,11 @@ def markdown(results: dict[str, Any]) -> str:
         from tidegate.bench import batch_bench
 
         out += batch_bench.markdown(scen["j"])
+    if "f" in scen:
+        from tidegate.bench import affinity_bench
+
+        out += ["## (f) affinity: routing across replicas", ""]
+        out += affinity_bench.markdown(scen["f"])
     for key, prof in results.get("profiles", {}).items():
         out += [f"## Profile {key} ({prof['samples']} busy samples)", ""]
         out += _table(["library (self time)", "%"], prof.get("area_pct", []))

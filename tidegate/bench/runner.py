@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.bench import (
+    affinity_bench,
     batch_bench,
     procstats,
     quota,
@@ -33,8 +34,8 @@ __all__ = ["KNOWN_SCENARIOS", "SCENARIOS", "BenchOptions", "machine", "run"]
 SCENARIOS = "abcde"  # the default run
 # Only when asked for: q (quota check cost), t (telemetry overhead), r (Responses
 # API streaming overhead next to chat's), w (WebSocket against SSE), j (the batch
-# API: throughput, priority).
-KNOWN_SCENARIOS = SCENARIOS + "jqrtw"
+# API: throughput, priority), f (affinity across replicas, on and off).
+KNOWN_SCENARIOS = SCENARIOS + "fjqrtw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,7 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     letters = options.scenarios
     gateways = [t for t in targets if t.name != "direct"]
     if "a" in letters or letters.replace("q", "").replace("t", "").replace("r", "").replace(
-            "j", "") == "e":
+            "j", "").replace("f", "") == "e":
         out["a"] = await scenarios.overhead(targets, profile, spy)
     if "b" in letters:
         out["b"] = await scenarios.idle(gateways, profile)
@@ -137,6 +138,8 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["q"] = await asyncio.to_thread(quota.run, options.out, options.quick)
     if "j" in letters:
         out["j"] = await batch_bench.run(targets, profile, options.quick)
+    if "f" in letters:  # its own processes: four replicas, two stacks in turn
+        out["f"] = await affinity_bench.run(options.out, options.quick)
     return out
 
 
