@@ -31,7 +31,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +159,43 @@ class ReplicaView:
         return out
 
 
+class HomeCache:
+    """The ``<P>_AFFINITY`` bucket as this dispatcher follows it: key -> home.
+
+    Read on every routed request, so no KV round trip sits on the dispatch
+    path (a get per request cost a NATS round trip each, which showed at 200
+    concurrent chats). The bucket's TTL removes entries without telling
+    watchers, so the cache applies ``routing.home_ttl`` itself: entries are
+    kept in the order they were last written and dropped from the old end,
+    which bounds it by the conversations active within the TTL."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._homes: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def on_put(self, key: str, value: bytes) -> None:
+        now = time.monotonic()
+        self._homes[key] = (value.decode(errors="replace"), now)
+        self._homes.move_to_end(key)
+        while self._homes:
+            _, (_, written) = next(iter(self._homes.items()))
+            if now - written <= self.ttl:
+                break
+            self._homes.popitem(last=False)
+
+    def on_delete(self, key: str) -> None:
+        self._homes.pop(key, None)
+
+    def get(self, key: str) -> str | None:
+        entry = self._homes.get(key)
+        if entry is None or time.monotonic() - entry[1] > self.ttl:
+            return None
+        return entry[0]
+
+
 class Router:
     def __init__(self, config: Config, nc: NATS, js: JetStreamContext, homes: KeyValue,
                  claims: KeyValue, view: ReplicaView) -> None:
@@ -167,6 +204,7 @@ class Router:
         self.nc = nc
         self.js = js
         self.homes = homes
+        self.home_cache = HomeCache(config.routing.home_ttl)
         self.claims = claims
         self.view = view
         self.subjects = config.nats.subjects
@@ -185,9 +223,7 @@ class Router:
     async def route(self, request: Request, model: ModelConfig) -> Routed:
         key = affinity_key(request.api, request.body, user=self.cfg.key_user,
                            prefix_bytes=self.cfg.prefix_bytes)
-        home = None
-        if key is not None:
-            home = await self._home(model, key)
+        home = self.home_cache.get(home_key(model.name, key)) if key is not None else None
         loads = self.view.loads(model)
         route = choose(key, home, loads)
         log.debug("routing %s: key %s, home %s, loads %s -> %s", request.id, key, home, loads,
@@ -205,17 +241,6 @@ class Router:
         self.metrics.affinity_routes.add(1, {tm.MODEL: model.name, tm.OUTCOME: hit,
                                              tm.ROUTE_REASON: str(route.reason)})
         return Routed(subject, headers, route, key)
-
-    async def _home(self, model: ModelConfig, key: str) -> str | None:
-        try:
-            entry = await self.homes.get(home_key(model.name, key))
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        except (nats.errors.Error, TimeoutError) as exc:
-            # Soft state: without it the job is routed as a new key.
-            log.debug("affinity home lookup failed: %s", exc)
-            return None
-        return entry.value.decode() if entry.value else None
 
     def schedule_fallback(self, request: Request, data: bytes, headers: dict[str, str],
                           routed: Routed) -> None:

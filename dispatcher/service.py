@@ -255,7 +255,11 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                                               on_synced=policies_synced.set)),
                 *([tg.create_task(follow_bucket(
                     await workers_registry.ensure_bucket(js, config), view.on_put,
-                    view.on_delete))] if dispatcher.router is not None else []),
+                    view.on_delete)),
+                   tg.create_task(follow_bucket(
+                       dispatcher.router.homes, dispatcher.router.home_cache.on_put,
+                       dispatcher.router.home_cache.on_delete))]
+                  if dispatcher.router is not None else []),
                 await broker.follow_cancels(tg, cancels, dispatcher.on_cancel,
                                             config.nats.request_timeout, "dispatcher"),
             ]

@@ -389,3 +389,27 @@ def test_bench_peer_relays_streams_and_cancels(tmp_path: Path, peer: str) -> Non
                 break
             time.sleep(0.1)
         assert record.get("closed_at"), record
+
+
+@pytest.mark.pipeline
+def test_quick_affinity_scenario(tmp_path: Path) -> None:
+    """Scenario f: four fake replicas with a prefix cache, routing on and off.
+    With affinity the replicas find far more of each prompt cached (the
+    effect the TTFT target rests on), and every turn of every chat ran."""
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
+    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+                           "f", "--out", str(out)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    f = json.loads((out / "results.json").read_text())["scenarios"]["f"]
+    chats, turns = f["profile"]["chats"], f["profile"]["turns"]
+    for mode in (f["on"], f["off"]):
+        assert mode["turns"] == chats * turns
+        assert sum(mode["served_per_replica"]) == chats * turns
+    # With routing, every turn after the first hits its home's cache: 16 chats
+    # x 3 turns cache about half of all prompt characters; without, a turn
+    # reaches a replica that saw its chat about one time in four.
+    assert f["on"]["cached_share"] > 0.45
+    assert f["on"]["cached_share"] > 1.5 * f["off"]["cached_share"]
+    assert "(f) affinity" in (out / "results.md").read_text()

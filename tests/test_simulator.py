@@ -349,3 +349,29 @@ async def test_openai_sdk_parses_simulator_output(sdk_server: str) -> None:
             model="sim", prompt="hi", max_tokens=4, stream=True)]
         assert "".join(c.choices[0].text for c in comp).count(" ") == 3
         assert comp[-1].choices[0].finish_reason == "length"
+
+
+async def test_prefix_cache_model_shortens_a_repeated_prefix() -> None:
+    """simulator.prefill_per_char: the first token waits for the prompt the
+    worker's cache did not hold, so a chat's next turn starts sooner."""
+    backend = SimulatorBackend(ModelConfig(name="sim", simulator=SimulatorConfig(
+        ttft=0.0, tokens_per_second=10_000.0, length=2, prefill_per_char=0.0004)))
+    system = {"role": "system", "content": "Be brief. " * 60}  # 600 chars: 2 blocks
+
+    async def first_token(messages: list[dict[str, str]]) -> float:
+        stream = await backend.open(make_request(messages=messages))
+        started = time.monotonic()
+        await stream.read(1 << 16)
+        took = time.monotonic() - started
+        await stream.aclose()
+        return took
+
+    cold = await first_token([system, {"role": "user", "content": "one"}])
+    warm = await first_token([system, {"role": "user", "content": "one"},
+                              {"role": "assistant", "content": "ok"},
+                              {"role": "user", "content": "two"}])
+    other = await first_token([{"role": "system", "content": "Be long. " * 70},
+                               {"role": "user", "content": "one"}])
+    assert cold > 0.2  # about 620 uncached chars x 0.4 ms
+    assert warm < cold / 2  # the two 256-char blocks came from the cache
+    assert other > 0.2  # another conversation's prefix is not cached

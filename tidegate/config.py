@@ -55,6 +55,9 @@ class SimulatorConfig:
     tokens_per_second: float = 50.0
     length: int = 64  # tokens generated when the request sets no max_tokens
     embedding_dimensions: int = 256  # vector size when an embeddings request sets none
+    # A prefix-cache model (docs/routing.md): the first token also waits this
+    # many seconds per prompt character this worker's cache did not hold.
+    prefill_per_char: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +318,7 @@ class RoutingConfig:
     home_ttl: float = 600.0  # a conversation's home is forgotten after this idle time
     # A job routed to its home that no worker claimed within this also goes to
     # the shared queue (a stale registry, a replica that just died).
-    max_affinity_wait: float = 0.25
+    max_affinity_wait: float = 0.5
     key_user: bool = False  # mix the request's `user` into the affinity key
     prefix_bytes: int = 4096  # prefix text hashed into the key, at most
 
@@ -788,6 +791,9 @@ def _check(config: Config) -> None:
             raise ConfigError(f"{where}.queue.exit_ratio: must be in (0, 1], got {q.exit_ratio}")
         if m.simulator.ttft < 0:
             raise ConfigError(f"{where}.simulator.ttft: must be >= 0, got {m.simulator.ttft}")
+        if m.simulator.prefill_per_char < 0:
+            raise ConfigError(f"{where}.simulator.prefill_per_char: must be >= 0, got "
+                              f"{m.simulator.prefill_per_char}")
         if m.simulator.length < 1:
             raise ConfigError(f"{where}.simulator.length: must be >= 1, got "
                               f"{m.simulator.length}")

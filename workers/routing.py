@@ -2,9 +2,10 @@
 
 A worker serving replica R of model M pulls from two consumers with one set of
 slots: R's own queue (jobs the dispatcher routed to R as their conversation's
-home) and M's shared queue. The own queue always keeps one pull request
-outstanding while a slot is free, so a routed job starts at once; the shared
-queue gets every other free slot. Pull requests cannot be taken back, so
+home) and M's shared queue. The own queue always keeps a pull request
+outstanding while a slot is free, for as many jobs as it said it holds at its
+last delivery, so routed jobs start at once; the shared queue gets every other
+free slot. Pull requests cannot be taken back, so
 when routed jobs fill the slots while the shared queue's requests are still
 out, those may deliver too: in-flight can pass the slot count by the shared
 requests outstanding, for at most their expiry (``SHARED_PULL_EXPIRES``,
@@ -67,8 +68,14 @@ class ReplicaPullers:
         return sum(p.busy for p in self.pullers)
 
     def own_credit(self, puller: Puller) -> int:
-        """One request outstanding on the own queue while any slot is free."""
-        return 1 - puller.outstanding if self.busy < self.capacity else 0
+        """What the own queue holds (one more than it had waiting at the last
+        delivery), up to the free slots; at least one request outstanding while
+        any slot is free, so a routed job starts at once. Asking for one at a
+        time made a burst of routed turns start one pull round trip apart."""
+        free = self.capacity - self.busy
+        if free <= 0:
+            return 0
+        return min(free, 1 + puller.pending) - puller.outstanding
 
     def shared_credit(self, puller: Puller) -> int:
         return self.capacity - self.busy - puller.outstanding

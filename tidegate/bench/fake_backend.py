@@ -52,7 +52,7 @@ from typing import Any
 from aiohttp import web
 
 from tidegate.bench import fake_responses
-from workers.backends.prefix_cache import PrefixCache
+from workers.backends.prefix_cache import PrefixCache, prompt_text
 
 __all__ = ["FakeBackend", "FakeConfig", "FakeRecord", "main"]
 
@@ -152,20 +152,6 @@ class _Faults:
 
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def _prompt_text(body: Mapping[str, Any], chat: bool) -> str:
-    """The prompt as the text a server would tokenize (for the cache model)."""
-    if not chat:
-        prompt = body.get("prompt")
-        return prompt if isinstance(prompt, str) else json.dumps(prompt)
-    parts = []
-    for message in body.get("messages") or ():
-        if isinstance(message, Mapping):
-            content = message.get("content")
-            parts.append(f"<{message.get('role')}>"
-                         + (content if isinstance(content, str) else json.dumps(content)))
-    return "".join(parts)
 
 
 class _ClientGone(Exception):
@@ -347,7 +333,7 @@ class FakeBackend:
         ttft = self.config.ttft if faults.ttft is None else faults.ttft
         if self.config.prefill_per_char > 0:
             record.cached_chars, record.prompt_chars = self.prefix_cache.lookup(
-                _prompt_text(body, chat))
+                prompt_text(body, chat))
             ttft += self.config.prefill_per_char * (record.prompt_chars - record.cached_chars)
             self._prompt_chars += record.prompt_chars
             self._cached_chars += record.cached_chars

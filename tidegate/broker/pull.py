@@ -53,6 +53,9 @@ class Puller:
         self._wake = asyncio.Event()
         self._last_progress = time.monotonic()
         self._credit = credit
+        # With a credit rule: messages the consumer still held at the last
+        # delivery (its num_pending), for rules that ask for what is there.
+        self.pending = 0
         self._done_hook = on_done
 
     @property
@@ -99,9 +102,13 @@ class Puller:
         self.tasks.add(task)
         task.add_done_callback(self._on_done)
         if self._credit is not None:
-            # A credit rule may ask for less than the free slots (one request
-            # at a time on a replica's own queue): ask again now, not only
-            # when a job ends.
+            # A credit rule may ask for less than the free slots (a replica's
+            # own queue asks for what it holds): ask again now, not only when
+            # a job ends, knowing how many more the consumer has waiting.
+            try:
+                self.pending = msg.metadata.num_pending
+            except Exception:  # not a JetStream delivery: no count
+                self.pending = 0
             self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -15,7 +15,10 @@ Sans-I/O and deterministic: no clock, no randomness.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
 
 
 class PrefixCache:
@@ -56,3 +59,18 @@ class PrefixCache:
         if cached:
             self.hits += 1
         return cached, len(prompt)
+
+
+def prompt_text(body: Mapping[str, Any], chat: bool) -> str:
+    """A request's prompt as the text a server would tokenize (roles marked),
+    what the cache model hashes."""
+    if not chat:
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    parts = []
+    for message in body.get("messages") or ():
+        if isinstance(message, Mapping):
+            content = message.get("content")
+            parts.append(f"<{message.get('role')}>"
+                         + (content if isinstance(content, str) else json.dumps(content)))
+    return "".join(parts)

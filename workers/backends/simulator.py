@@ -40,6 +40,7 @@ from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import BackendStream, Usage
+from workers.backends.prefix_cache import PrefixCache, prompt_text
 from workers.backends.simulator_responses import SimulatorEmbeddings, SimulatorResponsesStream
 
 __all__ = ["SimulatorBackend", "SimulatorStream", "plan_text"]
@@ -302,9 +303,17 @@ class SimulatorBackend:
 
     def __init__(self, model: ModelConfig) -> None:
         self._model = model
+        # One cache per backend object, i.e. per worker process and replica:
+        # what one GPU's KV cache holds.
+        self._cache = PrefixCache()
 
     async def open(self, request: Request) -> BackendStream:
         sim = self._model.simulator
+        if sim.prefill_per_char > 0 and request.api in (Api.CHAT, Api.COMPLETIONS):
+            cached, total = self._cache.lookup(prompt_text(request.body,
+                                                           request.api == Api.CHAT))
+            prefill = sim.prefill_per_char * (total - cached)
+            return SimulatorStream(request, sim, time.monotonic() + prefill)
         if request.api == Api.RESPONSES:
             pieces, finish = plan_text(request.api, request.body, sim)
             return SimulatorResponsesStream(request, pieces, finish, sim, time.monotonic())
