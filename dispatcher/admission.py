@@ -105,7 +105,8 @@ class QuotaAdmission:
         self._last_outage_log = 0.0
 
     async def admit(self, request: Request) -> Decision:
-        applicable = self.policies.applicable(request.tenant, request.model, request.user)
+        applicable = self.policies.applicable(request.tenant, request.model, request.user,
+                                              batch=request.klass == "batch")
         if not applicable:
             return ADMIT
         scopes = [Scope(p.scope_id, Limits(rpm=p.rpm, tpm=p.tpm, concurrency=p.concurrency))

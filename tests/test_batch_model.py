@@ -292,3 +292,16 @@ def test_session_keepalive_acks_while_running() -> None:
     assert s.tick(1.0) == []
     assert s.tick(2.0) == [("c", Ack("r", 2))]
     assert s.tick(2.5) == []
+
+
+def test_batch_only_policies_apply_to_batch_requests_only() -> None:
+    from tidegate.control.policies import BATCH_SCOPE, Policy, PolicySet
+
+    tenant = Policy(tenant="acme", rpm=100)
+    batch_acme = Policy(tenant="acme", model=BATCH_SCOPE, concurrency=1)
+    batch_all = Policy(model=BATCH_SCOPE, tpm=1000)
+    ps = PolicySet([tenant, batch_acme, batch_all])
+    assert ps.applicable("acme", "gpt") == [tenant]
+    assert ps.applicable("acme", "gpt", batch=True) == [tenant, batch_acme, batch_all]
+    assert ps.applicable("other", "gpt", batch=True) == [batch_all]
+    assert ps.applicable("other", "gpt") == []

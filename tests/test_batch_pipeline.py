@@ -24,6 +24,7 @@ import pytest
 from tests.pipeline import DEV_KEY, Pipeline, record_for, running_pipeline, threaded_fake_backend
 from tidegate.bench.fake_backend import FakeBackend
 from tidegate.control.keys import create_key, ensure_keys_bucket
+from tidegate.control.policies import BATCH_SCOPE, Policy, ensure_policies_bucket, set_policy
 
 pytestmark = pytest.mark.pipeline
 
@@ -321,3 +322,48 @@ async def test_4xx_to_the_error_file_5xx_retried_first(client: openai.AsyncOpenA
     assert len(record_for(fake, "marker-400")) == 1
     assert len(record_for(fake, "marker-503")) == 1 + RETRIES
     assert len(record_for(fake, "marker-ok")) == 1
+
+
+async def test_batch_only_limits(pipeline: Pipeline, module_nats_url: str) -> None:
+    """A policy on model @batch limits the tenant's batch lines only: with
+    concurrency 1 its four 2-second lines run one after the other, while the
+    same tenant's interactive requests are not limited by it."""
+    nc = await nats.connect(module_nats_url)
+    try:
+        js = nc.jetstream()
+        key, _ = await create_key(await ensure_keys_bucket(js, pipeline.config), "limited")
+        await set_policy(await ensure_policies_bucket(js, pipeline.config),
+                         Policy(tenant="limited", model=BATCH_SCOPE, concurrency=1))
+    finally:
+        await nc.close()
+    async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=key, max_retries=0,
+                                  timeout=30) as limited:
+        deadline = time.monotonic() + 10
+        while True:  # the new key reaches the edge through its KV watch
+            try:
+                await limited.files.list()
+                break
+            except openai.AuthenticationError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        lines = [chat_line(f"l-{i}", f"limited {i}", model="slow-sim", max_tokens=40)
+                 for i in range(4)]
+        batch = await submit(limited, lines)
+        await poll(limited, batch.id, {"in_progress"})
+        # Interactive traffic of the same tenant: two at once, both admitted.
+        answers = await asyncio.gather(*(limited.chat.completions.create(
+            model="tidegate-sim", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            for _ in range(2)))
+        assert all(a.choices[0].message.content for a in answers)
+        started = time.monotonic()
+        done = await poll(limited, batch.id, {"completed", "failed", "expired"}, within=60)
+        took = time.monotonic() - started
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert done.request_counts.completed == 4
+    # One at a time: about 4 x 2 s (4 slots would have run them in ~2 s at once).
+    assert done.completed_at is not None
+    assert done.in_progress_at is not None
+    print(f"4 lines under batch concurrency 1: {done.completed_at - done.in_progress_at}s "
+          f"({took:.1f}s polled)")
+    assert done.completed_at - done.in_progress_at >= 6

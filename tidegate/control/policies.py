@@ -42,6 +42,10 @@ from tidegate.wire.subjects import decode_token, encode_token
 log = logging.getLogger("tidegate.policies")
 
 ANY = "="  # scope-id token for "any"; encode_token never produces "="
+# The model of batch-only policies: `--model @batch` (with or without a tenant)
+# limits only requests of class batch, on top of the policies they share with
+# interactive ones (docs/batch.md). No configured model is called that.
+BATCH_SCOPE = "@batch"
 LIMITS = ("rpm", "tpm", "concurrency")
 _FIELDS = ("tenant", "model", "user", *LIMITS)
 
@@ -164,13 +168,21 @@ class PolicySet:
     def get(self, tenant: str = "", model: str = "", user: str = "") -> Policy | None:
         return self._by_scope.get((tenant, model, user))
 
-    def applicable(self, tenant: str, model: str, user: str = "") -> list[Policy]:
-        """Every policy that applies to a request, narrowest scope first."""
+    def applicable(self, tenant: str, model: str, user: str = "",
+                   batch: bool = False) -> list[Policy]:
+        """Every policy that applies to a request, narrowest scope first;
+        ``batch`` adds the batch-only ones (model ``@batch``) of its tenant
+        and of everyone."""
         found = []
         for scope in _scopes(tenant, model, user):
             policy = self._by_scope.get(scope)
             if policy is not None:
                 found.append(policy)
+        if batch:
+            for scope in ((tenant, BATCH_SCOPE, ""), ("", BATCH_SCOPE, "")):
+                policy = self._by_scope.get(scope)
+                if policy is not None:
+                    found.append(policy)
         return found
 
 
