@@ -5,9 +5,12 @@ OpenAI backend, which records what it saw (closes included)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import os
 import re
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -447,3 +450,88 @@ def test_the_python_example_in_the_docs_runs(pipeline: Pipeline) -> None:
     lines = done.stdout.splitlines()
     assert any(line.startswith("a done {'prompt_tokens'") for line in lines), done.stdout
     assert any(line.startswith(("b cancelled", "b done")) for line in lines), done.stdout
+
+
+def _gauge(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in the edge's metrics")
+
+
+async def test_metrics_count_sockets_and_generations(pipeline: Pipeline) -> None:
+    async with connect(pipeline) as ws, connect(pipeline):
+        await ws.send(json.dumps({"type": "request", "id": "m", "path": "/v1/chat/completions",
+                                  "body": chat("metrics", max_tokens=100000)}))
+        while (await recv(ws))["type"] != "chunk":
+            pass
+        text = await asyncio.to_thread(pipeline.scrape, "edge")
+        assert _gauge(text, "tidegate_edge_ws_connections_active") >= 2
+        assert _gauge(text, "tidegate_edge_ws_generations_active") >= 1
+        await ws.send(json.dumps({"type": "cancel", "id": "m"}))
+        await collect(ws, {"m"})
+
+    def counts() -> tuple[float, float]:
+        text = pipeline.scrape("edge")
+        return (_gauge(text, "tidegate_edge_ws_connections_active"),
+                _gauge(text, "tidegate_edge_ws_generations_active"))
+
+    assert await wait_for(lambda: counts() == (0.0, 0.0), 10.0, step=0.2)
+
+
+def _client_frame(payload: bytes) -> bytes:
+    """A masked client TEXT frame (RFC 6455 5.3)."""
+    mask = os.urandom(4)
+    n = len(payload)
+    header = bytes([0x81, 0x80 | n]) if n < 126 else bytes([0x81, 0x80 | 126]) + n.to_bytes(
+        2, "big")
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+async def test_a_socket_that_stops_reading_is_dropped_and_its_generations_cancelled(
+        tmp_path_factory: pytest.TempPathFactory, module_nats_url: str, module_redis_url: str,
+        backend: FakeBackend) -> None:
+    p = Pipeline(tmp_path_factory.mktemp("wsslow"), module_nats_url, module_redis_url,
+                 overrides={
+                     "nats": {"subject_prefix": "t" + uuid.uuid4().hex[:8]},
+                     "edge": {"slow_client_timeout": 2.0},
+                     "models": [{"name": "fake", "backend": "openai",
+                                 "base_url": backend.base_url}]})
+    markers = [f"slow{i}-{uuid.uuid4().hex}" for i in range(2)]
+    try:
+        p.start()
+        # A raw client with a tiny receive buffer that never reads after the
+        # handshake: the edge's socket buffer fills, then its drain waits.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", p.port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(f"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                     f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                     f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {DEV_KEY}\r\n\r\n"
+                     .encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 101")
+        for i, marker in enumerate(markers):
+            writer.write(_client_frame(json.dumps({
+                "type": "request", "id": f"s{i}", "path": "/v1/chat/completions",
+                "body": chat(marker, max_tokens=10**7, fake_itl=0.0)}).encode()))
+        await writer.drain()
+        started = time.monotonic()
+        # Never read again. Both generations are cancelled once the socket has
+        # not drained for slow_client_timeout (the buffers take a while to fill).
+        assert await wait_for(lambda: all(
+            any(r.closed_at for r in record_for(backend, m)) for m in markers), 60.0, step=0.1)
+        elapsed = time.monotonic() - started
+        assert elapsed >= 2.0  # not before the slow-client limit
+        for m in markers:
+            record = record_for(backend, m)[0]
+            assert not record.completed
+            # Backpressure reached the backend: it wrote a bounded amount (the
+            # kernel's socket buffers and one credit window), not 10^7 tokens.
+            assert record.bytes_written < 32 << 20  # seen: 4-7 MB, mostly kernel buffers
+        writer.close()
+    finally:
+        p.stop()
