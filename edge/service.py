@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from edge.tls import server_tls_context, warn_if_public_plaintext
 from tidegate.broker import broker
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.config import Config
+from tidegate.control import edges_registry
 from tidegate.control.keys import ensure_keys_bucket, watch_keys
 from tidegate.control.tenants import TenantTable, ensure_tenants_bucket, watch_tenants
 from tidegate.errors import ApiError
@@ -157,6 +159,15 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     log.info("edge %s listening on %s://%s:%d (nats %s)", edge_id,
              "https" if tls else "http", config.edge.host, config.edge.port, config.nats.url)
     warn_if_public_plaintext(config.edge)
+    registry = await edges_registry.ensure_bucket(js, config)
+    started = time.time()
+    # The edge's entry in <P>_EDGES (tidegate status): open requests and sockets.
+    beat = asyncio.create_task(edges_registry.heartbeat(
+        registry, lambda: edges_registry.local_info(
+            edge_id, started, streams=len(sessions), ws_connections=len(state.sockets),
+            ws_generations=state.sockets.generations, draining=state.draining),
+        interval=min(edges_registry.HEARTBEAT, config.session.heartbeat_interval)),
+        name="tidegate-edge-registry")
     try:
         await stop.wait()
     finally:
@@ -167,4 +178,6 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
         state.sockets.drain()
         await _drain(sessions, config.edge.shutdown_timeout)
         await state.sockets.close_all()
+        beat.cancel()  # deletes the registry entry
+        await asyncio.gather(beat, return_exceptions=True)
         await runner.cleanup()

@@ -535,3 +535,35 @@ async def test_a_socket_that_stops_reading_is_dropped_and_its_generations_cancel
         writer.close()
     finally:
         p.stop()
+
+
+async def test_status_counts_websockets_and_generations(pipeline: Pipeline) -> None:
+    import subprocess
+    import sys
+
+    def status() -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "-m", "tidegate", "status", "--json",
+                               "--interval", "0.1", "--config", str(pipeline.config_path)],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        edges: dict[str, Any] = json.loads(done.stdout)["edges"]
+        return edges
+
+    async with connect(pipeline) as ws, connect(pipeline):
+        await ws.send(json.dumps({"type": "request", "id": "s", "path": "/v1/chat/completions",
+                                  "body": chat("status", max_tokens=100000)}))
+        while (await recv(ws))["type"] != "chunk":
+            pass
+        deadline = time.monotonic() + 20  # the edge puts its entry every 2 s here
+        while True:
+            edges = await asyncio.to_thread(status)
+            total = edges["total"]
+            if total["ws_connections"] >= 2 and total["ws_generations"] >= 1:
+                break
+            assert time.monotonic() < deadline, edges
+            await asyncio.sleep(0.2)
+        assert total["edges"] == 1
+        assert total["streams"] >= 1
+        assert edges["edges"][0]["ws_connections"] == total["ws_connections"]
+        await ws.send(json.dumps({"type": "cancel", "id": "s"}))
+        await collect(ws, {"s"})

@@ -35,7 +35,7 @@ from nats.js import JetStreamContext
 
 from tidegate.broker import broker
 from tidegate.config import Config
-from tidegate.control import workers_registry
+from tidegate.control import edges_registry, workers_registry
 from tidegate.control.admin import connect_once
 from tidegate.control.queue_stats import QueueStats, Snapshot
 from tidegate.run.supervisor import read_state
@@ -89,7 +89,8 @@ def _rate(now: int, before: int, seconds: float) -> float:
 def document(config: Config, snap: Snapshot, previous: Snapshot | None,
              modes: dict[str, QueueModeView],
              processes: dict[str, Any] | None = None,
-             batches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+             batches: list[dict[str, Any]] | None = None,
+             edges: dict[str, Any] | None = None) -> dict[str, Any]:
     """The status as plain data: what ``--json`` prints and the view shows.
 
     ``processes`` is a ``tidegate up`` state file (None: not run by one);
@@ -142,6 +143,8 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
         "workers": workers,
         "processes": None if processes is None else processes.get("processes", []),
         "batches": batches or [],
+        # tidegate.control.edges_registry.summary: open requests and WebSockets.
+        "edges": edges,
     }
 
 
@@ -221,6 +224,8 @@ def render(doc: dict[str, Any]) -> Any:
     if not doc["workers"]:
         workers.add_row(Text("no live workers", style="bold red"), "", "", "", "", "")
     tables: list[Any] = [header, models, *([replicas] if replicas.row_count else []), workers]
+    if doc.get("edges") is not None:
+        tables.append(_edges_table(doc["edges"]))
     if doc.get("batches"):
         from tidegate.control import batch_admin
 
@@ -238,6 +243,23 @@ def render(doc: dict[str, Any]) -> Any:
                       Text(str(p["restarts"]), style="yellow" if p["restarts"] else ""),
                       "-" if p["last_exit_code"] is None else str(p["last_exit_code"]))
     return Group(*tables, procs)
+
+
+def _edges_table(edges: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    total = edges["total"]
+    table = Table(title=f"Edges: {total['edges']} live, {total['streams']} open requests, "
+                        f"{total['ws_connections']} WebSockets running "
+                        f"{total['ws_generations']} generations",
+                  title_justify="left", expand=True)
+    for column in ("edge", "host", "open requests", "WebSockets", "ws generations", "up"):
+        table.add_column(column)
+    for e in edges["edges"]:
+        table.add_row(e["edge_id"] + (" (draining)" if e["draining"] else ""), e["host"],
+                      str(e["streams"]), str(e["ws_connections"]), str(e["ws_generations"]),
+                      _age(e["uptime_s"]))
+    return table
 
 
 def _age(seconds: float) -> str:
@@ -259,13 +281,18 @@ async def _run(config: Config, as_json: bool, once: bool, interval: float,
     try:
         js = broker.jetstream(nc, config.nats)
         registry = await workers_registry.ensure_bucket(js, config)
+        edges_kv = await edges_registry.ensure_bucket(js, config)
+
+        async def edges() -> dict[str, Any]:
+            return edges_registry.summary(await edges_registry.read_all(edges_kv), time.time())
+
         stats = QueueStats(js, config, registry)
         previous = await stats.snapshot()
         if as_json or once:
             await asyncio.sleep(interval)
             doc = document(config, await stats.snapshot(), previous,
                            await _queue_modes(config), processes(),
-                           await _batches(js, config))
+                           await _batches(js, config), await edges())
             if as_json:
                 out.write(json.dumps(doc, indent=2) + "\n")
             else:
@@ -277,14 +304,14 @@ async def _run(config: Config, as_json: bool, once: bool, interval: float,
         from rich.live import Live
 
         doc = document(config, previous, None, await _queue_modes(config), processes(),
-                       await _batches(js, config))
+                       await _batches(js, config), await edges())
         with Live(render(doc), console=Console(file=out), refresh_per_second=4,
                   screen=False) as live:
             while True:
                 await asyncio.sleep(interval)
                 snap = await stats.snapshot()
                 doc = document(config, snap, previous, await _queue_modes(config),
-                               processes(), await _batches(js, config))
+                               processes(), await _batches(js, config), await edges())
                 previous = snap
                 live.update(render(doc))
     finally:
