@@ -202,3 +202,31 @@ async def test_two_workers_on_one_backend_converge_on_its_limit(
     # Registry entries are up to a heartbeat old, so bound the sum loosely:
     # well below the 2 x 1024 that two uncoordinated ceilings would allow.
     assert sum(w.models[MODEL].slots for w in workers) <= 3 * k
+
+
+async def test_each_replica_of_a_model_has_its_own_adaptive_limit(
+        tmp_path: Path, module_nats_url: str, module_redis_url: str) -> None:
+    """A model with two backend replicas and the default max_streams: the
+    limit is each backend's, so each replica's slots grow past the starting
+    min_streams (2) on their own, and the worker reports them as adaptive."""
+    users = 24
+    with threaded_fake_backend(models=[MODEL], ttft=TTFT, itl=ITL, tokens=TOKENS) as a, \
+            threaded_fake_backend(models=[MODEL], ttft=TTFT, itl=ITL, tokens=TOKENS) as b:
+        pipeline = Pipeline(tmp_path, module_nats_url, module_redis_url, overrides={
+            "nats": {"subject_prefix": "a" + uuid.uuid4().hex[:8]},
+            "models": [{"name": MODEL, "backend": "openai", "min_streams": 2,
+                        "base_urls": [a.base_url, b.base_url]}]})
+        pipeline.start()
+        try:
+            done = await _users(pipeline.url, users, time.monotonic() + 8.0)
+            workers = await _registry(pipeline)
+        finally:
+            pipeline.stop()
+    assert done > users, pipeline.logs()
+    # Both replicas ran more streams at once than the floor: each grew.
+    assert a.peak_active > 2, (a.peak_active, b.peak_active)
+    assert b.peak_active > 2, (a.peak_active, b.peak_active)
+    assert a.peak_active + b.peak_active >= users * 0.8
+    (worker,) = workers
+    assert worker.models[MODEL].adaptive
+    assert set(worker.replicas[MODEL]) == {a.base_url.split("://")[1], b.base_url.split("://")[1]}
