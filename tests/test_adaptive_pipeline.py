@@ -19,6 +19,7 @@ so that a loaded 2-core machine's scheduling noise stays small against them.
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import time
 import uuid
@@ -43,9 +44,9 @@ TOKENS = 12
 
 
 def _pipeline(tmp_path: Path, nats_url: str, redis_url: str, fake: FakeBackend,
-              workers: int = 1) -> Pipeline:
+              workers: int = 1, metrics: bool = False) -> Pipeline:
     # max_streams is not set: "auto" is the default for backend = "openai".
-    p = Pipeline(tmp_path, nats_url, redis_url, workers=workers, overrides={
+    p = Pipeline(tmp_path, nats_url, redis_url, workers=workers, metrics=metrics, overrides={
         "nats": {"subject_prefix": "a" + uuid.uuid4().hex[:8]},
         "models": [{"name": MODEL, "backend": "openai", "base_url": fake.base_url,
                     "min_streams": 2}]})
@@ -138,12 +139,18 @@ async def test_capacity_to_spare_nothing_waits_that_could_run(
     """96 users, more than the old fixed 64 slots and 48x the starting limit:
     the limit grows until every user's request runs at the backend at once."""
     users = 96
-    pipeline = _pipeline(tmp_path, module_nats_url, module_redis_url, spare)
+    pipeline = _pipeline(tmp_path, module_nats_url, module_redis_url, spare, metrics=True)
     try:
         active, waiting, done = await _run(spare, pipeline, users, seconds=8.0, settle=5.0)
         workers = await _registry(pipeline)
+        scraped = await asyncio.to_thread(pipeline.scrape, "worker0")
     finally:
         pipeline.stop()
+    # The limit is a metric too.
+    gauge = re.search(r'^tidegate_worker_concurrency_limit\{[^}]*tidegate_slot_mode="auto"[^}]*\}'
+                      r" ([0-9.e+]+)$", scraped, re.M)
+    assert gauge is not None, scraped[:2000]
+    assert float(gauge.group(1)) >= users
     assert done > users, pipeline.logs()
     assert spare.peak_active == users
     # Settled: what waits in JetStream is the odd request between its edge
