@@ -7,6 +7,7 @@ assertion is on what clients see: status codes, headers, error bodies.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from pathlib import Path
@@ -307,3 +308,46 @@ async def test_key_restricted_to_models_gets_403(
     assert error["error"]["type"] == "permission_error"
     assert error["error"]["code"] == "model_not_allowed"
     assert "tidegate-sim" in error["error"]["message"]
+
+
+async def test_websocket_generations_are_metered_one_by_one(
+        tmp_path: Path, module_nats_url: str, redis_url: str) -> None:
+    """docs/websocket.md: each generation on a socket is a request of its own
+    to the dispatcher: it gets the rate-limit numbers in ``accepted``, and the
+    one past the limit is refused with the SSE route's error, as an error
+    frame; the socket goes on."""
+    from websockets.asyncio.client import connect as ws_connect
+
+    pipeline, key = await start_provisioned(tmp_path, module_nats_url, redis_url, "wsq",
+                                            [Policy(tenant="wsq", rpm=2)])
+    try:
+        async with ws_connect(f"ws://127.0.0.1:{pipeline.port}/v1/ws",
+                              additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+            ends: dict[str, dict[str, Any]] = {}
+            accepted: dict[str, dict[str, Any]] = {}
+            for i in range(3):
+                gid = f"g{i}"
+                await ws.send(json.dumps({
+                    "type": "request", "id": gid, "path": "/v1/chat/completions",
+                    "body": {"model": "tidegate-sim", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "hello"}]}}))
+                while gid not in ends:
+                    frame = json.loads(await asyncio.wait_for(ws.recv(), 20))
+                    if frame["type"] == "accepted":
+                        accepted[frame["id"]] = frame
+                    elif frame["type"] in ("done", "error"):
+                        ends[frame["id"]] = frame
+            await ws.send(json.dumps({"type": "ping"}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 10)) == {"type": "pong"}
+    finally:
+        pipeline.stop()
+    assert ends["g0"]["type"] == "done"
+    assert ends["g1"]["type"] == "done"
+    assert accepted["g0"]["ratelimit"]["x-ratelimit-limit-requests"] == "2"
+    assert accepted["g0"]["ratelimit"]["x-ratelimit-remaining-requests"] == "1"
+    assert accepted["g1"]["ratelimit"]["x-ratelimit-remaining-requests"] == "0"
+    refused = ends["g2"]
+    assert refused["type"] == "error"
+    assert "g2" not in accepted
+    assert refused["error"]["code"] == "rate_limit_requests"
+    assert refused["error"]["type"] == "rate_limit_error"
