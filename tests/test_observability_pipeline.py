@@ -383,3 +383,26 @@ def test_queue_depth_rises_with_no_worker(tmp_path: Path, module_nats_url: str,
         pipeline.stop()
         for t in threads:
             t.join(30)
+
+
+def test_websocket_generation_has_its_own_span_marked_websocket(traced: Pipeline,
+                                                                 sink: OtlpSink) -> None:
+    from websockets.sync.client import connect as ws_connect
+
+    with ws_connect(f"ws://127.0.0.1:{traced.port}/v1/ws",
+                    additional_headers={"Authorization": f"Bearer {DEV_KEY}"}) as ws:
+        ws.send(json.dumps({"type": "request", "id": "t", "path": "/v1/chat/completions",
+                            "body": {"model": MODEL, "max_tokens": 5,
+                                     "messages": [{"role": "user", "content": "ws trace"}]}}))
+        frames = []
+        while not frames or frames[-1]["type"] not in ("done", "error"):
+            frames.append(json.loads(ws.recv(timeout=20)))
+    assert frames[0]["type"] == "accepted"
+    assert frames[-1]["type"] == "done"
+    request_id = frames[0]["request_id"]
+    spans = wait_for("worker span", lambda: (lambda s: s if "tidegate-worker" in s else None)(
+        spans_of(sink, request_id)))
+    edge = spans["tidegate-edge"]
+    assert edge.attributes["tidegate.transport"] == "websocket"
+    assert edge.attributes["gen_ai.request.max_tokens"] == 5
+    assert spans["tidegate-worker"].parent_span_id  # one trace, edge to worker
