@@ -87,6 +87,11 @@ class StreamLog:
         self.js = js
         self.config = config
         self.stream = streamlog.stream_name(config.nats.subjects)
+        # Set when the edge drains: readers end with the reconnect event.
+        self.draining = asyncio.Event()
+
+    def drain(self) -> None:
+        self.draining.set()
 
     async def lookup(self, request_id: str, tenant: str) -> LogOpen:
         """The stream's :class:`LogOpen`, if it exists and is ``tenant``'s;

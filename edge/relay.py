@@ -24,6 +24,7 @@ wakes only for acks, ticks, a full socket buffer and the other messages.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -86,6 +87,25 @@ class Publisher(Protocol):
         """Record the cancel durably, for whoever picks the request up later."""
 
 
+class Reconnect(ApiError):
+    """This edge is draining: a resumable stream's client is told to resume
+    elsewhere (the final ``event: reconnect``) instead of being cut off."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "This gateway node is shutting down; resume the stream on "
+                              "another.", type="server_error", code="edge_reconnect",
+                         retryable=True, retry_after=0)
+
+
+def reconnect_event(request_id: str, last_event_id: int, retry_ms: int) -> bytes:
+    """The documented last event of a stream whose edge drains (docs/resume.md):
+    where and from which event to resume. ``GET resume_url`` with
+    ``Last-Event-ID: last_event_id`` on any edge continues it exactly."""
+    payload = json.dumps({"resume_url": f"/v1/streams/{request_id}",
+                          "last_event_id": last_event_id, "retry_ms": retry_ms})
+    return b"event: reconnect\ndata: %b\n\n" % payload.encode()
+
+
 class SlowClient(Exception):
     """The client did not drain its socket within edge.slow_client_timeout."""
 
@@ -134,6 +154,7 @@ class Relay:
         # A resumable stream numbers its SSE events (tidegate.wire.streamlog);
         # None for every other request, whose bytes go out as they came.
         self.ids = streamlog.EventIds() if request.resumable and request.stream else None
+        session.resumable = self.ids is not None
 
     # -- entry point ---------------------------------------------------------
 
@@ -143,6 +164,11 @@ class Relay:
             response = await self._relay()
             finished = True
             return response
+        except Reconnect:
+            finished = True
+            await self._reconnect()
+            assert self.response is not None
+            return self.response
         except ApiError as error:
             finished = True
             await self._cancel_upstream(CLIENT_CANCEL if error.code == "stream_cancelled"
@@ -161,6 +187,17 @@ class Relay:
                 # whatever runs upstream for this request is now waste, unless
                 # the stream is resumable and the client may come back.
                 await self._leave("client_disconnected")
+
+    async def _reconnect(self) -> None:
+        """End a resumable stream with the reconnect event, and detach: the
+        worker generates on, and the client resumes on another edge."""
+        cfg = self.ctx.config.resume
+        last = self.ids.last if self.ids is not None else 0
+        try:
+            await self._write(reconnect_event(self.request.id, last, cfg.retry_ms), last=True)
+        except (ConnectionError, RuntimeError, SlowClient):
+            pass
+        await self._leave("edge_draining")
 
     async def _leave(self, reason: str) -> None:
         """The client is gone: cancel, or, for a resumable stream, detach (the

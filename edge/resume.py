@@ -17,8 +17,10 @@ Every route checks the caller's tenant: another tenant's id is 404
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 import msgpack
 from aiohttp import web
@@ -26,6 +28,7 @@ from nats.aio.msg import Msg
 
 from edge.errors import sse_error_event
 from edge.logreader import LogReader, StreamLog, not_found, valid_id
+from edge.relay import reconnect_event
 from edge.session import SessionTable
 from tidegate.config import Config, ModelConfig
 from tidegate.control.tenants import TenantTable
@@ -117,29 +120,52 @@ async def stream_events(http: web.Request, streamlog_: StreamLog, config: Config
         await response.write(streamlog.retry_field(config.resume.retry_ms))
         ping_every = config.session.heartbeat_interval
         slow = config.edge.slow_client_timeout
-        while True:
-            try:
-                item = await reader.next(ping_every)
-            except StopAsyncIteration:
-                break
-            try:
-                async with asyncio.timeout(slow):
-                    if item is None:
-                        await response.write(_PING)
-                    elif isinstance(item, LogEvent):
-                        await response.write(b"id: %d\n%b" % (item.id, item.data))
-                    elif item.error is None:
-                        await response.write_eof(_DONE)
-                        break
-                    else:
-                        await response.write(sse_error_event(_api_error(item.error)))
-                        await response.write_eof()
-                        break
-            except TimeoutError:
-                if http.transport is not None:
-                    http.transport.abort()
-                break
+        drained = asyncio.create_task(streamlog_.draining.wait())
+        try:
+            await _follow(http, response, reader, drained, ping_every, slow,
+                          config.resume.retry_ms)
+        finally:
+            drained.cancel()
         return response
+
+
+async def _follow(http: web.Request, response: web.StreamResponse, reader: LogReader,
+                  drained: asyncio.Task[Literal[True]], ping_every: float, slow: float,
+                  retry_ms: int) -> None:
+    """Write the reader's items until the end, or the reconnect event at drain."""
+    while True:
+        upcoming = asyncio.ensure_future(reader.next(ping_every))
+        waiting: set[asyncio.Future[Any]] = {upcoming, drained}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not upcoming.done():
+            upcoming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await upcoming
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await response.write_eof(reconnect_event(reader.request_id, reader.last_id,
+                                                         retry_ms))
+            return
+        try:
+            item = upcoming.result()
+        except StopAsyncIteration:
+            return
+        try:
+            async with asyncio.timeout(slow):
+                if item is None:
+                    await response.write(_PING)
+                elif isinstance(item, LogEvent):
+                    await response.write(b"id: %d\n%b" % (item.id, item.data))
+                elif item.error is None:
+                    await response.write_eof(_DONE)
+                    return
+                else:
+                    await response.write(sse_error_event(_api_error(item.error)))
+                    await response.write_eof()
+                    return
+        except TimeoutError:
+            if http.transport is not None:
+                http.transport.abort()
+            return
 
 
 async def _body(reader: LogReader, headers: dict[str, str]) -> web.Response:

@@ -24,6 +24,7 @@ from edge import resume
 from edge.app import EdgeState, build_app
 from edge.auth import KeyTable
 from edge.guard import GuardedSite
+from edge.relay import Reconnect
 from edge.session import SessionTable
 from edge.tls import server_tls_context, warn_if_public_plaintext
 from tidegate.broker import broker
@@ -41,6 +42,11 @@ log = logging.getLogger("tidegate.edge")
 async def _drain(sessions: SessionTable, grace: float) -> None:
     """Let open requests finish within ``grace``; then end the rest."""
     log.info("draining %d open requests, up to %.0fs", len(sessions), grace)
+    # Resumable streams need not finish here: their clients resume on another
+    # edge from the log (the reconnect event says where), so they go at once.
+    for session in sessions.open_sessions():
+        if session.resumable:
+            session.abort(Reconnect())
     if await sessions.wait_empty(grace):
         return
     log.warning("ending %d requests still open after %.0fs", len(sessions), grace)
@@ -176,6 +182,7 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
         # WebSockets: no new generations; idle sockets close (1012) at once, the
         # others when their last generation has ended or been ended by _drain.
         state.sockets.drain()
+        state.streamlog.drain()  # resumed readers: told to reconnect too
         await _drain(sessions, config.edge.shutdown_timeout)
         await state.sockets.close_all()
         beat.cancel()  # deletes the registry entry

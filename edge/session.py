@@ -41,11 +41,12 @@ BAD_INPUT = BadInput("edge", log)
 
 class Session:
     __slots__ = ("_loop", "_pending", "_tick_handle", "_tick_interval", "_waiter",
-                 "aborted", "direct", "request_id", "tenant", "ticked")
+                 "aborted", "direct", "request_id", "resumable", "tenant", "ticked")
 
     def __init__(self, request_id: str, tick_interval: float, tenant: str = "") -> None:
         self.request_id = request_id
         self.tenant = tenant  # who may cancel it (POST /v1/streams/{id}/cancel)
+        self.resumable = False  # set by its relay: at drain, told to reconnect
         self._loop = asyncio.get_running_loop()
         self._pending: deque[SessionMessage] = deque()
         self._waiter: asyncio.Future[None] | None = None

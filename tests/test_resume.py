@@ -80,11 +80,14 @@ class Sse:
 
     def __init__(self) -> None:
         self.blocks: list[bytes] = []
+        self.reconnects = 0  # (follow) how many reconnect events the client followed
 
     @property
     def events(self) -> list[bytes]:
-        """Blocks that carry data (not ``retry:``, ``: ping`` or ``[DONE]``)."""
-        return [b for b in self.blocks if b"data: " in b and b != b"data: [DONE]"]
+        """Blocks that carry data (not ``retry:``, ``: ping``, ``[DONE]`` or the
+        reconnect event)."""
+        return [b for b in self.blocks if b"data: " in b and b != b"data: [DONE]"
+                and not b.startswith(b"event: reconnect\n")]
 
     @property
     def ids(self) -> list[int]:
@@ -384,3 +387,130 @@ async def test_opt_in_by_tenant_setting_live_by_model_and_by_header(
     while await resumable("fake", acme):
         assert time.monotonic() < deadline, "turning the setting off never applied"
         await asyncio.sleep(0.05)
+
+
+def reconnect_of(sse: Sse) -> dict[str, Any] | None:
+    """The reconnect event's data, if the stream ended with it."""
+    if sse.blocks and sse.blocks[-1].startswith(b"event: reconnect\n"):
+        return dict(json.loads(sse.blocks[-1].split(b"data: ", 1)[1]))
+    return None
+
+
+async def test_edge_drain_tells_resumable_clients_to_reconnect(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines(edge={"shutdown_timeout": 20.0})
+    a, b = pipeline.edge_urls
+    markers = [f"drain-{uuid.uuid4().hex}" for _ in range(2)]
+    async with aiohttp.ClientSession() as session:
+        live = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(markers[0], max_tokens=600), headers=RESUMABLE)
+        other = await session.post(f"{b}/v1/chat/completions",
+                                   json=body(markers[1], max_tokens=600), headers=RESUMABLE)
+        rids = [live.headers["x-request-id"], other.headers["x-request-id"]]
+        # A resumed reader on A of a stream that started on B.
+        resumed = await session.get(f"{a}/v1/streams/{rids[1]}", headers=AUTH)
+        firsts = [await Sse().read(live, events=5), await Sse().read(resumed, events=5)]
+        await Sse().read(other, events=1)
+        abort(other)
+        stopping = asyncio.get_running_loop().run_in_executor(None, pipeline.edge.stop)
+        started = time.monotonic()
+        for first, resp in zip(firsts, (live, resumed), strict=True):
+            await asyncio.wait_for(first.read(resp), 10)
+        told = time.monotonic() - started
+        await stopping
+        fulls = []
+        for rid, first in zip(rids, firsts, strict=True):
+            event = reconnect_of(first)
+            assert event is not None, first.blocks[-3:]
+            assert event["last_event_id"] == first.ids[-1]
+            assert event["resume_url"] == f"/v1/streams/{rid}"
+            assert not first.done
+            rest = await replay(session, b, rid, after=event["last_event_id"])
+            full = await replay(session, b, rid)
+            assert rest.done
+            assert first.events + rest.events == full.events
+            fulls.append(full)
+    # Not after the drain's grace: at once (the streams had seconds to go).
+    assert told < 5.0
+    for marker, full in zip(markers, fulls, strict=True):
+        assert payloads(full) == backend_events(backend, marker)
+
+
+async def follow(session: aiohttp.ClientSession, urls: list[str], first: aiohttp.ClientResponse,
+                 request_id: str) -> Sse:
+    """A client that follows reconnect events (and a dropped connection) to
+    whichever edge answers, until the stream's end. Returns every event once."""
+    got = await Sse().read(first)
+    events = list(got.events)
+    last = got.ids[-1] if got.ids else 0
+    done = got.done
+    reconnects = int(reconnect_of(got) is not None)
+    turn = 0
+    deadline = time.monotonic() + 60
+    while not done:
+        assert time.monotonic() < deadline, "the stream never completed"
+        turn += 1
+        url = urls[turn % len(urls)]
+        try:
+            resp = await session.get(f"{url}/v1/streams/{request_id}",
+                                     headers={**AUTH, "Last-Event-ID": str(last)})
+            if resp.status != 200:
+                await asyncio.sleep(0.1)
+                continue
+            part = await Sse().read(resp)
+        except aiohttp.ClientError:
+            await asyncio.sleep(0.1)  # that edge is down: the other one
+            continue
+        events.extend(part.events)
+        if part.ids:
+            last = part.ids[-1]
+        done = part.done
+        if reconnect_of(part) is not None:
+            reconnects += 1
+        else:
+            assert done or part.last_error is None, part.last_error
+    out = Sse()
+    out.blocks = [*events, b"data: [DONE]"]
+    out.reconnects = reconnects
+    return out
+
+
+@pytest.mark.slow
+async def test_rolling_restart_of_both_edges_loses_no_resumable_stream(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines(edge={"shutdown_timeout": 20.0})
+    urls = pipeline.edge_urls
+    n = 8
+    markers = [f"rolling-{uuid.uuid4().hex}" for _ in range(n)]
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> tuple[str, Sse]:
+            await asyncio.sleep(i * 0.2)  # spread over the restarts
+            for attempt in range(20):  # a new request goes to an edge that is up
+                try:
+                    resp = await session.post(
+                        f"{urls[(i + attempt) % 2]}/v1/chat/completions",
+                        json=body(markers[i], max_tokens=800, fake_itl=0.005),
+                        headers=RESUMABLE)
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.1)
+                    continue
+                if resp.status == 200:
+                    break
+                await asyncio.sleep(0.1)  # 503 edge_draining: the other one
+            assert resp.status == 200
+            rid = resp.headers["x-request-id"]
+            return rid, await follow(session, urls, resp, rid)
+
+        clients = asyncio.gather(*(one(i) for i in range(n)))
+        loop = asyncio.get_running_loop()
+        for edge in pipeline.edges:  # one at a time, as a rollout does
+            await asyncio.sleep(0.7)
+            await loop.run_in_executor(None, edge.restart)
+        results = await asyncio.wait_for(clients, 90)
+        for (rid, got), marker in zip(results, markers, strict=True):
+            full = await replay(session, urls[0], rid)
+            assert got.ids == list(range(1, len(got.events) + 1)), marker
+            assert got.events == full.events
+            assert payloads(full) == backend_events(backend, marker)
+    assert sum(got.reconnects for _, got in results) >= 1  # the restarts did hit streams
