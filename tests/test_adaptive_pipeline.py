@@ -19,6 +19,8 @@ so that a loaded 2-core machine's scheduling noise stays small against them.
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import re
 import statistics
 import time
@@ -34,6 +36,7 @@ from tests.pipeline import DEV_KEY, Pipeline, threaded_fake_backend
 from tidegate.bench.fake_backend import FakeBackend
 from tidegate.broker import broker
 from tidegate.control import workers_registry
+from tidegate.run import status
 
 pytestmark = pytest.mark.pipeline
 
@@ -144,8 +147,18 @@ async def test_capacity_to_spare_nothing_waits_that_could_run(
         active, waiting, done = await _run(spare, pipeline, users, seconds=8.0, settle=5.0)
         workers = await _registry(pipeline)
         scraped = await asyncio.to_thread(pipeline.scrape, "worker0")
+        out = io.StringIO()
+        assert await asyncio.to_thread(status.run, pipeline.config, True, False, 0.3, out) == 0
+        view = io.StringIO()
+        assert await asyncio.to_thread(status.run, pipeline.config, False, True, 0.3, view) == 0
     finally:
         pipeline.stop()
+    # `tidegate status` shows the limit: the model's slots are adaptive, and
+    # their total is the worker's current limit.
+    (model,) = json.loads(out.getvalue())["models"]
+    assert model["adaptive"] is True
+    assert model["slots"]["total"] >= users
+    assert " auto" in view.getvalue()
     # The limit is a metric too.
     gauge = re.search(r'^tidegate_worker_concurrency_limit\{[^}]*tidegate_slot_mode="auto"[^}]*\}'
                       r" ([0-9.e+]+)$", scraped, re.M)
