@@ -8,6 +8,7 @@ Subcommands::
     tidegate worker      backend calls (``--model`` to serve a subset)
     tidegate config      print the effective config as TOML
     tidegate bench       the benchmark suite (docs/benchmarks.md)
+    tidegate chaos       streaming load against a local fleet while SIGKILLing it
     tidegate keys        create, list and revoke API keys (NATS KV)
     tidegate policy      set, list and delete quota policies (NATS KV)
     tidegate batches     list, show and cancel batches of every tenant (NATS KV)
@@ -145,6 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a key of the benchmarked tidegate's config, e.g. "
                             "worker.fetch_timeout=0.05 (repeatable)")
+
+    chaos = sub.add_parser(
+        "chaos", help="streaming load against a local fleet while SIGKILLing its processes",
+        description="Runs 3 NATS nodes (R3 streams), Redis, 2 edges (one port), 2 dispatchers "
+                    "and 2 workers on this machine, streams chat completions through them and "
+                    "SIGKILLs a random process of a random kind every few seconds (restarting "
+                    "it). Prints every request's class (complete, clean error, connection "
+                    "lost, silent truncation, hang); exit 1 on any truncation or hang.")
+    chaos.add_argument("--duration", type=float, default=60.0, metavar="SECONDS",
+                       help="how long the load and the kills run (default: 60)")
+    chaos.add_argument("--concurrency", type=int, default=8, metavar="N",
+                       help="streaming clients (default: 8)")
+    chaos.add_argument("--seed", type=int, default=1, help="seed of the kill schedule")
+    chaos.add_argument("--out", metavar="FILE", help="also write the JSON report here")
 
     status = sub.add_parser(
         "status", help="live view of models, workers, queues and rates",
@@ -447,6 +462,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from tidegate.bench import chaos
+
+    if args.duration <= 0 or args.concurrency < 1:
+        raise ConfigError("--duration must be > 0 and --concurrency >= 1")
+    return chaos.run(args.duration, args.concurrency, args.seed,
+                     Path(args.out) if args.out else None)
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     from tidegate.control import admin
 
@@ -515,6 +539,7 @@ _COMMANDS = {
     "config": _cmd_config,
     "version": _cmd_version,
     "bench": _cmd_bench,
+    "chaos": _cmd_chaos,
     "keys": _cmd_keys,
     "policy": _cmd_policy,
     "batches": _cmd_batches,

@@ -171,24 +171,51 @@ def _stream_configs(config: Config) -> list[StreamConfig]:
     ]
 
 
+# JetStream API errors that mean "not now": a cluster electing its meta or
+# stream leader (a node just restarted, or every tier creating R3 streams at
+# once) answers late or with 503 for a few seconds.
+_TRANSIENT = (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError)
+_SETUP_PATIENCE = 30.0  # seconds a tier keeps retrying stream setup at start
+
+
 async def ensure_streams(js: JetStreamContext, config: Config) -> None:
-    """Create or update ``<P>_REQUESTS``, ``<P>_JOBS`` and ``<P>_USAGE``. Idempotent."""
+    """Create or update ``<P>_REQUESTS``, ``<P>_JOBS`` and ``<P>_USAGE``. Idempotent.
+
+    Transient JetStream errors are retried for ``_SETUP_PATIENCE`` seconds, so
+    tiers starting together against a forming cluster do not exit."""
+    deadline = asyncio.get_running_loop().time() + _SETUP_PATIENCE
     for sc in _stream_configs(config):
-        try:
-            await js.stream_info(sc.name)  # type: ignore[arg-type]
-        except NotFoundError:
+        while True:
             try:
-                await js.add_stream(sc)
-                log.info("created stream %s", sc.name)
-                continue
-            except nats.js.errors.BadRequestError:
-                pass  # another tier created it concurrently: fall through to update
-        except Exception as exc:
-            raise BrokerError(f"cannot read stream {sc.name}: {exc}") from exc
+                await _ensure_stream(js, sc)
+                break
+            except BrokerError as exc:
+                if (not isinstance(exc.__cause__, _TRANSIENT)
+                        or asyncio.get_running_loop().time() >= deadline):
+                    raise
+                log.warning("%s; retrying", exc)
+                await asyncio.sleep(0.5)
+
+
+async def _ensure_stream(js: JetStreamContext, sc: StreamConfig) -> None:
+    """Create ``sc``, or update it if it exists; every failure is a BrokerError."""
+    try:
+        await js.stream_info(sc.name)  # type: ignore[arg-type]
+    except NotFoundError:
         try:
-            await js.update_stream(sc)
+            await js.add_stream(sc)
+            log.info("created stream %s", sc.name)
+            return
+        except nats.js.errors.BadRequestError:
+            pass  # another tier created it concurrently: fall through to update
         except Exception as exc:
-            raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
+            raise BrokerError(f"cannot create stream {sc.name}: {exc}") from exc
+    except Exception as exc:
+        raise BrokerError(f"cannot read stream {sc.name}: {exc}") from exc
+    try:
+        await js.update_stream(sc)
+    except Exception as exc:
+        raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
 
 
 async def ensure_bucket(js: JetStreamContext, config: Config, bucket: str, description: str,

@@ -1,0 +1,109 @@
+"""``tidegate chaos``: the request classifier, then a short chaos run of a real fleet.
+
+The classifier is checked against a scripted HTTP server producing each
+outcome on purpose (so every class can be told apart, and a silent truncation
+is never counted as complete); the chaos run starts the whole fleet (3 NATS
+nodes with R3 streams, Redis, 2 edges on one port, 2 dispatchers, 2 workers)
+and SIGKILLs one process of every kind while streams run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.pipeline import serve_app
+from tidegate.bench import chaos
+
+EXPECTED = "hello there"
+
+
+def _chunk(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"delta": {"content": text}}]}).encode() + b"\n\n"
+
+
+async def _scripted(request: web.Request) -> web.StreamResponse:
+    mode = (await request.json())["messages"][0]["content"]
+    if mode == "http-error":
+        return web.json_response({"error": {"message": "no", "type": "x",
+                                             "code": "quota_store_unavailable"}}, status=503)
+    if mode == "http-garbage":
+        return web.Response(status=500, text="Internal Server Error")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    if mode == "hang":
+        await asyncio.sleep(30)
+    await resp.write(_chunk("hello "))
+    if mode == "error-event":
+        await resp.write(b'data: {"error": {"message": "gap", "type": "server_error", '
+                         b'"code": "stream_gap"}}\n\n')
+        return resp
+    if mode == "drop":
+        assert request.transport is not None
+        request.transport.abort()  # what a SIGKILLed edge does to its sockets
+        return resp
+    if mode != "no-done":
+        await resp.write(_chunk("there" if mode != "short" else "th"))
+        await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.mark.parametrize(("mode", "kind", "code"), [
+    ("complete", "complete", ""),
+    ("http-error", "clean_error", "quota_store_unavailable"),
+    ("http-garbage", "truncated", "HTTP 500 without an OpenAI error body"),
+    ("error-event", "clean_error", "stream_gap"),
+    ("no-done", "truncated", "ended without [DONE] or an error"),
+    ("short", "truncated", "[DONE] after 8/11"),
+    ("drop", "connection_lost", None),
+    ("hang", "hang", "no end within 0.5s"),
+])
+async def test_every_outcome_is_told_apart(mode: str, kind: str, code: str | None) -> None:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", _scripted)
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        out = await chaos.stream_once(session, url, mode, 8, EXPECTED, hang_after=0.5)
+    assert out.kind == kind, out
+    if code is not None:
+        assert out.code == code
+    if kind == "complete":
+        assert out.ttft is not None
+        assert out.max_stall >= 0
+
+
+def test_summary_counts_kinds_codes_and_percentiles() -> None:
+    outcomes = [chaos.Outcome("complete", ttft=0.01 * i, max_stall=0.02, started=i)
+                for i in range(1, 101)]
+    outcomes.append(chaos.Outcome("clean_error", code="stream_gap", started=50))
+    report = chaos.summarize(outcomes)
+    assert report["requests"] == 101
+    assert report["kinds"] == {"complete": 100, "clean_error": 1}
+    assert report["codes"] == {"clean_error:stream_gap": 1}
+    assert report["ttft_p50"] == pytest.approx(0.51)
+    assert report["ttft_max"] == pytest.approx(1.0)
+    assert chaos.summarize(outcomes, since=91)["requests"] == 10
+
+
+@pytest.mark.pipeline
+@pytest.mark.slow
+async def test_short_chaos_run_loses_nothing_silently(tmp_path: Path) -> None:
+    # 5 kinds, one kill every 2.5-4 s: every kind is killed once in ~20 s.
+    report = await chaos.chaos(tmp_path, duration=24.0, concurrency=6, seed=7,
+                               interval=(2.5, 4.0))
+    print(json.dumps(report, indent=1))
+    kinds = report["kinds"]
+    assert set(report["kills_by_kind"]) == set(chaos.KINDS), report["kills"]
+    assert kinds.get("truncated", 0) == 0, report["codes"]
+    assert kinds.get("hang", 0) == 0, report["codes"]
+    assert kinds.get("complete", 0) >= 0.8 * report["requests"], report
+    # Clean errors only of the kinds a SIGKILL mid-stream explains.
+    allowed = {"stream_gap", "broker_unavailable", "worker_lost", "quota_store_unavailable", "service_unavailable",
+               "admission_timeout", "ack_timeout", "overloaded", "queue_timeout"}
+    codes = {c.split(":", 1)[1] for c in report["codes"] if c.startswith("clean_error:")}
+    assert codes <= allowed, report["codes"]
+    assert report["unexpected_exits"] == 0, report["restarts"]
