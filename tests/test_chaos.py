@@ -102,8 +102,9 @@ async def test_short_chaos_run_loses_nothing_silently(tmp_path: Path) -> None:
     assert kinds.get("hang", 0) == 0, report["codes"]
     assert kinds.get("complete", 0) >= 0.8 * report["requests"], report
     # Clean errors only of the kinds a SIGKILL mid-stream explains.
-    allowed = {"stream_gap", "broker_unavailable", "worker_lost", "quota_store_unavailable", "service_unavailable",
-               "admission_timeout", "ack_timeout", "overloaded", "queue_timeout"}
+    allowed = {"stream_gap", "broker_unavailable", "worker_lost", "quota_store_unavailable",
+               "service_unavailable", "admission_timeout", "ack_timeout", "overloaded",
+               "queue_timeout"}
     codes = {c.split(":", 1)[1] for c in report["codes"] if c.startswith("clean_error:")}
     assert codes <= allowed, report["codes"]
     assert report["unexpected_exits"] == 0, report["restarts"]
