@@ -172,6 +172,7 @@ class Load:
     concurrency: int = 8
     max_tokens: int = 32
     hang_after: float = 45.0
+    key: str = DEV_KEY
     outcomes: list[Outcome] = field(default_factory=list)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -189,7 +190,7 @@ class Load:
             n += 1
             expected = await expected_text(self.config, prompt, self.max_tokens)
             outcome = await stream_once(session, self.url, prompt, self.max_tokens, expected,
-                                        self.hang_after)
+                                        self.hang_after, self.key)
             self.outcomes.append(outcome)
             if outcome.kind != "complete":
                 # A client backs off after an error (as Retry-After asks);
