@@ -102,10 +102,10 @@ async def _burst_with_a_primary_killed(tmp_path: Path, nats_url: str, cluster: R
     Returns the statuses and error bodies seen while it was down, and how long
     after the restart requests were admitted again.
     """
-    p = quotas.start_pipeline(tmp_path, nats_url, cluster.url,
-                              dispatcher={"quota_failure": failure})
+    p, key = await quotas.start_provisioned(tmp_path, nats_url, cluster.url, "t",
+                                            [Policy(tenant="t", rpm=100_000)],
+                                            dispatcher={"quota_failure": failure})
     try:
-        key = await quotas.provision(p, nats_url, "t", [Policy(tenant="t", rpm=100_000)])
         prefix = p.config.nats.subject_prefix
         owner = cluster.owner(f"{prefix}:{{{prefix}q}}:x")
         async with aiohttp.ClientSession() as session:
