@@ -238,13 +238,13 @@ async def test_paced_by_ttft_and_rate() -> None:
     ttft = time.monotonic() - start
     rest = await read_all(stream)
     total = time.monotonic() - start
-    assert 0.095 <= ttft < 0.2
+    assert 0.095 <= ttft < 1.0  # paced (lower bound); the upper one only catches a hang
     # Role chunk and first token come together at TTFT.
     assert len(events(first)) == 2
     # Then one token every 20 ms: paced reads (a loaded machine may coalesce a few).
     assert sum(len(events(c)) for c in rest) == 9 + 1
     assert len(rest) >= 5
-    assert 0.1 + 9 * 0.02 - 0.005 <= total < 0.6
+    assert 0.1 + 9 * 0.02 - 0.005 <= total < 2.0
 
 
 async def test_non_stream_waits_for_the_whole_generation() -> None:
@@ -277,13 +277,14 @@ async def test_late_reader_gets_due_tokens_coalesced() -> None:
 
 
 async def test_close_early_counts_generated_tokens() -> None:
-    stream = await sim(ttft=0.0, tps=100, length=50).open(make_request())
+    stream = await sim(ttft=0.0, tps=100, length=2000).open(make_request())
     await stream.read(1 << 20)
     await asyncio.sleep(0.105)
     await stream.aclose()
     await stream.aclose()  # idempotent
-    # Tokens due by now (~11), not only the one read; never the full 50.
-    assert 8 <= stream.usage.completion_tokens < 50
+    # Tokens due by now (~11, more on a loaded machine), not only the one
+    # read; never the full 2000 (20 s of generation).
+    assert 8 <= stream.usage.completion_tokens < 2000
     assert stream.usage.finish_reason == ""
     assert await stream.read(1 << 20) == b""
 
