@@ -13,6 +13,7 @@ tenant, user, the models the key may use and a key id that is safe to log.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ class Principal:
     user: str
     key_id: str
     models: tuple[str, ...] = ()  # models this key may use; empty = all
+    expires: float = 0.0  # Unix time; 0 = never (keys rotated or created with --expires)
 
 
 class KeyTable:
@@ -37,6 +39,8 @@ class KeyTable:
     def __init__(self, keys: Iterable[str] = (), tenant: str = "default") -> None:
         self._static: dict[str, Principal] = {}
         self._dynamic: dict[str, Principal] = {}
+        # digest -> when this edge last accepted it; flushed to KV by the edge.
+        self.last_used: dict[str, float] = {}
         for key in keys:
             digest = key_digest(key)
             self._static[digest] = Principal(tenant=tenant, user="",
@@ -48,7 +52,8 @@ class KeyTable:
     def apply(self, digest: str, record: KeyRecord) -> None:
         """Accept the key with this SHA-256 digest (created or changed in KV)."""
         self._dynamic[digest] = Principal(tenant=record.tenant, user=record.user,
-                                          key_id=digest[:KEY_ID_LENGTH], models=record.models)
+                                          key_id=digest[:KEY_ID_LENGTH], models=record.models,
+                                          expires=record.expires)
 
     def remove(self, digest: str) -> None:
         """Stop accepting the KV key with this digest (revoked). Idempotent."""
@@ -73,4 +78,10 @@ class KeyTable:
             shown = f"{key[:6]}...{key[-4:]}" if len(key) > 12 else "***"
             raise ApiError(401, f"Incorrect API key provided: {shown}.",
                            type="authentication_error", code="invalid_api_key")
+        now = time.time()
+        if principal.expires and now >= principal.expires:
+            raise ApiError(401, f"This API key ({principal.key_id}) has expired; ask for a new "
+                                "one (`tidegate keys rotate`).", type="authentication_error",
+                           code="expired_api_key")
+        self.last_used[digest] = now
         return principal

@@ -31,12 +31,18 @@ from tidegate.broker import broker
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.config import Config
 from tidegate.control import edges_registry
-from tidegate.control.keys import ensure_keys_bucket, watch_keys
+from tidegate.control.keys import (
+    ensure_keys_bucket,
+    ensure_last_used_bucket,
+    record_last_used,
+    watch_keys,
+)
 from tidegate.control.tenants import TenantTable, ensure_tenants_bucket, watch_tenants
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
 
 log = logging.getLogger("tidegate.edge")
+LAST_USED_INTERVAL = 5.0  # seconds between an edge's writes of keys' last use
 
 
 async def _drain(sessions: SessionTable, grace: float) -> None:
@@ -70,13 +76,33 @@ async def _keys_watch(js: JetStreamContext, config: Config,
     task = asyncio.create_task(watch_keys(kv, keys.apply, keys.remove, on_synced=synced.set),
                                name="tidegate-edge-keys-watch")
     task.add_done_callback(_report_watch_exit)
+    usage = asyncio.create_task(_flush_last_used(js, config, keys),
+                                name="tidegate-edge-keys-last-used")
     try:
         await wait_synced(synced, config.nats.request_timeout,
                           f"API keys from {config.nats.subjects.keys_bucket}")
         yield
     finally:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        usage.cancel()
+        await asyncio.gather(task, usage, return_exceptions=True)
+
+
+async def _flush_last_used(js: JetStreamContext, config: Config, keys: KeyTable) -> None:
+    """Every few seconds, tell ``<P>_KEYUSE`` which keys this edge accepted
+    (`tidegate keys list` shows it). Best effort: a failed flush is retried
+    with the next interval's uses; it never touches the request path."""
+    kv = None
+    while True:
+        await asyncio.sleep(LAST_USED_INTERVAL)
+        if not keys.last_used:
+            continue
+        try:
+            if kv is None:
+                kv = await ensure_last_used_bucket(js, config)
+            await record_last_used(kv, keys.last_used)
+        except Exception as exc:
+            log.debug("recording keys' last use failed: %s", exc)
 
 
 def _report_watch_exit(task: asyncio.Task[None]) -> None:

@@ -82,16 +82,17 @@ def test_keys_create_list_revoke(cli: Cli) -> None:
     assert "'other-model' is not in this config" in result.stderr
 
     created = json.loads(cli.ok("keys", "create", "--tenant", "beta", "--json"))
-    assert set(created) == {"key", "key_id", "tenant", "user", "models", "created"}
+    assert set(created) == {"key", "key_id", "tenant", "user", "models", "created", "expires"}
     assert (created["tenant"], created["user"], created["models"]) == ("beta", "", [])
 
     listed = cli.json("keys", "list")
     assert [k["key_id"] for k in listed] == [key_id, created["key_id"]]
     assert listed[0] == {"key_id": key_id, "tenant": "acme", "user": "alice",
                          "models": ["tidegate-sim", "other-model"],
-                         "created": listed[0]["created"]}
+                         "created": listed[0]["created"], "expires": 0.0, "last_used": 0.0}
     table = cli.ok("keys", "list")
-    assert table.splitlines()[0].split() == ["KEY_ID", "TENANT", "USER", "MODELS", "CREATED"]
+    assert table.splitlines()[0].split() == ["KEY_ID", "TENANT", "USER", "MODELS", "CREATED",
+                                             "EXPIRES", "LAST_USED"]
     assert key_id in table
     assert "all" in table  # beta's key may use any model
     for output in (table, json.dumps(listed)):

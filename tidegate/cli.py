@@ -29,7 +29,9 @@ ever shows a traceback: they are the user's to fix, not bugs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -226,6 +228,15 @@ def _key_id(value: str) -> str:
     return value
 
 
+def _duration(value: str) -> float:
+    from tidegate.control.admin import UsageError, parse_duration
+
+    try:
+        return parse_duration(value)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _admin_parsers(sub: Any) -> None:
     keys = sub.add_parser("keys", help="create, list and revoke API keys",
                           description="API keys live hashed in the NATS KV bucket TG_KEYS; "
@@ -239,6 +250,19 @@ def _admin_parsers(sub: Any) -> None:
     create.add_argument("--models", type=_models, default=(), metavar="A,B",
                         help="models the key may use (default: all)")
     create.add_argument("--json", action="store_true", help="print the key and record as JSON")
+    create.add_argument("--expires", type=_duration, default=0.0, metavar="DURATION",
+                        help="the key stops working after this long, e.g. 30d, 12h "
+                             "(default: never)")
+    rotate = keys_sub.add_parser(
+        "rotate", help="replace a key: a new one now, the old one expires after --overlap")
+    _common(rotate)
+    rotate.add_argument("key_id", metavar="KEY_ID", type=_key_id,
+                        help="the key id shown by `keys create` / `keys list`")
+    rotate.add_argument("--overlap", type=_duration, default=3600.0, metavar="DURATION",
+                        help="how long the old key keeps working (default: 1h)")
+    rotate.add_argument("--expires", type=_duration, default=0.0, metavar="DURATION",
+                        help="the new key's lifetime (default: never)")
+    rotate.add_argument("--json", action="store_true", help="print JSON")
     listing = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
     _common(listing)
     listing.add_argument("--json", action="store_true", help="print JSON")
@@ -356,8 +380,28 @@ def load_config(args: argparse.Namespace) -> Config:
     return tgconfig.load(args.config, None, _overrides(args))
 
 
+_URL_PASSWORD = re.compile(r"(://[^:/@,\s]*:)[^@/,\s]+@")
+
+
+def redacted(config: Config) -> Config:
+    """The config with its secrets replaced, for printing: API keys, and
+    passwords inside NATS / Redis URLs. Backend keys are never in the config
+    at all (models[].api_key_env names the variable that holds one)."""
+    def url(value: str) -> str:
+        return _URL_PASSWORD.sub(r"\1<redacted>@", value)
+
+    auth = dataclasses.replace(
+        config.auth, keys=tuple("<redacted>" for _ in config.auth.keys),
+        dev_key="<redacted>" if config.auth.dev_key else "")
+    return dataclasses.replace(
+        config, auth=auth, nats=dataclasses.replace(config.nats, url=url(config.nats.url)),
+        redis=dataclasses.replace(config.redis, url=url(config.redis.url)))
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
-    sys.stdout.write(tgconfig.dump_toml(load_config(args)))
+    config = redacted(load_config(args))  # an invalid config prints nothing
+    sys.stdout.write("# secrets (API keys, URL passwords) redacted\n")
+    sys.stdout.write(tgconfig.dump_toml(config))
     sys.stdout.flush()
     return 0
 
@@ -476,9 +520,12 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     if args.keys_command == "create":
-        return admin.keys_create(config, args.tenant, args.user or "", args.models, args.json)
+        return admin.keys_create(config, args.tenant, args.user or "", args.models, args.json,
+                                 expires_in=args.expires)
     if args.keys_command == "list":
         return admin.keys_list(config, args.json)
+    if args.keys_command == "rotate":
+        return admin.keys_rotate(config, args.key_id, args.overlap, args.expires, args.json)
     return admin.keys_revoke(config, args.key_id)
 
 

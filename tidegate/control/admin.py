@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -141,13 +142,37 @@ def parse_models(value: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------
 
 
+def parse_duration(value: str) -> float:
+    """``"90s"``, ``"15m"``, ``"1h"``, ``"30d"``, ``"1h30m"`` or plain seconds -> seconds."""
+    text = value.strip().lower()
+    if not text:
+        raise UsageError("expected a duration such as 90s, 15m, 1h or 30d")
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    total, number = 0.0, ""
+    for char in text:
+        if char.isdigit() or char == ".":
+            number += char
+        elif char in units and number:
+            total += float(number) * units[char]
+            number = ""
+        else:
+            raise UsageError(f"expected a duration such as 90s, 15m, 1h or 30d, got {value!r}")
+    if number:
+        raise UsageError(f"a duration needs a unit (s, m, h, d, w), got {value!r}")
+    return total
+
+
 def keys_create(config: Config, tenant: str, user: str = "", models: Sequence[str] = (),
-                as_json: bool = False) -> int:
+                as_json: bool = False, expires_in: float = 0.0) -> int:
     models = tuple(dict.fromkeys(canonical_model(config, m) for m in models))
 
     async def work(js: JetStreamContext) -> tuple[str, tgkeys.KeyRecord]:
         kv = await tgkeys.ensure_keys_bucket(js, config)
-        return await tgkeys.create_key(kv, tenant, user, models)
+        return await tgkeys.create_key(kv, tenant, user, models, expires_in=expires_in)
 
     try:
         tgkeys.KeyRecord(key_id="", tenant=tenant, user=user, models=models)
@@ -162,25 +187,60 @@ def keys_create(config: Config, tenant: str, user: str = "", models: Sequence[st
         print(f"tenant:  {record.tenant}")
         print(f"user:    {record.user or '-'}")
         print(f"models:  {','.join(record.models) or 'all'}")
+        print(f"expires: {_timestamp(record.expires) if record.expires else 'never'}")
     print("Store the key now: it is not shown again (tidegate keeps only its SHA-256 "
           "digest).", file=sys.stderr)
     return 0
 
 
 def keys_list(config: Config, as_json: bool = False) -> int:
-    async def work(js: JetStreamContext) -> list[tgkeys.KeyRecord]:
-        return await tgkeys.list_keys(await tgkeys.ensure_keys_bucket(js, config))
+    async def work(js: JetStreamContext) -> tuple[list[tgkeys.KeyRecord], dict[str, float]]:
+        records = await tgkeys.list_keys(await tgkeys.ensure_keys_bucket(js, config))
+        used = await tgkeys.read_last_used(await tgkeys.ensure_last_used_bucket(js, config))
+        return records, {digest[:tgkeys.KEY_ID_LENGTH]: when for digest, when in used.items()}
 
-    records = run(config, work)
+    records, last_used = run(config, work)
     if as_json:
-        print(json.dumps([r.as_dict() for r in records]))
+        print(json.dumps([{**r.as_dict(), "last_used": last_used.get(r.key_id, 0.0)}
+                          for r in records]))
         return 0
     if not records:
         print(f"no API keys in {config.nats.subjects.keys_bucket}")
         return 0
-    _table(["KEY_ID", "TENANT", "USER", "MODELS", "CREATED"],
+    now = time.time()
+    _table(["KEY_ID", "TENANT", "USER", "MODELS", "CREATED", "EXPIRES", "LAST_USED"],
            [[r.key_id, r.tenant, r.user or "-", ",".join(r.models) or "all",
-             _timestamp(r.created)] for r in records])
+             _timestamp(r.created),
+             ("expired " if r.expired(now) else "") + _timestamp(r.expires)
+             if r.expires else "never",
+             _timestamp(last_used[r.key_id]) if r.key_id in last_used else "never"]
+            for r in records])
+    return 0
+
+
+def keys_rotate(config: Config, key_id: str, overlap: float, expires_in: float = 0.0,
+                as_json: bool = False) -> int:
+    """A new key for the same tenant, user and models; the old one expires
+    after ``overlap`` seconds."""
+    async def work(js: JetStreamContext) -> Any:
+        kv = await tgkeys.ensure_keys_bucket(js, config)
+        return await tgkeys.rotate_key(kv, key_id, overlap, expires_in=expires_in)
+
+    try:
+        result = run(config, work)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if result is None:
+        raise NotFound(f"no API key with id {key_id} (see `tidegate keys list`)")
+    key, new, old = result
+    if as_json:
+        print(json.dumps({"key": key, **new.as_dict(), "replaces": old.as_dict()}))
+    else:
+        print(f"key:     {key}")
+        print(f"key_id:  {new.key_id}")
+        print(f"tenant:  {new.tenant}")
+        print(f"replaces {old.key_id}, which stops working at {_timestamp(old.expires)}")
+    print("Store the key now: it is not shown again.", file=sys.stderr)
     return 0
 
 

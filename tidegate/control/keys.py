@@ -57,6 +57,10 @@ class KeyRecord:
     user: str = ""
     models: tuple[str, ...] = ()  # allowed models; empty = all
     created: float = 0.0  # Unix time
+    expires: float = 0.0  # Unix time after which the edge refuses the key; 0 = never
+
+    def expired(self, now: float) -> bool:
+        return bool(self.expires) and now >= self.expires
 
     def __post_init__(self) -> None:
         if not self.tenant:
@@ -65,9 +69,7 @@ class KeyRecord:
             raise ValueError("model names must not be empty")
 
     def encode(self) -> bytes:
-        return json.dumps({"key_id": self.key_id, "tenant": self.tenant, "user": self.user,
-                           "models": list(self.models), "created": self.created},
-                          separators=(",", ":")).encode()
+        return json.dumps(self.as_dict(), separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> KeyRecord:
@@ -77,20 +79,22 @@ class KeyRecord:
                 raise TypeError("not an object")
             key_id, tenant, user = raw["key_id"], raw["tenant"], raw.get("user", "")
             models, created = raw.get("models", []), raw.get("created", 0.0)
+            expires = raw.get("expires", 0.0)
             if not all(isinstance(v, str) for v in (key_id, tenant, user)):
                 raise TypeError("key_id, tenant and user must be strings")
             if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
                 raise TypeError("models must be a list of strings")
-            if isinstance(created, bool) or not isinstance(created, int | float):
-                raise TypeError("created must be a number")
+            for name, value in (("created", created), ("expires", expires)):
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise TypeError(f"{name} must be a number")
             return cls(key_id=key_id, tenant=tenant, user=user, models=tuple(models),
-                       created=float(created))
+                       created=float(created), expires=float(expires))
         except (ValueError, TypeError, KeyError) as exc:
             raise ProtocolError(f"malformed key record: {exc}") from None
 
     def as_dict(self) -> dict[str, Any]:
         return {"key_id": self.key_id, "tenant": self.tenant, "user": self.user,
-                "models": list(self.models), "created": self.created}
+                "models": list(self.models), "created": self.created, "expires": self.expires}
 
 
 async def ensure_keys_bucket(js: JetStreamContext, config: Config) -> KeyValue:
@@ -100,12 +104,16 @@ async def ensure_keys_bucket(js: JetStreamContext, config: Config) -> KeyValue:
 
 
 async def create_key(kv: KeyValue, tenant: str, user: str = "", models: Iterable[str] = (),
-                     *, clock: Callable[[], float] = time.time) -> tuple[str, KeyRecord]:
-    """Store a new key; returns the plain key (shown once) and its record."""
+                     *, clock: Callable[[], float] = time.time,
+                     expires_in: float = 0.0) -> tuple[str, KeyRecord]:
+    """Store a new key; returns the plain key (shown once) and its record.
+    ``expires_in`` seconds from now the edge stops accepting it (0 = never)."""
     key = generate_key()
     digest = key_digest(key)
+    now = clock()
     record = KeyRecord(key_id=digest[:KEY_ID_LENGTH], tenant=tenant, user=user,
-                       models=tuple(models), created=clock())
+                       models=tuple(models), created=now,
+                       expires=now + expires_in if expires_in > 0 else 0.0)
     await kv.create(digest, record.encode())
     return key, record
 
@@ -137,6 +145,72 @@ async def revoke_key(kv: KeyValue, key_id: str) -> bool:
         return False
     await kv.delete(matches[0])
     return True
+
+
+def last_used_bucket(config: Config) -> str:
+    """KV bucket of when each key was last accepted (key: digest, value: Unix
+    time as text). Separate from ``<P>_KEYS``: edges write it, and edges may
+    not write keys (tidegate.broker.permissions)."""
+    return f"{config.nats.subjects.prefix.upper()}_KEYUSE"
+
+
+async def ensure_last_used_bucket(js: JetStreamContext, config: Config) -> KeyValue:
+    return await ensure_bucket(js, config, last_used_bucket(config),
+                               "tidegate: when each API key was last used")
+
+
+async def record_last_used(kv: KeyValue, used: dict[str, float]) -> None:
+    """Store the times in ``used`` (digest -> Unix time), then clear it. Called
+    by each edge every few seconds, so a busy key costs one put per interval."""
+    batch = dict(used)
+    used.clear()
+    for digest, when in batch.items():
+        await kv.put(digest, f"{when:.0f}".encode())
+
+
+async def read_last_used(kv: KeyValue) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for digest, value in (await snapshot(kv)).items():
+        try:
+            out[digest] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+async def _find(kv: KeyValue, key_id: str) -> tuple[str, KeyRecord] | None:
+    key_id = key_id.strip().lower()
+    if not _KEY_ID.fullmatch(key_id) or len(key_id) < KEY_ID_LENGTH:
+        raise ValueError(f"a key id is {KEY_ID_LENGTH} to 64 hex characters, got {key_id!r}")
+    found = {d: v for d, v in (await snapshot(kv)).items() if d.startswith(key_id)}
+    if len(found) > 1:
+        raise ValueError(f"key id {key_id} matches {len(found)} keys; give more of the digest")
+    if not found:
+        return None
+    digest, value = next(iter(found.items()))
+    return digest, KeyRecord.decode(value)
+
+
+async def rotate_key(kv: KeyValue, key_id: str, overlap: float, *,
+                     clock: Callable[[], float] = time.time,
+                     expires_in: float = 0.0) -> tuple[str, KeyRecord, KeyRecord] | None:
+    """A new key with the same tenant, user and models; the old one keeps
+    working for ``overlap`` seconds (so clients can switch), then expires.
+    Returns (new key, its record, the old record as updated), or None if no
+    key has that id."""
+    found = await _find(kv, key_id)
+    if found is None:
+        return None
+    digest, old = found
+    now = clock()
+    end = now + max(overlap, 0.0)
+    if old.expires:
+        end = min(end, old.expires)  # rotation never extends a key's life
+    key, new = await create_key(kv, old.tenant, old.user, old.models, clock=clock,
+                                expires_in=expires_in)
+    updated = dataclasses.replace(old, expires=end)
+    await kv.put(digest, updated.encode())
+    return key, new, updated
 
 
 async def watch_keys(kv: KeyValue, on_put: Callable[[str, KeyRecord], None],
