@@ -51,12 +51,20 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.asyncio
-async def test_edge_serves_https_and_refuses_plain_http(pki: dict[str, Path]) -> None:
+async def test_edge_serves_https_and_wss_and_refuses_plain_http(pki: dict[str, Path]) -> None:
     async def hello(request: web.Request) -> web.Response:
         return web.json_response({"scheme": request.scheme})
 
+    async def echo(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            await ws.send_str(f"echo {msg.data}")
+        return ws
+
     app = web.Application()
     app.router.add_get("/hello", hello)
+    app.router.add_get("/ws", echo)
     runner = web.AppRunner(app)
     await runner.setup()
     config = EdgeConfig(host="127.0.0.1", port=free_port(), tls_cert=str(pki["cert"]),
@@ -70,6 +78,11 @@ async def test_edge_serves_https_and_refuses_plain_http(pki: dict[str, Path]) ->
                                    ssl=client_ctx) as resp:
                 assert resp.status == 200
                 assert await resp.json() == {"scheme": "https"}
+            # WebSocket upgrades ride the same TLS listener (wss://).
+            async with session.ws_connect(f"wss://127.0.0.1:{config.port}/ws",
+                                          ssl=client_ctx) as ws:
+                await ws.send_str("tide")
+                assert (await ws.receive()).data == "echo tide"
             # Unverifiable without the CA: the certificate is really checked.
             with pytest.raises(aiohttp.ClientConnectorCertificateError):
                 await session.get(f"https://127.0.0.1:{config.port}/hello")
