@@ -1,0 +1,193 @@
+"""dispatcher/gate.py's decisions with fakes: the shared queue (QueueMode's
+``enqueue``/``positions``), the NATS client and the held JetStream messages.
+
+What the edge is told (Status QUEUED with a position, REJECTED 503 with
+``queue_full``/``queue_timeout``), whether the request is dispatched, acked
+or refunded: the same paths test_queue_mode.py drives on real servers.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+
+from dispatcher.gate import QueueGate
+from dispatcher.queueing import ModeState
+from dispatcher.quota import QuotaUnavailable
+from tidegate import config as tgconfig
+from tidegate.wire.protocol import Admission, Api, Request, Status, decode_session
+
+CONFIG = tgconfig.from_dict({"models": [{"name": "m", "simulator": {},
+                                         "queue": {"ttft_p99": 0.5, "ttl": 7.0}}]})
+MODEL = CONFIG.models[0]
+QUEUEING = ModeState(queueing=True, limit=2)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.events]
+
+    def statuses(self) -> list[Status]:
+        return [e for n, e in self.events if n == "status"]
+
+
+class FakeNats:
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.rec.events.append(("status", decode_session(payload)))
+
+
+class FakeMsg:
+    def __init__(self, rec: Recorder, request_id: str) -> None:
+        self.rec, self.request_id = rec, request_id
+
+    async def ack(self) -> None:
+        self.rec.events.append(("ack", self.request_id))
+
+    async def in_progress(self) -> None:
+        self.rec.events.append(("in_progress", self.request_id))
+
+
+class FakeQueue:
+    def __init__(self, state: str = "queued", position: int = 3,
+                 positions: list[int] | None = None, down: bool = False) -> None:
+        self.state, self.position, self.down = state, position, down
+        self.answer_positions = positions or []
+        self.enqueued: list[tuple[str, str, bool]] = []
+
+    async def enqueue(self, model: str, request_id: str, tenant: str, batch: bool,
+                      owner: str, now: float, cfg: Any) -> tuple[str, int]:
+        if self.down:
+            raise QuotaUnavailable("redis down")
+        self.enqueued.append((request_id, tenant, batch))
+        return self.state, self.position
+
+    async def positions(self, model: str, request_ids: list[str]) -> list[int]:
+        return self.answer_positions
+
+
+def make(queue: FakeQueue, mode: ModeState | None = QUEUEING,
+         backlog: int = 0) -> tuple[QueueGate, Recorder]:
+    rec = Recorder()
+
+    async def dispatch(request: Request, msg: Any, headers: dict[str, str],
+                       reserved: bool) -> None:
+        rec.events.append(("dispatch", (request.id, reserved)))
+
+    async def refund(request_id: str) -> None:
+        rec.events.append(("refund", request_id))
+
+    gate = QueueGate(CONFIG, FakeNats(rec), SimpleNamespace(), queue,  # type: ignore[arg-type]
+                     dispatch, refund)
+    if mode is not None:
+        gate.modes["m"] = mode
+    gate.backlog["m"] = backlog
+    return gate, rec
+
+
+def request(request_id: str = "r1", klass: str = "interactive") -> Request:
+    now_ms = int(time.time() * 1000)
+    return Request(id=request_id, reply=CONFIG.nats.subjects.out("e", request_id), model="m",
+                   api=Api.CHAT, stream=True, body={}, created_ms=now_ms,
+                   deadline_ms=now_ms + 60_000, window_bytes=1 << 16, window_msgs=64,
+                   tenant="acme", klass=klass)
+
+
+async def admit(gate: QueueGate, rec: Recorder, request_id: str = "r1",
+                klass: str = "interactive") -> bool:
+    return await gate.admit(request(request_id, klass), FakeMsg(rec, request_id),  # type: ignore[arg-type]
+                            {"x-ratelimit-limit-tokens": "9"}, MODEL, True)
+
+
+async def test_normal_mode_without_backlog_dispatches_at_once() -> None:
+    queue = FakeQueue()
+    gate, rec = make(queue, mode=ModeState(queueing=False))
+    assert await admit(gate, rec)
+    assert queue.enqueued == []
+    assert rec.events == []
+
+
+async def test_a_backlog_queues_even_after_queue_mode_ends() -> None:
+    """Leaving queue mode with requests still queued: new ones queue behind
+    them (fairness), they do not overtake."""
+    queue = FakeQueue(position=4)
+    gate, rec = make(queue, mode=ModeState(queueing=False), backlog=3)
+    assert not await admit(gate, rec)
+    assert [s.position for s in rec.statuses()] == [4]
+
+
+async def test_queued_is_held_unacked_and_told_its_position() -> None:
+    queue = FakeQueue(position=3)
+    gate, rec = make(queue)
+    assert not await admit(gate, rec, klass="batch")
+    assert queue.enqueued == [("r1", "acme", True)]
+    [status] = rec.statuses()
+    assert (status.admission, status.position) == (Admission.QUEUED, 3)
+    assert status.headers == {"x-ratelimit-limit-tokens": "9"}
+    assert "ack" not in rec.names(), "held: acked only once dispatched or rejected"
+    assert "r1" in gate.held
+
+
+async def test_full_queue_and_expired_are_503_acked_and_refunded() -> None:
+    for state, code in (("full", "queue_full"), ("expired", "queue_timeout")):
+        gate, rec = make(FakeQueue(state=state))
+        assert not await admit(gate, rec)
+        [status] = rec.statuses()
+        assert status.admission is Admission.REJECTED
+        assert status.error is not None
+        assert (status.error.status, status.error.code, status.error.retryable) == (
+            503, code, True)
+        assert rec.names() == ["status", "ack", "refund"]
+        assert gate.held == {}
+
+
+async def test_granted_at_enqueue_dispatches_now() -> None:
+    gate, rec = make(FakeQueue(state="granted"))
+    assert await admit(gate, rec)
+    assert gate.held == {}
+
+
+async def test_queue_store_down_admits_rather_than_loses() -> None:
+    gate, rec = make(FakeQueue(down=True))
+    assert await admit(gate, rec)
+    assert rec.events == []
+
+
+async def test_grants_dispatch_or_expire_what_this_dispatcher_holds() -> None:
+    gate, rec = make(FakeQueue())
+    await admit(gate, rec, "r1")
+    await admit(gate, rec, "r2")
+    rec.events.clear()
+    grant = SimpleNamespace(data=msgpack.packb([("r1", True), ("r2", False),
+                                                ("elsewhere", True)]))
+    await gate.on_grant(grant)  # type: ignore[arg-type]
+    assert rec.events[0] == ("dispatch", ("r1", True))
+    assert rec.names()[1:] == ["status", "ack", "refund"]
+    assert rec.statuses()[0].error.code == "queue_timeout"  # type: ignore[union-attr]
+    assert gate.held == {}
+
+
+async def test_positions_update_and_a_lost_grant_is_recovered_from_redis() -> None:
+    queue = FakeQueue(position=5)
+    gate, rec = make(queue)
+    for rid in ("same", "moved", "granted", "expired"):
+        await admit(gate, rec, rid)
+    rec.events.clear()
+    # Redis says: same place, moved up to 2, granted (-1), expired (-2).
+    queue.answer_positions = [5, 2, -1, -2]
+    await gate._send_positions([MODEL])
+    assert ("dispatch", ("granted", True)) in rec.events
+    queued = [s for s in rec.statuses() if s.admission is Admission.QUEUED]
+    assert [s.position for s in queued] == [2], "only a changed position is sent"
+    rejected = [s for s in rec.statuses() if s.admission is Admission.REJECTED]
+    assert [s.error.code for s in rejected] == ["queue_timeout"]  # type: ignore[union-attr]
+    assert ("ack", "expired") in rec.events
+    assert set(gate.held) == {"same", "moved"}
