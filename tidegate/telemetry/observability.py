@@ -48,10 +48,17 @@ def metrics_handler(tel: Telemetry) -> Callable[[web.Request], Awaitable[web.Res
     return metrics
 
 
+async def _alive(_request: web.Request) -> web.Response:
+    """200 while the process's event loop runs: what a liveness probe needs."""
+    return web.Response(text="ok\n")
+
+
 async def start_metrics_server(tel: Telemetry, host: str, port: int) -> web.AppRunner:
-    """``GET /metrics`` on ``host:port``; the caller owns the runner."""
+    """``GET /metrics`` (and ``GET /healthz``, the liveness probe of tiers
+    without an HTTP port of their own) on ``host:port``; the caller owns the runner."""
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler(tel))
+    app.router.add_get("/healthz", _alive)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
