@@ -131,18 +131,26 @@ async def test_pause_from_on_data_during_start_holds() -> None:
 
 @both_loops
 async def test_stray_bytes_on_an_idle_connection_never_answer_the_next_request() -> None:
+    answered, stale_sent = asyncio.Event(), asyncio.Event()
+
     async def handle(server: Server, reader: StreamReader, writer: StreamWriter) -> None:
         await server.read_request(reader)
         if server.connections == 1:
             writer.write(OK)  # head and body in one read, before start()
-            await asyncio.sleep(0.05)
+            await answered.wait()  # the client has its answer: the connection is idle
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale")  # unasked
+            await writer.drain()
+            stale_sent.set()
             await server.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfresh")
 
     async with served(handle) as (_, pool):
         assert await (await get(pool)).read_all(2) == b"ok"
-        await asyncio.sleep(0.1)
+        assert pool.idle == 1
+        answered.set()
+        await stale_sent.wait()
+        # The idle connection reads the stray bytes and closes itself.
+        assert await wait_for(lambda: pool.idle == 0, 5.0), "stray bytes left it pooled"
         assert await (await get(pool)).read_all(5) == b"fresh"
 
 

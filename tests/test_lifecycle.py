@@ -142,6 +142,7 @@ async def test_client_disconnect_closes_the_backend_quickly(
         assert not record_for(backend, m)[0].completed
 
 
+@pytest.mark.slow  # 30 s of a client reading nothing
 async def test_slow_client_memory_and_backend_bytes_stay_bounded(pipelines: Any) -> None:
     """A client reads nothing for 30 s of a response far larger than the window:
     the backend can write only what fits in the window plus socket buffers,
