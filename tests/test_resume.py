@@ -278,6 +278,8 @@ async def test_other_tenant_gets_404_and_cancel_ends_every_reader(
     (record,) = record_for(backend, marker)
     assert await wait_for(lambda: record.closed_at is not None, 5.0)
     assert record.closed_at is not None
+    print(f"explicit cancel (resumable, from the other edge): backend closed "
+          f"{(record.closed_at - cancelled_at) * 1000:.1f} ms after the 200")
     assert record.closed_at - cancelled_at < 1.0
     assert not record.completed
 
@@ -514,3 +516,31 @@ async def test_rolling_restart_of_both_edges_loses_no_resumable_stream(
             assert got.events == full.events
             assert payloads(full) == backend_events(backend, marker)
     assert sum(got.reconnects for _, got in results) >= 1  # the restarts did hit streams
+
+
+async def test_worker_killed_mid_stream_ends_with_retryable_error_and_log_keeps_output(
+        pipelines: Any, backend: FakeBackend) -> None:
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    marker = f"workerdeath-{uuid.uuid4().hex}"
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{a}/v1/chat/completions",
+                                  json=body(marker, max_tokens=100_000, fake_itl=0.005),
+                                  headers=RESUMABLE)
+        request_id = resp.headers["x-request-id"]
+        live = await Sse().read(resp, events=10)
+        pipeline.workers[0].kill()
+        await asyncio.wait_for(live.read(resp), 30)
+        replayed = await asyncio.wait_for(replay(session, b, request_id), 30)
+    # A generation cannot be spliced: a clean, retryable end, never a hang.
+    for sse in (live, replayed):
+        assert not sse.done
+        assert sse.last_error is not None
+        assert sse.last_error["code"] == "worker_lost"
+        assert sse.last_error["retryable"] is True
+    # The log kept every event the worker sent before it died.
+    got = [e for e in live.events if e.startswith(b"id: ")]
+    kept = [e for e in replayed.events if e.startswith(b"id: ")]
+    assert len(got) >= 10
+    assert kept[:len(got)] == got
+    assert replayed.ids == list(range(1, len(kept) + 1))
