@@ -264,8 +264,8 @@ async def test_other_tenant_gets_404_and_cancel_ends_every_reader(
 
         reader = await session.get(f"{b}/v1/streams/{request_id}",
                                    headers={**AUTH, "Last-Event-ID": "0"})
-        cancelled = await session.post(f"{b}/v1/streams/{request_id}/cancel", headers=AUTH)
         cancelled_at = time.monotonic()
+        cancelled = await session.post(f"{b}/v1/streams/{request_id}/cancel", headers=AUTH)
         assert cancelled.status == 200, await cancelled.text()
         again = await session.post(f"{a}/v1/streams/{request_id}/cancel", headers=AUTH)
         assert again.status == 200  # idempotent
@@ -279,7 +279,7 @@ async def test_other_tenant_gets_404_and_cancel_ends_every_reader(
     assert await wait_for(lambda: record.closed_at is not None, 5.0)
     assert record.closed_at is not None
     print(f"explicit cancel (resumable, from the other edge): backend closed "
-          f"{(record.closed_at - cancelled_at) * 1000:.1f} ms after the 200")
+          f"{(record.closed_at - cancelled_at) * 1000:.1f} ms after the POST was sent")
     assert record.closed_at - cancelled_at < 1.0
     assert not record.completed
 
@@ -297,8 +297,8 @@ async def test_cancel_of_a_plain_stream_from_another_edge(
         first = await Sse().read(resp, events=3)
         assert first.ids == []
         assert first.blocks[0].startswith(b"data: ")
-        cancelled = await session.post(f"{b}/v1/streams/{request_id}/cancel", headers=AUTH)
         cancelled_at = time.monotonic()
+        cancelled = await session.post(f"{b}/v1/streams/{request_id}/cancel", headers=AUTH)
         assert cancelled.status == 200, await cancelled.text()
         rest = await asyncio.wait_for(first.read(resp), 10)
         # A plain stream has no log: nothing to resume.
