@@ -319,6 +319,11 @@ class Relay:
         if self.phase is not Phase.STREAMING and self.gap_since:
             await self._ask_retransmit(now)  # the Head is missing (see _check_seq)
         if self.phase is Phase.STREAMING:
+            if self.gap_since and self.ids is not None and now - self.gap_since >= heartbeat:
+                # A resumable stream has its log: rather than wait for a resend
+                # that may not come (a worker that no longer keeps messages for
+                # this connection), send the client to resume from the log.
+                raise Reconnect()
             if self.gap_since and now - self.gap_since >= lost_after:
                 raise ApiError(502, f"Lost part of the response (message {self.expected_seq}) "
                                     f"and the worker did not send it again within "

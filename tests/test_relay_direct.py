@@ -6,6 +6,7 @@ recording Publisher in place of NATS for the acks and cancels."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -29,6 +30,7 @@ from tidegate.wire.protocol import (
     Cancel,
     Chunk,
     ControlMessage,
+    Detach,
     Done,
     Head,
     Heartbeat,
@@ -453,3 +455,29 @@ async def test_an_empty_chunk_does_not_end_the_body(harness: Harness) -> None:
     async with asyncio.timeout(5):
         body = await resp.read()
     assert body == sent[0] + event(1) + DONE
+
+
+async def test_a_resumable_stream_with_a_gap_not_filled_is_sent_to_resume(
+        harness: Harness) -> None:
+    harness.config = Config(session=SessionConfig(heartbeat_interval=0.2, worker_lost_after=50))
+    harness.request = dataclasses.replace(make_request("r-resumable"), resumable=True,
+                                          grace=5.0)
+    task, opened = await harness.start()
+    session = opened.session
+    session.feed(Head(1, CONTROL, 7, 1))
+    session.feed(Chunk(2, event(0) + event(1)))
+    async with asyncio.timeout(5):
+        resp = await task
+    session.feed(Chunk(4, event(3)))  # seq 3 lost, never resent
+    async with asyncio.timeout(5):
+        body = await resp.read()
+    blocks = [b for b in body.split(b"\n\n") if b]
+    assert blocks[:3] == [b"retry: 1000", b"id: 1\n" + event(0)[:-2], b"id: 2\n" + event(1)[:-2]]
+    assert blocks[-1].startswith(b"event: reconnect\ndata: ")
+    reconnect = json.loads(blocks[-1].split(b"data: ", 1)[1])
+    assert reconnect == {"resume_url": "/v1/streams/r-resumable", "last_event_id": 2,
+                         "retry_ms": 1000}
+    control = harness.publisher.control()
+    assert Detach("r-resumable", "") in control  # detached, not cancelled
+    assert not [m for m in control if isinstance(m, Cancel)]
+    assert harness.publisher.tombstones == []
