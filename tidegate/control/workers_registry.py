@@ -164,10 +164,13 @@ def local_info(worker_id: str, started: float, slots: Mapping[str, SlotInfo],
 
 
 async def read_all(kv: KeyValue, max_age: float = TTL) -> list[WorkerInfo]:
-    """Every live worker, by worker id. Entries older than ``max_age`` (a
-    stale clock or a TTL the server has yet to apply) are left out."""
+    """Every live worker, by worker id, once each. Entries older than
+    ``max_age`` (a stale clock or a TTL the server has yet to apply) are left
+    out. A heartbeat that lands while the watch replays the bucket comes
+    through as a second entry for the same key; the newest one wins (two
+    would count the worker's slots twice)."""
     now = time.time()
-    out: list[WorkerInfo] = []
+    out: dict[str, WorkerInfo] = {}
     watcher = await kv.watchall(ignore_deletes=True)
     try:
         async for entry in current_entries(watcher):
@@ -178,9 +181,10 @@ async def read_all(kv: KeyValue, max_age: float = TTL) -> list[WorkerInfo]:
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring malformed worker entry %s: %s", entry.key, exc)
                 continue
-            if now - info.updated <= max_age:
-                out.append(info)
+            seen = out.get(info.worker_id)
+            if now - info.updated <= max_age and (seen is None or info.updated >= seen.updated):
+                out[info.worker_id] = info
     finally:
         with contextlib.suppress(Exception):
             await watcher.stop()  # type: ignore[no-untyped-call]
-    return sorted(out, key=lambda w: w.worker_id)
+    return sorted(out.values(), key=lambda w: w.worker_id)
