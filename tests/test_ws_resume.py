@@ -43,6 +43,9 @@ def _pipeline(workdir: Path, nats_url: str, redis_url: str, backend: FakeBackend
         "worker": {"ack_wait": 2.0, "shutdown_timeout": 3.0},
         "edge": {"shutdown_timeout": 4.0, "slow_client_timeout": 4.0},
         "resume": {"attach_interval": 0.5},
+        # Fast liveness, for the eviction test (the websockets client answers pings).
+        "ws": {"idle_before_ping": 0.4, "ping_interval": 0.3, "pong_timeout": 0.3,
+               "max_missed_pongs": 2},
         "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
                     "max_streams": 64}]})
 
@@ -68,12 +71,14 @@ def connect(p: Pipeline, edge: int = 0, key: str = DEV_KEY) -> Any:
                       max_size=None)
 
 
-def request(gid: str, marker: str, tokens: int, **extra: Any) -> str:
+def request(gid: str, marker: str, tokens: int, body: dict[str, Any] | None = None,
+            **extra: Any) -> str:
     return json.dumps({"type": "request", "id": gid, "path": "/v1/chat/completions",
                        "resumable": True, **extra,
                        "body": {"model": "fake", "max_tokens": tokens,
                                 "stream_options": {"include_usage": True},
-                                "messages": [{"role": "user", "content": marker}]}})
+                                "messages": [{"role": "user", "content": marker}],
+                                **(body or {})}})
 
 
 async def recv(ws: ClientConnection, within: float = 20.0) -> dict[str, Any]:
@@ -230,3 +235,35 @@ async def test_drain_tells_resumable_generations_to_reconnect(
         assert rest[-1]["usage"]["completion_tokens"] == 400
     finally:
         p.stop()
+
+
+async def test_an_evicted_socket_leaves_its_resumable_generation_its_grace(
+        pipeline: Pipeline, backend: FakeBackend) -> None:
+    # aiohttp with autoping off never answers a ping: the socket is evicted.
+    # A token every 0.5 s leaves the socket idle long enough to be pinged.
+    marker = f"wsevictr-{uuid.uuid4().hex}"
+    async with aiohttp.ClientSession() as session, session.ws_connect(
+            url(pipeline, 0), autoping=False,
+            headers={"Authorization": f"Bearer {DEV_KEY}"}) as ws:
+        await ws.send_str(request("g", marker, 12, {"fake_itl": 0.5}, resume_grace=20))
+        frames: list[dict[str, Any]] = []
+        async for msg in ws:
+            if msg.type is aiohttp.WSMsgType.TEXT:
+                frames.append(json.loads(msg.data))
+            elif msg.type is not aiohttp.WSMsgType.PING:
+                break
+        assert ws.close_code in (1011, 1006, None)
+    assert frames[0]["type"] == "accepted"
+    assert "done" not in [f["type"] for f in frames]
+    rid = frames[0]["request_id"]
+    seen = [f["seq"] for f in frames if f["type"] == "chunk"]
+    # Not cancelled: resumed on the other edge, it runs to its end.
+    async with connect(pipeline, 1) as ws2:
+        await ws2.send(json.dumps({"type": "resume", "id": "g", "request_id": rid,
+                                   "after": seen[-1] if seen else 0}))
+        rest = await until_end(ws2, "g")
+    assert rest[-1]["type"] == "done"
+    assert rest[-1]["usage"]["completion_tokens"] == 12
+    record = record_for(backend, marker)[0]
+    assert record.completed
+    assert record.closed_at is None
