@@ -34,9 +34,9 @@ from edge.app import STATE, EdgeState, build_request, publish_request, session_t
 from edge.auth import Principal
 from edge.jsonbody import parse_object
 from edge.logreader import LogReader
-from edge.relay import SlowClient
+from edge.relay import Reconnect, SlowClient
 from edge.validation import validate_body
-from edge.ws_relay import WsRelay, cancel_error, reconnect_error
+from edge.ws_relay import WsRelay, cancel_error
 from tidegate.errors import ApiError, unavailable
 from tidegate.telemetry import logs
 from tidegate.wire import ws as wire
@@ -415,7 +415,7 @@ class WsSocket:
             return
         for gen in list(self._gens.values()):
             if gen.relay is not None and gen.relay.request.resumable:
-                gen.relay.session.abort(reconnect_error())
+                gen.relay.session.abort(Reconnect())
             elif gen.reader is not None:
                 self._tg.create_task(self._reconnect_resumed(gen), name="tidegate-ws-reconnect")
         if not self._gens:

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from edge import instrument
 from edge.errors import to_info
-from edge.relay import CLIENT_CANCEL, Phase, Relay, RelayContext
+from edge.relay import CLIENT_CANCEL, Phase, Relay, RelayContext, SlowClient
 from edge.session import Session
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
@@ -53,10 +53,6 @@ log = logging.getLogger("tidegate.edge")
 # The error a client's cancel frame aborts its generation with: the relay's
 # ApiError path then cancels upstream, as for any edge-side end.
 CANCEL_CODE = "client_cancelled"
-# The edge is draining and the generation is resumable: it leaves this socket
-# (the worker generates on into the log, within its grace) and the client is
-# told where to pick it up: a ``reconnect`` frame.
-RECONNECT_CODE = "edge_restarting"
 
 
 def cancel_error() -> ApiError:
@@ -64,9 +60,6 @@ def cancel_error() -> ApiError:
                     code=CANCEL_CODE)
 
 
-def reconnect_error() -> ApiError:
-    return ApiError(503, "This edge is restarting; resume the stream on a new socket.",
-                    type="service_unavailable", code=RECONNECT_CODE, retryable=True)
 
 
 class FrameSink(Protocol):
@@ -166,10 +159,19 @@ class WsRelay(Relay):
         await self.sink.send([frame])
         return self.sink.ws
 
+    async def _reconnect(self) -> None:
+        """Edge draining (``edge.relay.Reconnect``), a resumable generation: it
+        leaves this socket (the worker generates on into the log, within its
+        grace) and the client is told where to pick it up, a ``reconnect``
+        frame, instead of the SSE ``event: reconnect``."""
+        try:
+            await self.sink.send([wire.reconnect(self.gen_id, self.request.id,
+                                                 self.framer.seq)])
+        except (ConnectionError, RuntimeError, SlowClient):
+            pass
+        await self._leave("edge_draining")
+
     async def _cancel_upstream(self, reason: str) -> None:
-        if self.request.resumable and reason == f"edge:{RECONNECT_CODE}":
-            await self._leave("edge_draining")  # detach: the stream goes on, in its grace
-            return
         if reason == f"edge:{CANCEL_CODE}":
             reason = CLIENT_CANCEL  # as POST /v1/streams/{id}/cancel: log readers are told
         await super()._cancel_upstream(reason)
@@ -177,8 +179,6 @@ class WsRelay(Relay):
     async def _fail(self, error: ApiError) -> web.StreamResponse:
         if error.code in (CANCEL_CODE, "stream_cancelled"):
             frame = wire.cancelled(self.gen_id)
-        elif error.code == RECONNECT_CODE:
-            frame = wire.reconnect(self.gen_id, self.request.id, self.framer.seq)
         else:
             instrument.failed(error)
             frame = wire.error(error, self.gen_id)
