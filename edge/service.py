@@ -50,8 +50,10 @@ async def _drain(sessions: SessionTable, grace: float) -> None:
     log.info("draining %d open requests, up to %.0fs", len(sessions), grace)
     # Resumable streams need not finish here: their clients resume on another
     # edge from the log (the reconnect event says where), so they go at once.
+    # A session already aborted (a WebSocket generation its socket told to
+    # reconnect, in its own frames) keeps that ending.
     for session in sessions.open_sessions():
-        if session.resumable:
+        if session.resumable and session.aborted is None:
             session.abort(Reconnect())
     if await sessions.wait_empty(grace):
         return
