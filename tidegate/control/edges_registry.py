@@ -113,9 +113,11 @@ async def heartbeat(kv: KeyValue, snapshot: Callable[[], EdgeInfo],
 
 
 async def read_all(kv: KeyValue, max_age: float = TTL) -> list[EdgeInfo]:
-    """Every live edge, by edge id (entries older than ``max_age`` left out)."""
+    """Every live edge, by edge id, once each (entries older than ``max_age``
+    left out; of two entries for one key, which a heartbeat landing during the
+    watch's replay makes, the newest)."""
     now = time.time()
-    out: list[EdgeInfo] = []
+    out: dict[str, EdgeInfo] = {}
     watcher = await kv.watchall(ignore_deletes=True)
     try:
         async for entry in current_entries(watcher):
@@ -126,12 +128,13 @@ async def read_all(kv: KeyValue, max_age: float = TTL) -> list[EdgeInfo]:
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring malformed edge entry %s: %s", entry.key, exc)
                 continue
-            if now - info.updated <= max_age:
-                out.append(info)
+            seen = out.get(info.edge_id)
+            if now - info.updated <= max_age and (seen is None or info.updated >= seen.updated):
+                out[info.edge_id] = info
     finally:
         with contextlib.suppress(Exception):
             await watcher.stop()  # type: ignore[no-untyped-call]
-    return sorted(out, key=lambda e: e.edge_id)
+    return sorted(out.values(), key=lambda e: e.edge_id)
 
 
 def summary(edges: list[EdgeInfo], now: float) -> dict[str, Any]:
