@@ -153,7 +153,13 @@ class Relay:
         self.last_ack = time.monotonic()
         # A resumable stream numbers its SSE events (tidegate.wire.streamlog);
         # None for every other request, whose bytes go out as they came.
-        self.ids = streamlog.EventIds() if request.resumable and request.stream else None
+        # The first event's block also says how long an EventSource waits to
+        # reconnect (not on a Responses stream: its events carry
+        # sequence_number, and the SDK needs none).
+        self.ids = (streamlog.EventIds(
+            b"" if request.api is Api.RESPONSES
+            else streamlog.retry_field(ctx.config.resume.retry_ms))
+            if request.resumable and request.stream else None)
         session.resumable = self.ids is not None
 
     # -- entry point ---------------------------------------------------------
@@ -506,11 +512,6 @@ class Relay:
     async def _start_stream(self) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self.headers})
         await response.prepare(self.http)
-        if self.ids is not None and self.request.api is not Api.RESPONSES:
-            # Before any event: how long an EventSource waits to reconnect.
-            # Not on a Responses stream: the openai SDK parses every block as
-            # a JSON event, and a retry-only block has no data.
-            await response.write(streamlog.retry_field(self.ctx.config.resume.retry_ms))
         transport = self.http.transport
         if transport is not None:
             # Keep what sits in user space per connection small: _write then

@@ -117,7 +117,6 @@ async def stream_events(http: web.Request, streamlog_: StreamLog, config: Config
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", **headers})
         await response.prepare(http)
-        await response.write(streamlog.retry_field(config.resume.retry_ms))
         ping_every = config.session.heartbeat_interval
         slow = config.edge.slow_client_timeout
         drained = asyncio.create_task(streamlog_.draining.wait())
@@ -133,6 +132,7 @@ async def _follow(http: web.Request, response: web.StreamResponse, reader: LogRe
                   drained: asyncio.Task[Literal[True]], ping_every: float, slow: float,
                   retry_ms: int) -> None:
     """Write the reader's items until the end, or the reconnect event at drain."""
+    retry = streamlog.retry_field(retry_ms)  # in the first event's block
     while True:
         upcoming = asyncio.ensure_future(reader.next(ping_every))
         waiting: set[asyncio.Future[Any]] = {upcoming, drained}
@@ -154,7 +154,8 @@ async def _follow(http: web.Request, response: web.StreamResponse, reader: LogRe
                 if item is None:
                     await response.write(_PING)
                 elif isinstance(item, LogEvent):
-                    await response.write(b"id: %d\n%b" % (item.id, item.data))
+                    await response.write(b"%bid: %d\n%b" % (retry, item.id, item.data))
+                    retry = b""
                 elif item.error is None:
                     await response.write_eof(_DONE)
                     return

@@ -80,6 +80,9 @@ class Sse:
 
     def __init__(self) -> None:
         self.blocks: list[bytes] = []
+        # The ``retry:`` lines, taken out of the blocks they came in (the
+        # first event's), so blocks of a stream and of its resume compare.
+        self.retries: list[bytes] = []
         self.reconnects = 0  # (follow) how many reconnect events the client followed
 
     @property
@@ -112,6 +115,8 @@ class Sse:
                 current = []
                 if events is not None and len(self.events) >= events:
                     break
+            elif line.startswith(b"retry: "):
+                self.retries.append(line.rstrip(b"\n"))
             else:
                 current.append(line)
         return self
@@ -181,7 +186,10 @@ async def test_resume_on_another_edge_mid_stream_is_byte_exact(
         request_id = resp.headers["x-request-id"]
         first = await Sse().read(resp, events=20)
         abort(resp)
-        assert first.blocks[0] == b"retry: 1000"
+        # One retry field, in the first event's block: a block of its own
+        # would be an empty event to the openai SDK.
+        assert first.retries == [b"retry: 1000"]
+        assert first.blocks[0].startswith(b"id: 1\n")
         assert first.ids == list(range(1, 21))
 
         second = await replay(session, b, request_id, after=first.ids[-1])
@@ -215,6 +223,42 @@ async def test_resume_after_completion_and_after_the_worker_exited(
     assert beyond.events == []
     assert beyond.done
     assert payloads(whole) == backend_events(backend, marker)
+
+
+async def test_the_openai_sdk_reads_a_resumable_stream_and_its_resume(
+        pipelines: Any, backend: FakeBackend) -> None:
+    """The official SDK on a resumable stream, and on its replay from another
+    edge: the retry field must not form a block of its own, which the SDK
+    reads as an event with empty data (JSONDecodeError)."""
+    import httpx
+    import openai
+
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    marker = f"sdk-{uuid.uuid4().hex}"
+    async with openai.AsyncOpenAI(base_url=f"{a}/v1", api_key=DEV_KEY, max_retries=0,
+                                  default_headers={"X-Tidegate-Resumable": "true"}) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="fake", stream=True, max_tokens=12,
+            messages=[{"role": "user", "content": marker}])
+        assert raw.headers["x-tidegate-resumable"] == "true"
+        request_id = raw.headers["x-request-id"]
+        text = ""
+        async for chunk in raw.parse():
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+    assert text
+    # The replay through the SDK's own SSE decoder, on the other edge.
+    async with httpx.AsyncClient() as http, http.stream(
+            "GET", f"{b}/v1/streams/{request_id}", headers=AUTH) as resp:
+        assert resp.status_code == 200
+        replayed = ""
+        async for sse in openai._streaming.SSEDecoder().aiter_bytes(resp.aiter_bytes()):
+            if sse.data == "[DONE]":
+                break
+            for choice in sse.json()["choices"]:
+                replayed += choice["delta"].get("content") or ""
+    assert replayed == text
 
 
 async def test_edge_killed_mid_stream_client_resumes_elsewhere(

@@ -125,14 +125,20 @@ def split_events(data: bytes) -> list[bytes]:
 class EventIds:
     """Numbers a stream's SSE events 1, 2, 3, ... (see the module docstring)."""
 
-    __slots__ = ("last",)
+    __slots__ = ("last", "prefix")
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: bytes = b"") -> None:
         self.last = 0
+        # Field lines written once, in front of the first event's ``id:``
+        # (the ``retry:`` field, see :func:`retry_field`).
+        self.prefix = prefix
 
     def frame(self, data: bytes) -> bytes:
         """``data`` (one chunk's events) with ``id: N`` in front of each event."""
         parts: list[bytes] = []
+        if self.prefix:
+            parts.append(self.prefix)
+            self.prefix = b""
         n = self.last
         for event in split_events(data):
             n += 1
@@ -142,8 +148,13 @@ class EventIds:
 
 
 def retry_field(ms: int) -> bytes:
-    """The SSE ``retry:`` field, sent once at the start of a resumable stream."""
-    return b"retry: %d\n\n" % ms
+    """The SSE ``retry:`` field line, sent once at the start of a resumable
+    stream, in the block of its first event (:class:`EventIds` ``prefix``).
+
+    Not a block of its own: the openai SDK's decoder, like others, turns a
+    block with a ``retry:`` field and no ``data:`` into an event with empty
+    data, and then fails to parse it as JSON."""
+    return b"retry: %d\n" % ms
 
 
 class LogEvent(NamedTuple):
