@@ -72,6 +72,7 @@ class Outcome:
     max_stall: float = 0.0  # longest gap between chunks
     started: float = 0.0  # monotonic
     duration: float = 0.0
+    accepted: bool = False  # HTTP 200 came: the stream had begun when it ended
 
 
 async def expected_text(config: Config, prompt: str, max_tokens: int) -> str:
@@ -126,6 +127,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
                     out.kind, out.code = ("clean_error", code) if code else (
                         "truncated", f"HTTP {resp.status} without an OpenAI error body")
                     return out
+                out.accepted = True
                 done = False
                 async for line in resp.content:
                     if not line.startswith(b"data: "):
@@ -211,6 +213,10 @@ def summarize(outcomes: list[Outcome], since: float = 0.0) -> dict[str, Any]:
         "requests": len(chosen),
         "kinds": dict(Counter(o.kind for o in chosen)),
         "codes": dict(Counter(f"{o.kind}:{o.code}" for o in chosen if o.code)),
+        # Streams that had begun (HTTP 200) and did not complete: what a
+        # client reading a stream saw go wrong.
+        "accepted_not_complete": dict(Counter(
+            f"{o.kind}:{o.code}" for o in chosen if o.accepted and o.kind != "complete")),
         "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99),
         "ttft_max": ttfts[-1] if ttfts else None,
         "stall_p99": pct(stalls, 0.99), "stall_max": stalls[-1] if stalls else None,
