@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -176,6 +176,7 @@ def _stream_configs(config: Config) -> list[StreamConfig]:
 # once) answers late or with 503 for a few seconds.
 _TRANSIENT = (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError)
 _SETUP_PATIENCE = 30.0  # seconds a tier keeps retrying stream setup at start
+T = TypeVar("T")
 
 
 async def ensure_streams(js: JetStreamContext, config: Config) -> None:
@@ -218,11 +219,32 @@ async def _ensure_stream(js: JetStreamContext, sc: StreamConfig) -> None:
         raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
 
 
+async def patiently(make: Callable[[], Awaitable[T]], what: str) -> T:
+    """``await make()``, retrying transient JetStream errors (a cluster that
+    is forming or electing a leader) for ``_SETUP_PATIENCE`` seconds. For the
+    setup a tier does at start: without it, one election kills the process."""
+    deadline = asyncio.get_running_loop().time() + _SETUP_PATIENCE
+    while True:
+        try:
+            return await make()
+        except _TRANSIENT as exc:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            log.warning("%s: %s; retrying", what, type(exc).__name__)
+            await asyncio.sleep(0.5)
+
+
 async def ensure_bucket(js: JetStreamContext, config: Config, bucket: str, description: str,
                         ttl: float | None = None) -> KeyValue:
     """A KV bucket with one value per key, created when missing (with the
-    streams' storage and replicas). Idempotent, and safe when several
-    processes start at once."""
+    streams' storage and replicas). Idempotent, safe when several processes
+    start at once, and patient with a forming cluster."""
+    return await patiently(lambda: _ensure_bucket(js, config, bucket, description, ttl),
+                           f"KV bucket {bucket}")
+
+
+async def _ensure_bucket(js: JetStreamContext, config: Config, bucket: str, description: str,
+                         ttl: float | None) -> KeyValue:
     try:
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:

@@ -30,6 +30,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.object_store import ObjectStore
 
+from tidegate.broker import broker
 from tidegate.errors import BrokerError, TidegateError
 
 CHUNK = 128 << 10  # the Object Store's default chunk size
@@ -45,6 +46,15 @@ def _meta_subject(bucket: str, name: str) -> str:
 
 async def ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replicas: int,
                        file_storage: bool) -> ObjectStore:
+    """The object store, created when missing; patient with a forming cluster
+    (a JetStream timeout during an election took the dispatcher down)."""
+    return await broker.patiently(
+        lambda: _ensure_store(js, bucket, ttl=ttl, replicas=replicas,
+                              file_storage=file_storage), f"object store {bucket}")
+
+
+async def _ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replicas: int,
+                        file_storage: bool) -> ObjectStore:
     try:
         return await js.object_store(bucket)
     except nats.js.errors.BucketNotFoundError:
