@@ -230,7 +230,6 @@ async def test_the_openai_sdk_reads_a_resumable_stream_and_its_resume(
     """The official SDK on a resumable stream, and on its replay from another
     edge: the retry field must not form a block of its own, which the SDK
     reads as an event with empty data (JSONDecodeError)."""
-    import httpx
     import openai
 
     pipeline = pipelines()
@@ -249,11 +248,11 @@ async def test_the_openai_sdk_reads_a_resumable_stream_and_its_resume(
                 text += choice.delta.content or ""
     assert text
     # The replay through the SDK's own SSE decoder, on the other edge.
-    async with httpx.AsyncClient() as http, http.stream(
-            "GET", f"{b}/v1/streams/{request_id}", headers=AUTH) as resp:
-        assert resp.status_code == 200
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{b}/v1/streams/{request_id}", headers=AUTH) as resp:
+        assert resp.status == 200
         replayed = ""
-        async for sse in openai._streaming.SSEDecoder().aiter_bytes(resp.aiter_bytes()):
+        async for sse in openai._streaming.SSEDecoder().aiter_bytes(resp.content.iter_any()):
             if sse.data == "[DONE]":
                 break
             for choice in sse.json()["choices"]:
