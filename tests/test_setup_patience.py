@@ -43,11 +43,19 @@ async def test_a_bucket_survives_timeouts_of_an_election(
 
 
 async def test_the_object_store_too() -> None:
-    js = FlakyJetStream(failures=1, error=nats.js.errors.ServiceUnavailableError())
+    js = FlakyJetStream(failures=1)
     store = await objects.ensure_store(js, "F", ttl=60, replicas=1,  # type: ignore[arg-type]
                                        file_storage=True)
     assert store == "handle:F"
     assert js.calls == 2
+
+
+async def test_a_503_is_not_retried_for_a_bucket() -> None:
+    """A server without JetStream answers 503: the admin CLI says so at once."""
+    js = FlakyJetStream(failures=1, error=nats.js.errors.ServiceUnavailableError())
+    with pytest.raises(nats.js.errors.ServiceUnavailableError):
+        await broker.ensure_bucket(js, Config(), "B", "test")  # type: ignore[arg-type]
+    assert js.calls == 1
 
 
 async def test_patience_runs_out_and_other_errors_are_not_retried(

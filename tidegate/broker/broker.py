@@ -219,15 +219,23 @@ async def _ensure_stream(js: JetStreamContext, sc: StreamConfig) -> None:
         raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
 
 
-async def patiently(make: Callable[[], Awaitable[T]], what: str) -> T:
-    """``await make()``, retrying transient JetStream errors (a cluster that
-    is forming or electing a leader) for ``_SETUP_PATIENCE`` seconds. For the
-    setup a tier does at start: without it, one election kills the process."""
+# What a bucket or object-store setup retries: only timeouts. A 503 there is
+# also what a server without JetStream answers, and the admin CLI must say so
+# at once (tests/test_cli_admin.py), not after the patience runs out.
+_BUCKET_TRANSIENT = (nats.errors.TimeoutError,)
+
+
+async def patiently(make: Callable[[], Awaitable[T]], what: str,
+                    transient: tuple[type[Exception], ...] = _BUCKET_TRANSIENT) -> T:
+    """``await make()``, retrying ``transient`` JetStream errors (a cluster
+    that is forming or electing a leader answers late) for ``_SETUP_PATIENCE``
+    seconds. For the setup a tier does at start: without it, one election
+    kills the process."""
     deadline = asyncio.get_running_loop().time() + _SETUP_PATIENCE
     while True:
         try:
             return await make()
-        except _TRANSIENT as exc:
+        except transient as exc:
             if asyncio.get_running_loop().time() >= deadline:
                 raise
             log.warning("%s: %s; retrying", what, type(exc).__name__)
