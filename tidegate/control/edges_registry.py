@@ -10,8 +10,6 @@ entry. ``tidegate status`` shows the counts per edge and in all. Advisory
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -21,13 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from tidegate.broker.kvwatch import current_entries
 from tidegate.config import Config
+from tidegate.control import registry
 
 log = logging.getLogger("tidegate.edge")
 
@@ -78,63 +74,21 @@ def local_info(edge_id: str, started: float, *, streams: int, ws_connections: in
 
 
 async def ensure_bucket(js: JetStreamContext, config: Config) -> KeyValue:
-    bucket = bucket_name(config)
-    try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        pass
-    try:
-        # Memory storage: rebuilt by the next heartbeats after a NATS restart.
-        return await js.create_key_value(KeyValueConfig(
-            bucket=bucket, description="tidegate: live edges and their connections",
-            history=1, ttl=TTL, storage=StorageType.MEMORY, replicas=config.streams.replicas))
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(bucket)  # created concurrently
+    return await registry.ensure_bucket(js, config, bucket_name(config),
+                                        "tidegate: live edges and their connections", TTL)
 
 
 async def heartbeat(kv: KeyValue, snapshot: Callable[[], EdgeInfo],
                     interval: float = HEARTBEAT) -> None:
     """Put ``snapshot()`` every ``interval`` until cancelled, then delete the
-    entry. A failed put (NATS restarting) is retried at the next beat."""
-    key = ""
-    try:
-        while True:
-            info = snapshot()
-            key = info.edge_id
-            try:
-                await kv.put(key, info.encode())
-            except Exception as exc:
-                log.warning("edge heartbeat failed: %s", exc)
-            await asyncio.sleep(interval)
-    finally:
-        if key:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(kv.delete(key))
+    entry (:func:`tidegate.control.registry.heartbeat`)."""
+    await registry.heartbeat(kv, snapshot, lambda i: i.edge_id, interval, "edge")
 
 
 async def read_all(kv: KeyValue, max_age: float = TTL) -> list[EdgeInfo]:
-    """Every live edge, by edge id, once each (entries older than ``max_age``
-    left out; of two entries for one key, which a heartbeat landing during the
-    watch's replay makes, the newest)."""
-    now = time.time()
-    out: dict[str, EdgeInfo] = {}
-    watcher = await kv.watchall(ignore_deletes=True)
-    try:
-        async for entry in current_entries(watcher):
-            if entry.value is None:
-                continue
-            try:
-                info = EdgeInfo.decode(entry.value)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring malformed edge entry %s: %s", entry.key, exc)
-                continue
-            seen = out.get(info.edge_id)
-            if now - info.updated <= max_age and (seen is None or info.updated >= seen.updated):
-                out[info.edge_id] = info
-    finally:
-        with contextlib.suppress(Exception):
-            await watcher.stop()  # type: ignore[no-untyped-call]
-    return sorted(out.values(), key=lambda e: e.edge_id)
+    """Every live edge, by edge id, once each (the newest entry of a key;
+    see :func:`tidegate.control.registry.read_live`)."""
+    return await registry.read_live(kv, EdgeInfo.decode, lambda i: i.edge_id, max_age, "edge")
 
 
 def summary(edges: list[EdgeInfo], now: float) -> dict[str, Any]:

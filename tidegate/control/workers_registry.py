@@ -14,8 +14,6 @@ it. Work goes to workers only through their pull consumers.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -25,13 +23,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from tidegate.broker.kvwatch import current_entries
 from tidegate.config import Config
+from tidegate.control import registry
 
 log = logging.getLogger("tidegate.worker")
 
@@ -120,39 +116,15 @@ def _slot_doc(s: SlotInfo) -> dict[str, Any]:
 
 
 async def ensure_bucket(js: JetStreamContext, config: Config) -> KeyValue:
-    bucket = config.nats.subjects.workers_bucket
-    try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        pass
-    try:
-        # Memory storage: the registry is rebuilt by the next heartbeats
-        # after a NATS restart, and it changes every few seconds.
-        return await js.create_key_value(KeyValueConfig(
-            bucket=bucket, description="tidegate: live workers and their slots", history=1,
-            ttl=TTL, storage=StorageType.MEMORY, replicas=config.streams.replicas))
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(bucket)  # created concurrently
+    return await registry.ensure_bucket(js, config, config.nats.subjects.workers_bucket,
+                                        "tidegate: live workers and their slots", TTL)
 
 
 async def heartbeat(kv: KeyValue, snapshot: Callable[[], WorkerInfo],
                     interval: float = HEARTBEAT) -> None:
     """Put ``snapshot()`` every ``interval`` until cancelled, then delete the
-    entry. A failed put (NATS restarting) is retried at the next beat."""
-    key = ""
-    try:
-        while True:
-            info = snapshot()
-            key = info.worker_id
-            try:
-                await kv.put(key, info.encode())
-            except Exception as exc:
-                log.warning("worker heartbeat failed: %s", exc)
-            await asyncio.sleep(interval)
-    finally:
-        if key:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(kv.delete(key))
+    entry (:func:`tidegate.control.registry.heartbeat`)."""
+    await registry.heartbeat(kv, snapshot, lambda i: i.worker_id, interval, "worker")
 
 
 def local_info(worker_id: str, started: float, slots: Mapping[str, SlotInfo],
@@ -164,27 +136,6 @@ def local_info(worker_id: str, started: float, slots: Mapping[str, SlotInfo],
 
 
 async def read_all(kv: KeyValue, max_age: float = TTL) -> list[WorkerInfo]:
-    """Every live worker, by worker id, once each. Entries older than
-    ``max_age`` (a stale clock or a TTL the server has yet to apply) are left
-    out. A heartbeat that lands while the watch replays the bucket comes
-    through as a second entry for the same key; the newest one wins (two
-    would count the worker's slots twice)."""
-    now = time.time()
-    out: dict[str, WorkerInfo] = {}
-    watcher = await kv.watchall(ignore_deletes=True)
-    try:
-        async for entry in current_entries(watcher):
-            if entry.value is None:
-                continue
-            try:
-                info = WorkerInfo.decode(entry.value)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring malformed worker entry %s: %s", entry.key, exc)
-                continue
-            seen = out.get(info.worker_id)
-            if now - info.updated <= max_age and (seen is None or info.updated >= seen.updated):
-                out[info.worker_id] = info
-    finally:
-        with contextlib.suppress(Exception):
-            await watcher.stop()  # type: ignore[no-untyped-call]
-    return sorted(out.values(), key=lambda w: w.worker_id)
+    """Every live worker, by worker id, once each (the newest entry of a key;
+    see :func:`tidegate.control.registry.read_live`)."""
+    return await registry.read_live(kv, WorkerInfo.decode, lambda i: i.worker_id, max_age, "worker")
