@@ -359,6 +359,34 @@ def test_a_queueing_backend_is_seen_by_ttfb_alone() -> None:
     assert limit.limit == 8  # halved twice (32 -> 16 -> 8): at most halving per window
 
 
+def test_late_first_bytes_at_a_steady_decode_pace_do_not_shrink_the_limit() -> None:
+    """A loaded path (a 2-core box, the worker's loop starting a burst of
+    jobs) delays first bytes by hundreds of ms while the backend decodes at
+    its uncongested pace: less than one generation of wait is not a queue in
+    the backend, so the limit holds. The same first bytes later than a whole
+    generation do shrink it."""
+    limit = AdaptiveLimit(1, 1000, initial=64, now=0.0)
+    _fill(limit, 64, 0.0)
+    t = 0.0
+    for _ in range(3):  # baseline: 50 ms to first byte
+        limit.ttfb(limit.mark(t), t, t + 0.05)
+    limit.tpot(limit.mark(0.5), 0.5, 51, 1.0)  # 10 ms per token: a generation is 0.5 s
+    assert limit.limit == 128  # slow start: all was fine at 64
+    limit.overload(1.0)  # leave slow start: half the 64 in flight
+    held = limit.limit
+    for t in (1.5, 2.0, 2.5, 3.0):
+        limit.tpot(limit.mark(t - 0.5), t - 0.5, 51, t)  # still 10 ms per token
+        for _ in range(3):  # first bytes 400 ms late: 9x the baseline
+            limit.ttfb(limit.mark(t - 0.45), t - 0.45, t)
+    assert limit.limit >= held
+    grown = limit.limit
+    for t in (3.5, 4.0):
+        limit.tpot(limit.mark(t - 0.5), t - 0.5, 51, t)
+        for _ in range(3):  # 1.5 s late: three generations of queue in the backend
+            limit.ttfb(limit.mark(t - 1.55), t - 1.55, t)
+    assert limit.limit < grown
+
+
 def test_tens_of_ms_of_ttfb_jitter_are_not_congestion() -> None:
     """A burst of job starts delays first bytes on the worker's own loop by
     tens of ms: with a 20 ms baseline that is a large ratio, but within the

@@ -20,9 +20,28 @@ Signals, both per job, never per chunk:
 
 Each is compared with its **uncongested baseline**, the lowest window mean
 seen (a mean over a window, not one lucky sample). The congestion ratio ``c``
-of a window is TPOT over its baseline, or TTFB over its baseline scaled to the
-same tolerance (TTFB varies with the prompts, so its excess may be three
-times larger, and its first 100 ms of excess are forgiven), the worse of the two.
+of a window is the worse of two:
+
+* TPOT over its baseline;
+* TTFB's excess over its baseline **beyond one whole generation**, as a
+  fraction of a generation (``1 + max(0, excess - gen) / gen``, with ``gen``
+  the baseline TPOT times the mean output tokens per job). A backend that
+  queues what it cannot run (Ollama's NUM_PARALLEL, a full llama.cpp or
+  vLLM) makes a request wait whole generations for a slot; everything below
+  one generation is what a loaded path adds without costing the backend any
+  throughput: the worker's own event loop starting a burst of jobs, a busy
+  machine, the backend parsing more requests at once. Measured on a 2-core
+  box where a backend with spare capacity showed first bytes 5-27 times its
+  baseline at a steady per-token pace: counting that as congestion cut the
+  limit to 17 streams while the backend served 150 at full speed
+  (docs/benchmarks.md, "Adaptive concurrency"). So the gateway leaves at most
+  about one generation's worth of queue inside the backend, and TTFB alone
+  cannot shrink the limit of a backend whose decode pace is unharmed unless
+  its requests wait longer than they take. In slow start (and before any
+  job completed), TTFB's excess beyond 100 ms counts, a third as strictly
+  as TPOT: doubling outruns completions (a job past the knee takes longer
+  than a doubling), so first bytes are the only timely signal there, and
+  leaving slow start at most halves the limit.
 
 **Concurrency per sample.** Each sample also carries the concurrency it was
 measured under: the time average of this worker's in-flight jobs over the
@@ -87,13 +106,14 @@ __all__ = ["AdaptiveLimit", "Phase"]
 WINDOW = 0.25
 SLOW_START_WINDOW = 0.1
 MIN_SAMPLES = 3
-# TTFB may exceed its baseline TTFB_LENIENCY times more than TPOT may.
+# Before a generation's length is known (no job completed yet): TTFB may
+# exceed its baseline TTFB_LENIENCY times more than TPOT may ...
 TTFB_LENIENCY = 3.0
 # ... and only its excess beyond this many seconds counts. The worker
 # measures TTFB itself, so a burst of new jobs on its own event loop (or a
-# busy machine) adds tens of milliseconds that are not the backend's; a
-# backend that queues adds whole generations (seconds), far beyond this.
+# busy machine) adds tens of milliseconds that are not the backend's.
 TTFB_SLACK = 0.1
+TOKENS_EWMA = 0.1  # weight of one completed job in the mean output tokens per job
 GROWTH = 0.25  # steady-state growth per window at full headroom
 
 
@@ -152,7 +172,7 @@ class AdaptiveLimit:
     of slots; ``on_change(limit)`` is called whenever it changes.
     """
 
-    __slots__ = ("_area", "_limit", "_next_overload", "_t", "_tpot", "_ttfb",
+    __slots__ = ("_area", "_limit", "_next_overload", "_t", "_tokens", "_tpot", "_ttfb",
                  "_window_end", "decisions", "in_flight", "max_limit", "min_limit",
                  "on_change", "phase", "target", "tolerance")
 
@@ -178,6 +198,7 @@ class AdaptiveLimit:
         self._t = now
         self._tpot = _Signal()
         self._ttfb = _Signal()
+        self._tokens = 0.0  # mean output tokens per completed job (0: none yet)
         self._window_end = now + SLOW_START_WINDOW
         self._next_overload = now
 
@@ -211,6 +232,8 @@ class AdaptiveLimit:
         """A successful end ``now`` of a response whose first chunk came at
         ``first_at`` (``mark`` taken then) and that has ``tokens`` output tokens."""
         if tokens > 1 and now > first_at:
+            self._tokens = (float(tokens) if not self._tokens
+                            else self._tokens + TOKENS_EWMA * (tokens - self._tokens))
             self._tpot.add((now - first_at) / (tokens - 1),
                            self._concurrency(mark, first_at, now))
             self._maybe_decide(now)
@@ -243,13 +266,23 @@ class AdaptiveLimit:
             return
         self.decisions += 1
         tpot_ratio, tpot_x, tpot_top = self._tpot.close()
-        ttfb_ratio, ttfb_x, ttfb_top = self._ttfb.close(TTFB_SLACK)
-        # The worse signal, TTFB's scaled to TPOT's tolerance.
-        ttfb_c = 1.0 + (ttfb_ratio - 1.0) / TTFB_LENIENCY if ttfb_ratio else 0.0
+        ttfb_ratio, ttfb_x, ttfb_top = self._ttfb.close()
+        ttfb_c = self._ttfb_congestion(ttfb_ratio)
         c, x = (tpot_ratio, tpot_x) if tpot_ratio >= ttfb_c else (ttfb_c, ttfb_x)
         self._decide(c, x, max(tpot_top, ttfb_top), tpot_ratio, ttfb_ratio)
         self._window_end = now + (SLOW_START_WINDOW if self.phase is Phase.SLOW_START
                                   else WINDOW)
+
+    def _ttfb_congestion(self, ratio: float) -> float:
+        """TTFB's window ratio as a congestion on TPOT's scale (module docstring):
+        only a wait beyond one generation counts; 0.0 for an empty window."""
+        if not ratio:
+            return 0.0
+        excess = (ratio - 1.0) * self._ttfb.base
+        gen = self._tpot.base * self._tokens
+        if self.phase is Phase.STEADY and self._tokens and math.isfinite(gen) and gen > 0:
+            return 1.0 + max(0.0, excess - gen) / gen
+        return 1.0 + max(0.0, excess - TTFB_SLACK) / self._ttfb.base / TTFB_LENIENCY
 
     def _decide(self, c: float, x: float, x_max: float, tpot_ratio: float,
                 ttfb_ratio: float) -> None:
