@@ -89,8 +89,9 @@ def _one(concurrency: int, window: float, warmup: float,
 
     profile = dataclasses.replace(scenarios.FULL, concurrencies=(concurrency,),
                                   duration=window, warmup=warmup)
-    with Targets(Path(tempfile.mkdtemp(prefix="tidegate-alternate-")), heartbeat_interval=5.0,
-                 max_streams=max(2048, 2 * concurrency), overrides=overrides) as env:
+    # tidegate's defaults, as in `tidegate bench` (a): pin with set:models.max_streams=N.
+    with Targets(Path(tempfile.mkdtemp(prefix="tidegate-alternate-")),
+                 overrides=overrides) as env:
         fake, tidegate = env.start_fake(), env.start_tidegate()
 
         async def both() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -112,6 +112,26 @@ def machine() -> dict[str, Any]:
                                                  "uvloop", "msgpack")}}
 
 
+async def _pinned_for_idle(env: Targets, gateways: list[Target],
+                           profile: scenarios.Profile) -> list[Target]:
+    """The gateways for (b), with tidegate restarted pinned for idle streams.
+
+    Every other scenario runs tidegate's default config. (b)'s streams send no
+    token, so ``max_streams = "auto"`` would get no latency sample and keep
+    all but its floor waiting in JetStream, which is not what (b) measures
+    (idle streams running at a worker); and it wants heartbeats to flow
+    within its hold, so its heartbeat is short. (b) runs after the others so
+    that they all meet the default stack.
+    """
+    if "tidegate" not in env.available:
+        return gateways
+    await asyncio.to_thread(env.stop_stack, "tidegate")
+    pinned = await asyncio.to_thread(
+        env.start_tidegate, heartbeat_interval=profile.heartbeat_interval,
+        max_streams=profile.idle_streams + 256)
+    return [pinned if t.name == "tidegate" else t for t in gateways]
+
+
 async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
                      profile: scenarios.Profile, spy: PySpy | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -120,8 +140,6 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     if "a" in letters or letters.replace("q", "").replace("t", "").replace("r", "").replace(
             "j", "").replace("f", "") == "e":
         out["a"] = await scenarios.overhead(targets, profile, spy)
-    if "b" in letters:
-        out["b"] = await scenarios.idle(gateways, profile)
     if "c" in letters:
         out["c"] = await scenarios.cancel(env, targets, profile)
     if "d" in letters:
@@ -130,14 +148,16 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["r"] = await responses_bench.responses_overhead(targets, profile)
     if "w" in letters:
         out["w"] = await wsbench.run(env, env.available["tidegate"], profile.name)
+    if "j" in letters:
+        out["j"] = await batch_bench.run(targets, profile, options.quick)
+    if "b" in letters:
+        out["b"] = await scenarios.idle(await _pinned_for_idle(env, gateways, profile), profile)
     if "t" in letters:
         if "tidegate" in env.available:  # (a)-(d) are done with it: a quiet machine for (t)
             await asyncio.to_thread(env.stop_stack, "tidegate")
         out["t"] = await scenarios.telemetry_overhead(env, profile)
     if "q" in letters:
         out["q"] = await asyncio.to_thread(quota.run, options.out, options.quick)
-    if "j" in letters:
-        out["j"] = await batch_bench.run(targets, profile, options.quick)
     if "f" in letters:  # its own processes: four replicas, two stacks in turn
         out["f"] = await affinity_bench.run(options.out, options.quick)
     return out
@@ -169,10 +189,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
         if not spy.available:
             notes.append("py-spy not on PATH: no profiles (pip install py-spy).")
             spy = None
-    max_streams = max(2048, profile.idle_streams + 256,
-                      2 * max(profile.concurrencies) + 256)
-    with Targets(out, heartbeat_interval=profile.heartbeat_interval,
-                 max_streams=max_streams, overrides=dict(options.tidegate_config)) as env:
+    # tidegate's default config (only the backend URL given) for every
+    # scenario but (b), which pins its own (_pinned_for_idle).
+    with Targets(out, overrides=dict(options.tidegate_config)) as env:
         targets = ([env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "jrtw")
                    else [])
         if set(options.scenarios) & set("abcdjrw"):

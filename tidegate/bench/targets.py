@@ -98,7 +98,8 @@ def _wait(what: str, probe: Callable[[], bool], procs: list[ManagedProcess],
 class Targets:
     """The fake backend plus the targets, started on demand, stopped together."""
 
-    def __init__(self, workdir: Path, *, heartbeat_interval: float, max_streams: int,
+    def __init__(self, workdir: Path, *, heartbeat_interval: float | None = None,
+                 max_streams: int | None = None,
                  overrides: Mapping[str, Any] | None = None) -> None:
         self.workdir = workdir
         self.overrides = dict(overrides or {})
@@ -200,15 +201,23 @@ class Targets:
 
     # -- tidegate ----------------------------------------------------------
 
-    def start_tidegate(self, name: str = "tidegate",
-                       env: Mapping[str, str] | None = None) -> Target:
+    def start_tidegate(self, name: str = "tidegate", env: Mapping[str, str] | None = None,
+                       *, heartbeat_interval: float | None = None,
+                       max_streams: int | None = None) -> Target:
         """A whole tidegate stack (its own nats-server and redis-server too).
+
+        Its config is tidegate's default with only the backend given (what a
+        user judges tidegate by), except what is pinned here or in the
+        constructor (None: the default, ``max_streams = "auto"`` and the
+        default heartbeat) and the ``--set`` overrides on top.
 
         ``env`` is the tiers' complete environment (None: inherit the
         benchmark's); the servers always inherit. Several stacks can run at
         once, each on its own ports; logs and config of a stack other than
         ``tidegate`` carry its name as a prefix.
         """
+        heartbeat_interval = heartbeat_interval or self.heartbeat_interval
+        max_streams = max_streams or self.max_streams
         prefix = "" if name == "tidegate" else f"{name}-"
         # One Go thread for nats-server: the machine's cores are shared with
         # the load generator, the backend and three Python tiers, and a second
@@ -232,13 +241,15 @@ class Targets:
             "redis": {"url": redis.url},
             "edge": {"host": _HOST, "port": port},
             "auth": {"dev_key": BENCH_KEY},
+            "models": [{"name": MODEL, "backend": "openai", "base_url": self.fake_url}],
+        }
+        if heartbeat_interval is not None:
             # A short heartbeat so (b) sees heartbeats flow; the edge's
             # worker-lost limit stays above the worker's default ack_wait.
-            "session": {"heartbeat_interval": self.heartbeat_interval,
-                        "worker_lost_after": max(3, math.ceil(40 / self.heartbeat_interval))},
-            "models": [{"name": MODEL, "backend": "openai", "base_url": self.fake_url,
-                        "max_streams": self.max_streams}],
-        }
+            raw["session"] = {"heartbeat_interval": heartbeat_interval,
+                              "worker_lost_after": max(3, math.ceil(40 / heartbeat_interval))}
+        if max_streams is not None:
+            raw["models"][0]["max_streams"] = max_streams
         for dotted, value in self.overrides.items():  # from `tidegate bench --set`
             section, _, key = dotted.rpartition(".")
             if section == "models":  # models.max_streams=auto: the bench's one model
