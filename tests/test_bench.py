@@ -243,6 +243,28 @@ def test_quick_responses_scenario(tmp_path: Path) -> None:
 
 
 @pytest.mark.pipeline
+def test_quick_resumable_scenario(tmp_path: Path) -> None:
+    """Scenario s: the default stack and a resumable one on the same load
+    (resumable events carry ids, the load generator must count them as
+    chunks), and explicit cancels that the backend sees as closes."""
+    out = tmp_path / "results"
+    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+                           "s", "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    s = json.loads((out / "results.json").read_text())["scenarios"]["s"]
+    assert {(r["target"], r["arrival"]) for r in s["runs"]} == {
+        (t, a) for t in ("direct", "tidegate", "resumable") for a in ("spread", "burst")}
+    for run in s["runs"]:
+        assert run["error_count"] == 0, run["errors"]
+        assert run["window_completed"] > 0
+    assert all(r["cpu_us_per_chunk"] > 0 for r in s["runs"] if r["target"] != "direct")
+    cancel = s["cancel"]
+    assert cancel["cancels"] == s["params"]["cancel_concurrency"]
+    assert cancel["outcomes"]["closed"] == cancel["cancels"], cancel["outcomes"]
+    assert "## (s) Resumable streams" in (out / "results.md").read_text()
+
+
+@pytest.mark.pipeline
 def test_quota_scenario_counts_round_trips(tmp_path: Path) -> None:
     from tidegate.bench import quota
 
@@ -313,6 +335,9 @@ def test_quick_websocket_scenario(tmp_path: Path) -> None:
         assert run["window_completed"] > 0
         assert run["ttft_ms"]["count"] > 0
     assert w["idle"]["open_ok"] == w["params"]["idle_sockets"]
+    assert w["idle"]["still_open"] == w["idle"]["open_ok"]
+    assert w["idle"]["failures"] == {}
+    assert w["idle"]["target"] == "ws-idle"  # a fresh stack, not the loaded one
     assert w["idle"]["rss_per_socket_kib"]["edge"] is not None
     cancel = w["cancel"]
     assert cancel["cancels"] == w["params"]["cancel_sockets"] * w["params"]["per_socket"]

@@ -76,6 +76,62 @@ async def test_every_outcome_is_told_apart(mode: str, kind: str, code: str | Non
         assert out.max_stall >= 0
 
 
+def _resumable_app(replay_from: int | None = None) -> tuple[web.Application, list[str]]:
+    """A resumable stream of two events (ids 1, 2) whose connection drops
+    after event 1; ``GET /v1/streams/{id}`` replays from ``Last-Event-ID``
+    (or from ``replay_from``: a server that replays an event twice)."""
+    events = [_chunk("hello "), _chunk("there")]
+    seen: list[str] = []
+
+    def framed(i: int) -> bytes:
+        return f"id: {i + 1}\n".encode() + events[i]
+
+    async def post(request: web.Request) -> web.StreamResponse:
+        seen.append(f"POST resumable={request.headers.get('X-Tidegate-Resumable')}")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "x-request-id": "r-1"})
+        await resp.prepare(request)
+        await resp.write(b"retry: 1000\n\n" + framed(0))
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        after = int(request.headers.get("Last-Event-ID", "0"))
+        seen.append(f"{request.match_info['rid']}@{after}")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(after if replay_from is None else replay_from, len(events)):
+            await resp.write(framed(i))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", post)
+    app.router.add_get("/v1/streams/{rid}", get)
+    return app, seen
+
+
+async def test_a_resumable_stream_is_resumed_after_its_connection_drops() -> None:
+    app, seen = _resumable_app()
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        out = await chaos.stream_once(session, url, "x", 8, EXPECTED, hang_after=5.0,
+                                      resume=True)
+        plain = await chaos.stream_once(session, url, "x", 8, EXPECTED, hang_after=5.0)
+    assert (out.kind, out.resumes) == ("complete", 1), out
+    # Asked for a resumable stream, resumed after the last event it had.
+    assert seen[:2] == ["POST resumable=true", "r-1@1"]
+    assert plain.kind == "connection_lost"  # without resume: the stream is gone
+
+
+async def test_a_resume_that_repeats_an_event_is_caught_as_truncated() -> None:
+    app, _ = _resumable_app(replay_from=0)
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        out = await chaos.stream_once(session, url, "x", 8, EXPECTED, hang_after=5.0,
+                                      resume=True)
+    assert out.kind == "truncated" and out.code.startswith("[DONE] after 17/11"), out
+
+
 def test_summary_counts_kinds_codes_and_percentiles() -> None:
     outcomes = [chaos.Outcome("complete", ttft=0.01 * i, max_stall=0.02, started=i)
                 for i in range(1, 101)]

@@ -137,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "c (cancel), d (slow clients), e (other gateways), "
                             "q (quota check cost), t (telemetry overhead: off, metrics, "
                             "traced), r (Responses API overhead), w (WebSocket against "
-                            "SSE), f (affinity across 4 replicas, on and off) "
-                            "(default: a,b,c,d,e; f, q, r, t and w only when named)")
+                            "SSE), j (batch API), f (affinity across 4 replicas, on and "
+                            "off), s (resumable streams: CPU per chunk, explicit cancel) "
+                            "(default: a,b,c,d,e; f, j, q, r, s, t and w only when named)")
     bench.add_argument("--out", default="bench-results", metavar="DIR",
                        help="results folder (default: ./bench-results)")
     bench.add_argument("--idle-streams", type=int, metavar="N",
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="streaming clients (default: 8)")
     chaos.add_argument("--seed", type=int, default=1, help="seed of the kill schedule")
     chaos.add_argument("--out", metavar="FILE", help="also write the JSON report here")
+    chaos.add_argument("--no-resume", action="store_true",
+                       help="plain streams: a lost connection ends the request (default: "
+                            "resumable streams, resumed on any edge after a lost connection)")
 
     status = sub.add_parser(
         "status", help="live view of models, workers, queues and rates",
@@ -512,7 +516,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.concurrency < 1:
         raise ConfigError("--duration must be > 0 and --concurrency >= 1")
     return chaos.run(args.duration, args.concurrency, args.seed,
-                     Path(args.out) if args.out else None)
+                     Path(args.out) if args.out else None, resume=not args.no_resume)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:

@@ -73,6 +73,7 @@ class Outcome:
     started: float = 0.0  # monotonic
     duration: float = 0.0
     accepted: bool = False  # HTTP 200 came: the stream had begun when it ended
+    resumes: int = 0  # reconnections of a resumable stream (GET /v1/streams/{id})
 
 
 async def expected_text(config: Config, prompt: str, max_tokens: int) -> str:
@@ -106,56 +107,116 @@ def _error_code(body: Any) -> str | None:
 
 
 async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int,
-                      expected: str, hang_after: float, key: str = DEV_KEY) -> Outcome:
-    """One streaming chat completion against ``url`` (the edge origin), classified."""
+                      expected: str, hang_after: float, key: str = DEV_KEY, *,
+                      resume: bool = False) -> Outcome:
+    """One streaming chat completion against ``url`` (the edge origin), classified.
+
+    With ``resume``, the request asks for a resumable stream, and a
+    connection lost after the response began is not the end: the client
+    reconnects (any edge behind the port) with ``GET /v1/streams/{id}`` and
+    ``Last-Event-ID`` (docs/resume.md) until the stream ends or
+    ``hang_after`` runs out. The text must still be exactly the expected
+    one: a duplicated or skipped event shows as ``truncated``.
+    """
     started = time.monotonic()
     out = Outcome("hang", started=started)
     body = {"model": MODEL, "stream": True, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": prompt}]}
+    auth = {"Authorization": f"Bearer {key}"}
     content: list[str] = []
     last = started
+    last_id = 0  # the id of the last event taken in (resumable streams)
+    request_id = ""
+
+    async def consume(resp: aiohttp.ClientResponse) -> bool:
+        """Read events into ``content``; True at [DONE], False at a clean
+        error (``out`` says which) or a normal end without either."""
+        nonlocal last, last_id
+        event_id = 0
+        async for line in resp.content:
+            if not line.endswith(b"\n"):  # cut short: the connection was lost
+                raise ConnectionResetError("the body ended inside a line")
+            if line.startswith(b"id:"):
+                event_id = int(line[3:].strip() or 0)
+                continue
+            if not line.startswith(b"data: "):
+                continue
+            if event_id:
+                last_id = event_id
+            now = time.monotonic()
+            out.max_stall = max(out.max_stall, now - last)
+            last = now
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                return True
+            event = json.loads(data)
+            code = _error_code(event)
+            if code is not None:
+                out.kind, out.code = "clean_error", code
+                return False
+            for choice in event.get("choices", ()):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and out.ttft is None:
+                    out.ttft = now - started
+                content.append(piece)
+        # The body ended properly (its chunked terminator) without [DONE] or
+        # an error: a silent truncation. A vanished peer raises instead.
+        raise _Ended
+
+    def finish(done: bool) -> Outcome:
+        if out.kind == "clean_error":
+            return out
+        text = "".join(content)
+        if done and text == expected:
+            out.kind = "complete"
+        elif done:
+            out.kind, out.code = "truncated", f"[DONE] after {len(text)}/{len(expected)}"
+        else:
+            out.kind, out.code = "truncated", "ended without [DONE] or an error"
+        return out
+
     try:
         async with asyncio.timeout(hang_after):
-            async with session.post(f"{url}/v1/chat/completions", json=body,
-                                    headers={"Authorization": f"Bearer {key}"}) as resp:
-                if resp.status != 200:
-                    raw = await resp.read()
-                    try:
-                        code = _error_code(json.loads(raw))
-                    except ValueError:
-                        code = None
-                    out.kind, out.code = ("clean_error", code) if code else (
-                        "truncated", f"HTTP {resp.status} without an OpenAI error body")
-                    return out
-                out.accepted = True
-                done = False
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    now = time.monotonic()
-                    out.max_stall = max(out.max_stall, now - last)
-                    last = now
-                    data = line[6:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        continue
-                    event = json.loads(data)
-                    code = _error_code(event)
-                    if code is not None:
-                        out.kind, out.code = "clean_error", code
+            headers = {**auth, "X-Tidegate-Resumable": "true"} if resume else auth
+            try:
+                async with session.post(f"{url}/v1/chat/completions", json=body,
+                                        headers=headers) as resp:
+                    if resp.status != 200:
+                        raw = await resp.read()
+                        try:
+                            code = _error_code(json.loads(raw))
+                        except ValueError:
+                            code = None
+                        out.kind, out.code = ("clean_error", code) if code else (
+                            "truncated", f"HTTP {resp.status} without an OpenAI error body")
                         return out
-                    for choice in event.get("choices", ()):
-                        piece = (choice.get("delta") or {}).get("content") or ""
-                        if piece and out.ttft is None:
-                            out.ttft = now - started
-                        content.append(piece)
-                text = "".join(content)
-                if done and text == expected:
-                    out.kind = "complete"
-                elif done:
-                    out.kind, out.code = "truncated", f"[DONE] after {len(text)}/{len(expected)}"
-                else:
-                    out.kind, out.code = "truncated", "ended without [DONE] or an error"
+                    out.accepted = True
+                    request_id = resp.headers.get("x-request-id", "")
+                    return finish(await consume(resp))
+            except _Ended:
+                return finish(False)  # a proper end without [DONE]: never resumed over
+            except (aiohttp.ClientError, ConnectionError):
+                if not (resume and out.accepted and request_id):
+                    raise
+            # Resume: the stream goes on in the log; any edge serves it.
+            while True:
+                out.resumes += 1
+                try:
+                    async with session.get(f"{url}/v1/streams/{request_id}",
+                                           headers={**auth, "Last-Event-ID": str(last_id)}
+                                           ) as resp:
+                        if resp.status == 200:
+                            try:
+                                return finish(await consume(resp))
+                            except _Ended:
+                                return finish(False)
+                        await resp.read()
+                        if resp.status == 404:  # the log lost it: a real failure
+                            out.kind, out.code = "clean_error", "stream_not_found"
+                            return out
+                except (aiohttp.ClientError, ConnectionError):
+                    pass
+                await asyncio.sleep(0.2)  # the edge restarting, or none up yet
     except TimeoutError:
         out.kind, out.code = "hang", f"no end within {hang_after:g}s"
     except (aiohttp.ClientError, ConnectionError) as exc:
@@ -163,6 +224,10 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
     finally:
         out.duration = time.monotonic() - started
     return out
+
+
+class _Ended(Exception):
+    """A response body ended without [DONE] or an error event."""
 
 
 @dataclass(slots=True)
@@ -175,6 +240,7 @@ class Load:
     max_tokens: int = 32
     hang_after: float = 45.0
     key: str = DEV_KEY
+    resume: bool = True  # resumable streams, resumed after a lost connection
     outcomes: list[Outcome] = field(default_factory=list)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -192,7 +258,7 @@ class Load:
             n += 1
             expected = await expected_text(self.config, prompt, self.max_tokens)
             outcome = await stream_once(session, self.url, prompt, self.max_tokens, expected,
-                                        self.hang_after, self.key)
+                                        self.hang_after, self.key, resume=self.resume)
             self.outcomes.append(outcome)
             if outcome.kind != "complete":
                 # A client backs off after an error (as Retry-After asks);
@@ -221,6 +287,9 @@ def summarize(outcomes: list[Outcome], since: float = 0.0) -> dict[str, Any]:
         "ttft_max": ttfts[-1] if ttfts else None,
         "stall_p99": pct(stalls, 0.99), "stall_max": stalls[-1] if stalls else None,
         "ttft_mean": round(statistics.fmean(ttfts), 4) if ttfts else None,
+        # Resumable streams carried over a lost connection (any edge).
+        "resumed_streams": sum(1 for o in chosen if o.resumes),
+        "resumed_complete": sum(1 for o in chosen if o.resumes and o.kind == "complete"),
     }
 
 
@@ -376,7 +445,7 @@ async def killer(fleet: Fleet, stop: asyncio.Event, rng: random.Random, t0: floa
 
 async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, seed: int = 1,
                 interval: tuple[float, float] = (3.0, 6.0),
-                kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+                kinds: tuple[str, ...] = KINDS, resume: bool = True) -> dict[str, Any]:
     """Run the fleet, the load and the killer; the report."""
     fleet = Fleet(workdir)
     await asyncio.to_thread(fleet.start)
@@ -384,7 +453,7 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
     supervisor = asyncio.create_task(asyncio.to_thread(fleet.supervise, stop_supervisor))
     try:
         rng = random.Random(seed)
-        load = Load(fleet.url, fleet.config, concurrency=concurrency)
+        load = Load(fleet.url, fleet.config, concurrency=concurrency, resume=resume)
         stop_load, stop_killer = asyncio.Event(), asyncio.Event()
         kills: list[Kill] = []
         t0 = time.monotonic()
@@ -402,7 +471,7 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
         await asyncio.to_thread(fleet.stop)
     report = summarize(load.outcomes)
     restarts = fleet.restarts()
-    report.update(duration_s=duration, concurrency=concurrency, seed=seed,
+    report.update(duration_s=duration, concurrency=concurrency, seed=seed, resume=resume,
                   kills=[asdict(k) for k in kills],
                   kills_by_kind=dict(Counter(k.kind for k in kills)),
                   restarts=restarts,
@@ -412,10 +481,11 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
 
 
 def run(duration: float, concurrency: int, seed: int, out: Path | None,
-        workdir: Path | None = None) -> int:
+        workdir: Path | None = None, resume: bool = True) -> int:
     """``tidegate chaos``: print (and write) the report; exit 1 on a silent loss or hang."""
     with tempfile.TemporaryDirectory(prefix="tidegate-chaos-") as tmp:
-        report = asyncio.run(chaos(workdir or Path(tmp), duration, concurrency, seed))
+        report = asyncio.run(chaos(workdir or Path(tmp), duration, concurrency, seed,
+                                   resume=resume))
     text = json.dumps(report, indent=2)
     print(text)
     if out is not None:

@@ -181,12 +181,17 @@ class Recorder:
 
 async def stream_once(session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes,
                       rec: Recorder, scheduled: float, *,
-                      cancel_after: int | None = None) -> float | None:
+                      cancel_after: int | None = None,
+                      explicit_cancel: bool = False) -> float | None:
     """One streaming request; its outcome goes into ``rec``.
 
     With ``cancel_after``, the connection is closed once that many data
     events arrived, and the time of the close is returned (None when the
-    stream ended or failed first).
+    stream ended or failed first). With ``explicit_cancel`` too, the stream
+    is cancelled by ``POST /v1/streams/{x-request-id}/cancel`` instead (the
+    time returned is that request's send), and its events are read to their
+    end. Events of a resumable stream (``id:``, ``retry:`` lines) count as
+    their data line.
     """
     sample = rec.t0 <= scheduled < rec.t1
     rec.sent += 1
@@ -213,6 +218,9 @@ async def stream_once(session: aiohttp.ClientSession, endpoint: Endpoint, body: 
                     *events, buf = buf.split(b"\n\n")
                     n = 0
                     for event in events:
+                        if event.startswith((b"id:", b"retry:")):  # a resumable stream's
+                            i = event.find(b"\ndata:")
+                            event = event[i + 1:] if i >= 0 else b""
                         if typed and event.startswith(b"event:"):
                             event = event[event.find(b"\n") + 1:]
                             if event.find(_COMPLETED) >= 0:
@@ -240,6 +248,15 @@ async def stream_once(session: aiohttp.ClientSession, endpoint: Endpoint, body: 
                     if rec.t0 <= now < rec.t1:
                         rec.window_chunks += n
                     if cancel_after is not None and chunks >= cancel_after:
+                        if explicit_cancel:
+                            if closed_at is None:
+                                rid = resp.headers.get("x-request-id", "")
+                                closed_at = time.monotonic()
+                                async with session.post(
+                                        f"{endpoint.base_url}/streams/{rid}/cancel",
+                                        headers=endpoint.headers) as answer:
+                                    await answer.read()
+                            continue  # read on to the final "cancelled" event
                         closed_at = time.monotonic()
                         resp.close()  # closes the socket, not back to the pool
                         break
@@ -284,8 +301,23 @@ async def closed_loop(session: aiohttp.ClientSession, endpoint: Endpoint, make_b
 
     async with asyncio.TaskGroup() as tg:
         tg.create_task(rec.run_window())
-        for i in range(concurrency):
-            tg.create_task(user(i))
+        users = [tg.create_task(user(i)) for i in range(concurrency)]
+        tg.create_task(_bound_drain(users, rec))
+
+
+# After the window, streams still open get this long to end; the rest are
+# cancelled and counted (a gateway that melts at 2,000 streams would
+# otherwise hold the run for the session's whole 300 s timeout per stream).
+DRAIN_AFTER_WINDOW = 30.0
+
+
+async def _bound_drain(tasks: list[asyncio.Task[None]], rec: Recorder) -> None:
+    await asyncio.sleep(max(0.0, rec.t1 - time.monotonic()))
+    _, pending = await asyncio.wait(tasks, timeout=DRAIN_AFTER_WINDOW)
+    if pending:
+        rec.errors["unfinished_after_window"] += len(pending)
+        for task in pending:
+            task.cancel()
 
 
 async def open_loop(session: aiohttp.ClientSession, endpoint: Endpoint, make_body: BodyFactory,
@@ -297,6 +329,7 @@ async def open_loop(session: aiohttp.ClientSession, endpoint: Endpoint, make_bod
     rng = random.Random(seed)
     t = time.monotonic() + 0.05
     rec.set_window(t + warmup, duration)
+    streams: list[asyncio.Task[Any]] = []
     async with asyncio.TaskGroup() as tg:
         tg.create_task(rec.run_window())
         while True:
@@ -309,7 +342,8 @@ async def open_loop(session: aiohttp.ClientSession, endpoint: Endpoint, make_bod
             if rec.inflight >= max_inflight:
                 rec.errors["loadgen_overflow"] += 1
                 continue
-            tg.create_task(stream_once(session, endpoint, make_body(), rec, t))
+            streams.append(tg.create_task(stream_once(session, endpoint, make_body(), rec, t)))
+        tg.create_task(_bound_drain(streams, rec))
 
 
 @dataclass(slots=True)

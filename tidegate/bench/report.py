@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tidegate.bench import quota, wsbench
+from tidegate.bench import quota, resumable_bench, wsbench
 
 __all__ = ["check_targets", "markdown", "plot", "write"]
 
@@ -280,6 +280,8 @@ def markdown(results: dict[str, Any]) -> str:
         out += _responses_markdown(scen["r"])
     if "w" in scen:
         out += wsbench.markdown(scen["w"])
+    if "s" in scen:
+        out += resumable_bench.markdown(scen["s"])
     if "t" in scen:
         out += _telemetry_markdown(scen["t"])
     if "q" in scen:

@@ -21,6 +21,7 @@ from tidegate.bench import (
     quota,
     report,
     responses_bench,
+    resumable_bench,
     run_async,
     scenarios,
     wsbench,
@@ -34,8 +35,9 @@ __all__ = ["KNOWN_SCENARIOS", "SCENARIOS", "BenchOptions", "machine", "run"]
 SCENARIOS = "abcde"  # the default run
 # Only when asked for: q (quota check cost), t (telemetry overhead), r (Responses
 # API streaming overhead next to chat's), w (WebSocket against SSE), j (the batch
-# API: throughput, priority), f (affinity across replicas, on and off).
-KNOWN_SCENARIOS = SCENARIOS + "fjqrtw"
+# API: throughput, priority), f (affinity across replicas, on and off), s
+# (resumable streams: their CPU per chunk and the explicit cancel).
+KNOWN_SCENARIOS = SCENARIOS + "fjqrstw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +140,7 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     letters = options.scenarios
     gateways = [t for t in targets if t.name != "direct"]
     if "a" in letters or letters.replace("q", "").replace("t", "").replace("r", "").replace(
-            "j", "").replace("f", "") == "e":
+            "j", "").replace("f", "").replace("s", "") == "e":
         out["a"] = await scenarios.overhead(targets, profile, spy)
     if "c" in letters:
         out["c"] = await scenarios.cancel(env, targets, profile)
@@ -148,6 +150,8 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
         out["r"] = await responses_bench.responses_overhead(targets, profile)
     if "w" in letters:
         out["w"] = await wsbench.run(env, env.available["tidegate"], profile.name)
+    if "s" in letters:
+        out["s"] = await resumable_bench.run(env, targets, profile)
     if "j" in letters:
         out["j"] = await batch_bench.run(targets, profile, options.quick)
     if "b" in letters:
@@ -192,9 +196,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
     # tidegate's default config (only the backend URL given) for every
     # scenario but (b), which pins its own (_pinned_for_idle).
     with Targets(out, overrides=dict(options.tidegate_config)) as env:
-        targets = ([env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "jrtw")
+        targets = ([env.start_fake()] if set(options.scenarios) & set(SCENARIOS + "jrstw")
                    else [])
-        if set(options.scenarios) & set("abcdjrw"):
+        if set(options.scenarios) & set("abcdjrsw"):
             targets.append(env.start_tidegate())
         if "e" in options.scenarios:
             targets.append(env.start_proxy())

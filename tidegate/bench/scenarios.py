@@ -305,7 +305,12 @@ async def idle(targets: list[Target], profile: Profile) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-async def _cancel_run(env: Targets, target: Target, profile: Profile) -> dict[str, Any]:
+async def _cancel_run(env: Targets, target: Target, profile: Profile, *,
+                      explicit: bool = False) -> dict[str, Any]:
+    """(c) on one target: clients hang up after a few chunks (``explicit``:
+    they ``POST /v1/streams/{id}/cancel`` instead and read on); latency from
+    the hang-up (the POST's send) to the fake backend seeing its connection
+    closed."""
     endpoint = target.endpoint
     since = env.last_record_id()
     closes: dict[str, float] = {}
@@ -322,7 +327,8 @@ async def _cancel_run(env: Targets, target: Target, profile: Profile) -> dict[st
             body = chat_body(endpoint.model, tokens=profile.cancel_tokens, itl=profile.itl,
                              ttft=profile.ttft, bench_id=bench_id)
             closed = await loadgen.stream_once(session, endpoint, body, rec, time.monotonic(),
-                                               cancel_after=profile.cancel_after)
+                                               cancel_after=profile.cancel_after,
+                                               explicit_cancel=explicit)
             if closed is not None:
                 closes[bench_id] = closed
 

@@ -203,13 +203,15 @@ class Targets:
 
     def start_tidegate(self, name: str = "tidegate", env: Mapping[str, str] | None = None,
                        *, heartbeat_interval: float | None = None,
-                       max_streams: int | None = None) -> Target:
+                       max_streams: int | None = None,
+                       settings: Mapping[str, Any] | None = None) -> Target:
         """A whole tidegate stack (its own nats-server and redis-server too).
 
         Its config is tidegate's default with only the backend given (what a
         user judges tidegate by), except what is pinned here or in the
         constructor (None: the default, ``max_streams = "auto"`` and the
-        default heartbeat) and the ``--set`` overrides on top.
+        default heartbeat), this stack's own ``settings`` (dotted keys, as
+        ``--set`` takes them) and the ``--set`` overrides on top.
 
         ``env`` is the tiers' complete environment (None: inherit the
         benchmark's); the servers always inherit. Several stacks can run at
@@ -239,7 +241,10 @@ class Targets:
         raw: dict[str, Any] = {
             "nats": {"url": nats.url},
             "redis": {"url": redis.url},
-            "edge": {"host": _HOST, "port": port},
+            # Every bench client comes from 127.0.0.1: the per-address cap
+            # (1,000, against one hostile client) would refuse the 2,000- and
+            # 10,000-stream loads, which stand for that many users.
+            "edge": {"host": _HOST, "port": port, "max_connections_per_ip": 0},
             "auth": {"dev_key": BENCH_KEY},
             "models": [{"name": MODEL, "backend": "openai", "base_url": self.fake_url}],
         }
@@ -250,7 +255,7 @@ class Targets:
                               "worker_lost_after": max(3, math.ceil(40 / heartbeat_interval))}
         if max_streams is not None:
             raw["models"][0]["max_streams"] = max_streams
-        for dotted, value in self.overrides.items():  # from `tidegate bench --set`
+        for dotted, value in {**(settings or {}), **self.overrides}.items():
             section, _, key = dotted.rpartition(".")
             if section == "models":  # models.max_streams=auto: the bench's one model
                 raw["models"][0][key] = value

@@ -4,7 +4,8 @@
   running (closed loop: one ends, the next starts on the same socket), then
   the same number of SSE streams in (a)'s closed loop, on the same stack:
   TTFT and throughput side by side;
-* idle: ``idle_sockets`` authenticated sockets held open: edge RSS per socket;
+* idle: ``idle_sockets`` authenticated sockets held open on a fresh stack:
+  edge RSS per socket;
 * cancel: generations cancelled with a ``cancel`` frame after a few chunks;
   latency from the frame's send to the fake backend seeing its connection
   closed (its records, as in (c)).
@@ -212,25 +213,44 @@ def _summary(target: Target, rec: Recorder, transport: str,
 
 
 async def _idle(target: Target, p: WsProfile) -> dict[str, Any]:
+    """``idle_sockets`` authenticated sockets held open; RSS per socket.
+
+    ``target`` must be a fresh stack (see :func:`run`): an edge that has
+    just relayed a load keeps the memory it freed for reuse, and new sockets
+    fill that first, which once made 2,000 sockets look like 0.02 KiB each.
+    """
     def rss() -> dict[str, int | None]:
         return {n: procstats.rss_kib(pid) for n, pid in target.pids(target.memory).items()}
 
     headers = dict(target.endpoint.headers)
     before = rss()
-    async with contextlib.AsyncExitStack() as stack:
-        opened = 0
+    conns: list[ClientConnection] = []
+    failures: dict[str, int] = {}
+    try:
         for first in range(0, p.idle_sockets, 100):  # paced: listen backlogs are finite
-            batch = [ws_connect(ws_url(target), additional_headers=headers, compression=None)
-                     for _ in range(min(100, p.idle_sockets - first))]
-            conns = await asyncio.gather(*(stack.enter_async_context(c) for c in batch),
-                                         return_exceptions=True)
-            opened += sum(1 for c in conns if not isinstance(c, BaseException))
+            opened = await asyncio.gather(
+                *(ws_connect(ws_url(target), additional_headers=headers, compression=None,
+                             open_timeout=30.0, ping_interval=None)
+                  for _ in range(min(100, p.idle_sockets - first))),
+                return_exceptions=True)
+            for c in opened:
+                if isinstance(c, BaseException):
+                    key = type(c).__name__
+                    failures[key] = failures.get(key, 0) + 1
+                else:
+                    conns.append(c)
         await asyncio.sleep(1.0)  # let allocations settle
         held = rss()
-    per_socket = {name: (round((held[name] - b) / opened, 2)  # type: ignore[operator]
-                         if opened and b is not None and held[name] is not None else None)
+        # Still open after the hold: the edge closed none of them.
+        still_open = sum(1 for c in conns if c.close_code is None)
+    finally:
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+    n = len(conns)
+    per_socket = {name: (round((held[name] - b) / n, 2)  # type: ignore[operator]
+                         if n and b is not None and held[name] is not None else None)
                   for name, b in before.items()}
-    return {"target": target.name, "sockets": p.idle_sockets, "open_ok": opened,
+    return {"target": target.name, "sockets": p.idle_sockets, "open_ok": n,
+            "still_open": still_open, "failures": failures,
             "rss_kib": {name: {"before": before[name], "held": held[name]} for name in before},
             "rss_per_socket_kib": per_socket}
 
@@ -283,8 +303,15 @@ async def run(env: Targets, target: Target, profile_name: str) -> dict[str, Any]
     if sse["streams_per_s"]:
         comparison["throughput_ratio_ws_over_sse"] = round(
             ws["streams_per_s"] / sse["streams_per_s"], 3)
+    cancel = await _cancel(env, target, p)
+    # The idle sockets on a stack of their own, fresh (see _idle).
+    fresh = await asyncio.to_thread(env.start_tidegate, "ws-idle")
+    try:
+        idle = await _idle(fresh, p)
+    finally:
+        await asyncio.to_thread(env.stop_stack, "ws-idle")
     return {"params": asdict(p), "runs": [ws, sse], "comparison": comparison,
-            "idle": await _idle(target, p), "cancel": await _cancel(env, target, p)}
+            "idle": idle, "cancel": cancel}
 
 
 def markdown(w: dict[str, Any]) -> list[str]:
@@ -303,7 +330,9 @@ def markdown(w: dict[str, Any]) -> list[str]:
     idle, cancel = w["idle"], w["cancel"]
     lat = cancel["latency_ms"]
     out += ["", f"Comparison: {w['comparison']}.", "",
-            f"Idle: {idle['open_ok']} of {idle['sockets']} sockets held; RSS per socket "
+            f"Idle (a fresh stack): {idle['open_ok']} of {idle['sockets']} sockets held "
+            f"({idle.get('still_open', '-')} still open after the hold; failures: "
+            f"{idle.get('failures') or 'none'}); RSS per socket "
             f"(KiB): {idle['rss_per_socket_kib']}.", "",
             f"Cancel frames: {cancel['cancels']} sent, {cancel['closed']} backend closes "
             f"seen; latency p50 / p99 {lat.get('p50', '-')} / {lat.get('p99', '-')} ms.", ""]
