@@ -28,6 +28,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from edge import background, batches, files, instrument, resume
 from edge.auth import KeyTable, Principal
@@ -395,8 +396,8 @@ async def publish_request(state: EdgeState, request: Request,
         raise ApiError(413, "The request is too large for the broker's message size limit.",
                        type="invalid_request_error", code="request_too_large")
     try:
-        ack = await state.js.publish(subject, payload,
-                                     headers={"Nats-Msg-Id": request.id, **trace_headers})
+        ack = await publish_patiently(state, subject, payload,
+                                      {"Nats-Msg-Id": request.id, **trace_headers})
     except nats.js.errors.APIError as exc:
         description = (exc.description or "").lower()
         if "maximum" in description or exc.code == 503:
@@ -410,14 +411,50 @@ async def publish_request(state: EdgeState, request: Request,
     return int(ack.seq)
 
 
+def _transient(exc: Exception) -> bool:
+    """A publish that may succeed if tried again soon: no PubAck (the node
+    died, the connection is reconnecting, the stream has no leader: "no
+    responders"), or JetStream's 503 "temporarily unavailable" during an
+    election. A full stream ("maximum ...") and other refusals are answers."""
+    if isinstance(exc, nats.js.errors.APIError):
+        return exc.code == 503 and "maximum" not in (exc.description or "").lower()
+    return isinstance(exc, nats.errors.Error | TimeoutError)
+
+
+async def publish_patiently(state: EdgeState, subject: str, payload: bytes,
+                            headers: dict[str, str]) -> PubAck:
+    """``js.publish``, retried for up to ``edge.publish_patience`` seconds
+    while the broker is briefly unreachable (a NATS node's death, a leader
+    election), instead of answering 503 at once. Safe because every caller
+    sets ``Nats-Msg-Id``: a retry of a publish that did land (its PubAck
+    lost) is dropped by the stream's duplicate window, so a request is
+    never queued twice. The client waits meanwhile; the last error is
+    raised when patience runs out or the connection is closed for good."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.edge.publish_patience
+    while True:
+        try:
+            return await state.js.publish(subject, payload, headers=headers)
+        except Exception as exc:
+            if (not _transient(exc) or state.nc.is_closed
+                    or loop.time() + _PUBLISH_RETRY_DELAY >= deadline):
+                raise
+            log.info("publish to %s: %s; retrying", subject, type(exc).__name__)
+        await asyncio.sleep(_PUBLISH_RETRY_DELAY)
+
+
+_PUBLISH_RETRY_DELAY = 0.25
+
+
 async def _open_log(state: EdgeState, request: Request) -> None:
     """The stream log's first entry (its tenant), stored before the request is
     published: a resume can then never find a stream without its owner."""
     entry = streamlog.LogOpen(request.tenant, request.stream, int(request.api),
                               request.created_ms, request.grace)
     try:
-        await state.js.publish(streamlog.subject(state.config.nats.subjects, request.id),
-                               entry.encode())
+        # Its own message id: a retried open is stored once.
+        await publish_patiently(state, streamlog.subject(state.config.nats.subjects, request.id),
+                                entry.encode(), {"Nats-Msg-Id": f"{request.id}.open"})
     except (nats.errors.Error, TimeoutError) as exc:
         raise unavailable(f"The stream log is unavailable ({type(exc).__name__}); retry "
                           "later.", code="broker_unavailable", retry_after=2) from None
