@@ -387,6 +387,26 @@ def test_late_first_bytes_at_a_steady_decode_pace_do_not_shrink_the_limit() -> N
     assert limit.limit < grown
 
 
+def test_time_stalled_on_the_credit_window_is_not_decode_time() -> None:
+    """A job that waited on its window (a slow client, an edge short of CPU)
+    did not read the backend meanwhile: with the stall left out its TPOT is
+    the backend's 10 ms and the limit grows; counted in, the same jobs would
+    look 3x congested and shrink it."""
+    def run(stalled: float) -> int:
+        limit = AdaptiveLimit(1, 1000, initial=64, now=0.0)
+        _fill(limit, 64, 0.0)
+        for _ in range(3):  # the baseline: 51 tokens in 0.5 s, 10 ms each
+            limit.tpot(limit.mark(0.0), 0.0, 51, 0.5)
+        limit.overload(0.5)  # steady state, 32 slots
+        for t in (1.0, 2.0, 3.0, 4.0):
+            for _ in range(3):  # 51 tokens in 1.5 s, 1 s of it stalled on the window
+                limit.tpot(limit.mark(t - 1.5), t - 1.5, 51, t + 0.01, stalled=stalled)
+        return limit.limit
+
+    assert run(stalled=1.0) > 32
+    assert run(stalled=0.0) < 32
+
+
 def test_tens_of_ms_of_ttfb_jitter_are_not_congestion() -> None:
     """A burst of job starts delays first bytes on the worker's own loop by
     tens of ms: with a 20 ms baseline that is a large ratio, but within the

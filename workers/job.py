@@ -484,7 +484,7 @@ class Job:
         limit = self.limit
         if limit is not None and self.first_chunk_at:
             limit.tpot(self._mark, self.first_chunk_at, usage.completion_tokens,
-                       time.monotonic())
+                       time.monotonic(), stalled=self.stall_time)
         self.seq += 1
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())

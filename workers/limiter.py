@@ -228,14 +228,21 @@ class AdaptiveLimit:
         self._ttfb.add(now - started, self._concurrency(mark, started, now))
         self._maybe_decide(now)
 
-    def tpot(self, mark: float, first_at: float, tokens: int, now: float) -> None:
+    def tpot(self, mark: float, first_at: float, tokens: int, now: float,
+             stalled: float = 0.0) -> None:
         """A successful end ``now`` of a response whose first chunk came at
-        ``first_at`` (``mark`` taken then) and that has ``tokens`` output tokens."""
-        if tokens > 1 and now > first_at:
+        ``first_at`` (``mark`` taken then) and that has ``tokens`` output tokens.
+
+        ``stalled``: seconds of that interval the job did not read the backend
+        because its credit window was full (a slow client, a busy edge). That
+        wait is the path's, not the backend's decode time: counting it would
+        let one slow reader, or an edge short of CPU, shrink every stream's
+        limit."""
+        decoding = now - first_at - max(0.0, stalled)
+        if tokens > 1 and decoding > 0:
             self._tokens = (float(tokens) if not self._tokens
                             else self._tokens + TOKENS_EWMA * (tokens - self._tokens))
-            self._tpot.add((now - first_at) / (tokens - 1),
-                           self._concurrency(mark, first_at, now))
+            self._tpot.add(decoding / (tokens - 1), self._concurrency(mark, first_at, now))
             self._maybe_decide(now)
 
     def overload(self, now: float) -> None:
@@ -278,6 +285,8 @@ class AdaptiveLimit:
         only a wait beyond one generation counts; 0.0 for an empty window."""
         if not ratio:
             return 0.0
+        if not self._ttfb.base > 0:  # first bytes in no time: nothing to compare
+            return 1.0
         excess = (ratio - 1.0) * self._ttfb.base
         gen = self._tpot.base * self._tokens
         if self.phase is Phase.STEADY and self._tokens and math.isfinite(gen) and gen > 0:
