@@ -407,6 +407,33 @@ def test_time_stalled_on_the_credit_window_is_not_decode_time() -> None:
     assert run(stalled=0.0) < 32
 
 
+def test_non_streaming_jobs_grow_the_limit_without_spoiling_the_baseline() -> None:
+    """A batch of non-streaming jobs (one 'chunk': the whole answer) grows
+    the limit from the floor, and streaming jobs at the same pace afterwards
+    are not congestion: the non-streaming samples are decode time (whole
+    call less the TTFB baseline), not the ~0 between first byte and end."""
+    limit = AdaptiveLimit(4, 1000, now=0.0)
+    _fill(limit, 4, 0.0)
+    for _ in range(3):  # streaming: 50 ms to first byte
+        limit.ttfb(limit.mark(0.0), 0.0, 0.05)
+    t = 0.1
+    for _ in range(8):  # rounds of non-streaming jobs: 0.05 s + 50 tokens x 10 ms
+        n = limit.limit
+        _fill(limit, n - limit.in_flight, t)
+        for _ in range(n):
+            limit.whole(limit.mark(t), t, 51, t + 0.55)
+            limit.release(t + 0.55)
+        t += 0.6
+    grown = limit.limit
+    assert grown >= 64
+    _fill(limit, grown, t)
+    for _ in range(2):  # streaming at the same 10 ms per token: no shrink
+        for _ in range(4):
+            limit.tpot(limit.mark(t), t, 51, t + 0.5)
+        t += 0.5
+    assert limit.limit >= grown
+
+
 def test_tens_of_ms_of_ttfb_jitter_are_not_congestion() -> None:
     """A burst of job starts delays first bytes on the worker's own loop by
     tens of ms: with a 20 ms baseline that is a large ratio, but within the

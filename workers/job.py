@@ -483,8 +483,12 @@ class Job:
         usage = stream.usage
         limit = self.limit
         if limit is not None and self.first_chunk_at:
-            limit.tpot(self._mark, self.first_chunk_at, usage.completion_tokens,
-                       time.monotonic(), stalled=self.stall_time)
+            if self.request.stream:
+                limit.tpot(self._mark, self.first_chunk_at, usage.completion_tokens,
+                           time.monotonic(), stalled=self.stall_time)
+            else:
+                limit.whole(self._mark, self._backend_at, usage.completion_tokens,
+                            time.monotonic(), stalled=self.stall_time)
         self.seq += 1
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason).encode())
@@ -501,7 +505,7 @@ class Job:
             if self.span is not None:
                 self.span.add_event(tracing.FIRST_TOKEN_EVENT)
             limit = self.limit
-            if limit is not None:
+            if limit is not None and self.request.stream:  # see AdaptiveLimit.whole
                 limit.ttfb(self._mark, self._backend_at, now)
                 self._mark = limit.mark(now)
         self.chunks_sent += 1

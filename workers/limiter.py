@@ -245,6 +245,23 @@ class AdaptiveLimit:
             self._tpot.add(decoding / (tokens - 1), self._concurrency(mark, first_at, now))
             self._maybe_decide(now)
 
+    def whole(self, mark: float, started: float, tokens: int, now: float,
+              stalled: float = 0.0) -> None:
+        """A successful end ``now`` of a *non-streaming* response whose backend
+        call started at ``started`` (``mark`` taken then). Its first byte is
+        the whole answer, so it gives no TTFB, and its first-chunk-to-end time
+        is no decode time (a TPOT of ~0 would become the baseline and make
+        every streaming window look congested: seen, a batch of non-streaming
+        lines took a limit of 200 down to its floor). Its decode time is the
+        whole call less the streaming TTFB baseline (0 before one is known)."""
+        base = self._ttfb.base if math.isfinite(self._ttfb.base) else 0.0
+        decoding = now - started - base - max(0.0, stalled)
+        if tokens > 1 and decoding > 0:
+            self._tokens = (float(tokens) if not self._tokens
+                            else self._tokens + TOKENS_EWMA * (tokens - self._tokens))
+            self._tpot.add(decoding / (tokens - 1), self._concurrency(mark, started, now))
+            self._maybe_decide(now)
+
     def overload(self, now: float) -> None:
         """The backend refused for load (429, 503): halve, once per window."""
         if now < self._next_overload:
