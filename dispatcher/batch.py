@@ -74,7 +74,10 @@ log = logging.getLogger("tidegate.batch")
 INBOX = "batch"  # the runner's edge id: its sessions' subjects are <p>.out.batch.<request>
 _TICK = 0.05  # seconds between release rounds when nothing wakes the runner
 _REFRESH = 0.5  # seconds between reads of the batch records (cancels, new batches)
-_SLOTS_EVERY = 2.0  # seconds between reads of the worker registry
+# Seconds between reads of the worker registry. Workers put their entry
+# early when an adaptive limit moves (workers.service), so a limit that grows
+# under batch load is filled within about a second.
+_SLOTS_EVERY = 0.5
 _BUFFER = 64  # lines read ahead per batch
 S = BatchStatus
 

@@ -101,6 +101,10 @@ class Pool:
         self.limits: dict[str, AdaptiveLimit] = {}  # models with max_streams = "auto"
         # ... and per replica of a model with several: the limit is each backend's.
         self.replica_limits: dict[tuple[str, str], AdaptiveLimit] = {}
+        # Set when a limit moves: the registry heartbeat then goes out early,
+        # so the batch runner (which fills exactly the advertised free slots)
+        # sees a grown limit within a beat's spacing, not HEARTBEAT later.
+        self.registry_wake = asyncio.Event()
         ctx.telemetry.metrics.observe_worker_slots(self._slot_observations)
         ctx.telemetry.metrics.observe_worker_limit(self._limit_observations)
 
@@ -269,6 +273,7 @@ class Pool:
             def resize(slots: int) -> None:
                 log.debug("%s: concurrency limit %d -> %d", model.name, puller.capacity, slots)
                 puller.resize(slots)
+                self.registry_wake.set()
 
             limit = self.limits[model.name] = AdaptiveLimit(
                 model.min_streams, model.max_streams_limit, tolerance=model.latency_tolerance,
@@ -298,6 +303,7 @@ class Pool:
                     log.debug("%s replica %s: concurrency limit %d -> %d", model.name, replica,
                               group.capacity, slots)
                     group.capacity = slots
+                    self.registry_wake.set()
                     group.on_done()  # re-check both pullers' credit, report the load
 
                 self.replica_limits[(model.name, replica)] = AdaptiveLimit(
@@ -448,7 +454,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         # The pull loops are owned by this TaskGroup and end at stop; jobs are
         # tracked by the pool, since they must outlive the pull loops to drain.
         async with asyncio.TaskGroup() as tg:
-            heartbeat = tg.create_task(workers_registry.heartbeat(registry, beat))
+            heartbeat = tg.create_task(workers_registry.heartbeat(registry, beat,
+                                                                  wake=pool.registry_wake))
             reporter = tg.create_task(pool.load.run()) if pool.load is not None else None
             watcher = await broker.follow_cancels(tg, cancels, pool.on_cancel,
                                                   config.nats.request_timeout, "worker")

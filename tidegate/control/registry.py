@@ -55,20 +55,33 @@ async def ensure_bucket(js: JetStreamContext, config: Config, bucket: str, descr
         return await js.key_value(bucket)  # created concurrently
 
 
+EARLY_SPACING = 0.5  # seconds: the least time between two puts when woken early
+
+
 async def heartbeat(kv: KeyValue, snapshot: Callable[[], E], key_of: Callable[[E], str],
-                    interval: float, what: str) -> None:
+                    interval: float, what: str, wake: asyncio.Event | None = None) -> None:
     """Put ``snapshot()`` every ``interval`` until cancelled, then delete the
-    entry. A failed put (NATS restarting) is retried at the next beat."""
+    entry. A failed put (NATS restarting) is retried at the next beat. With
+    ``wake``: setting it sends the next put early (something readers act on
+    changed), at most one per ``EARLY_SPACING``."""
     key = ""
     try:
         while True:
+            if wake is not None:
+                wake.clear()  # before the snapshot: it has every change so far
             info = snapshot()
             key = key_of(info)
             try:
                 await kv.put(key, info.encode())
             except Exception as exc:
                 log.warning("%s heartbeat failed: %s", what, exc)
-            await asyncio.sleep(interval)
+            if wake is None:
+                await asyncio.sleep(interval)
+                continue
+            await asyncio.sleep(EARLY_SPACING)
+            if not wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), max(0.0, interval - EARLY_SPACING))
     finally:
         if key:
             with contextlib.suppress(Exception):

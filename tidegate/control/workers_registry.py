@@ -14,6 +14,7 @@ it. Work goes to workers only through their pull consumers.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -121,10 +122,11 @@ async def ensure_bucket(js: JetStreamContext, config: Config) -> KeyValue:
 
 
 async def heartbeat(kv: KeyValue, snapshot: Callable[[], WorkerInfo],
-                    interval: float = HEARTBEAT) -> None:
-    """Put ``snapshot()`` every ``interval`` until cancelled, then delete the
-    entry (:func:`tidegate.control.registry.heartbeat`)."""
-    await registry.heartbeat(kv, snapshot, lambda i: i.worker_id, interval, "worker")
+                    interval: float = HEARTBEAT, wake: asyncio.Event | None = None) -> None:
+    """Put ``snapshot()`` every ``interval`` (and early, at most every
+    ``registry.EARLY_SPACING``, when ``wake`` is set) until cancelled, then
+    delete the entry (:func:`tidegate.control.registry.heartbeat`)."""
+    await registry.heartbeat(kv, snapshot, lambda i: i.worker_id, interval, "worker", wake)
 
 
 def local_info(worker_id: str, started: float, slots: Mapping[str, SlotInfo],
