@@ -424,6 +424,7 @@ def _transient(exc: Exception) -> bool:
 async def publish_patiently(state: EdgeState, subject: str, payload: bytes,
                             headers: dict[str, str]) -> PubAck:
     """``js.publish``, retried for up to ``edge.publish_patience`` seconds
+    (at most half of ``edge.admission_timeout``)
     while the broker is briefly unreachable (a NATS node's death, a leader
     election), instead of answering 503 at once. Safe because every caller
     sets ``Nats-Msg-Id``: a retry of a publish that did land (its PubAck
@@ -431,7 +432,8 @@ async def publish_patiently(state: EdgeState, subject: str, payload: bytes,
     never queued twice. The client waits meanwhile; the last error is
     raised when patience runs out or the connection is closed for good."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + state.config.edge.publish_patience
+    edge = state.config.edge
+    deadline = loop.time() + min(edge.publish_patience, edge.admission_timeout / 2)
     while True:
         try:
             return await state.js.publish(subject, payload, headers=headers)

@@ -76,8 +76,20 @@ async def test_a_closed_connection_is_not_waited_on() -> None:
     assert len(js.calls) == 1
 
 
-def test_patience_must_stay_below_the_admission_timeout() -> None:
-    with pytest.raises(tgconfig.ConfigError, match="publish_patience"):
-        tgconfig.from_dict({"edge": {"publish_patience": 30.0}})
+def test_patience_is_not_negative_and_leaves_the_dispatcher_time() -> None:
     with pytest.raises(tgconfig.ConfigError, match="publish_patience"):
         tgconfig.from_dict({"edge": {"publish_patience": -1}})
+    # Above half the admission timeout it is capped there, not refused.
+    assert tgconfig.from_dict({"edge": {"publish_patience": 30.0}}).edge.publish_patience == 30.0
+
+
+async def test_patience_is_capped_at_half_the_admission_timeout() -> None:
+    js = _Js([nats.errors.TimeoutError()] * 100)
+    state = _state(js, 20.0)
+    state.config = tgconfig.from_dict({"edge": {"publish_patience": 20.0,
+                                                "admission_timeout": 1.2},
+                                       "dispatcher": {"ack_wait": 1.0}})
+    started = time.monotonic()
+    with pytest.raises(nats.errors.TimeoutError):
+        await publish_patiently(state, "s", b"x", {"Nats-Msg-Id": "r-1"})
+    assert time.monotonic() - started < 1.0
