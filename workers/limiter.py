@@ -238,12 +238,7 @@ class AdaptiveLimit:
         wait is the path's, not the backend's decode time: counting it would
         let one slow reader, or an edge short of CPU, shrink every stream's
         limit."""
-        decoding = now - first_at - max(0.0, stalled)
-        if tokens > 1 and decoding > 0:
-            self._tokens = (float(tokens) if not self._tokens
-                            else self._tokens + TOKENS_EWMA * (tokens - self._tokens))
-            self._tpot.add(decoding / (tokens - 1), self._concurrency(mark, first_at, now))
-            self._maybe_decide(now)
+        self._decoded(mark, first_at, tokens, now - first_at - max(0.0, stalled), now)
 
     def whole(self, mark: float, started: float, tokens: int, now: float,
               stalled: float = 0.0) -> None:
@@ -255,11 +250,17 @@ class AdaptiveLimit:
         lines took a limit of 200 down to its floor). Its decode time is the
         whole call less the streaming TTFB baseline (0 before one is known)."""
         base = self._ttfb.base if math.isfinite(self._ttfb.base) else 0.0
-        decoding = now - started - base - max(0.0, stalled)
+        self._decoded(mark, started, tokens, now - started - base - max(0.0, stalled), now)
+
+    def _decoded(self, mark: float, since: float, tokens: int, decoding: float,
+                 now: float) -> None:
+        """One decode sample: ``tokens`` output tokens in ``decoding`` seconds
+        of an interval that began at ``since``; it also moves the mean
+        response length the generation-time bound uses."""
         if tokens > 1 and decoding > 0:
             self._tokens = (float(tokens) if not self._tokens
                             else self._tokens + TOKENS_EWMA * (tokens - self._tokens))
-            self._tpot.add(decoding / (tokens - 1), self._concurrency(mark, started, now))
+            self._tpot.add(decoding / (tokens - 1), self._concurrency(mark, since, now))
             self._maybe_decide(now)
 
     def overload(self, now: float) -> None:
