@@ -12,7 +12,9 @@ leader:
   traffic; a line is released only while its model has a free worker slot
   and **no job waits for a worker** (the model's worker consumer has nothing
   pending) and the model is not in queue mode, so an interactive request
-  waits at most for one slot to turn over, never behind the batch. Lines of
+  waits at most for one slot to turn over, never behind the batch; while
+  interactive jobs run, batch holds only ``batch.share_under_load`` of the
+  slots they leave free (``dispatcher.batch_room``). Lines of
   different tenants are released round robin (then batch by batch);
 * reads each line's session messages on its own inbox (``<p>.out.batch.*``,
   ``dispatcher.batch_session``), retries transient failures (5xx, worker lost,
@@ -50,6 +52,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from dispatcher import batch_files as bf
+from dispatcher.batch_room import batch_room
 from dispatcher.batch_session import Limits, LineSession, Verdict
 from dispatcher.queueing import QueueMode
 from tidegate.broker.kvwatch import follow_bucket
@@ -471,9 +474,10 @@ class Runner:
                 slots[model] = slots.get(model, 0) + info.slots
         return slots
 
-    async def _free(self, model: str, unstarted: int) -> int:
-        """Slots of ``model`` batch may take now: 0 while any job waits for a
-        worker or the model is in queue mode (interactive traffic first)."""
+    async def _free(self, model: str, started: int, unstarted: int) -> int:
+        """Lines of ``model`` batch may start now (``dispatcher.batch_room``):
+        0 while any job waits for a worker or the model is in queue mode, every
+        free slot while no interactive job runs, else a share of them."""
         slots = self.slots.get(model, 0)
         if slots <= 0:
             return 0
@@ -501,7 +505,9 @@ class Runner:
                     return 0
             except Exception:
                 return 0
-        return slots - running - unstarted
+        return batch_room(slots=slots, running=running, batch_running=started,
+                          batch_unstarted=unstarted, share=self.config.batch.share_under_load,
+                          waiting=False)
 
     async def _release(self, now: float) -> None:
         runs = [r for r in self.runs.values() if r.ready and not r.stopping]
@@ -513,11 +519,13 @@ class Runner:
         wanted = {p.model for r in runs if (p := r.next_line(now)) is not None}
         if not wanted:
             return
+        started: dict[str, int] = {}
         unstarted: dict[str, int] = {}
         for flight in self.inflight.values():
-            if flight.session.control == "":
-                unstarted[flight.pending.model] = unstarted.get(flight.pending.model, 0) + 1
-        free = {m: await self._free(m, unstarted.get(m, 0)) for m in wanted}
+            # A line's worker is known (its head came) once control is set.
+            count = unstarted if flight.session.control == "" else started
+            count[flight.pending.model] = count.get(flight.pending.model, 0) + 1
+        free = {m: await self._free(m, started.get(m, 0), unstarted.get(m, 0)) for m in wanted}
         by_tenant: dict[str, list[BatchRun]] = {}
         for run in sorted(runs, key=lambda r: r.record.created_at):
             by_tenant.setdefault(run.record.tenant, []).append(run)

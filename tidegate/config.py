@@ -340,6 +340,9 @@ class BatchConfig:
     file_ttl: float = 30 * 86400.0  # files (inputs and results) are kept this long
     lease: float = 3.0  # the batch runner's leadership lease; a dead runner's successor waits this
     max_running: int = 512  # batch lines in flight at once, whatever the free slots say
+    # While interactive jobs run on a model, batch holds at most this share of
+    # the slots they leave free (rounded up); with none running, every free slot.
+    share_under_load: float = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -672,6 +675,9 @@ def _check(config: Config) -> None:
         ("ws.max_missed_pongs", config.ws.max_missed_pongs),
     ):
         _positive(name, value)
+    if not 0 < config.batch.share_under_load <= 1:
+        raise ConfigError(f"batch.share_under_load: must be in (0, 1] (1 = batch may fill "
+                          f"every free slot), got {config.batch.share_under_load}")
     if config.dispatcher.ack_wait >= e.admission_timeout:
         raise ConfigError(f"dispatcher.ack_wait ({config.dispatcher.ack_wait:g}s) must be below "
                           f"edge.admission_timeout ({e.admission_timeout:g}s): a request held "
