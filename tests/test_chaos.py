@@ -37,7 +37,9 @@ async def _scripted(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     if mode == "hang":
-        await asyncio.sleep(30)
+        # Past the classifier's 0.5 s: a hang to it. Not longer, because the
+        # server's cleanup waits for this handler to return.
+        await asyncio.sleep(2)
     await resp.write(_chunk("hello "))
     if mode == "error-event":
         await resp.write(b'data: {"error": {"message": "gap", "type": "server_error", '
