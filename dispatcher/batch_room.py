@@ -1,6 +1,6 @@
 """How many batch lines a model may start now: the batch share rule (sans-I/O).
 
-The runner (``dispatcher.batch``) reads the facts (live slots from the worker
+The runner (``dispatcher.batch_release``) reads the facts (live slots from the worker
 registry, jobs running and waiting from the model's worker consumers, its own
 lines in flight) and asks :func:`batch_room`. Kept apart so the rule is tested
 on numbers, without servers.

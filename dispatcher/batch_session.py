@@ -4,7 +4,8 @@ The batch runner is a client of the pipeline like an edge: it publishes the
 line's :class:`~tidegate.wire.protocol.Request` and reads the session
 messages on its own inbox. :class:`LineSession` turns those messages (and the
 clock) into what the runner must send (acks to the worker) and, at the end,
-one :class:`Outcome`. No I/O here; ``dispatcher.batch`` moves the bytes.
+one :class:`Outcome`. No I/O here; ``dispatcher.batch_release`` and
+``dispatcher.batch_collect`` move the bytes.
 
 How it differs from the edge's relay, and why:
 

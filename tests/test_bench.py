@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tidegate.bench import alternate, loadgen, procstats, runner, scenarios
+from tidegate.bench import alternate, loadgen, procstats, runner, telemetry_bench
 from tidegate.bench.fake_backend import FakeBackend
 from tidegate.bench.profiling import summarize
 from tidegate.errors import TidegateError
@@ -61,9 +61,9 @@ def test_parse_scenarios() -> None:
 def test_telemetry_env_sets_only_the_variant() -> None:
     base = {"PATH": "/bin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://elsewhere:4318",
             "OTEL_SDK_DISABLED": "false"}
-    off = scenarios.telemetry_env("off", "http://127.0.0.1:9", base)
-    metrics = scenarios.telemetry_env("metrics", "http://127.0.0.1:9", base)
-    traced = scenarios.telemetry_env("traced", "http://127.0.0.1:9", base)
+    off = telemetry_bench.telemetry_env("off", "http://127.0.0.1:9", base)
+    metrics = telemetry_bench.telemetry_env("metrics", "http://127.0.0.1:9", base)
+    traced = telemetry_bench.telemetry_env("traced", "http://127.0.0.1:9", base)
 
     def otel(env: dict[str, str]) -> dict[str, str]:
         return {k: v for k, v in env.items() if k.startswith("OTEL_")}
@@ -75,7 +75,7 @@ def test_telemetry_env_sets_only_the_variant() -> None:
     assert traced["PATH"] == "/bin"
     assert "127.0.0.1" in traced["NO_PROXY"]
     with pytest.raises(ValueError, match="variant"):
-        scenarios.telemetry_env("loud", "", base)
+        telemetry_bench.telemetry_env("loud", "", base)
 
 
 def test_telemetry_summary_deltas() -> None:
@@ -87,8 +87,8 @@ def test_telemetry_summary_deltas() -> None:
                 "cpu_s": {"edge": us_chunk / 2e3, "dispatcher": 0.0, "worker": us_chunk / 2e3,
                           "nats-server": 0.0, "otlp-sink": 0.1}}
 
-    summary = scenarios.telemetry_summary([run("off", 40, 2.0), run("metrics", 42, 2.1),
-                                           run("traced", 46, 2.4), run("traced", 48, 2.6)])
+    summary = telemetry_bench.telemetry_summary([run("off", 40, 2.0), run("metrics", 42, 2.1),
+                                                 run("traced", 46, 2.4), run("traced", 48, 2.6)])
     assert summary["variants"]["traced"]["cpu_us_per_chunk"] == 47
     assert summary["variants"]["traced"]["rounds"] == 2
     assert summary["variants"]["off"]["process_us_per_chunk"]["edge"] == 20

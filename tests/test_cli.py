@@ -103,7 +103,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_flags_become_overrides() -> None:
-    from tidegate.cli import _overrides
+    from tidegate.cli.common import _overrides
 
     args = build_parser().parse_args(
         ["edge", "--host", "0.0.0.0", "--port", "9000", "--nats-url", "nats://n:1"])

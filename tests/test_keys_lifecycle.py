@@ -19,7 +19,7 @@ import pytest
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
 from tidegate import config as tgconfig
 from tidegate.broker import broker
-from tidegate.cli import redacted
+from tidegate.cli.common import redacted
 from tidegate.control import keys as tgkeys
 
 pytestmark = pytest.mark.pipeline

@@ -26,9 +26,9 @@ import pytest
 from tests.servers import descendants, is_alive, kill_all, proc_identity, wait_until
 from tidegate import config as tgconfig
 from tidegate.errors import ConfigError, TidegateError
-from tidegate.run.launcher import (
+from tidegate.run.banner import banner
+from tidegate.run.planning import (
     UpOptions,
-    banner,
     child_environment,
     prepare,
 )

@@ -241,6 +241,6 @@ def test_roles_and_table_cover_every_tier() -> None:
     assert "acme.req.>" in rules["edge"].publish_allow
     assert "$KV.ACME_KEYS.>" in rules["edge"].publish_deny
     # The batch runner's inbox name lives in the dispatcher; the table must agree.
-    from dispatcher.batch import INBOX
+    from dispatcher.batch_state import INBOX
 
     assert Subjects().edge_inbox(INBOX) in table(Subjects())["dispatcher"].subscribe_allow

@@ -3,7 +3,11 @@
 Modules: :mod:`~tidegate.bench.loadgen` (closed- and open-loop SSE load),
 :mod:`~tidegate.bench.targets` (the fake backend, tidegate, the plain proxy
 and LiteLLM as child processes), :mod:`~tidegate.bench.scenarios` (what is
-measured), :mod:`~tidegate.bench.procstats` (CPU and RSS from ``/proc``),
+measured: a run's profile; scenarios a and e in
+:mod:`~tidegate.bench.overhead_bench`, b and d in
+:mod:`~tidegate.bench.memory_bench`, c in :mod:`~tidegate.bench.cancel_bench`,
+t in :mod:`~tidegate.bench.telemetry_bench`),
+:mod:`~tidegate.bench.procstats` (CPU and RSS from ``/proc``),
 :mod:`~tidegate.bench.report` (JSON, markdown, plots),
 :mod:`~tidegate.bench.quota` (scenario q, the cost of a quota check),
 :mod:`~tidegate.bench.runner` (the command) and

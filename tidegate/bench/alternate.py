@@ -84,7 +84,7 @@ def summary_line(name: str, result: dict[str, Any]) -> str:
 def _one(concurrency: int, window: float, warmup: float,
          overrides: dict[str, Any]) -> dict[str, Any]:
     """One direct run and one tidegate run on fresh stacks (this process's tree)."""
-    from tidegate.bench import run_async, scenarios
+    from tidegate.bench import overhead_bench, run_async, scenarios
     from tidegate.bench.targets import Targets
 
     profile = dataclasses.replace(scenarios.FULL, concurrencies=(concurrency,),
@@ -95,12 +95,12 @@ def _one(concurrency: int, window: float, warmup: float,
         fake, tidegate = env.start_fake(), env.start_tidegate()
 
         async def both() -> tuple[dict[str, Any], dict[str, Any]]:
-            direct = await scenarios._load_run(fake, profile, "closed", concurrency, None)
-            ours = await scenarios._load_run(tidegate, profile, "closed", concurrency, None)
+            direct = await overhead_bench._load_run(fake, profile, "closed", concurrency, None)
+            ours = await overhead_bench._load_run(tidegate, profile, "closed", concurrency, None)
             return direct, ours
 
         direct, ours = run_async(both())
-    scenarios._add_ratios([direct, ours])  # the bench's own TTFT overhead and throughput ratio
+    overhead_bench._add_ratios([direct, ours])  # the bench's own TTFT overhead and throughput ratio
     if not ours.get("cpu_us_per_chunk") or "ttft_overhead_ms" not in ours:
         raise TidegateError(f"tidegate relayed nothing in the window: {ours.get('errors')}")
     return {"us_per_chunk": ours["cpu_us_per_chunk"], "cpu_s": ours["cpu_s"],

@@ -82,7 +82,7 @@ async def _until(session: aiohttp.ClientSession, target: Target, batch_id: str,
 
 
 async def _ttft_p99(target: Target, profile: Any, streams: int) -> float | None:
-    from tidegate.bench.scenarios import _load_run
+    from tidegate.bench.overhead_bench import _load_run
 
     run = await _load_run(target, profile, "closed", streams, None)
     p99 = run["ttft_ms"].get("p99")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidegate.bench.scenarios import Profile, _add_ratios, _load_run
+from tidegate.bench.overhead_bench import _add_ratios, _load_run
+from tidegate.bench.scenarios import Profile
 from tidegate.bench.targets import Target
 
 __all__ = ["APIS", "responses_overhead"]

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from tidegate.bench import scenarios
+from tidegate.bench import cancel_bench, overhead_bench, scenarios
 from tidegate.bench.targets import Target, Targets
 
 __all__ = ["markdown", "run"]
@@ -38,11 +38,11 @@ async def run(env: Targets, targets: list[Target], profile: scenarios.Profile) -
         runs: list[dict[str, Any]] = []
         for arrival in profile.arrivals:
             for target in (direct, default, resumable):
-                runs.append(await scenarios._load_run(target, profile, "closed", c, None,
-                                                      arrival=arrival))
-        scenarios._add_ratios(runs)
+                runs.append(await overhead_bench._load_run(target, profile, "closed", c, None,
+                                                           arrival=arrival))
+        overhead_bench._add_ratios(runs)
         cancel_profile = dataclasses.replace(profile, cancel_rounds=1)
-        cancel = await scenarios._cancel_run(env, resumable, cancel_profile, explicit=True)
+        cancel = await cancel_bench._cancel_run(env, resumable, cancel_profile, explicit=True)
     finally:
         await asyncio.to_thread(env.stop_stack, "resumable")
     return {"params": {"concurrency": c, "arrivals": list(profile.arrivals),

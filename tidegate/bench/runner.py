@@ -17,6 +17,9 @@ from typing import Any
 from tidegate.bench import (
     affinity_bench,
     batch_bench,
+    cancel_bench,
+    memory_bench,
+    overhead_bench,
     procstats,
     quota,
     report,
@@ -24,6 +27,7 @@ from tidegate.bench import (
     resumable_bench,
     run_async,
     scenarios,
+    telemetry_bench,
     wsbench,
 )
 from tidegate.bench.profiling import PySpy
@@ -141,11 +145,11 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     gateways = [t for t in targets if t.name != "direct"]
     # (e)'s rows are (a)'s runs on the peers: asking for (e) alone runs (a).
     if "a" in letters or set(letters) & set(SCENARIOS) == {"e"}:
-        out["a"] = await scenarios.overhead(targets, profile, spy)
+        out["a"] = await overhead_bench.overhead(targets, profile, spy)
     if "c" in letters:
-        out["c"] = await scenarios.cancel(env, targets, profile)
+        out["c"] = await cancel_bench.cancel(env, targets, profile)
     if "d" in letters:
-        out["d"] = await scenarios.slow_clients(env, gateways, profile)
+        out["d"] = await memory_bench.slow_clients(env, gateways, profile)
     if "r" in letters:
         out["r"] = await responses_bench.responses_overhead(targets, profile)
     if "w" in letters:
@@ -155,11 +159,11 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     if "j" in letters:
         out["j"] = await batch_bench.run(targets, profile, options.quick)
     if "b" in letters:
-        out["b"] = await scenarios.idle(await _pinned_for_idle(env, gateways, profile), profile)
+        out["b"] = await memory_bench.idle(await _pinned_for_idle(env, gateways, profile), profile)
     if "t" in letters:
         if "tidegate" in env.available:  # (a)-(d) are done with it: a quiet machine for (t)
             await asyncio.to_thread(env.stop_stack, "tidegate")
-        out["t"] = await scenarios.telemetry_overhead(env, profile)
+        out["t"] = await telemetry_bench.telemetry_overhead(env, profile)
     if "q" in letters:
         out["q"] = await asyncio.to_thread(quota.run, options.out, options.quick)
     if "f" in letters:  # its own processes: four replicas, two stacks in turn

@@ -46,7 +46,7 @@ from tidegate.wire import streamlog
 from tidegate.wire.subjects import Subjects
 
 #: The edge id the dispatcher's batch runner reads its lines' output under
-#: (dispatcher/batch.py INBOX; tests/test_nats_permissions.py checks they agree).
+#: (dispatcher/batch_state.py INBOX; tests/test_nats_permissions.py checks they agree).
 BATCH_INBOX = "batch"
 
 ROLES = ("edge", "dispatcher", "worker", "admin")

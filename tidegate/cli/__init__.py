@@ -1,0 +1,234 @@
+"""The ``tidegate`` command.
+
+Subcommands::
+
+    tidegate up          everything on one machine (embedded NATS + Redis)
+    tidegate edge        the HTTP/SSE front door
+    tidegate dispatcher  admission, quotas, fairness
+    tidegate worker      backend calls (``--model`` to serve a subset)
+    tidegate config      print the effective config as TOML
+    tidegate bench       the benchmark suite (docs/benchmarks.md)
+    tidegate chaos       streaming load against a local fleet while SIGKILLing it
+    tidegate keys        create, list and revoke API keys (NATS KV)
+    tidegate policy      set, list and delete quota policies (NATS KV)
+    tidegate batches     list, show and cancel batches of every tenant (NATS KV)
+    tidegate tenant      set, list and delete per-tenant settings (resumable streams)
+    tidegate status      live view of models, workers, queues, batches (``--json`` once)
+    tidegate version
+
+Each command group has its module: ``tidegate.cli.tiers`` (up, edge,
+dispatcher, worker), ``tidegate.cli.common`` (the common flags, config,
+nats-config), ``tidegate.cli.admin`` (keys, policy, tenant, batches) and
+``tidegate.cli.tools`` (bench, chaos, status); this one builds the parser and
+maps each command to its function.
+
+Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
+the file and the environment. Tier modules are imported inside their
+subcommand: ``tidegate config`` must work even where a tier cannot import.
+
+Error contract: a :class:`~tidegate.errors.ConfigError` prints
+``tidegate: error: <message naming the key>`` and exits 2; any other
+:class:`~tidegate.errors.TidegateError` prints its message and exits 1. Neither
+ever shows a traceback: they are the user's to fix, not bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+
+from tidegate.cli.admin import _admin_parsers, _cmd_batches, _cmd_keys, _cmd_policy, _cmd_tenant
+from tidegate.cli.common import _cmd_config, _cmd_nats_config, _common
+from tidegate.cli.tiers import _cmd_dispatcher, _cmd_edge, _cmd_up, _cmd_worker
+from tidegate.cli.tools import _cmd_bench, _cmd_chaos, _cmd_status
+from tidegate.errors import ConfigError, TidegateError
+
+PROG = "tidegate"
+
+
+def version() -> str:
+    try:
+        return metadata.version("tidegate")
+    except metadata.PackageNotFoundError:  # running from a checkout, not installed
+        import tidegate
+
+        return str(getattr(tidegate, "__version__", "unknown"))
+
+
+# --------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="tidegate: an LLM streaming gateway over NATS JetStream.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = sub.add_parser("up", help="run everything on this machine",
+                        description="Start an embedded NATS and Redis (unless URLs are given), "
+                                    "a dispatcher, workers and an edge; stop them on Ctrl-C.")
+    _common(up)
+    up.add_argument("--data-dir", metavar="DIR", default=".tidegate",
+                    help="state, logs and the dev key (default: ./.tidegate)")
+    up.add_argument("--host", help="edge listen address (default: config edge.host)")
+    up.add_argument("--port", type=int, help="edge port (default: config edge.port if free, "
+                                             "else any free port)")
+    up.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="worker processes (default: 1)")
+    up.add_argument("--edges", type=int, default=1, metavar="N",
+                    help="edge processes, sharing the port with SO_REUSEPORT (default: 1)")
+    up.add_argument("--dispatchers", type=int, default=1, metavar="N",
+                    help="dispatcher processes (default: 1)")
+    up.add_argument("--crash-limit", type=int, default=5, metavar="N",
+                    help="a child exiting N times within --crash-window stops everything; "
+                         "fewer exits are restarted with backoff (default: 5)")
+    up.add_argument("--crash-window", type=float, default=60.0, metavar="SECONDS",
+                    help="the window of --crash-limit (default: 60)")
+    up.add_argument("--backend", action="append", default=[], metavar="URL",
+                    help="OpenAI-compatible server to put tidegate in front of, e.g. "
+                         "http://127.0.0.1:8000/v1 (repeatable); its /models are served, and a "
+                         "model several backends serve is one model with replicas")
+    up.add_argument("--backend-key-env", metavar="VAR",
+                    help="environment variable holding the backend's API key")
+    up.add_argument("--model", action="append", default=[], metavar="NAME",
+                    help="with --backend: serve these model names instead of listing them")
+    up.add_argument("--no-nats-auth", action="store_true",
+                    help="run the embedded NATS without per-tier users and permissions "
+                         "(default: with them, see docs/security.md)")
+    up.add_argument("--ready-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="how long every child may take to become ready (default: 60)")
+
+    edge = sub.add_parser("edge", help="run the edge tier (HTTP, SSE)")
+    _common(edge)
+    edge.add_argument("--host", help="listen address")
+    edge.add_argument("--port", type=int, help="listen port")
+
+    dispatcher = sub.add_parser("dispatcher", help="run the dispatcher tier")
+    _common(dispatcher)
+
+    worker = sub.add_parser("worker", help="run the worker tier")
+    _common(worker)
+    worker.add_argument("--model", action="append", default=[], metavar="NAME",
+                        help="serve only this configured model (repeatable; default: all)")
+
+    cfg = sub.add_parser("config", help="print the effective config as TOML",
+                         description="Validate the config (file + environment + flags) and "
+                                     "print it as TOML; exit 2 if it is invalid.")
+    _common(cfg)
+
+    bench = sub.add_parser("bench", help="run the benchmark suite on this machine",
+                           description="Measure tidegate against the fake backend directly "
+                                       "and against a plain proxy; see docs/benchmarks.md.")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run of every scenario in under a minute")
+    bench.add_argument("--scenarios", default="a,b,c,d,e", metavar="LIST",
+                       help="comma-separated list of a (overhead), b (idle streams), "
+                            "c (cancel), d (slow clients), e (other gateways), "
+                            "q (quota check cost), t (telemetry overhead: off, metrics, "
+                            "traced), r (Responses API overhead), w (WebSocket against "
+                            "SSE), j (batch API), f (affinity across 4 replicas, on and "
+                            "off), s (resumable streams: CPU per chunk, explicit cancel) "
+                            "(default: a,b,c,d,e; f, j, q, r, s, t and w only when named)")
+    bench.add_argument("--out", default="bench-results", metavar="DIR",
+                       help="results folder (default: ./bench-results)")
+    bench.add_argument("--idle-streams", type=int, metavar="N",
+                       help="streams held open in scenario b (default: 10000, quick: 100)")
+    bench.add_argument("--py-spy", action="store_true",
+                       help="profile the edge and worker with py-spy during scenario a")
+    bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a key of the benchmarked tidegate's config, e.g. "
+                            "worker.fetch_timeout=0.05 (repeatable)")
+
+    chaos = sub.add_parser(
+        "chaos", help="streaming load against a local fleet while SIGKILLing its processes",
+        description="Runs 3 NATS nodes (R3 streams), Redis, 2 edges (one port), 2 dispatchers "
+                    "and 2 workers on this machine, streams chat completions through them and "
+                    "SIGKILLs a random process of a random kind every few seconds (restarting "
+                    "it). Prints every request's class (complete, clean error, connection "
+                    "lost, silent truncation, hang); exit 1 on any truncation or hang.")
+    chaos.add_argument("--duration", type=float, default=60.0, metavar="SECONDS",
+                       help="how long the load and the kills run (default: 60)")
+    chaos.add_argument("--concurrency", type=int, default=8, metavar="N",
+                       help="streaming clients (default: 8)")
+    chaos.add_argument("--seed", type=int, default=1, help="seed of the kill schedule")
+    chaos.add_argument("--out", metavar="FILE", help="also write the JSON report here")
+    chaos.add_argument("--no-resume", action="store_true",
+                       help="plain streams: a lost connection ends the request (default: "
+                            "resumable streams, resumed on any edge after a lost connection)")
+
+    status = sub.add_parser(
+        "status", help="live view of models, workers, queues and rates",
+        description="Models (workers, slots, queue depth, oldest waiting job, queue mode, "
+                    "rates) and live workers, read from NATS and Redis. Ctrl-C quits.")
+    _common(status)
+    status.add_argument("--json", action="store_true",
+                        help="print one JSON document (rates over --interval) and exit")
+    status.add_argument("--once", action="store_true",
+                        help="print the view once (rates over --interval) and exit")
+    status.add_argument("--interval", type=float, metavar="SECONDS",
+                        help="refresh interval, and the window of the rates (default: 2; "
+                             "1 with --json or --once)")
+    status.add_argument("--data-dir", metavar="DIR",
+                        help="a tidegate up's data dir: show its processes and restarts "
+                             "(default: the --config file's directory)")
+
+    _admin_parsers(sub)
+    natscfg = sub.add_parser(
+        "nats-config", help="write nats-server users and per-tier credentials",
+        description="Write DIR/auth.conf (an authorization block: one user per tier with "
+                    "least-privilege permissions) and DIR/<tier>.creds.toml; see "
+                    "docs/security.md.")
+    _common(natscfg)
+    natscfg.add_argument("--out", metavar="DIR", default=".tidegate/nats-auth",
+                         help="where to write (default: .tidegate/nats-auth)")
+    natscfg.add_argument("--rotate", action="store_true",
+                         help="new passwords even where credentials exist")
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+# --------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------
+
+
+def _cmd_version(_args: argparse.Namespace) -> int:
+    print(f"{PROG} {version()}")
+    return 0
+
+
+_COMMANDS = {
+    "up": _cmd_up,
+    "edge": _cmd_edge,
+    "dispatcher": _cmd_dispatcher,
+    "worker": _cmd_worker,
+    "config": _cmd_config,
+    "version": _cmd_version,
+    "bench": _cmd_bench,
+    "chaos": _cmd_chaos,
+    "keys": _cmd_keys,
+    "policy": _cmd_policy,
+    "batches": _cmd_batches,
+    "tenant": _cmd_tenant,
+    "status": _cmd_status,
+    "nats-config": _cmd_nats_config,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tidegate`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except TidegateError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

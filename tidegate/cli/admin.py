@@ -1,0 +1,216 @@
+"""``tidegate keys``, ``policy``, ``tenant`` and ``batches``: the commands on
+control data in NATS KV, with their parsers and argument types."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tidegate.cli.common import _common, load_config
+
+
+def _name(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def _limit(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = unlimited), got {number}")
+    return number
+
+
+def _models(value: str) -> tuple[str, ...]:
+    from tidegate.control.admin import UsageError, parse_models
+
+    try:
+        return parse_models(value)
+    except UsageError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated model names, got {value!r}") from None
+
+
+def _key_id(value: str) -> str:
+    value = value.strip().lower()
+    if len(value) < 12 or any(c not in "0123456789abcdef" for c in value):
+        raise argparse.ArgumentTypeError(
+            f"a key id is the 12 hex characters `tidegate keys list` shows, got {value!r}")
+    return value
+
+
+def _duration(value: str) -> float:
+    from tidegate.control.admin import UsageError, parse_duration
+
+    try:
+        return parse_duration(value)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _admin_parsers(sub: Any) -> None:
+    keys = sub.add_parser("keys", help="create, list and revoke API keys",
+                          description="API keys live hashed in the NATS KV bucket TG_KEYS; "
+                                      "edges pick up changes within a second. See "
+                                      "docs/keys-and-policies.md.")
+    keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (once)")
+    _common(create)
+    create.add_argument("--tenant", required=True, type=_name, help="tenant the key bills to")
+    create.add_argument("--user", type=_name, help="user within the tenant (optional)")
+    create.add_argument("--models", type=_models, default=(), metavar="A,B",
+                        help="models the key may use (default: all)")
+    create.add_argument("--json", action="store_true", help="print the key and record as JSON")
+    create.add_argument("--expires", type=_duration, default=0.0, metavar="DURATION",
+                        help="the key stops working after this long, e.g. 30d, 12h "
+                             "(default: never)")
+    rotate = keys_sub.add_parser(
+        "rotate", help="replace a key: a new one now, the old one expires after --overlap")
+    _common(rotate)
+    rotate.add_argument("key_id", metavar="KEY_ID", type=_key_id,
+                        help="the key id shown by `keys create` / `keys list`")
+    rotate.add_argument("--overlap", type=_duration, default=3600.0, metavar="DURATION",
+                        help="how long the old key keeps working (default: 1h)")
+    rotate.add_argument("--expires", type=_duration, default=0.0, metavar="DURATION",
+                        help="the new key's lifetime (default: never)")
+    rotate.add_argument("--json", action="store_true", help="print JSON")
+    listing = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
+    _common(listing)
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its key id")
+    _common(revoke)
+    revoke.add_argument("key_id", metavar="KEY_ID", type=_key_id,
+                        help="the key id shown by `keys create` / `keys list`")
+
+    policy = sub.add_parser("policy", help="set, list and delete quota policies",
+                            description="Quota policies live in the NATS KV bucket "
+                                        "TG_POLICIES; dispatchers pick up changes within a "
+                                        "second. See docs/keys-and-policies.md.")
+    policy_sub = policy.add_subparsers(dest="policy_command", metavar="ACTION", required=True)
+    pset = policy_sub.add_parser(
+        "set", help="set the limits of one scope (replacing its previous policy)",
+        description="Scope: --tenant, --model, --tenant with --model, --tenant with --user. "
+                    "Limits left out are unlimited; give at least one.")
+    pdelete = policy_sub.add_parser("delete", help="delete the policy of one scope")
+    for p in (pset, pdelete):
+        _common(p)
+        # No string defaults: argparse would run them through the type check.
+        p.add_argument("--tenant", type=_name, help="tenant (default: any)")
+        p.add_argument("--model", type=_name, help="model (default: any)")
+        p.add_argument("--user", type=_name, help="user of --tenant (default: any)")
+    pset.add_argument("--rpm", type=_limit, metavar="N", help="requests per minute")
+    pset.add_argument("--tpm", type=_limit, metavar="N", help="tokens per minute")
+    pset.add_argument("--concurrency", type=_limit, metavar="N", help="concurrent streams")
+    plist = policy_sub.add_parser("list", help="list policies")
+    _common(plist)
+    plist.add_argument("--json", action="store_true", help="print JSON")
+    _tenant_parsers(sub)
+
+
+def _on_off(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
+    return number
+
+
+def _tenant_parsers(sub: Any) -> None:
+    tenant = sub.add_parser("tenant", help="set, list and delete per-tenant settings",
+                            description="Tenant settings (resumable streams) live in the NATS "
+                                        "KV bucket TG_TENANTS; edges pick up changes within a "
+                                        "second. See docs/resume.md.")
+    tenant_sub = tenant.add_subparsers(dest="tenant_command", metavar="ACTION", required=True)
+    tset = tenant_sub.add_parser("set", help="set a tenant's settings (replacing them)")
+    _common(tset)
+    tset.add_argument("tenant", metavar="TENANT", type=_name)
+    tset.add_argument("--resumable", type=_on_off, required=True, metavar="on|off",
+                      help="every streaming request of the tenant is resumable")
+    tset.add_argument("--grace", type=_seconds, metavar="SECONDS",
+                      help="the tenant's resume grace (default: resume.grace)")
+    tdelete = tenant_sub.add_parser("delete", help="delete a tenant's settings")
+    _common(tdelete)
+    tdelete.add_argument("tenant", metavar="TENANT", type=_name)
+    tlist = tenant_sub.add_parser("list", help="list tenant settings")
+    _common(tlist)
+    tlist.add_argument("--json", action="store_true", help="print JSON")
+
+    batches = sub.add_parser("batches", help="list, show and cancel batches",
+                             description="Batches of every tenant, from the NATS KV bucket "
+                                         "TG_BATCHES. See docs/batch.md.")
+    batches_sub = batches.add_subparsers(dest="batches_command", metavar="ACTION",
+                                         required=True)
+    blist = batches_sub.add_parser("list", help="list batches, newest first")
+    _common(blist)
+    blist.add_argument("--tenant", type=_name, help="only this tenant's")
+    blist.add_argument("--status", help="only batches in this status (e.g. in_progress)")
+    blist.add_argument("--json", action="store_true", help="print JSON")
+    for action, text in (("show", "print one batch as JSON"),
+                         ("cancel", "cancel a batch (as its tenant's API call would)")):
+        p = batches_sub.add_parser(action, help=text)
+        _common(p)
+        p.add_argument("batch_id", metavar="BATCH_ID", help="batch_...")
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from tidegate.control import admin
+
+    config = load_config(args)
+    if args.keys_command == "create":
+        return admin.keys_create(config, args.tenant, args.user or "", args.models, args.json,
+                                 expires_in=args.expires)
+    if args.keys_command == "list":
+        return admin.keys_list(config, args.json)
+    if args.keys_command == "rotate":
+        return admin.keys_rotate(config, args.key_id, args.overlap, args.expires, args.json)
+    return admin.keys_revoke(config, args.key_id)
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from tidegate.control import admin
+
+    config = load_config(args)
+    if args.policy_command == "set":
+        return admin.policy_set(config, args.tenant or "", args.model or "", args.user or "",
+                                args.rpm, args.tpm, args.concurrency)
+    if args.policy_command == "list":
+        return admin.policy_list(config, args.json)
+    return admin.policy_delete(config, args.tenant or "", args.model or "", args.user or "")
+
+
+def _cmd_batches(args: argparse.Namespace) -> int:
+    from tidegate.control import batch_admin
+
+    config = load_config(args)
+    if args.batches_command == "list":
+        return batch_admin.batches_list(config, args.json, args.tenant or "",
+                                        args.status or "")
+    if args.batches_command == "show":
+        return batch_admin.batches_show(config, args.batch_id)
+    return batch_admin.batches_cancel(config, args.batch_id)
+
+
+def _cmd_tenant(args: argparse.Namespace) -> int:
+    from tidegate.control import tenants
+
+    config = load_config(args)
+    if args.tenant_command == "set":
+        return tenants.cli_set(config, args.tenant, args.resumable, args.grace)
+    if args.tenant_command == "list":
+        return tenants.cli_list(config, args.json)
+    return tenants.cli_delete(config, args.tenant)

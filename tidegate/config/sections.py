@@ -1,0 +1,374 @@
+"""The config's shape: one frozen dataclass per TOML section, with its defaults.
+
+:func:`tidegate.config.load` builds them; ``tidegate.config`` re-exports every
+name here, so ``from tidegate.config import ModelConfig`` is the import to use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tidegate.wire.subjects import Subjects
+
+BackendKind = Literal["simulator", "openai"]
+# A model's worker concurrency: a pinned number, or "auto" (workers.limiter).
+StreamLimit = int | Literal["auto"]
+StorageKind = Literal["file", "memory"]
+QuotaFailure = Literal["closed", "open"]
+AffinityMode = Literal["auto", "off"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatorConfig:
+    """The built-in model: deterministic text at a configurable pace."""
+
+    ttft: float = 0.05  # seconds before the first token
+    tokens_per_second: float = 50.0
+    length: int = 64  # tokens generated when the request sets no max_tokens
+    embedding_dimensions: int = 256  # vector size when an embeddings request sets none
+    # A prefix-cache model (docs/routing.md): the first token also waits this
+    # many seconds per prompt character this worker's cache did not hold.
+    prefill_per_char: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueModeConfig:
+    """When a model's backend gets slow, admit only what it handled well and
+    queue the rest fairly (see docs/queue-mode.md). Off while ``ttft_p99`` is 0."""
+
+    ttft_p99: float = 0.0  # seconds; P99 TTFT above this is a bad window (0 = never queue)
+    window: float = 10.0  # seconds per measurement window
+    enter_after: int = 3  # consecutive bad windows before queue mode
+    exit_after: int = 3  # consecutive good windows before leaving it
+    exit_ratio: float = 0.7  # a good window in queue mode has P99 below ttft_p99 x this
+    max_queued: int = 1000  # hard bound; past it, 503 + Retry-After
+    ttl: float = 60.0  # a queued request waits at most this long, then 503
+    min_concurrency: int = 1  # admission floor while in queue mode
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model that clients can name, and how workers reach it."""
+
+    name: str
+    backend: BackendKind = "simulator"
+    aliases: tuple[str, ...] = ()
+    base_url: str = ""  # OpenAI-compatible base, e.g. http://127.0.0.1:8000/v1
+    # Several replicas of one model (instead of base_url): each has its own
+    # queue besides the model's shared one, see docs/routing.md.
+    base_urls: tuple[str, ...] = ()
+    upstream_model: str = ""  # name the backend knows; defaults to `name`
+    api_key_env: str = ""  # environment variable holding the backend's API key
+    # Concurrent streams per worker process: a number pins it; "auto" lets
+    # each worker find what the backend serves well from its latency
+    # (workers.limiter), between min_streams and max_streams_limit. Unset
+    # (None): "auto" for backend = "openai", 64 for the simulator, whose pace
+    # does not depend on load (so there is no limit to find).
+    max_streams: StreamLimit | None = None
+    min_streams: int = 4  # "auto" never goes below this, and starts from it
+    max_streams_limit: int = 1024  # "auto" never goes above this
+    # "auto": time per output token (and, 1.5x as lenient, time to first byte)
+    # may exceed its uncongested baseline by this factor before the worker
+    # backs off. Larger trades latency for throughput.
+    latency_tolerance: float = 1.3
+    connect_timeout: float = 10.0
+    first_byte_timeout: float = 300.0  # backend silence before its first byte
+    idle_timeout: float = 120.0  # backend silence between two chunks
+    # Tokens reserved against quotas for the completion when the request sets
+    # no max_tokens (the prompt is estimated separately); actual usage
+    # reconciles the reservation afterwards.
+    reserve_max_tokens: int = 1024
+    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
+    queue: QueueModeConfig = field(default_factory=QueueModeConfig)
+    # Every streaming request for this model is resumable (docs/resume.md).
+    resumable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_streams is None:  # the backend's default (see max_streams)
+            object.__setattr__(self, "max_streams",
+                               "auto" if self.backend == "openai" else 64)
+
+    @property
+    def backend_model(self) -> str:
+        return self.upstream_model or self.name
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The base URL of every backend replica (``base_urls``, else ``base_url``)."""
+        return self.base_urls or ((self.base_url,) if self.base_url else ())
+
+    @property
+    def replica_names(self) -> tuple[str, ...]:
+        """Each replica's name: its URL without the scheme (``10.0.0.5:8000/v1``),
+        stable across restarts and readable in ``tidegate status``."""
+        return tuple(replica_name(url) for url in self.replicas)
+
+    def for_replica(self, name: str) -> ModelConfig:
+        """This model as served by one replica (its ``base_url``)."""
+        url = dict(zip(self.replica_names, self.replicas, strict=True))[name]
+        return dataclasses.replace(self, base_url=url, base_urls=())
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether workers size this model's concurrency themselves."""
+        return self.max_streams == "auto"
+
+    @property
+    def initial_streams(self) -> int:
+        """A worker's slots at start: the pinned number, or where "auto" begins."""
+        return self.max_streams if isinstance(self.max_streams, int) else self.min_streams
+
+    @property
+    def streams_ceiling(self) -> int:
+        """The most slots a worker may ever have for this model."""
+        return self.max_streams if isinstance(self.max_streams, int) else self.max_streams_limit
+
+
+def replica_name(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    edge_id: str = ""  # unique per process; generated when empty
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    admission_timeout: float = 30.0  # no dispatcher answer within this: 503
+    # A request publish that gets no PubAck (a NATS node died, a leader
+    # election) is retried for this long before 503 broker_unavailable; the
+    # Nats-Msg-Id dedup makes the retry safe. 0: answer 503 at once. Capped
+    # at half of admission_timeout, so the dispatcher still has time after it.
+    publish_patience: float = 10.0
+    queue_timeout: float = 300.0  # admitted, but no worker started it within this: 503
+    request_timeout: float = 1800.0  # hard cap on one response
+    max_response_bytes: int = 8 << 20  # non-streaming response body cap
+    shutdown_timeout: float = 30.0  # SIGTERM: open streams may finish within this
+    # A client whose socket does not drain within this is disconnected and its
+    # request cancelled: it would otherwise hold a worker slot and a window.
+    slow_client_timeout: float = 30.0
+    # TCP keepalive on client sockets (seconds idle before probing, seconds
+    # between probes, probes before the kernel drops the connection); 0 = off.
+    keepalive_idle: int = 60
+    keepalive_interval: int = 10
+    keepalive_count: int = 6
+    # SO_REUSEPORT on the listening socket: several edge processes on one host
+    # share one port and the kernel spreads connections across them.
+    reuse_port: bool = False
+    # -- hostile-client limits (docs/security.md) --
+    max_json_depth: int = 64  # deeper JSON bodies get 400 invalid_json
+    header_timeout: float = 10.0  # first request's headers must arrive within this (slowloris)
+    body_timeout: float = 30.0  # the whole body must arrive within this, else 408
+    idle_timeout: float = 75.0  # an idle kept-alive connection is closed after this
+    max_line_size: int = 8190  # request line bytes
+    max_field_size: int = 8190  # bytes of one header line
+    max_headers: int = 100  # header lines per request
+    max_connections: int = 20_000  # open client connections per edge (0 = no cap)
+    max_connections_per_ip: int = 1_000  # open connections per client address (0 = no cap)
+    # HTTPS: PEM certificate chain and key; both empty = plain HTTP.
+    tls_cert: str = ""
+    tls_key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WsConfig:
+    """WebSocket ingress (``GET /v1/ws`` on the edge, docs/websocket.md)."""
+
+    max_concurrent: int = 16  # generations at once per socket; more get too_many_concurrent
+    # Largest client frame; a bigger one closes the socket with 1009.
+    max_message_bytes: int = 1 << 20
+    auth_timeout: float = 10.0  # no Bearer header: the auth message must come within this
+    # Liveness: a ping only after idle_before_ping seconds without traffic either
+    # way, then every ping_interval while still idle; a ping unanswered for
+    # pong_timeout is missed, and max_missed_pongs misses in a row close the socket.
+    idle_before_ping: float = 30.0
+    ping_interval: float = 20.0
+    pong_timeout: float = 20.0
+    max_missed_pongs: int = 2
+    # Also send {"type": "ping"} text frames (browsers cannot see protocol pings).
+    app_pings: bool = False
+    # permessage-deflate: ~50 KiB of zlib state per socket and CPU per frame.
+    compress: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """What edge and worker must agree on for one stream."""
+
+    window_bytes: int = 64 << 10  # unacked bytes a worker may have in flight
+    window_msgs: int = 128  # unacked messages a worker may have in flight
+    heartbeat_interval: float = 15.0  # worker heartbeat / edge ": ping" while silent
+    worker_lost_after: int = 3  # heartbeats missed before the edge gives up
+    # A worker with output unacknowledged for this long takes the edge (or its
+    # client) as gone and cancels the backend. Above edge.slow_client_timeout,
+    # so a slow client is handled by its edge, with a clear error, first.
+    ack_timeout: float = 40.0
+
+
+@dataclass(frozen=True, slots=True)
+class NatsConfig:
+    url: str = "nats://127.0.0.1:4222"
+    subject_prefix: str = "tg"
+    connect_timeout: float = 5.0
+    request_timeout: float = 5.0  # JetStream publish / API calls
+    # Per-tier login written by `tidegate nats-config` (a TOML file: user,
+    # password, inbox_prefix); "{tier}" is replaced by the connecting tier's
+    # name (edge, dispatcher, worker, admin). Empty: connect without auth.
+    credentials: str = ""
+    # TLS to NATS: CA bundle to verify the server, optional client cert + key.
+    # A tls:// URL or tls_ca turns TLS on.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.subject_prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    timeout: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamsConfig:
+    """JetStream stream limits. A full requests stream is load shedding: 503."""
+
+    replicas: int = 1
+    storage: StorageKind = "file"
+    requests_max_msgs: int = 100_000
+    requests_max_bytes: int = 1 << 30
+    jobs_max_msgs: int = 100_000
+    jobs_max_bytes: int = 1 << 30
+    duplicate_window: float = 120.0  # Nats-Msg-Id dedup window, seconds
+    max_age: float = 3600.0  # a request older than this is useless to anyone
+    usage_max_age: float = 86400.0  # usage records are kept this long for billing consumers
+    usage_max_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherConfig:
+    batch: int = 64  # requests pulled per fetch
+    # Redis (quota store) unreachable: "closed" rejects with 503 (no request
+    # runs unmetered), "open" admits without quotas. Either way it is logged.
+    quota_failure: QuotaFailure = "closed"
+    # Redelivery delay when a dispatcher dies holding a request. Dispatching takes
+    # milliseconds, so this can be short; it must stay well below
+    # edge.admission_timeout or clients time out just as their request is retried.
+    ack_wait: float = 10.0
+    fetch_timeout: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    # JetStream redelivers a job after this without progress (in-progress acks
+    # go every third of it). Below heartbeat_interval x (worker_lost_after - 1)
+    # so a job whose worker died before its first chunk restarts elsewhere
+    # before its edge gives up.
+    ack_wait: float = 20.0
+    max_deliver: int = 5
+    read_bytes: int = 16 << 10  # largest chunk message (whole SSE events) to the edge
+    # Messages to one edge within one loop iteration go as one NATS message of
+    # at most this many bytes (tidegate.mux); 0 = one NATS message each.
+    coalesce_bytes: int = 128 << 10
+    fetch_timeout: float = 1.0
+    shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
+    max_response_bytes: int = 8 << 20  # non-streaming backend body cap
+    models: tuple[str, ...] = ()  # serve only these models; empty = every configured model
+    # Of models with several replicas, serve only these (replica names, see
+    # ModelConfig.replica_names); empty = every replica.
+    replicas: tuple[str, ...] = ()
+    # A redelivered job waits this long for its edge to confirm the client is
+    # still there and got nothing yet; otherwise it is dropped, not run twice.
+    resume_timeout: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Session affinity across a model's replicas (docs/routing.md). Models
+    with one replica are not affected."""
+
+    affinity: AffinityMode = "auto"
+    home_ttl: float = 600.0  # a conversation's home is forgotten after this idle time
+    # A job routed to its home that no worker claimed within this also goes to
+    # the shared queue (a stale registry, a replica that just died).
+    max_affinity_wait: float = 0.5
+    key_user: bool = False  # mix the request's `user` into the affinity key
+    prefix_bytes: int = 4096  # prefix text hashed into the key, at most
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """The Files + Batches API (docs/batch.md). Limits default to OpenAI's."""
+
+    max_file_bytes: int = 200 << 20  # an upload larger than this gets 413
+    max_lines: int = 50_000  # requests per batch input file
+    max_line_bytes: int = 1 << 20  # one input line (a request must fit one NATS message)
+    max_retries: int = 3  # transient failures (5xx, worker lost) retried per line first
+    max_window: float = 86400.0  # longest completion_window accepted, seconds ("24h")
+    file_ttl: float = 30 * 86400.0  # files (inputs and results) are kept this long
+    lease: float = 3.0  # the batch runner's leadership lease; a dead runner's successor waits this
+    max_running: int = 512  # batch lines in flight at once, whatever the free slots say
+    # While interactive jobs run on a model, batch holds at most this share of
+    # the slots they leave free (rounded up); with none running, every free slot.
+    share_under_load: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeConfig:
+    """Resumable streams (docs/resume.md)."""
+
+    retention: float = 600.0  # how long a stream's log can be read after it was written
+    grace: float = 15.0  # generation continues this long after the last reader left
+    max_grace: float = 300.0  # cap on a request's X-Tidegate-Resume-Grace
+    max_stream_bytes: int = 8 << 20  # log bound per stream; past it, no resume
+    max_bytes: int = 1 << 30  # the whole log stream (oldest streams age out first)
+    retry_ms: int = 1000  # the SSE `retry:` the client's EventSource waits before reconnecting
+    # A resumed reader re-attaches this often; the worker drops a reader it has
+    # not heard from for 3 of these (an edge killed without a word).
+    attach_interval: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    keys: tuple[str, ...] = ()  # static API keys, tenant "default"
+    dev_key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: str = "INFO"
+    json: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
+    ws: WsConfig = field(default_factory=WsConfig)
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    streams: StreamsConfig = field(default_factory=StreamsConfig)
+    dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
+    models: tuple[ModelConfig, ...] = (ModelConfig(name="tidegate-sim", aliases=("sim",)),)
+
+    def model_index(self) -> dict[str, ModelConfig]:
+        """Every name a client may use (names and aliases) -> its model."""
+        index: dict[str, ModelConfig] = {}
+        for model in self.models:
+            for name in (model.name, *model.aliases):
+                index[name] = model
+        return index
+
+    def api_keys(self) -> tuple[str, ...]:
+        return (*self.auth.keys, self.auth.dev_key) if self.auth.dev_key else self.auth.keys
