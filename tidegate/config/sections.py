@@ -315,7 +315,7 @@ class BatchConfig:
     max_running: int = 512  # batch lines in flight at once, whatever the free slots say
     # While interactive jobs run on a model, batch holds at most this share of
     # the slots they leave free (rounded up); with none running, every free slot.
-    share_under_load: float = 0.1
+    share_under_load: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
