@@ -448,3 +448,52 @@ def test_tens_of_ms_of_ttfb_jitter_are_not_congestion() -> None:
     for _ in range(8):  # 80 ms: 4x the baseline, 60 ms of excess
         limit.ttfb(limit.mark(0.12), 0.12, 0.2)
     assert limit.limit > grown
+
+
+
+
+def _windows(limit: AdaptiveLimit, t: float, streams: int | None, seconds_per_51: float,
+             n: int) -> float:
+    """``n`` windows of three responses of 51 tokens, each taking
+    ``seconds_per_51``, at exactly ``streams`` in flight (None: as many as the
+    limit allows, as a worker with a backlog runs); returns the time after."""
+    for _ in range(n):
+        want = limit.limit if streams is None else streams
+        for _ in range(limit.in_flight - want):
+            limit.release(t)
+        if limit.in_flight < want:
+            _fill(limit, want - limit.in_flight, t)
+        t += max(WINDOW, seconds_per_51) + 0.01
+        for _ in range(MIN_SAMPLES):
+            limit.tpot(limit.mark(t - seconds_per_51), t - seconds_per_51, 51, t)
+    return t
+
+
+def test_a_catch_up_window_at_high_concurrency_does_not_lower_the_baseline() -> None:
+    """A worker short of CPU reads a response's first chunk late and the rest
+    in a few catch-up reads: its decode time looks short. Such a window at a
+    concurrency far above the baseline's must not become the baseline, or
+    every later window at the backend's real pace looks congested and the
+    limit sinks to its floor (seen at 1,000 streams: 10.1 -> 6.8 ms, 1,024 ->
+    4 streams)."""
+    limit = AdaptiveLimit(4, 1024, initial=8, now=0.0)
+    t = _windows(limit, 0.0, None, 0.5, 7)  # slow start at 10 ms a token: 8 -> 1024
+    assert limit.limit == 1024
+    t = _windows(limit, t, 512, 0.34, 1)  # 512 streams, catch-up reads: "6.8 ms" a token
+    t = _windows(limit, t, 512, 0.5, 1)  # the real 10 ms at 512: leaves slow start
+    held = limit.limit
+    _windows(limit, t, None, 0.5, 8)  # the backend's real 10 ms, as many as allowed
+    assert limit.limit >= held  # 10 ms is the baseline's pace: no congestion
+
+
+def test_a_faster_window_near_the_baselines_concurrency_lowers_it() -> None:
+    """At about the concurrency the baseline was measured at, a faster window
+    is the backend's real floor: it becomes the baseline, and the old pace is
+    congestion from then on."""
+    limit = AdaptiveLimit(1, 1024, initial=32, now=0.0)
+    t = _windows(limit, 0.0, 32, 0.5, 1)  # the baseline: 10 ms a token at 32 streams
+    limit.overload(t)  # steady state: 16
+    t = _windows(limit, t, None, 0.2, 1)  # 4 ms a token at 16 streams
+    held = limit.limit
+    _windows(limit, t, None, 0.5, 3)  # 10 ms again: 2.5x the new baseline
+    assert limit.limit < held

@@ -19,7 +19,9 @@ Signals, both per job, never per chunk:
   cannot run yet. It reacts within one TTFB instead of one whole response.
 
 Each is compared with its **uncongested baseline**, the lowest window mean
-seen (a mean over a window, not one lucky sample). The congestion ratio ``c``
+seen (a mean over a window, not one lucky sample) at a concurrency near the
+one it was first measured at (``_Signal``: a window "faster" at a much higher
+concurrency measured a lagging reader, not the backend). The congestion ratio ``c``
 of a window is the worse of two:
 
 * TPOT over its baseline;
@@ -115,6 +117,9 @@ TTFB_LENIENCY = 3.0
 TTFB_SLACK = 0.1
 TOKENS_EWMA = 0.1  # weight of one completed job in the mean output tokens per job
 GROWTH = 0.25  # steady-state growth per window at full headroom
+# A window lowers a baseline only at up to this many times the concurrency
+# the baseline was measured at (_Signal).
+BASE_SPREAD = 2.0
 
 
 class Phase(Enum):
@@ -123,12 +128,24 @@ class Phase(Enum):
 
 
 class _Signal:
-    """One latency signal's window sums and its baseline."""
+    """One latency signal's window sums and its baseline.
 
-    __slots__ = ("base", "n", "sum", "x_max", "x_sum")
+    The baseline is the lowest window mean seen **at a concurrency no higher
+    than BASE_SPREAD times the one the baseline was taken at**. More streams
+    never make a backend's step faster, so a window that looks faster at a
+    much higher concurrency measured the worker's reading, not the backend:
+    a worker short of CPU reads a response's first chunk late and the rest in
+    a few catch-up reads, and that response's decode time looks short. Seen at
+    1,000 streams on a 2-core box: one such window took the TPOT baseline from
+    10.1 to 6.8 ms, every later window looked 1.5x congested, and the limit
+    sank from 1,024 to its floor of 4 while the backend had room for hundreds.
+    """
+
+    __slots__ = ("base", "base_x", "n", "sum", "x_max", "x_sum")
 
     def __init__(self) -> None:
         self.base = math.inf
+        self.base_x = math.inf  # the mean concurrency of the window that set base
         self.n = 0
         self.sum = 0.0
         self.x_sum = 0.0
@@ -148,17 +165,19 @@ class _Signal:
         if not self.n:
             return 0.0, 0.0, 0.0
         mean = self.sum / self.n
-        if mean < self.base:
-            self.base = mean
-        ratio = max(self.base, mean - slack) / self.base if self.base > 0 else 1.0
         x, x_max = self.x_sum / self.n, self.x_max
+        if mean < self.base and (self.base_x == math.inf or x <= BASE_SPREAD * self.base_x):
+            self.base, self.base_x = mean, x
+        ratio = max(self.base, mean - slack) / self.base if self.base > 0 else 1.0
         self.n, self.sum, self.x_sum, self.x_max = 0, 0.0, 0.0, 0.0
         return ratio, x, x_max
 
-    def rebase(self, ratio: float) -> None:
-        """Take the mean of a window that was ``ratio`` above the baseline as the baseline."""
+    def rebase(self, ratio: float, x: float) -> None:
+        """Take the mean of a window that was ``ratio`` above the baseline, at
+        concurrency ``x``, as the baseline."""
         if ratio > 1.0 and math.isfinite(self.base):
             self.base *= ratio
+            self.base_x = x
 
 
 class AdaptiveLimit:
@@ -321,8 +340,8 @@ class AdaptiveLimit:
             self.phase = Phase.STEADY
             if self._limit <= self.min_limit:
                 # Slow even at the floor: that is this backend's normal now.
-                self._tpot.rebase(tpot_ratio)
-                self._ttfb.rebase(ttfb_ratio)
+                self._tpot.rebase(tpot_ratio, x)
+                self._ttfb.rebase(ttfb_ratio, x)
                 return
             self._set(min(self._limit, max(x * self.target / c, self._limit / 2)))
         elif c < self.target:
