@@ -122,10 +122,25 @@ SERVER_FIXTURES = frozenset({"nats_server", "redis_server", "module_nats_server"
 SERVER_COMMANDS = frozenset({"up", "edge", "dispatcher", "worker", "bench"})
 
 
+# The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup` in
+# pyproject.toml): most of its time is spent waiting on processes it started,
+# not on the CPU. Each test file is one group, so a module-scoped pipeline
+# starts once, on one worker. The files that run `tidegate up` share a group:
+# up takes ports 4222, 6379 and 8080 when they are free, and two stacks
+# probing them at once could both pick the same one (edges even share theirs,
+# with SO_REUSEPORT).
+UP_FILES = frozenset({"test_cli.py", "test_launcher.py", "test_readme.py",
+                      "test_supervisor.py"})
+
+
+# tryfirst: xdist reads the group marks in its own hook of this name.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.pipeline)
+        group = "tidegate-up" if item.path.name in UP_FILES else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def starts_servers(argv: Sequence[str]) -> bool:
