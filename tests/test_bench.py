@@ -143,7 +143,8 @@ async def test_closed_loop_streams_the_responses_api() -> None:
 def test_py_spy_raw_summary(tmp_path: Path) -> None:
     raw = tmp_path / "raw.txt"
     raw.write_text(
-        "MainThread;Runner.run (asyncio/runners.py:118);_relay (edge/relay.py:9);"
+        "MainThread;Runner.run (asyncio/runners.py:118);"
+        "run_service (tidegate/run/runtime.py:40);_relay (edge/relay.py:9);"
         "write (edge/relay.py:10) 3\n"
         "MainThread;Runner.run (asyncio/runners.py:118);encode (tidegate/protocol.py:5) 1\n"
         "MainThread;Runner.run (asyncio/runners.py:118) 1\n")
@@ -152,7 +153,8 @@ def test_py_spy_raw_summary(tmp_path: Path) -> None:
     assert summary["self_pct"][0] == ["write (edge/relay.py)", 60.0]
     # the entry frames every sample shares are left out of the inclusive ranking
     assert summary["inclusive_pct"][0] == ["_relay (edge/relay.py)", 60.0]
-    assert all("runners.py" not in name for name, _ in summary["inclusive_pct"])
+    assert all("runners.py" not in name and "runtime.py" not in name
+               for name, _ in summary["inclusive_pct"])
     assert ["tidegate edge/", 60.0] in summary["area_pct"]
     assert ["event loop (uvloop, C)", 20.0] in summary["area_pct"]
 
