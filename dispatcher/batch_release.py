@@ -48,7 +48,7 @@ class Release(Collection):
         consumers = [self.subjects.worker_consumer(model)]
         if len(config.replicas) > 1:
             consumers += [self.subjects.replica_consumer(model, r) for r in config.replica_names]
-        running = 0
+        running, waiting = 0, False
         for i, consumer in enumerate(consumers):
             try:
                 info = await self.js.consumer_info(self.subjects.jobs_stream, consumer)
@@ -56,19 +56,18 @@ class Release(Collection):
                 if i == 0:
                     return 0  # no worker consumer yet: nothing can run
                 continue  # a replica whose workers have not started
-            if info.num_pending:
-                return 0
+            waiting = waiting or bool(info.num_pending)
             running += int(info.num_ack_pending or 0)
         cfg = config.queue
-        if self.queue is not None and cfg.ttft_p99 > 0:
+        if not waiting and self.queue is not None and cfg.ttft_p99 > 0:
             try:
-                if (await self.queue.state(model)).queueing or await self.queue.queued(model):
-                    return 0
+                waiting = (await self.queue.state(model)).queueing \
+                    or bool(await self.queue.queued(model))
             except Exception:
-                return 0
+                waiting = True  # queue state unknown: interactive traffic first
         return batch_room(slots=slots, running=running, batch_running=started,
                           batch_unstarted=unstarted, share=self.config.batch.share_under_load,
-                          waiting=False)
+                          waiting=waiting)
 
     async def _release(self, now: float) -> None:
         runs = [r for r in self.runs.values() if r.ready and not r.stopping]
