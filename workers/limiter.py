@@ -166,7 +166,7 @@ class _Signal:
             return 0.0, 0.0, 0.0
         mean = self.sum / self.n
         x, x_max = self.x_sum / self.n, self.x_max
-        if mean < self.base and (self.base_x == math.inf or x <= BASE_SPREAD * self.base_x):
+        if mean < self.base and x <= BASE_SPREAD * self.base_x:  # base_x inf: no baseline yet
             self.base, self.base_x = mean, x
         ratio = max(self.base, mean - slack) / self.base if self.base > 0 else 1.0
         self.n, self.sum, self.x_sum, self.x_max = 0, 0.0, 0.0, 0.0
