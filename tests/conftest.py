@@ -143,27 +143,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def _tidegate_command(names: Sequence[str]) -> str | None:
+    """The subcommand of ``tidegate X`` / ``python -m tidegate X``, else None."""
+    for i, arg in enumerate(names[:-1]):
+        if arg == "tidegate" and (i == 0 or names[i - 1] == "-m"):
+            return names[i + 1]
+    return None
+
+
 def starts_servers(argv: Sequence[str]) -> bool:
     """Whether a command line starts nats-server, redis-server or a tidegate tier."""
     names = [os.path.basename(a) for a in argv]
     if names and names[0] in ("nats-server", "redis-server"):
         return not {"--version", "-v"} & set(names)  # a version query serves nothing
-    for i, arg in enumerate(names[:-1]):
-        if arg == "tidegate" and (i == 0 or names[i - 1] == "-m"):
-            return names[i + 1] in SERVER_COMMANDS
-    return False
+    return _tidegate_command(names) in SERVER_COMMANDS
 
 
-_running_unmarked: list[str] = []  # the node id of a running test without the mark
+_running: list[tuple[str, bool]] = []  # the running test: (node id, marked pipeline)
 _popen_init = subprocess.Popen.__init__
 
 
 def _guarded_init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
-    if _running_unmarked:
+    if _running:
+        nodeid, marked = _running[0]
         argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
-        if starts_servers([os.fsdecode(a) for a in argv]):
-            raise RuntimeError(f"{_running_unmarked[0]} starts {argv[:4]} but is not marked "
+        names = [os.path.basename(os.fsdecode(a)) for a in argv]
+        if not marked and starts_servers(names):
+            raise RuntimeError(f"{nodeid} starts {argv[:4]} but is not marked "
                                "@pytest.mark.pipeline")
+        if (_tidegate_command(names) == "up"
+                and os.path.basename(nodeid.split("::", 1)[0]) not in UP_FILES):
+            raise RuntimeError(f"{nodeid} runs tidegate up: add its file to UP_FILES in "
+                               "tests/conftest.py, so no other up runs beside it")
     _popen_init(self, args, *rest, **kwargs)
 
 
@@ -172,12 +183,10 @@ subprocess.Popen.__init__ = _guarded_init  # type: ignore[method-assign]
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    unmarked = (item.get_closest_marker("pipeline") is None
-                and item.get_closest_marker("exits_at_once") is None)
-    if unmarked:
-        _running_unmarked.append(item.nodeid)
+    marked = (item.get_closest_marker("pipeline") is not None
+              or item.get_closest_marker("exits_at_once") is not None)
+    _running.append((item.nodeid, marked))
     try:
         return (yield)
     finally:
-        if unmarked:
-            _running_unmarked.clear()
+        _running.clear()
