@@ -210,6 +210,14 @@ def running_pipeline(workdir: Path, nats_url: str, redis_url: str,
         pipeline.stop()
 
 
+def paced_simulator(slots: int, tokens_per_second: float) -> list[dict[str, Any]]:
+    """The models override for ``tidegate-sim`` with ``slots`` pinned slots and a
+    pace slow enough that a test can watch which jobs hold them."""
+    return [{"name": "tidegate-sim", "max_streams": slots,
+             "simulator": {"ttft": 0.02, "tokens_per_second": tokens_per_second,
+                           "length": 4}}]
+
+
 @contextlib.contextmanager
 def threaded_fake_backend(**kwargs: Any) -> Iterator[FakeBackend]:
     """A FakeBackend on its own event loop thread, so sync tests, async tests

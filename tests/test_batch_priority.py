@@ -13,7 +13,7 @@ import nats
 import openai
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+from tests.pipeline import DEV_KEY, Pipeline, paced_simulator, running_pipeline
 from tidegate.control.keys import create_key, ensure_keys_bucket
 
 pytestmark = pytest.mark.pipeline
@@ -28,11 +28,9 @@ LINES = 16  # LINES / SLOTS * LINE_SECONDS = 12 s of batch work
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
              module_redis_url: str) -> Iterator[Pipeline]:
-    models = [{"name": "tidegate-sim", "max_streams": SLOTS,
-               "simulator": {"ttft": 0.02, "tokens_per_second": TOKENS_PER_SECOND,
-                             "length": 4}}]
-    yield from running_pipeline(tmp_path_factory.mktemp("batchprio"), module_nats_url,
-                                module_redis_url, overrides={"models": models})
+    yield from running_pipeline(
+        tmp_path_factory.mktemp("batchprio"), module_nats_url, module_redis_url,
+        overrides={"models": paced_simulator(SLOTS, TOKENS_PER_SECOND)})
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import openai
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+from tests.pipeline import DEV_KEY, Pipeline, paced_simulator, running_pipeline
 
 pytestmark = pytest.mark.pipeline
 
@@ -29,13 +29,10 @@ SHARE = 0.05  # the default: ceil(0.05 * (20 - 4)) = 1 line at a time beside the
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
              module_redis_url: str) -> Iterator[Pipeline]:
-    models = [{"name": "tidegate-sim", "max_streams": SLOTS,
-               "simulator": {"ttft": 0.02, "tokens_per_second": TOKENS_PER_SECOND,
-                             "length": 4}}]
-    yield from running_pipeline(tmp_path_factory.mktemp("batchshare"), module_nats_url,
-                                module_redis_url,
-                                overrides={"models": models,
-                                           "batch": {"share_under_load": SHARE}})
+    yield from running_pipeline(
+        tmp_path_factory.mktemp("batchshare"), module_nats_url, module_redis_url,
+        overrides={"models": paced_simulator(SLOTS, TOKENS_PER_SECOND),
+                   "batch": {"share_under_load": SHARE}})
 
 
 @pytest.fixture
