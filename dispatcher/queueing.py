@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dispatcher.cluster import RedisClient
 from dispatcher.quota import QuotaUnavailable
+from dispatcher.redis_client import RedisClient
 from tidegate.config import QueueModeConfig
 from tidegate.wire.subjects import encode_token
 
@@ -169,7 +169,8 @@ class QueueMode:
 
     @property
     def scripts(self) -> tuple[Any, ...]:
-        """The registered Lua scripts (preloaded by :func:`dispatcher.cluster.preload_scripts`)."""
+        """The registered Lua scripts (preloaded by
+        :func:`dispatcher.redis_client.preload_scripts`)."""
         return (self._enqueue, self._grant, self._positions)
 
     def state_key(self, model: str) -> str:

@@ -88,10 +88,14 @@ import redis.exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from dispatcher.cluster import TRANSPORT_RACE, RedisClient, connect_cluster, is_cluster_url
+from dispatcher.quota_scripts import RECONCILE as _RECONCILE
+from dispatcher.quota_scripts import RELEASE as _RELEASE
+from dispatcher.quota_scripts import RESERVE as _RESERVE
+from dispatcher.redis_client import TRANSPORT_RACE, RedisClient, connect_cluster, is_cluster_url
 from tidegate.errors import TidegateError
 
 __all__ = [
+    "BudgetCharge",
     "Limits",
     "QuotaResult",
     "QuotaStore",
@@ -101,7 +105,7 @@ __all__ = [
     "connect",
 ]
 
-LimitKind = Literal["", "requests", "tokens", "concurrency"]
+LimitKind = Literal["", "requests", "tokens", "concurrency", "budget"]
 
 # Keys outlive their data by this much (seconds of Redis time). Scores use the
 # caller's clock; the margin absorbs clock skew between dispatchers and Redis.
@@ -135,6 +139,26 @@ class Scope:
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetCharge:
+    """One budget a request is charged against, in nano-units of money.
+
+    ``id`` names the budget (its KV key); ``period`` the calendar period it
+    is in ("" for rolling), which is part of its Redis keys, so a new period
+    starts from zero without anyone resetting anything. ``window`` > 0 makes it
+    a rolling window of that many seconds; ``reset_in`` is the seconds to the
+    calendar period's end (the Retry-After of a refusal); ``ttl`` how long its
+    keys live."""
+
+    id: str
+    limit: int
+    period: str = ""
+    window: float = 0.0
+    reset_in: float = 0.0
+    ttl: float = 86400.0
+    soft: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class QuotaResult:
     """The outcome of :meth:`QuotaStore.reserve`.
 
@@ -161,16 +185,21 @@ class QuotaResult:
     limit_tokens: int = 0
     remaining_tokens: int = 0
     reset_tokens: float = 0.0
+    # The least left of the hard budgets after this call (nano-units), -1 when
+    # none applies; and every budget's spend after it, in the order given.
+    remaining_budget: int = -1
+    budget_spent: tuple[int, ...] = ()
 
 
 class Quotas(Protocol):
     """The seam the admission policy depends on (a fake implements it in tests)."""
 
     async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
-                      now: float | None = None) -> QuotaResult: ...
+                      now: float | None = None, budgets: Sequence[BudgetCharge] = (),
+                      money: int = 0) -> QuotaResult: ...
 
     async def reconcile(self, request_id: str, actual_tokens: int,
-                        now: float | None = None) -> None: ...
+                        now: float | None = None, actual_money: int = 0) -> None: ...
 
     async def release(self, request_id: str) -> None: ...
 
@@ -180,190 +209,13 @@ def connect(url: str, timeout: float) -> RedisClient:
     bounded by ``timeout``, and one immediate retry (a pooled connection broken
     by a Redis restart fails once, its replacement then connects) instead of
     redis-py's default backoff, which would delay reporting an outage by
-    seconds. A cluster URL (:mod:`dispatcher.cluster`) gets a cluster client."""
+    seconds. A cluster URL (:mod:`dispatcher.redis_client`) gets a cluster client."""
     if is_cluster_url(url):
         return connect_cluster(url, timeout)
     return aioredis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 1), decode_responses=True)
 
-
-# --------------------------------------------------------------------------
-# Scripts
-# --------------------------------------------------------------------------
-
-# Shared helpers. A window's keys are w (zset id->time), a (hash id->tokens),
-# t (token total); c is the concurrency lease zset (id->expiry).
-_LUA_COMMON = """
-local function evict(w, a, t, cutoff)
-  local old = redis.call('ZRANGEBYSCORE', w, '-inf', cutoff)
-  if #old == 0 then return end
-  local freed = 0
-  -- bounded unpack(): Lua's stack holds a few thousand values at most
-  for i = 1, #old, 1000 do
-    local chunk = {unpack(old, i, math.min(i + 999, #old))}
-    local amounts = redis.call('HMGET', a, unpack(chunk))
-    for j = 1, #amounts do freed = freed + (tonumber(amounts[j]) or 0) end
-    redis.call('HDEL', a, unpack(chunk))
-  end
-  redis.call('ZREMRANGEBYSCORE', w, '-inf', cutoff)
-  local total = redis.call('DECRBY', t, freed)
-  if total < 0 then redis.call('SET', t, 0, 'KEEPTTL') end
-end
-"""
-
-# KEYS: record, then w, a, t, c per scope.
-# ARGV: now, window, lease, request id, cost, window ttl ms, lease ttl ms,
-#       record ttl ms, scope ids (JSON), concurrency retry_after, then rpm,
-#       tpm, concurrency per scope.
-# Returns: admitted, limit, failing scope index (1-based, 0 none), retry_after,
-#   too_large, limit/remaining/reset requests, limit/remaining/reset tokens.
-#   Floats travel as strings: Redis truncates Lua numbers to integers.
-_RESERVE = _LUA_COMMON + """
-local now, window, lease = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local rid, cost = ARGV[4], tonumber(ARGV[5])
-local n = (#KEYS - 1) / 4
--- rpm (k = 0), tpm (1), concurrency (2) of scope i
-local function limit(i, k) return tonumber(ARGV[8 + 3 * i + k]) end
--- A retried reserve of a request already charged (e.g. redelivered to another
--- dispatcher) is admitted without charging it twice.
-local again = redis.call('EXISTS', KEYS[1]) == 1
-
-local fail_kind, fail_scope, fail_retry, too_large = '', 0, -1, 0
-local function fail(kind, i, retry)
-  if too_large == 1 then return end
-  if retry > fail_retry then fail_kind, fail_scope, fail_retry = kind, i, retry end
-end
-
--- Seconds until the oldest entries, leaving in order, have freed `need` tokens.
-local function tokens_free_at(w, a, need)
-  local freed, start = 0, 0
-  while true do
-    local page = redis.call('ZRANGE', w, start, start + 63, 'WITHSCORES')
-    if #page == 0 then return window end
-    local ids = {}
-    for j = 1, #page, 2 do ids[#ids + 1] = page[j] end
-    local amounts = redis.call('HMGET', a, unpack(ids))
-    for j = 1, #ids do
-      freed = freed + (tonumber(amounts[j]) or 0)
-      if freed >= need then return tonumber(page[2 * j]) + window - now end
-    end
-    start = start + 64
-  end
-end
-
-local count, total, held = {}, {}, {}
-for i = 1, n do
-  local w, a, t, c = KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], KEYS[4 * i + 1]
-  local rpm, tpm, conc = limit(i, 0), limit(i, 1), limit(i, 2)
-  if rpm > 0 or tpm > 0 then
-    evict(w, a, t, now - window)
-    count[i] = redis.call('ZCARD', w)
-    total[i] = tonumber(redis.call('GET', t)) or 0
-    if not again then
-      if rpm > 0 and count[i] + 1 > rpm then
-        local oldest = redis.call('ZRANGE', w, count[i] - rpm, count[i] - rpm, 'WITHSCORES')
-        fail('requests', i, tonumber(oldest[2]) + window - now)
-      end
-      if tpm > 0 and cost > tpm then
-        too_large, fail_kind, fail_scope, fail_retry = 1, 'tokens', i, 0
-      elseif tpm > 0 and total[i] + cost > tpm then
-        fail('tokens', i, tokens_free_at(w, a, total[i] + cost - tpm))
-      end
-    end
-  end
-  if conc > 0 then
-    redis.call('ZREMRANGEBYSCORE', c, '-inf', now)
-    held[i] = redis.call('ZCARD', c)
-    if not again and held[i] + 1 > conc then fail('concurrency', i, tonumber(ARGV[10])) end
-  end
-end
-
-local admitted = fail_kind == '' and 1 or 0
-if admitted == 1 and not again then
-  local holds = 0
-  for i = 1, n do
-    local w, a, t, c = KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], KEYS[4 * i + 1]
-    if count[i] then
-      if redis.call('ZADD', w, now, rid) == 1 then
-        count[i] = count[i] + 1
-      else
-        -- same id recorded earlier in this window (its record already gone)
-        local before = tonumber(redis.call('HGET', a, rid)) or 0
-        redis.call('DECRBY', t, before)
-        total[i] = total[i] - before
-      end
-      redis.call('HSET', a, rid, cost)
-      redis.call('INCRBY', t, cost)
-      total[i] = total[i] + cost
-      for _, k in ipairs({w, a, t}) do redis.call('PEXPIRE', k, ARGV[6]) end
-    end
-    if held[i] then
-      redis.call('ZADD', c, now + lease, rid)
-      redis.call('PEXPIRE', c, ARGV[7])
-      held[i] = held[i] + 1
-      holds = 1
-    end
-  end
-  redis.call('HSET', KEYS[1], 'scopes', ARGV[9], 'tokens', cost, 'at', ARGV[1],
-             'held', holds)
-  redis.call('PEXPIRE', KEYS[1], ARGV[8])
-end
-
--- Header values: per kind, the scope with the least remaining.
-local ir, it = 0, 0
-for i = 1, n do
-  if count[i] then
-    local rpm, tpm = limit(i, 0), limit(i, 1)
-    if rpm > 0 and (ir == 0 or rpm - count[i] < limit(ir, 0) - count[ir]) then ir = i end
-    if tpm > 0 and (it == 0 or tpm - total[i] < limit(it, 1) - total[it]) then it = i end
-  end
-end
--- Seconds until scope i holds none of its current entries.
-local function reset(i)
-  if i == 0 or count[i] == 0 then return 0 end
-  local newest = redis.call('ZRANGE', KEYS[4 * i - 2], -1, -1, 'WITHSCORES')
-  return math.max(0, tonumber(newest[2]) + window - now)
-end
-local lim_r, rem_r, reset_r, lim_t, rem_t, reset_t = 0, 0, 0, 0, 0, 0
-if ir > 0 then lim_r, rem_r, reset_r = limit(ir, 0), limit(ir, 0) - count[ir], reset(ir) end
-if it > 0 then
-  lim_t, rem_t = limit(it, 1), limit(it, 1) - total[it]
-  reset_t = it == ir and reset_r or reset(it)
-end
-
-return {admitted, fail_kind, fail_scope, tostring(math.max(fail_retry, 0)), too_large,
-        lim_r, math.max(rem_r, 0), tostring(reset_r),
-        lim_t, math.max(rem_t, 0), tostring(reset_t)}
-"""
-
-# KEYS: record, then w, a, t, c per scope (the scopes the record names).
-# ARGV: request id, actual tokens. Returns 1 if applied, 0 if nothing to do.
-_RECONCILE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local rid, actual = ARGV[1], tonumber(ARGV[2])
-for i = 1, (#KEYS - 1) / 4 do
-  local a, t = KEYS[4 * i - 1], KEYS[4 * i]
-  -- only while the entry is still in the window; once evicted it was
-  -- subtracted from the total and the adjustment would outlive it
-  local reserved = tonumber(redis.call('HGET', a, rid))
-  if reserved then
-    redis.call('HSET', a, rid, actual)
-    redis.call('INCRBY', t, actual - reserved)
-  end
-  redis.call('ZREM', KEYS[4 * i + 1], rid)
-end
-redis.call('DEL', KEYS[1])
-return 1
-"""
-
-# KEYS: record, then w, a, t, c per scope. ARGV: request id.
-_RELEASE = """
-if redis.call('HGET', KEYS[1], 'held') ~= '1' then return 0 end
-for i = 1, (#KEYS - 1) / 4 do redis.call('ZREM', KEYS[4 * i + 1], ARGV[1]) end
-redis.call('HSET', KEYS[1], 'held', 0)
-return 1
-"""
 
 _UNAVAILABLE = (
     rexc.ConnectionError,  # includes BusyLoadingError
@@ -401,7 +253,8 @@ class QuotaStore:
 
     @property
     def scripts(self) -> tuple[Any, ...]:
-        """The registered Lua scripts (preloaded by :func:`dispatcher.cluster.preload_scripts`)."""
+        """The registered Lua scripts (preloaded by
+        :func:`dispatcher.redis_client.preload_scripts`)."""
         return (self._reserve, self._reconcile, self._release)
 
     @property
@@ -416,73 +269,101 @@ class QuotaStore:
         """The window (w, a, t) and lease (c) keys of one scope."""
         return [f"{self._base}:{kind}:{scope_id}" for kind in ("w", "a", "t", "c")]
 
+    def budget_base(self, budget: BudgetCharge) -> str:
+        """The common start of a budget's keys (``:w``, ``:a``, ``:t``), for
+        its current calendar period or its rolling window."""
+        return f"{self._base}:b:{budget.id}:{budget.period or 'r'}"
+
     async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
-                      now: float | None = None) -> QuotaResult:
-        """Charge ``tokens`` and one request to every scope, or to none.
+                      now: float | None = None, budgets: Sequence[BudgetCharge] = (),
+                      money: int = 0) -> QuotaResult:
+        """Charge ``tokens`` and one request to every scope, and ``money``
+        (nano-units) to every budget, or to none.
 
         Scopes without limits are skipped. Reserving an id that is already
         charged admits it again without a second charge."""
         if not request_id:
             raise ValueError("request_id must not be empty")
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        if tokens < 0 or money < 0:
+            raise ValueError(f"tokens and money must be >= 0, got {tokens}, {money}")
         scopes = [s for s in scopes if s.limits.rpm or s.limits.tpm or s.limits.concurrency]
-        ids = [s.id for s in scopes]
+        ids = [s.id for s in scopes] + [b.id for b in budgets]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate scope ids in {ids}")
-        if not scopes:
+            raise ValueError(f"duplicate scope or budget ids in {ids}")
+        if not ids:
             return QuotaResult(admitted=True)
         now = time.time() if now is None else now
+        bases = [self.budget_base(b) for b in budgets]
         keys = [self.record_key(request_id)]
         args: list[Any] = [repr(now), repr(self.window), repr(self.lease), request_id, tokens,
                            self._window_ttl_ms, self._lease_ttl_ms, self._record_ttl_ms,
-                           json.dumps(ids), repr(_CONCURRENCY_RETRY)]
+                           json.dumps(ids[:len(scopes)]), repr(_CONCURRENCY_RETRY),
+                           len(scopes), money, json.dumps(bases),
+                           "".join("r" if b.window > 0 else "c" for b in budgets)]
         for scope in scopes:
             keys.extend(self.scope_keys(scope.id))
             args.extend((scope.limits.rpm, scope.limits.tpm, scope.limits.concurrency))
-        reply = await self._call(self._reserve, keys, args)
+        budget_args: list[Any] = []
+        for budget, base in zip(budgets, bases, strict=True):
+            keys.extend((f"{base}:w", f"{base}:a", f"{base}:t"))
+            budget_args.extend((budget.limit, repr(budget.window),
+                                _ms(max(budget.ttl, budget.window) + _TTL_MARGIN),
+                                repr(budget.reset_in), int(budget.soft)))
+        reply = await self._call(self._reserve, keys, args + budget_args)
         (admitted, kind, failed, retry, too_large,
-         lim_r, rem_r, reset_r, lim_t, rem_t, reset_t) = reply
+         lim_r, rem_r, reset_r, lim_t, rem_t, reset_t, rem_b, spent) = reply
         return QuotaResult(
             admitted=bool(admitted), limit=cast(LimitKind, _text(kind)),
             scope=ids[int(failed) - 1] if int(failed) else "",
             retry_after=float(retry), too_large=bool(too_large),
             limit_requests=int(lim_r), remaining_requests=int(rem_r),
             reset_requests=float(reset_r), limit_tokens=int(lim_t),
-            remaining_tokens=int(rem_t), reset_tokens=float(reset_t))
+            remaining_tokens=int(rem_t), reset_tokens=float(reset_t),
+            remaining_budget=int(rem_b), budget_spent=tuple(int(v) for v in spent))
 
     async def reconcile(self, request_id: str, actual_tokens: int,
-                        now: float | None = None) -> None:
+                        now: float | None = None, actual_money: int = 0) -> None:
         """Replace the reserved amount by ``actual_tokens`` in every scope the
-        request was charged to (while its entry is still in the window), and
-        free its concurrency slot. A second call does nothing.
+        request was charged to (while its entry is still in the window), its
+        reserved money by ``actual_money`` in every budget (in the period it
+        was reserved in), and free its concurrency slot. A second call does
+        nothing.
 
         ``now`` is accepted for symmetry with :meth:`reserve`: the adjustment
         applies to the entry at its original time, so the clock is not needed.
         """
         del now
-        if actual_tokens < 0:
-            raise ValueError(f"actual_tokens must be >= 0, got {actual_tokens}")
-        keys = await self._keys_of(request_id)
-        if keys is not None:
-            await self._call(self._reconcile, keys, [request_id, actual_tokens])
+        if actual_tokens < 0 or actual_money < 0:
+            raise ValueError(f"actual tokens and money must be >= 0, got {actual_tokens}, "
+                             f"{actual_money}")
+        found = await self._keys_of(request_id)
+        if found is not None:
+            keys, n = found
+            await self._call(self._reconcile, keys, [request_id, actual_tokens, n,
+                                                     actual_money])
 
     async def release(self, request_id: str) -> None:
         """Free the request's concurrency slot only (it ended without usage to
         report, e.g. its worker was lost). A second call does nothing."""
-        keys = await self._keys_of(request_id)
-        if keys is not None:
-            await self._call(self._release, keys, [request_id])
+        found = await self._keys_of(request_id)
+        if found is not None:
+            keys, n = found
+            await self._call(self._release, keys, [request_id, n])
 
-    async def _keys_of(self, request_id: str) -> list[str] | None:
+    async def _keys_of(self, request_id: str) -> tuple[list[str], int] | None:
+        """Every key the request's record names, and how many scopes it has."""
         record = self.record_key(request_id)
-        raw = await self._retrying(lambda: self.redis.hget(record, "scopes"))
+        raw, bases = await self._retrying(lambda: self.redis.hmget(record, "scopes",
+                                                                   "budgets"))
         if raw is None:
             return None  # never reserved, already reconciled, or expired
         keys = [record]
-        for scope_id in json.loads(raw):
+        scopes = json.loads(raw)
+        for scope_id in scopes:
             keys.extend(self.scope_keys(scope_id))
-        return keys
+        for base in json.loads(bases) if bases else ():
+            keys.extend((f"{base}:w", f"{base}:a", f"{base}:t"))
+        return keys, len(scopes)
 
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         async def run() -> Any:

@@ -140,6 +140,8 @@ class ReplicaView:
             t = totals.get(replica)
             if m != model.name or t is None or now - received > TTL:
                 continue
+            if slot.breaker == "open":
+                continue  # that worker's breaker took the replica out: no slots there
             t[0] += slot.in_flight
             t[1] += slot.slots
             if slot.kv_usage is not None:  # one backend: its workers see the same

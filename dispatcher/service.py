@@ -22,30 +22,42 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from dispatcher import batch
 from dispatcher.admission import AdmissionPolicy, QuotaAdmission
-from dispatcher.cluster import preload_scripts
+from dispatcher.batch import runner as batch
 from dispatcher.gate import QueueGate
 from dispatcher.queueing import QueueMode
 from dispatcher.quota import QuotaStore, QuotaUnavailable
 from dispatcher.quota import connect as connect_quota_store
+from dispatcher.redis_client import preload_scripts
 from dispatcher.routing import ReplicaView, Router
-from tidegate.broker import broker
+from tidegate.broker import broker, poison
 from tidegate.broker.kvwatch import follow_bucket, wait_synced
 from tidegate.broker.pull import Puller
 from tidegate.config import Config
-from tidegate.control import workers_registry
+from tidegate.control import provision, workers_registry
 from tidegate.control.affinity import ensure_buckets as ensure_routing_buckets
+from tidegate.control.budgets import BudgetSet, ensure_budgets_bucket, watch_budgets
 from tidegate.control.policies import PolicySet, ensure_policies_bucket, watch_policies
+from tidegate.control.prices import PriceBook, ensure_prices_bucket, watch_prices
 from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.cancels import CancelRegistry
-from tidegate.wire.protocol import RESERVED_HEADER, Admission, Request, Status, UsageRecord
+from tidegate.wire.protocol import (
+    RESERVED_HEADER,
+    Admission,
+    ErrorInfo,
+    Request,
+    Status,
+    UsageRecord,
+)
 
 log = logging.getLogger("tidegate.dispatcher")
 BAD_INPUT = BadInput("dispatcher", log)
+UNPROCESSABLE = ErrorInfo(400, "invalid_request_error", "unprocessable_request",
+                          "The gateway could not process this request (a field's type or "
+                          "value is out of what it can handle); it was dropped.")
 
 
 class Dispatcher:
@@ -66,11 +78,33 @@ class Dispatcher:
         self.cancels.add(request_id)
 
     async def handle_safely(self, msg: Msg) -> None:
-        """Handle one request; a failure leaves it unacked, so it is redelivered."""
+        """Handle one request. A transient failure (NATS, Redis) leaves it
+        unacked, so it is redelivered; any other failure is the message's own
+        (``tidegate.broker.poison``): the edge gets a 400 and the message is
+        terminated, so it can neither crash this tier nor come back forever."""
         try:
             await self.handle(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if poison.is_transient(exc, (QuotaUnavailable,)):
+                log.exception("dispatching failed; the request will be redelivered")
+                return
+            await poison.terminate(msg, BAD_INPUT, "request", exc, self._reject_poison(msg))
+
+    def _reject_poison(self, msg: Msg) -> poison.Answer | None:
+        """The 400 for an unprocessable request, when it names an edge inbox."""
+        try:
+            request = Request.decode(msg.data)
         except Exception:
-            log.exception("dispatching failed; the request will be redelivered")
+            return None
+        if not request.reply or not self.config.nats.subjects.edge_inboxes(request.reply):
+            return None
+        status = Status(Admission.REJECTED, error=UNPROCESSABLE)
+
+        async def answer() -> None:
+            await self.nc.publish(request.reply, status.encode())
+        return answer
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -80,11 +114,9 @@ class Dispatcher:
             BAD_INPUT.drop("request", "malformed", str(exc))
             await msg.term()
             return
-        # The dispatcher answers on request.reply: only an edge inbox may be
-        # named there, or a forged request could make it publish anywhere.
-        inbox = f"{self.config.nats.subjects.prefix}.out."
-        if not request.reply.startswith(inbox) or (request.mux and
-                                                   not request.mux.startswith(inbox)):
+        # The dispatcher answers on request.reply: only an edge inbox.
+        if not request.reply or not self.config.nats.subjects.edge_inboxes(request.reply,
+                                                                           request.mux):
             BAD_INPUT.drop("request", "bad_reply_subject", request.reply)
             await msg.term()
             return
@@ -177,13 +209,22 @@ class Reconciler:
         try:
             if record.reserved:
                 await self.store.reconcile(record.id,
-                                           record.prompt_tokens + record.completion_tokens)
+                                           record.prompt_tokens + record.completion_tokens,
+                                           actual_money=record.cost_nanos)
             model = self.models.get(record.model)
             if model is not None and model.queue.ttft_p99 > 0 and record.ttft_ms > 0:
                 await self.queue.record_ttft(model.name, record.ttft_ms, time.time(), model.queue)
         except QuotaUnavailable as exc:
             log.warning("cannot reconcile %s yet: %s", record.id, exc)
             await msg.nak(delay=2)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if poison.is_transient(exc):
+                log.exception("reconciling %s failed; it will be redelivered", record.id)
+                return
+            await poison.terminate(msg, BAD_INPUT, "usage", exc)  # nobody waits for an answer
             return
         await msg.ack()
 
@@ -194,17 +235,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     nc = await broker.connect(config.nats, "tidegate-dispatcher", stop)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
-    await broker.ensure_consumer(
-        js, subjects.requests_stream, subjects.dispatcher_consumer, subjects.requests_wildcard,
-        # Requests waiting in a queue-mode queue stay unacked (held by their
-        # dispatcher), so the consumer must allow all of them on top of the
-        # ones being dispatched, or queueing models would stall every model.
-        ack_wait=cfg.ack_wait, max_deliver=-1,
-        max_ack_pending=max(1000, cfg.batch * 16) + sum(
-            m.queue.max_queued for m in config.models if m.queue.ttft_p99 > 0))
-    await broker.ensure_consumer(
-        js, subjects.usage_stream, "reconcilers", subjects.usage_wildcard,
-        ack_wait=cfg.ack_wait, max_deliver=-1, max_ack_pending=10_000)
+    await provision.dispatcher_consumers(js, config)
 
     # The client reconnects by itself: a Redis restart needs no dispatcher
     # restart, and while it is down QuotaAdmission fails open or closed.
@@ -213,8 +244,12 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                        lease=config.edge.request_timeout)
     policies = PolicySet()
     policies_kv = await ensure_policies_bucket(js, config)
+    budgets, prices = BudgetSet(), PriceBook(config)
+    budgets_kv = await ensure_budgets_bucket(js, config)
+    prices_kv = await ensure_prices_bucket(js, config)
     admission = QuotaAdmission(store, policies, config.model_index(),
-                               fail_open=cfg.quota_failure == "open")
+                               fail_open=cfg.quota_failure == "open", budgets=budgets,
+                               prices=prices, spend=config.spend)
     dispatcher = Dispatcher(config, nc, js, admission)
     queue = QueueMode(redis_client, config.nats.subject_prefix)
     if not await preload_scripts(redis_client, [*store.scripts, *queue.scripts]):
@@ -243,16 +278,20 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         requests = Puller(nc, subjects.requests_stream, subjects.dispatcher_consumer,
                           dispatcher.handle_safely, capacity=cfg.batch,
                           expires=cfg.fetch_timeout)
-        usage = Puller(nc, subjects.usage_stream, "reconcilers",
+        usage = Puller(nc, subjects.usage_stream, provision.RECONCILERS,
                        Reconciler(store, queue, config).handle, capacity=256,
                        expires=cfg.fetch_timeout)
         async with asyncio.TaskGroup() as tg:
             # Pull only once the stored policies are loaded: a dispatcher
             # that pulled before would admit its first requests unmetered.
             policies_synced = asyncio.Event()
+            budgets_synced, prices_synced = asyncio.Event(), asyncio.Event()
             background = [
                 tg.create_task(watch_policies(policies_kv, policies,
                                               on_synced=policies_synced.set)),
+                tg.create_task(watch_budgets(budgets_kv, budgets,
+                                             on_synced=budgets_synced.set)),
+                tg.create_task(watch_prices(prices_kv, prices, on_synced=prices_synced.set)),
                 *([tg.create_task(follow_bucket(
                     await workers_registry.ensure_bucket(js, config), view.on_put,
                     view.on_delete)),
@@ -265,6 +304,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
             ]
             await wait_synced(policies_synced, config.nats.request_timeout,
                               "dispatcher: quota policies")
+            await wait_synced(budgets_synced, config.nats.request_timeout, "dispatcher: budgets")
+            await wait_synced(prices_synced, config.nats.request_timeout, "dispatcher: prices")
             pullers = [tg.create_task(requests.run(stop)), tg.create_task(usage.run(stop)),
                        tg.create_task(gate.run(stop)),
                        tg.create_task(batch.Runner(config, nc, js, queue).run(stop))]

@@ -9,18 +9,23 @@ valid whatever the bucket says: it is the operator's way in.
 
 A :class:`Principal` is what the rest of the pipeline knows about the caller:
 tenant, user, the models the key may use and a key id that is safe to log.
+
+A connection that outlives one request (a WebSocket) holds on to its key's
+digest, asks :meth:`KeyTable.check` again per generation, and registers a
+listener with :meth:`KeyTable.watch` so a revoke or change reaches it at once,
+even while it is idle (docs/websocket.md).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tidegate.control.keys import KEY_ID_LENGTH, KeyRecord, key_digest
 from tidegate.errors import ApiError
 
-__all__ = ["KeyTable", "Principal", "key_digest"]
+__all__ = ["KeyListener", "KeyTable", "Principal", "key_digest"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,10 @@ class Principal:
     expires: float = 0.0  # Unix time; 0 = never (keys rotated or created with --expires)
 
 
+#: Told the key's principal now, or None once it was revoked.
+KeyListener = Callable[[Principal | None], None]
+
+
 class KeyTable:
     """Digest -> principal. Lookups are dict hits on a digest, which does not
     leak key contents through timing the way a prefix comparison would."""
@@ -41,6 +50,7 @@ class KeyTable:
         self._dynamic: dict[str, Principal] = {}
         # digest -> when this edge last accepted it; flushed to KV by the edge.
         self.last_used: dict[str, float] = {}
+        self._listeners: dict[str, set[KeyListener]] = {}
         for key in keys:
             digest = key_digest(key)
             self._static[digest] = Principal(tenant=tenant, user="",
@@ -54,10 +64,53 @@ class KeyTable:
         self._dynamic[digest] = Principal(tenant=record.tenant, user=record.user,
                                           key_id=digest[:KEY_ID_LENGTH], models=record.models,
                                           expires=record.expires)
+        self._notify(digest)
 
     def remove(self, digest: str) -> None:
         """Stop accepting the KV key with this digest (revoked). Idempotent."""
         self._dynamic.pop(digest, None)
+        self._notify(digest)
+
+    def watch(self, digest: str, listener: KeyListener) -> Callable[[], None]:
+        """Call ``listener`` whenever the key with this digest changes or is
+        revoked (synchronously, from the KV watch: it must only take note).
+        Returns the function that stops it."""
+        self._listeners.setdefault(digest, set()).add(listener)
+
+        def stop() -> None:
+            listeners = self._listeners.get(digest)
+            if listeners is not None:
+                listeners.discard(listener)
+                if not listeners:
+                    del self._listeners[digest]
+
+        return stop
+
+    def _notify(self, digest: str) -> None:
+        listeners = self._listeners.get(digest)
+        if listeners:
+            principal = self._static.get(digest) or self._dynamic.get(digest)
+            for listener in list(listeners):
+                listener(principal)
+
+    @staticmethod
+    def digest_of(authorization: str) -> str:
+        """The digest of the key in an ``Authorization`` value that
+        :meth:`authenticate` accepted."""
+        return key_digest(authorization.partition(" ")[2].strip())
+
+    def check(self, digest: str) -> Principal:
+        """The principal of the key with this digest as it is now: 401 if it
+        was revoked or has expired since the connection authenticated."""
+        principal = self._static.get(digest) or self._dynamic.get(digest)
+        if principal is None:
+            raise ApiError(401, f"This API key ({digest[:KEY_ID_LENGTH]}) has been revoked.",
+                           type="authentication_error", code="revoked_api_key")
+        now = time.time()
+        if principal.expires and now >= principal.expires:
+            raise _expired(principal)
+        self.last_used[digest] = now
+        return principal
 
     def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:
@@ -75,13 +128,18 @@ class KeyTable:
             digest = ""
         principal = self._static.get(digest) or self._dynamic.get(digest)
         if principal is None:
-            shown = f"{key[:6]}...{key[-4:]}" if len(key) > 12 else "***"
-            raise ApiError(401, f"Incorrect API key provided: {shown}.",
+            # Not even a masked part of it: a key one typo from a real one
+            # would give that one's characters away (issue 24).
+            raise ApiError(401, "Incorrect API key provided (it is not repeated here).",
                            type="authentication_error", code="invalid_api_key")
         now = time.time()
         if principal.expires and now >= principal.expires:
-            raise ApiError(401, f"This API key ({principal.key_id}) has expired; ask for a new "
-                                "one (`tidegate keys rotate`).", type="authentication_error",
-                           code="expired_api_key")
+            raise _expired(principal)
         self.last_used[digest] = now
         return principal
+
+
+def _expired(principal: Principal) -> ApiError:
+    return ApiError(401, f"This API key ({principal.key_id}) has expired; ask for a new one "
+                         "(`tidegate keys rotate`).", type="authentication_error",
+                    code="expired_api_key")

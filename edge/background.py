@@ -43,16 +43,18 @@ from aiohttp import web
 from edge import resume
 from edge.errors import from_info, sse_error_event
 from edge.logreader import valid_id
+from edge.publish import build_request, publish_request
+from edge.state import session_tick
 from tidegate.errors import ApiError, invalid_request, unavailable
 from tidegate.wire import streamlog
 from tidegate.wire.protocol import Admission, Api, Error, ErrorInfo, Head, Status
 from tidegate.wire.streamlog import LogCursor, LogEnd, LogEvent, LogOpen
 
 if TYPE_CHECKING:
-    from edge.app import EdgeState
     from edge.auth import Principal
     from edge.instrument import RequestTelemetry
-    from edge.validation import Validated
+    from edge.state import EdgeState
+    from tidegate.validation.generation import Validated
 
 PREFIX = "resp_"
 # Request.extra flag: no connection reads this request (workers.resumable).
@@ -104,8 +106,6 @@ async def create(http: web.Request, state: EdgeState, principal: Principal, vali
                  rt: RequestTelemetry) -> web.Response:
     """``background: true`` without ``stream``: publish, wait for admission,
     answer the queued response object. Nobody relays; the log keeps it."""
-    from edge.app import build_request, publish_request, session_tick
-
     config = state.config
     request = build_request(state, principal, valid, rt.carrier, grace(state))
     request = dataclasses.replace(request, extra={**request.extra, BACKGROUND: True})

@@ -2,7 +2,7 @@
 
 The edge only records intent in the ``<P>_BATCHES`` KV bucket: a new batch
 starts ``validating``, a cancel moves it to ``cancelling``. The batch runner
-in the dispatcher (``dispatcher.batch``) does everything else: it validates
+in the dispatcher (``dispatcher.batch.runner``) does everything else: it validates
 the input file line by line, releases the lines into spare worker capacity,
 collects the results and writes the output files.
 
@@ -11,15 +11,16 @@ Like the file routes, every route answers 404 for another tenant's batch.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from edge.body import read_within
 from edge.files import API, BatchApi, not_found, page
 from tidegate.errors import ApiError, invalid_request
+from tidegate.validation.jsonbody import parse_object
 from tidegate.wire.batch import (
     BATCH_PREFIX,
     ENDPOINTS,
@@ -34,7 +35,7 @@ from tidegate.wire.batch import (
 )
 
 if TYPE_CHECKING:
-    from edge.app import EdgeState
+    from edge.state import EdgeState
 
 log = logging.getLogger("tidegate.edge")
 
@@ -50,22 +51,19 @@ def register(app: web.Application, state: EdgeState) -> None:
     app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError):
-        raise invalid_request("The request body is not valid JSON.", code="invalid_json") \
-            from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.")
-    return body
+async def _json_body(request: web.Request, max_depth: int) -> dict[str, Any]:
+    """The body parsed as every route parses JSON (``tidegate.validation.jsonbody``):
+    bounded nesting (50,000 ``[`` once made stdlib json raise RecursionError,
+    a 500), strict JSON, no duplicate top-level key."""
+    return parse_object(await request.read(), max_depth)
 
 
 async def create_batch(request: web.Request) -> web.Response:
     api = request.app[API]
     principal = api.principal(request)
+    await read_within(request, api.state.config.edge)  # body deadline; read() keeps the bytes
     cfg = api.state.config.batch
-    body = await _json_body(request)
+    body = await _json_body(request, api.state.config.edge.max_json_depth)
     endpoint = body.get("endpoint")
     if endpoint not in ENDPOINTS:
         raise invalid_request(f"endpoint must be one of {', '.join(ENDPOINTS)}, got "

@@ -4,6 +4,11 @@ Every client-visible failure is an OpenAI-style error object::
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
+On Anthropic's Messages API (``Api.MESSAGES``, paths under ``/v1/messages``)
+the same errors are written in Anthropic's shape instead
+(``tidegate.wire.anthropic``: ``{"type": "error", "error": {...}}``, 503 as
+529 ``overloaded_error``, a stream's last event ``event: error``).
+
 Before any byte of a response is written it is an HTTP response with the
 right status (and ``Retry-After`` when retrying helps); afterwards it is a
 final SSE event ``data: {"error": {...}}``, and the stream ends without
@@ -18,7 +23,8 @@ import math
 from aiohttp import web
 
 from tidegate.errors import ApiError
-from tidegate.wire.protocol import ErrorInfo
+from tidegate.wire import anthropic
+from tidegate.wire.protocol import Api, ErrorInfo
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -42,15 +48,22 @@ def to_info(error: ApiError) -> ErrorInfo:
                      error.retry_after)
 
 
-def error_response(error: ApiError) -> web.Response:
+def error_response(error: ApiError, api: Api = Api.CHAT) -> web.Response:
     headers = {}
     if error.retry_after > 0:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
-    return web.Response(status=error.status, body=error.to_json(),
-                        content_type="application/json", headers=headers)
+    status, body = error.status, error.to_json()
+    if api is Api.MESSAGES:
+        status, body = anthropic.error_body(status, error.message)
+        if status == anthropic.OVERLOADED and "Retry-After" not in headers:
+            headers["Retry-After"] = "1"
+    return web.Response(status=status, body=body, content_type="application/json",
+                        headers=headers)
 
 
-def sse_error_event(error: ApiError) -> bytes:
+def sse_error_event(error: ApiError, api: Api = Api.CHAT) -> bytes:
+    if api is Api.MESSAGES:
+        return anthropic.error_event(error.status, error.message)
     payload = error.payload()
     if error.retryable:
         payload["error"]["retryable"] = True
@@ -65,5 +78,5 @@ def from_http_exception(exc: web.HTTPException) -> ApiError:
     message = exc.text if exc.text and not exc.text.startswith(str(status)) else exc.reason
     if status == 404:
         message = ("Unknown URL. tidegate serves /v1/chat/completions, /v1/completions, "
-                   "/v1/responses, /v1/embeddings and /v1/models.")
+                   "/v1/responses, /v1/embeddings, /v1/messages and /v1/models.")
     return ApiError(status, message, type=error_type, code=code)

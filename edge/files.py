@@ -18,20 +18,23 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import BodyPartReader, web
+from aiohttp.web_protocol import RequestPayloadError
 
 from edge.auth import Principal
+from edge.body import deadline
 from tidegate.broker import objects
 from tidegate.control.batches import Stores, open_stores
 from tidegate.errors import ApiError, invalid_request
 from tidegate.wire.batch import FILE_PREFIX, FileRecord, new_file_id, valid_id
 
 if TYPE_CHECKING:
-    from edge.app import EdgeState
+    from edge.state import EdgeState
 
 log = logging.getLogger("tidegate.edge")
 
 PURPOSES = ("batch", "batch_output")  # what tidegate's files are for (uploads: "batch")
 _READ = 64 << 10
+_ENVELOPE = 64 << 10  # multipart boundaries and headers around the file itself
 T = TypeVar("T")
 
 
@@ -83,18 +86,58 @@ def register(app: web.Application, state: EdgeState) -> None:
 
 
 async def upload(request: web.Request) -> web.Response:
+    """Stream a multipart upload into the store. Invariant: when this does not
+    answer 200, nothing of the upload is left in the store (every failure path,
+    a client gone mid-body included, ends in :func:`_discard`)."""
     api = request.app[API]
     principal = api.principal(request)
-    limit = api.state.config.batch.max_file_bytes
+    cfg = api.state.config.batch
+    limit = cfg.max_file_bytes
     # The multipart envelope adds a few hundred bytes to the file itself.
-    if request.content_length is not None and request.content_length > limit + (64 << 10):
+    if request.content_length is not None and request.content_length > limit + _ENVELOPE:
         raise _too_large(limit)
     if not request.content_type.startswith("multipart/"):
         raise invalid_request("Upload a file as multipart/form-data with the fields 'file' "
                               "and 'purpose'.", param="file")
     stores = await api.stores()
-    reader = await request.multipart()
+    room = await _room(stores, principal.tenant, cfg.tenant_storage_bytes)
+    if room is not None and (room <= 0 or (request.content_length or 0) > room + _ENVELOPE):
+        raise _over_quota(cfg.tenant_storage_bytes)
     file_id = new_file_id()
+    try:
+        async with deadline(request, api.state.config.edge):
+            purpose, filename, size = await _receive(request, stores, file_id, limit, room)
+        if size < 0:
+            raise invalid_request("The upload has no 'file' field.", param="file",
+                                  code="missing_required_parameter")
+        if purpose != "batch":
+            raise invalid_request(f"purpose must be 'batch' (tidegate's files are batch "
+                                  f"inputs), got {purpose!r}.", param="purpose")
+        now = int(time.time())
+        file = FileRecord(id=file_id, tenant=principal.tenant, size=size, created_at=now,
+                          filename=filename[:256], purpose=purpose,
+                          expires_at=now + int(cfg.file_ttl))
+        await stores.put_file(file)
+        # Concurrent uploads each saw room for themselves: counted again with
+        # this file recorded, the tenant must still be within its quota.
+        after = await _room(stores, principal.tenant, cfg.tenant_storage_bytes)
+        if after is not None and after < 0:
+            raise _over_quota(cfg.tenant_storage_bytes)
+    except BaseException:
+        await _discard(stores, file_id)
+        raise
+    log.info("file %s uploaded by tenant %s: %d bytes", file_id, principal.tenant, size)
+    return web.json_response(file.to_openai())
+
+
+async def _receive(request: web.Request, stores: Stores, file_id: str, limit: int,
+                   room: int | None) -> tuple[str, str, int]:
+    """The upload's purpose, filename and size (-1: no file part), its file
+    part streamed into the store as ``file_id``. 413 past ``limit`` or the
+    tenant's ``room``."""
+    api = request.app[API]
+    reader = await request.multipart()
+    cap = limit if room is None else min(limit, room)
     purpose, filename, size = "", "", -1
     try:
         while (part := await reader.next()) is not None:
@@ -105,25 +148,38 @@ async def upload(request: web.Request) -> web.Response:
             elif part.name == "file" and size < 0:
                 filename = part.filename or "upload.jsonl"
                 size = await objects.put(api.state.js, stores.files_bucket, file_id,
-                                         _chunks(part), limit=limit)
+                                         _chunks(part), limit=cap)
             else:
                 await part.release()
     except objects.TooLarge:
+        if cap < limit:
+            raise _over_quota(api.state.config.batch.tenant_storage_bytes) from None
         raise _too_large(limit) from None
-    if size < 0:
-        raise invalid_request("The upload has no 'file' field.", param="file",
-                              code="missing_required_parameter")
-    if purpose != "batch":
-        await stores.delete_file(file_id)
-        raise invalid_request(f"purpose must be 'batch' (tidegate's files are batch inputs), "
-                              f"got {purpose!r}.", param="purpose")
-    now = int(time.time())
-    file = FileRecord(id=file_id, tenant=principal.tenant, size=size, created_at=now,
-                      filename=filename[:256], purpose=purpose,
-                      expires_at=now + int(api.state.config.batch.file_ttl))
-    await stores.put_file(file)
-    log.info("file %s uploaded by tenant %s: %d bytes", file_id, principal.tenant, size)
-    return web.json_response(file.to_openai())
+    except (ValueError, RequestPayloadError) as exc:
+        # aiohttp's multipart reader: a body that ends before the closing
+        # boundary ("Reading after EOF"), a bad part header, broken chunking.
+        raise invalid_request(f"The multipart body is malformed or incomplete: {exc}.",
+                              param="file", code="invalid_body") from None
+    return purpose, filename, size
+
+
+async def _room(stores: Stores, tenant: str, quota: int) -> int | None:
+    """Bytes ``tenant`` may still store (negative: over), None without a quota.
+    Every file of the tenant counts, batch outputs included: they take the
+    same bucket space; deleting files frees it."""
+    if not quota:
+        return None
+    return quota - sum(f.size for f in await stores.list_files(tenant))
+
+
+async def _discard(stores: Stores, file_id: str) -> None:
+    """Remove whatever an unfinished upload left (object chunks, meta, file
+    record); idempotent. Shielded: it runs while the handler is being
+    cancelled (client gone) or timed out, and must not be cut short."""
+    try:
+        await asyncio.shield(stores.delete_file(file_id))
+    except Exception as exc:  # the upload's own error matters more; the TTL ages it out
+        log.warning("could not remove the unfinished upload %s: %s", file_id, exc)
 
 
 async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
@@ -134,6 +190,13 @@ async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"The file exceeds the limit of {limit} bytes.",
                     type="invalid_request_error", code="file_too_large", param="file")
+
+
+def _over_quota(quota: int) -> ApiError:
+    return ApiError(413, f"This upload would take your organization's stored files past its "
+                         f"quota of {quota} bytes; delete files you no longer need "
+                         f"(DELETE /v1/files/{{file_id}}) and retry.",
+                    type="invalid_request_error", code="storage_quota_exceeded", param="file")
 
 
 async def list_files(request: web.Request) -> web.Response:

@@ -19,6 +19,10 @@ but it has no deadline for a request's header block and no connection caps.
   too many headers, CRLF injection, bad method) gets a 400 with an OpenAI
   error body instead of aiohttp's text page, logged at a rate limit instead
   of one traceback per bad request.
+* **No header value is echoed.** aiohttp's parse errors quote up to 100
+  bytes of the offending line, enough to hold a whole API key. The answer and
+  the log name the line instead (the header's name, or the request line)
+  and the limit; quoted bytes in any other parse error are cut out.
 
 Only the inbound side is touched: responses are written by aiohttp as before,
 so the per-chunk path is unchanged. The body deadline (``edge.body_timeout``)
@@ -29,10 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import Counter
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from tidegate.config import EdgeConfig
@@ -43,6 +49,13 @@ from tidegate.telemetry.untrusted import RateLimitedLog
 log = logging.getLogger("tidegate.edge")
 _log = RateLimitedLog(log)
 _HEADER_END = b"\r\n\r\n"
+# Bytes kept of the header line being received: room for any real header
+# name and its colon (the value after it is never read from here).
+_NAME_BYTES = 64
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,63}")
+# What aiohttp quotes from the request in a parse error: b'...' / '...' reprs
+# and, from its C parser, the offending bytes on lines of their own.
+_QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" + r'|b?"(?:[^"\\]|\\.)*"')
 
 
 def canned_response(error: ApiError, *, close: bool = True) -> bytes:
@@ -96,8 +109,8 @@ def _refused(reason: str) -> None:
 class GuardedHandler(RequestHandler):
     """aiohttp's request handler with a header deadline and connection caps."""
 
-    __slots__ = ("_admitted", "_deadline", "_guard_limits", "_header_timeout", "_ip",
-                 "_tail")
+    __slots__ = ("_admitted", "_deadline", "_field_limit", "_guard_limits", "_header_timeout",
+                 "_ip", "_line", "_line_len", "_line_limit", "_lines", "_overlong", "_tail")
 
     def __init__(self, manager: web.Server, *, limits: ConnectionLimits,
                  header_timeout: float, **kwargs: Any) -> None:
@@ -110,6 +123,16 @@ class GuardedHandler(RequestHandler):
         # The last bytes of an unfinished header block, to find a blank line
         # split across two reads; None once the first header block is complete.
         self._tail: bytes | None = b""
+        # While the first header block arrives: the start and length of the
+        # line being received, whether a line ended before it (so it is a
+        # header, not the request line), and the start of the first line over
+        # its limit (b"" for the request line), to name it in the 400.
+        self._line_limit = int(kwargs.get("max_line_size", 8190))
+        self._field_limit = int(kwargs.get("max_field_size", 8190))
+        self._line = b""
+        self._line_len = 0
+        self._lines = False
+        self._overlong: bytes | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -136,7 +159,10 @@ class GuardedHandler(RequestHandler):
             return
         if self._tail is not None:
             seen = self._tail + data
-            if _HEADER_END in seen:
+            end = seen.find(_HEADER_END)
+            if self._overlong is None:
+                self._track_lines(data if end < 0 else data[:max(0, end + 4 - len(self._tail))])
+            if end >= 0:
                 self._tail = None
                 if self._deadline is not None:
                     self._deadline.cancel()
@@ -144,6 +170,25 @@ class GuardedHandler(RequestHandler):
             else:
                 self._tail = seen[-3:]
         super().data_received(data)
+
+    def _track_lines(self, data: bytes) -> None:
+        """Follow the first header block's lines until one is over its
+        limit. Only the header phase of a connection's first request pays
+        for this (one ``find`` per line), never a body or a response."""
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            piece = data[start:] if end < 0 else data[start:end]
+            if len(self._line) < _NAME_BYTES:
+                self._line += piece[:_NAME_BYTES - len(self._line)]
+            self._line_len += len(piece)
+            if self._line_len > (self._field_limit if self._lines else self._line_limit):
+                self._overlong = self._line if self._lines else b""
+                return
+            if end < 0:
+                return
+            self._line, self._line_len, self._lines = b"", 0, True
+            start = end + 1
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._admitted:
@@ -180,14 +225,34 @@ class GuardedHandler(RequestHandler):
                              code="internal_error")
         else:
             _refused("bad_http")
-            reason = (message or (str(exc) if exc else "") or "malformed request")
-            _log.warning("bad_http", "bad HTTP request from %s: %s", self._ip, reason[:200])
-            error = ApiError(status, f"The HTTP request is malformed: {reason[:200]}",
+            reason = self._reason(exc, message)
+            _log.warning("bad_http", "bad HTTP request from %s: %s", self._ip, reason)
+            error = ApiError(status, f"The HTTP request is malformed: {reason}",
                              type="invalid_request_error", code="invalid_http")
         response = web.Response(status=error.status, body=error.to_json(),
                                 content_type="application/json")
         response.force_close()
         return response
+
+    def _reason(self, exc: BaseException | None, message: str | None) -> str:
+        """What was wrong with an unparsable request, without its bytes."""
+        if isinstance(exc, LineTooLong):
+            limit = exc.args[1] if len(exc.args) > 1 else self._field_limit
+            return (f"the {self._overlong_line()} is longer than {limit} bytes, the edge's limit "
+                    "(its value is not shown).")
+        reason = (message or (str(exc) if exc else "") or "malformed request")
+        reason = reason.strip().removeprefix("400, message:").strip().split("\n", 1)[0]
+        return _QUOTED.sub("(not shown)", reason)[:200] or "malformed request"
+
+    def _overlong_line(self) -> str:
+        if self._overlong is None:  # not found (a later request on a kept-alive connection)
+            return "request line or a header line"
+        if not self._overlong:
+            return "request line"
+        name, colon, _ = self._overlong.partition(b":")
+        if colon and _TOKEN.fullmatch(name):
+            return f"header '{name.decode('ascii')}'"
+        return "header line"
 
 
 class GuardedSite(web.TCPSite):

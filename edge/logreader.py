@@ -27,6 +27,17 @@ keep-alive then). The iterator always ends with one :class:`LogEnd`, also
 when the worker died (``worker_lost``, after the edge's usual silence limit)
 or the stream was never picked up (``no_worker_available``).
 
+At the edge's drain a reader that follows a client ends with the reconnect
+event, which names ``reader.last_id`` as the event to resume after. So
+``last_id`` must be exactly the last event the client was given:
+``await reader.next_unless_draining(within)`` is ``next`` that answers
+:data:`DRAINING` instead of an item once the edge drains, and never hands out
+an item after that. Nothing cancels a read to stop it (a cancelled read could
+take a message off the subscription and lose it, or, with Python 3.11's
+``wait_for``, finish anyway and count an event nobody wrote): the fetch of
+the next log message is one task that outlives a ``next`` call which
+returned without it.
+
 While a reader is inside the ``async with``, it counts as a reader of the
 stream: it attaches to the worker (``Attach`` every
 ``resume.attach_interval``) and detaches on exit, so a stream with a reader
@@ -46,10 +57,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Final
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
@@ -67,6 +80,19 @@ log = logging.getLogger("tidegate.edge")
 # beyond this piles up in the edge.
 _PENDING_MSGS = 4096
 _PENDING_BYTES = 16 << 20
+
+
+class Draining:
+    """The type of :data:`DRAINING`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DRAINING"
+
+
+#: What :meth:`LogReader.next_unless_draining` answers once the edge drains.
+DRAINING: Final = Draining()
 
 
 def not_found() -> ApiError:
@@ -132,6 +158,9 @@ class LogReader:
         self._psub: JetStreamContext.PushSubscription | None = None
         self._ready: deque[LogItem] = deque()
         self._attach: asyncio.Task[None] | None = None
+        # The pending read of the next log message, kept across next() calls
+        # that returned without it (a bound ran out, the edge drains).
+        self._fetch: asyncio.Future[Msg] | None = None
         self._attached_to = ""
         self._last_entry = time.monotonic()
         self.open: LogOpen = LogOpen("", True, 0, 0, 0.0)
@@ -153,6 +182,10 @@ class LogReader:
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._fetch is not None:
+            self._fetch.cancel()
+            with contextlib.suppress(BaseException):
+                await self._fetch
         if self._attach is not None:
             self._attach.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -181,10 +214,24 @@ class LogReader:
         seconds (``None``: wait as long as it takes; the silence limits below
         still end the stream). After the :class:`LogEnd`, raises
         ``StopAsyncIteration``."""
+        item = await self._next(within, None)
+        assert not isinstance(item, Draining)
+        return item
+
+    async def next_unless_draining(self, within: float | None) -> LogItem | Draining | None:
+        """:meth:`next`, but :data:`DRAINING` once the edge drains: then no
+        further item is handed out, so ``last_id`` stays the last event the
+        caller got (and wrote), which the reconnect event names."""
+        return await self._next(within, self._log.draining)
+
+    async def _next(self, within: float | None,
+                    stop: asyncio.Event | None) -> LogItem | Draining | None:
         deadline = None if within is None else time.monotonic() + within
         while not self._ready:
             if self.cursor.ended:
                 raise StopAsyncIteration
+            if stop is not None and stop.is_set():
+                return DRAINING
             wait = self._silence_left()
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
@@ -193,10 +240,8 @@ class LogReader:
                     return None
                 self._ready.extend(self.cursor.fail(self._silence_error()))
                 break
-            assert self._psub is not None
-            try:
-                msg = await self._psub.next_msg(timeout=wait)
-            except (nats.errors.TimeoutError, TimeoutError):
+            msg = await self._receive(wait, stop)
+            if msg is None:
                 continue
             self._last_entry = time.monotonic()
             try:
@@ -208,10 +253,36 @@ class LogReader:
                 self._ready.extend(self.cursor.feed(entry))
             if self.cursor.control and self.cursor.control != self._attached_to:
                 await self._attach_now()
+        if stop is not None and stop.is_set():
+            return DRAINING  # the item stays unread: the client resumes from it
         item = self._ready.popleft()
         if isinstance(item, LogEvent):
             self.last_id = item.id
         return item
+
+    async def _receive(self, wait: float, stop: asyncio.Event | None) -> Msg | None:
+        """The next log message, or None when ``wait`` seconds passed or
+        ``stop`` was set first. The fetch is never cancelled here: if it did
+        not finish, the next call waits for the same one, so a message is
+        neither lost nor taken by a read whose caller has gone."""
+        fetch = self._fetch
+        if fetch is None:
+            assert self._psub is not None
+            fetch = self._fetch = asyncio.ensure_future(self._psub.next_msg(timeout=None))
+        if not fetch.done():
+            if stop is None:
+                await asyncio.wait((fetch,), timeout=wait)
+            else:
+                stopped = asyncio.ensure_future(stop.wait())
+                try:
+                    await asyncio.wait((fetch, stopped), timeout=wait,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stopped.cancel()
+            if not fetch.done():
+                return None
+        self._fetch = None
+        return fetch.result()
 
     # -- silence limits, as the relay's ----------------------------------------
 

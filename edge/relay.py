@@ -8,10 +8,10 @@ Phases (an enum, not a scatter of flags)::
 
 Headers go out only when they must: with the first chunk, or, for a stream
 that waits long before it (queueing, prefill), with the first ``: ping`` the
-edge writes to keep proxies from dropping the connection (one heartbeat
-interval in).
+edge writes to keep proxies from dropping the connection (one heartbeat in).
 Until then every failure is a real HTTP status with an OpenAI error body;
-afterwards it is a final SSE error event (see ``edge.errors``).
+afterwards a final SSE error event (``edge.errors``). An edge cut from NATS
+releases its streams (``tidegate.broker.link``).
 
 Hot path: a batch of chunk messages becomes one socket write of their bytes,
 which the edge never parses. Acks go back cumulatively, after the write has
@@ -24,11 +24,10 @@ wakes only for acks, ticks, a full socket buffer and the other messages.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
@@ -36,9 +35,13 @@ from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
 from edge import instrument
+from edge.continuation import Delivered, continuable, worker_gone
+from edge.endings import Reconnect, SlowClient, reconnect_event, worker_lost
 from edge.errors import error_response, from_info, sse_error_event, to_info
+from edge.liveness import WorkerWatch
 from edge.session import BAD_INPUT, Session
-from tidegate.config import Config
+from tidegate.broker.link import Link
+from tidegate.config import Config, ModelConfig
 from tidegate.errors import ApiError, unavailable
 from tidegate.wire import streamlog
 from tidegate.wire.flow import AckPolicy
@@ -48,9 +51,11 @@ from tidegate.wire.protocol import (
     Api,
     Cancel,
     Chunk,
+    Continue,
     Detach,
     Done,
     Error,
+    ErrorInfo,
     Head,
     Heartbeat,
     Request,
@@ -87,45 +92,24 @@ class Publisher(Protocol):
         """Record the cancel durably, for whoever picks the request up later."""
 
 
-class Reconnect(ApiError):
-    """This edge is draining: a resumable stream's client is told to resume
-    elsewhere (the final ``event: reconnect``) instead of being cut off."""
-
-    def __init__(self) -> None:
-        super().__init__(503, "This gateway node is shutting down; resume the stream on "
-                              "another.", type="server_error", code="edge_reconnect",
-                         retryable=True, retry_after=0)
-
-
-def reconnect_event(request_id: str, last_event_id: int, retry_ms: int) -> bytes:
-    """The documented last event of a stream whose edge drains (docs/resume.md):
-    where and from which event to resume. ``GET resume_url`` with
-    ``Last-Event-ID: last_event_id`` on any edge continues it exactly."""
-    payload = json.dumps({"resume_url": f"/v1/streams/{request_id}",
-                          "last_event_id": last_event_id, "retry_ms": retry_ms})
-    return b"event: reconnect\ndata: %b\n\n" % payload.encode()
-
-
-class SlowClient(Exception):
-    """The client did not drain its socket within edge.slow_client_timeout."""
-
-
 @dataclass(frozen=True, slots=True)
 class RelayContext:
     """What every relay of one edge process shares."""
 
     config: Config
     publisher: Publisher
+    link: Link = field(default_factory=lambda: Link(None, 0.0))  # partitions: broker/link.py
+    watch: WorkerWatch | None = None  # the edge's worker liveness probe (edge.liveness)
+    models: Mapping[str, ModelConfig] = field(default_factory=dict)  # failover per model
 
 
 class Relay:
     """Drives one request. ``run`` returns the response aiohttp should finish."""
-
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
-    __slots__ = ("acks", "asked_at", "body_parts", "body_size", "control", "ctx",
-                 "expected_seq", "gap_since", "head_key", "headers", "high_water", "http",
-                 "ids", "last_ack", "last_worker_msg", "last_write", "phase", "request",
-                 "response", "session", "started", "upstream_done", "wrote_chunks")
+    __slots__ = ("acks", "asked_at", "body_parts", "body_size", "control", "ctx", "delivered",
+                 "expected_seq", "failover", "gap_since", "head_key", "headers", "high_water",
+                 "http", "ids", "job_ack", "last_ack", "last_worker_msg", "last_write", "phase",
+                 "request", "response", "session", "started", "upstream_done", "wrote_chunks")
 
     def __init__(self, http: web.Request, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
@@ -137,6 +121,11 @@ class Relay:
         self.phase = Phase.WAITING
         self.response: web.StreamResponse | None = None
         self.control = ""  # worker control subject, once known
+        self.job_ack = ""  # the job message's JetStream ack subject (Head.ack)
+        model = ctx.models.get(request.model)
+        self.failover = model.failover if model is not None else "restart"
+        # failover = "continue": what the client got, for the next worker.
+        self.delivered = Delivered() if continuable(request, model) else None
         self.acks = AckPolicy(request.window_bytes, request.window_msgs)
         self.expected_seq = 1
         # A lost worker message (see _check_seq): when the gap opened (0 = no
@@ -161,8 +150,6 @@ class Relay:
             else streamlog.retry_field(ctx.config.resume.retry_ms))
             if request.resumable and request.stream else None)
         session.resumable = self.ids is not None
-
-    # -- entry point ---------------------------------------------------------
 
     async def run(self) -> web.StreamResponse:
         finished = False
@@ -235,13 +222,12 @@ class Relay:
             except Exception as exc:
                 log.warning("could not log the end of %s: %s", self.request.id, exc)
         if self.response is None:
-            response = error_response(error)
-            # Request id and rate-limit headers belong on errors too: a 429
-            # without x-ratelimit-* leaves the client guessing.
+            response = error_response(error, self.request.api)
+            # Request id and rate-limit headers on errors too (a 429 needs x-ratelimit-*).
             response.headers.update(self.headers)
             return response
         try:
-            await self.response.write(sse_error_event(error))
+            await self.response.write(sse_error_event(error, self.request.api))
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass
@@ -262,8 +248,6 @@ class Relay:
             await self.ctx.publisher.tombstone(self.request.id, reason)
         except Exception as exc:  # the broker being down must not mask the real outcome
             log.warning("could not publish cancel for %s: %s", self.request.id, exc)
-
-    # -- the loop --------------------------------------------------------------
 
     async def _relay(self) -> web.StreamResponse:
         try:
@@ -303,6 +287,8 @@ class Relay:
                     return await self._finish()
                 if self.wrote_chunks:
                     session.direct = self._direct_writer()
+            if session.lost:
+                await worker_gone(self, session.lost, now)
             if session.take_tick():
                 await self._on_tick(now)
 
@@ -313,6 +299,11 @@ class Relay:
             raise ApiError(504, f"The request exceeded the gateway's limit of "
                                 f"{cfg.edge.request_timeout:g}s.",
                            type="server_error", code="request_timeout")
+        if self.ctx.link.lost(now):  # cut from NATS: nothing more can come
+            if self.ids is not None and self.phase is Phase.STREAMING:
+                raise Reconnect("lost its message broker")
+            raise unavailable("This gateway node lost its connection to the message broker.",
+                              code="broker_unavailable", retry_after=1)
         if self.phase is Phase.WAITING and now >= self.started + cfg.edge.admission_timeout:
             raise unavailable(f"No dispatcher answered within {cfg.edge.admission_timeout:g}s.",
                               code="dispatcher_unavailable", retry_after=5)
@@ -361,6 +352,7 @@ class Relay:
         last_chunk = 0
         done = False
         ping = False
+        failed: ErrorInfo | None = None
         for m in messages:
             kind = type(m)
             if kind is Chunk:
@@ -380,11 +372,14 @@ class Relay:
                 assert isinstance(m, Done)
                 if self._check_seq(m.seq):
                     done = True
+                    self.headers.update(m.cost_headers(self.ctx.config.spend.currency))
                     break
             elif kind is Error:
                 assert isinstance(m, Error)
                 self.upstream_done = True
-                raise from_info(m.error)
+                # Batched chunks go out first (200); the error is the last event.
+                failed = m.error
+                break
             elif kind is Status:
                 assert isinstance(m, Status)
                 if m.headers:
@@ -402,6 +397,8 @@ class Relay:
         if out:
             data = out[0] if len(out) == 1 else b"".join(out)
             if self.request.stream:
+                if self.delivered is not None:
+                    self.delivered.add(data)
                 ids = self.ids
                 if ids is not None:
                     data = ids.frame(data)
@@ -416,6 +413,8 @@ class Relay:
                 await self._ack(ack)
         elif ping and self.request.stream:
             await self._write(_PING)
+        if failed is not None:
+            raise from_info(failed)
         return done
 
     # -- message handling --------------------------------------------------------
@@ -472,18 +471,26 @@ class Relay:
             return  # the same Head again (the worker resent what was not acked)
         self.head_key = key
         self.control = head.control  # from now on, cancels go to this worker
+        self.job_ack = head.ack if head.ack.startswith("$JS.ACK.") else ""
+        if self.ctx.watch is not None:
+            self.session.follow(self.ctx.watch, head.control)
         if head.attempt > 1 or self.phase is Phase.STREAMING:
+            go = Ack(self.request.id, 0).encode()
+            if self.body_size and self.failover != "off":
+                self.body_parts, self.body_size = [], 0  # none of it reached the client
             if self.wrote_chunks or self.body_size:
-                # The job was redelivered after output already reached the
-                # client: two generations cannot be spliced, and the new worker
-                # must not run it (it waits for our go-ahead, and gets a cancel).
-                raise ApiError(502, "The worker running this request was lost mid-response.",
-                               type="server_error", code="worker_lost", retryable=True,
-                               retry_after=1)
-            log.info("request %s restarted on another worker (attempt %d)", self.request.id,
-                     head.attempt)
+                # Redelivered after output reached the client: only a
+                # continuation of the delivered text may follow it; otherwise
+                # the new worker must not run (it waits for our go-ahead, and
+                # gets a cancel).
+                got = self.delivered.text(self.request.api) if self.delivered else None
+                if got is None or not self.delivered.pending:  # type: ignore[union-attr]
+                    raise worker_lost()
+                go = Continue(self.request.id, *got).encode()
+            log.info("request %s %s on another worker (attempt %d)", self.request.id,
+                     "continued" if self.wrote_chunks else "restarted", head.attempt)
             self.acks = AckPolicy(self.request.window_bytes, self.request.window_msgs)
-            await self.ctx.publisher.publish(head.control, Ack(self.request.id, 0).encode())
+            await self.ctx.publisher.publish(head.control, go)
         self.phase = Phase.STREAMING
         self.expected_seq = head.seq + 1
         self.gap_since = 0.0
@@ -551,20 +558,17 @@ class Relay:
         headers sent, chunked transfer encoding (HTTP/1.1), no compression."""
         writer = self.response._payload_writer if self.response is not None else None
         if (writer is None or self.ids is not None or not isinstance(writer, StreamWriter)
-                or not writer.chunked
-                or not writer._headers_written or writer._compress is not None
-                or writer.length is not None):
+                or not writer.chunked or not writer._headers_written
+                or writer._compress is not None or writer.length is not None):
             return None
         return self._direct
 
     def _direct(self, chunk: Chunk) -> bool:
-        """Write one chunk to the client from the NATS callback, bypassing the
-        relay task and aiohttp's write path (one ``transport.write`` of the
-        chunked frame). Only the steady state qualifies: the next chunk in
-        sequence, room under the socket's high-water mark (so it counts as
-        drained, as in :meth:`_write`) and no ack due after it (acks publish,
-        which needs the task). Anything else returns False and the relay
-        handles the chunk, after everything queued before it."""
+        """Write one chunk to the client from the NATS callback, bypassing the relay
+        task and aiohttp's write path (one ``transport.write`` of the chunked frame).
+        Only the steady state qualifies: the next chunk in sequence, room under the
+        socket's high-water mark (drained, as in :meth:`_write`) and no ack due after
+        it (acks publish: the task's job). Else False: the relay handles the chunk."""
         data = chunk.data
         n = len(data)
         if not n:
@@ -576,6 +580,8 @@ class Relay:
             return False
         # aiohttp's chunked framing, byte for byte; its write_eof ends the body.
         transport.write(b"%x\r\n%b\r\n" % (n, data))
+        if self.delivered is not None:
+            self.delivered.add(data)
         self.expected_seq = chunk.seq + 1
         self.acks.on_written(chunk.seq, n)
         self.last_worker_msg = self.last_write = time.monotonic()
@@ -585,10 +591,9 @@ class Relay:
         if not self.request.stream:
             return web.Response(body=b"".join(self.body_parts), content_type="application/json",
                                 headers=self.headers)
-        # A Responses stream ends with its own terminal event (response.completed
-        # and friends), never with [DONE]: OpenAI sends none, and strict clients
-        # of that API would read it as a malformed event.
-        await self._write(_DONE if self.request.api is not Api.RESPONSES else b"", last=True)
+        # A Responses or Messages stream ends with its own terminal event
+        # (response.completed, message_stop), never [DONE]: their APIs send none.
+        await self._write(_DONE if self.request.api < Api.RESPONSES else b"", last=True)
         assert self.response is not None
         return self.response
 

@@ -20,15 +20,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
 
 import msgpack
 from aiohttp import web
 from nats.aio.msg import Msg
 
+from edge.endings import reconnect_event
 from edge.errors import sse_error_event
-from edge.logreader import LogReader, StreamLog, not_found, valid_id
-from edge.relay import reconnect_event
+from edge.logreader import Draining, LogReader, StreamLog, not_found, valid_id
 from edge.session import SessionTable
 from tidegate.config import Config, ModelConfig
 from tidegate.control.tenants import TenantTable
@@ -69,7 +68,8 @@ def resume_grace(headers: object, tenants: TenantTable, tenant: str, model: Mode
         if value in _FALSE:
             return None
         if value not in _TRUE:
-            raise invalid_request(f"{RESUMABLE_HEADER} must be true or false, got {raw!r}.",
+            # Header values are never echoed (docs/security.md).
+            raise invalid_request(f"{RESUMABLE_HEADER} must be true or false.",
                                   code="invalid_header")
     elif not ((settings is not None and settings.resumable) or model.resumable):
         return None
@@ -84,8 +84,7 @@ def resume_grace(headers: object, tenants: TenantTable, tenant: str, model: Mode
             grace = -1.0
         if not 0 <= grace <= config.resume.max_grace:
             raise invalid_request(f"{GRACE_HEADER} must be seconds between 0 and "
-                                  f"{config.resume.max_grace:g}, got {raw_grace!r}.",
-                                  code="invalid_header")
+                                  f"{config.resume.max_grace:g}.", code="invalid_header")
     return min(grace, config.resume.max_grace)
 
 
@@ -93,13 +92,13 @@ def _after(http: web.Request) -> int:
     raw = http.headers.get("Last-Event-ID")
     if raw is None:
         raw = http.query.get("after", "0")
-    try:
-        after = int(raw.strip() or "0")
-    except ValueError:
-        after = -1
+    # ASCII digits only (an empty value is 0, as in the SSE spec): int() also
+    # takes "+5", "1_0" and non-ASCII digits, none of them an id this edge sent.
+    text = raw.strip() or "0"
+    after = int(text) if text.isascii() and text.isdigit() else -1
     if after < 0:
-        raise invalid_request(f"Last-Event-ID / after must be a non-negative event id, got "
-                              f"{raw!r}.", code="invalid_value", param="after")
+        raise invalid_request("Last-Event-ID / after must be a non-negative event id.",
+                              code="invalid_value", param="after")
     return after
 
 
@@ -117,37 +116,29 @@ async def stream_events(http: web.Request, streamlog_: StreamLog, config: Config
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", **headers})
         await response.prepare(http)
-        ping_every = config.session.heartbeat_interval
-        slow = config.edge.slow_client_timeout
-        drained = asyncio.create_task(streamlog_.draining.wait())
-        try:
-            await _follow(http, response, reader, drained, ping_every, slow,
-                          config.resume.retry_ms)
-        finally:
-            drained.cancel()
+        await _follow(http, response, reader, config.session.heartbeat_interval,
+                      config.edge.slow_client_timeout, config.resume.retry_ms)
         return response
 
 
 async def _follow(http: web.Request, response: web.StreamResponse, reader: LogReader,
-                  drained: asyncio.Task[Literal[True]], ping_every: float, slow: float,
-                  retry_ms: int) -> None:
-    """Write the reader's items until the end, or the reconnect event at drain."""
+                  ping_every: float, slow: float, retry_ms: int) -> None:
+    """Write the reader's items until the end, or the reconnect event at drain.
+
+    The reconnect event names ``reader.last_id``: the reader hands out no
+    item once the edge drains (``next_unless_draining``), and every item it
+    handed out was written before the next read, so that id is the last
+    event this client got, and resuming after it loses none."""
     retry = streamlog.retry_field(retry_ms)  # in the first event's block
     while True:
-        upcoming = asyncio.ensure_future(reader.next(ping_every))
-        waiting: set[asyncio.Future[Any]] = {upcoming, drained}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if not upcoming.done():
-            upcoming.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await upcoming
+        try:
+            item = await reader.next_unless_draining(ping_every)
+        except StopAsyncIteration:
+            return
+        if isinstance(item, Draining):
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await response.write_eof(reconnect_event(reader.request_id, reader.last_id,
                                                          retry_ms))
-            return
-        try:
-            item = upcoming.result()
-        except StopAsyncIteration:
             return
         try:
             async with asyncio.timeout(slow):

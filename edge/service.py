@@ -1,9 +1,10 @@
 """Edge process: connect, provision, serve HTTP, drain on stop.
 
 Shutdown order (STYLE 8): mark draining (``/readyz`` turns 503 and requests on
-kept-alive connections get a retryable 503), stop listening, let open streams
-finish within ``edge.shutdown_timeout``, end the rest with a retryable SSE
-error event (and cancel their work upstream), then close NATS.
+kept-alive connections get a retryable 503; gRPC health turns NOT_SERVING and
+its connections get GOAWAY), stop listening, let open streams finish within
+``edge.shutdown_timeout``, end the rest with a retryable SSE error event (and
+cancel their work upstream), then close NATS.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from edge import resume
-from edge.app import EdgeState, build_app
+from edge.app import build_app
 from edge.auth import KeyTable
+from edge.endings import Reconnect
+from edge.grpc_server import GrpcIngress
 from edge.guard import GuardedSite
-from edge.relay import Reconnect
 from edge.session import SessionTable
+from edge.state import EdgeState
 from edge.tls import server_tls_context, warn_if_public_plaintext
 from tidegate.broker import broker
 from tidegate.broker.kvwatch import wait_synced
@@ -193,6 +196,10 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     log.info("edge %s listening on %s://%s:%d (nats %s)", edge_id,
              "https" if tls else "http", config.edge.host, config.edge.port, config.nats.url)
     warn_if_public_plaintext(config.edge)
+    grpc_ingress: GrpcIngress | None = None
+    if config.edge.grpc_port:
+        grpc_ingress = GrpcIngress(state)
+        await grpc_ingress.start()
     registry = await edges_registry.ensure_bucket(js, config)
     started = time.time()
     # The edge's entry in <P>_EDGES (tidegate status): open requests and sockets.
@@ -211,7 +218,16 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
         # others when their last generation has ended or been ended by _drain.
         state.sockets.drain()
         state.streamlog.drain()  # resumed readers: told to reconnect too
-        await _drain(sessions, config.edge.shutdown_timeout)
+        # WebSocket resume generations end by themselves once their reader
+        # sees the drain; they get that moment before close_all (together
+        # with the requests' drain, so neither waits for the other).
+        # gRPC: NOT_SERVING and GOAWAY; its calls end with the sessions'
+        # drain (resumable ones told to reconnect) or at shutdown_timeout.
+        await asyncio.gather(state.sockets.wait_resumed(config.edge.shutdown_timeout),
+                             _drain(sessions, config.edge.shutdown_timeout),
+                             *([grpc_ingress.drain()] if grpc_ingress is not None else []))
+        if grpc_ingress is not None:
+            await grpc_ingress.close()
         await state.sockets.close_all()
         beat.cancel()  # deletes the registry entry
         await asyncio.gather(beat, return_exceptions=True)

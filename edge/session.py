@@ -28,6 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from edge.liveness import WorkerWatch
 from tidegate.errors import ApiError, ProtocolError
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.mux import decode_mux
@@ -41,7 +42,8 @@ BAD_INPUT = BadInput("edge", log)
 
 class Session:
     __slots__ = ("_loop", "_pending", "_tick_handle", "_tick_interval", "_waiter",
-                 "aborted", "direct", "request_id", "resumable", "tenant", "ticked")
+                 "aborted", "direct", "lost", "request_id", "resumable", "tenant", "ticked",
+                 "watch", "worker")
 
     def __init__(self, request_id: str, tick_interval: float, tenant: str = "") -> None:
         self.request_id = request_id
@@ -56,6 +58,35 @@ class Session:
         # Writes an in-order chunk to the client at once; False = not now, queue it.
         self.direct: Callable[[Chunk], bool] | None = None
         self._tick_handle = self._loop.call_later(tick_interval, self._on_tick)
+        # The worker this session streams from (its control subject), while
+        # the edge's WorkerWatch follows it; ``lost``: that worker is known
+        # dead (edge.liveness), for the relay to act on at its next wake-up.
+        self.watch: WorkerWatch | None = None
+        self.worker = ""
+        self.lost = ""
+
+    def follow(self, watch: WorkerWatch, control: str) -> None:
+        """Stream from the worker at ``control`` (and stop following any other)."""
+        if control == self.worker and watch is self.watch:
+            return
+        self.unfollow()
+        self.watch, self.worker = watch, control
+        watch.follow(self, control)
+
+    def unfollow(self) -> None:
+        if self.watch is not None and self.worker:
+            self.watch.unfollow(self, self.worker)
+        self.watch, self.worker = None, ""
+
+    def worker_lost(self, control: str) -> None:
+        """The edge's WorkerWatch found the worker at ``control`` gone."""
+        if control != self.worker:
+            return
+        self.watch, self.worker = None, ""  # the watch has forgotten it already
+        self.lost = control
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def feed(self, message: SessionMessage) -> None:
         direct = self.direct
@@ -84,7 +115,7 @@ class Session:
 
     async def wait(self) -> None:
         """Return once there are messages or a tick has passed."""
-        if self._pending or self.ticked or self.aborted:
+        if self._pending or self.ticked or self.aborted or self.lost:
             return
         self._waiter = self._loop.create_future()
         try:
@@ -109,6 +140,7 @@ class Session:
 
     def close(self) -> None:
         self._tick_handle.cancel()
+        self.unfollow()
 
 
 class SessionTable:

@@ -2,8 +2,8 @@
 
 A thin adapter. The frame protocol is sans-I/O in :mod:`tidegate.wire.ws`;
 each generation is an ordinary request of its own (validated, published and
-relayed by the same code as SSE: ``edge.app.build_request``,
-``edge.app.publish_request``, :class:`edge.ws_relay.WsRelay`), so quotas,
+relayed by the same code as SSE: ``edge.publish.build_request``,
+``edge.publish.publish_request``, :class:`edge.ws_relay.WsRelay`), so quotas,
 queue mode, cancel and flow control are exactly those of SSE.
 
 Tasks (STYLE 6): one ``asyncio.TaskGroup`` per socket owns the keepalive and
@@ -11,8 +11,13 @@ one task per generation; the handler's own task reads frames. When the
 reader ends (close, error, eviction), every generation still running is
 cancelled, and its relay cancels the work upstream as an SSE disconnect does.
 
-Close codes (:class:`tidegate.wire.ws.CloseCode`): 4401 bad or missing key,
-4408 no auth message in time, 1009 a frame over ``ws.max_message_bytes``
+The key is checked again for every ``request`` and ``resume`` frame, as HTTP
+checks it per request, and the socket follows its key: a revoke (through the
+key table's listener) or the key's expiry (a timer) closes it with 4401 at
+once, idle or not, and cancels its generations.
+
+Close codes (:class:`tidegate.wire.ws.CloseCode`): 4401 bad, missing, revoked
+or expired key, 4408 no auth message in time, 1009 a frame over ``ws.max_message_bytes``
 (aiohttp's reader enforces it), 1011 pings unanswered, 1012 edge restart.
 """
 
@@ -29,16 +34,19 @@ from aiohttp import WSMsgType, web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from edge import instrument, resume, ws_resume
-from edge.app import STATE, EdgeState, build_request, publish_request, session_tick, set_keepalive
-from edge.auth import Principal
-from edge.jsonbody import parse_object
+from edge import anthropic, instrument, resume, ws_resume
+from edge.auth import KeyTable, Principal
+from edge.continuation import deciding_fields
+from edge.endings import Reconnect, SlowClient
 from edge.logreader import LogReader
-from edge.relay import Reconnect, SlowClient
-from edge.validation import validate_body
+from edge.publish import build_request, publish_request
+from edge.state import STATE, EdgeState, session_tick, set_keepalive
 from edge.ws_relay import WsRelay, cancel_error
 from tidegate.errors import ApiError, unavailable
 from tidegate.telemetry import logs
+from tidegate.validation.generation import validate_body
+from tidegate.validation.jsonbody import parse_object
+from tidegate.validation.messages import validate_messages_body
 from tidegate.wire import ws as wire
 from tidegate.wire.protocol import Api
 from tidegate.wire.ws import CloseCode, KeepaliveAction
@@ -53,6 +61,7 @@ async def websocket(http: web.Request) -> web.StreamResponse:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
     authorization = http.headers.get("Authorization")
     principal = state.keys.authenticate(authorization) if authorization else None
+    digest = KeyTable.digest_of(authorization) if authorization else ""
     cfg = state.config.ws
     ws = web.WebSocketResponse(autoping=False, autoclose=True, heartbeat=None,
                                compress=cfg.compress, max_msg_size=cfg.max_message_bytes,
@@ -62,7 +71,7 @@ async def websocket(http: web.Request) -> web.StreamResponse:
                        type="invalid_request_error", code="upgrade_required")
     writer = await ws.prepare(http)
     set_keepalive(http.transport, state.config.edge)
-    socket = WsSocket(state, http, ws, writer, principal)
+    socket = WsSocket(state, http, ws, writer, principal, digest)
     state.sockets.add(socket)
     try:
         await socket.run()
@@ -85,13 +94,17 @@ class WsSocket:
     """One open socket: reads frames, starts and cancels generations, pings."""
 
     def __init__(self, state: EdgeState, http: web.Request, ws: web.WebSocketResponse,
-                 writer: AbstractStreamWriter, principal: Principal | None) -> None:
+                 writer: AbstractStreamWriter, principal: Principal | None,
+                 digest: str = "") -> None:
         cfg = state.config
         self.state = state
         self.http = http
         self.ws = ws
         self._writer = writer
         self.principal = principal
+        self._digest = digest  # the key's, once authenticated
+        self._key_changed = asyncio.Event()
+        self._revoked_by: asyncio.Task[Any] | None = None  # the task closing for the key
         self.raw = not cfg.ws.compress
         self.high_water = max(4096, cfg.session.window_bytes // 4)
         self.conn = wire.Connection(cfg.ws.max_concurrent, authenticated=principal is not None)
@@ -111,6 +124,9 @@ class WsSocket:
     @property
     def generations(self) -> int:
         return len(self._gens)
+
+    def resumed_tasks(self) -> list[asyncio.Task[None]]:
+        return [g.task for g in self._gens.values() if g.resumed and g.task is not None]
 
     def _loads(self, data: bytes | str) -> Any:
         """A frame's JSON, by the HTTP body's strict, depth-bounded parser."""
@@ -153,14 +169,22 @@ class WsSocket:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 keepalive = tg.create_task(self._keepalive(), name="tidegate-ws-keepalive")
+                watcher: asyncio.Task[None] | None = None
+                unwatch = None
                 try:
                     if self.principal is None:
                         await self._authenticate()
                     if self.principal is not None:
+                        unwatch = self.state.keys.watch(self._digest, self._on_key_change)
+                        watcher = tg.create_task(self._follow_key(), name="tidegate-ws-key")
                         await self._read_loop()
                 finally:
                     self._closing = True
                     keepalive.cancel()
+                    if unwatch is not None:
+                        unwatch()
+                    if watcher is not None and watcher is not self._revoked_by:
+                        watcher.cancel()  # (its own close handshake is left to finish)
                     for gen in list(self._gens.values()):
                         if gen.task is not None:
                             gen.task.cancel()
@@ -196,11 +220,13 @@ class WsSocket:
                         await self._send_quietly(wire.error(event.error, event.id))
                         continue
                     if isinstance(event, wire.Auth):
+                        authorization = f"Bearer {event.key}"
                         try:
-                            self.principal = self.state.keys.authenticate(f"Bearer {event.key}")
+                            self.principal = self.state.keys.authenticate(authorization)
                         except ApiError as error:
                             await self._close(CloseCode.AUTH_FAILED, error)
                             return
+                        self._digest = KeyTable.digest_of(authorization)
                         self.conn.authenticated()
         except TimeoutError:
             await self._close(CloseCode.AUTH_TIMEOUT, ApiError(
@@ -216,7 +242,7 @@ class WsSocket:
 
     async def _read_loop(self) -> None:
         ws = self.ws
-        while True:
+        while not ws.closed:
             msg = await ws.receive()
             kind = msg.type
             if kind in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
@@ -232,6 +258,16 @@ class WsSocket:
             await self._on_event(event)
 
     async def _on_event(self, event: wire.ClientEvent) -> None:
+        if isinstance(event, wire.StartRequest | wire.ResumeRequest):
+            # Per generation, as HTTP per request: a key revoked or expired
+            # since the socket authenticated starts nothing more.
+            try:
+                self.principal = self.state.keys.check(self._digest)
+            except ApiError as error:
+                self.conn.finish(event.id)
+                await self._send_quietly(wire.error(error, event.id))
+                await self._revoke(error)
+                return
         if isinstance(event, wire.StartRequest):
             self._start(event)
         elif isinstance(event, wire.CancelRequest):
@@ -323,7 +359,8 @@ class WsSocket:
                               rt: instrument.RequestTelemetry) -> None:
         state = self.state
         assert self.principal is not None
-        valid = validate_body(event.body, event.api, state.models)
+        valid = (validate_messages_body(event.body, state.models) if event.api is Api.MESSAGES
+                 else validate_body(event.body, event.api, state.models))
         headers: object = self.http.headers
         if event.resumable is not None or event.resume_grace is not None:
             # The frame's own opt-in, in the header names resume_grace reads.
@@ -336,6 +373,8 @@ class WsSocket:
         grace = resume.resume_grace(headers, state.tenants, self.principal.tenant, valid.model,
                                     state.config)
         request = build_request(state, self.principal, valid, rt.carrier, grace)
+        if request.api is Api.MESSAGES:
+            request = anthropic.prepare(request, self.http.headers)
         rt.started_request(request)
         del valid
         # Subscribed (session open) before publishing, as for SSE.
@@ -345,7 +384,8 @@ class WsSocket:
         try:
             seq = await publish_request(state, request, rt.carrier)
             headers = {"x-request-id": request.id, "x-tidegate-request-seq": str(seq)}
-            relay = WsRelay(self, gen.id, session, dataclasses.replace(request, body={}),
+            relay = WsRelay(self, gen.id, session,
+                            dataclasses.replace(request, body=deciding_fields(request.body)),
                             state.relay, headers)
             gen.relay = relay
             if gen.cancel_requested:
@@ -366,6 +406,43 @@ class WsSocket:
                                param="request_id")
             gen.reader = reader
             await ws_resume.replay(self, gen.id, reader)
+
+    # -- the key -------------------------------------------------------------------
+
+    def _on_key_change(self, principal: Principal | None) -> None:
+        # Called from the key table's KV watch: only take note here.
+        self._key_changed.set()
+
+    async def _follow_key(self) -> None:
+        """Close the socket (4401) when its key is revoked or expires, idle or
+        not: woken by the key table's listener, or by the key's expiry time."""
+        keys = self.state.keys
+        while True:
+            self._key_changed.clear()
+            try:
+                principal = keys.check(self._digest)
+            except ApiError as error:
+                await self._revoke(error)
+                return
+            self.principal = principal
+            left = principal.expires - time.time() if principal.expires else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._key_changed.wait()
+
+    async def _revoke(self, error: ApiError) -> None:
+        """The key no longer holds: cancel every generation (their relays
+        cancel the work upstream) and close with 4401 and the reason."""
+        if self._revoked_by is not None:
+            return
+        self._revoked_by = asyncio.current_task()
+        self._closing = True
+        log.info("WebSocket: %s; closing the socket and cancelling its %d generations",
+                 error.code, len(self._gens))
+        for gen in list(self._gens.values()):
+            if gen.task is not None:
+                gen.task.cancel()
+        await self._close(CloseCode.AUTH_FAILED, error)
 
     # -- liveness and shutdown ---------------------------------------------------
 
@@ -409,27 +486,21 @@ class WsSocket:
         """SIGTERM: no new generations. Resumable ones are told to reconnect
         (``reconnect`` frame) and go on without this socket, in their grace;
         the others run on until edge.shutdown_timeout. The socket closes with
-        1012 once the last has left."""
+        1012 once the last has left.
+
+        A resumed generation (a ``resume`` frame) is not cancelled: its reader
+        sees the edge's drain itself (``StreamLog.drain``) and the replay ends
+        with the reconnect frame after the last event it sent
+        (``edge.ws_resume``); a cancelled read could count an event it never
+        sent, and the client would resume past it."""
         self.conn.drain()
         if self._tg is None or self._closing:
             return
         for gen in list(self._gens.values()):
             if gen.relay is not None and gen.relay.request.resumable:
                 gen.relay.session.abort(Reconnect())
-            elif gen.reader is not None:
-                self._tg.create_task(self._reconnect_resumed(gen), name="tidegate-ws-reconnect")
         if not self._gens:
             self._tg.create_task(self.close_restart(), name="tidegate-ws-close")
-
-    async def _reconnect_resumed(self, gen: _Generation) -> None:
-        reader, task = gen.reader, gen.task
-        if reader is None or task is None:
-            return
-        task.cancel()  # the reader detaches; the stream goes on in its grace
-        await asyncio.gather(task, return_exceptions=True)
-        await self._send_quietly(wire.reconnect(gen.id, gen.resumed, reader.last_id))
-        if not self._gens:
-            await self.close_restart()
 
     async def close_restart(self) -> None:
         with contextlib.suppress(Exception):

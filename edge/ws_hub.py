@@ -19,6 +19,9 @@ class Socket(Protocol):
     def drain(self) -> None:
         """No new generations; close with 1012 once the running ones ended."""
 
+    def resumed_tasks(self) -> list[asyncio.Task[None]]:
+        """The tasks of its ``resume`` generations (they end by themselves at drain)."""
+
     async def close_restart(self) -> None:
         """Close now with 1012 (service restart)."""
 
@@ -51,6 +54,15 @@ class WsHub:
         self.draining = True
         for socket in list(self._sockets):
             socket.drain()
+
+    async def wait_resumed(self, grace: float) -> None:
+        """At drain, after ``StreamLog.drain``: let every ``resume`` generation
+        end by itself, with its ``reconnect`` frame after the last chunk it
+        sent (its reader sees the drain), before :meth:`close_all` could cut
+        it off; at most ``grace`` seconds."""
+        tasks = [t for s in list(self._sockets) for t in s.resumed_tasks()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
 
     async def close_all(self) -> None:
         """After the open generations were given their time: close the rest (1012)."""

@@ -13,6 +13,11 @@ generation. What differs is only where bytes go:
 * admission sends ``accepted``, the end ``done`` with usage, a failure an
   ``error`` frame with the generation's id, an explicit cancel ``cancelled``.
 
+A generation whose worker dies mid-stream is continued as an SSE stream is
+(docs/resume.md, "Continuation"; the relay's ``delivered`` keeps the chunk
+bytes on both write paths): the framer's ``seq`` runs on across the seam,
+and ``done`` counts every token the client received.
+
 Backpressure is per generation, as for SSE: each generation keeps its own
 credit window, and acks only after its write left the socket buffer below
 the high-water mark. Every generation of a socket shares that one buffer, so
@@ -31,21 +36,19 @@ from typing import Protocol
 from aiohttp import web
 
 from edge import instrument
+from edge.endings import SlowClient
 from edge.errors import to_info
-from edge.relay import CLIENT_CANCEL, Phase, Relay, RelayContext, SlowClient
+from edge.generation_relay import GenerationRelay
+from edge.relay import CLIENT_CANCEL, Phase, RelayContext
 from edge.session import Session
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
 from tidegate.wire import ws as wire
 from tidegate.wire.protocol import (
-    Admission,
     Chunk,
     Done,
     Error,
-    Head,
     Request,
-    SessionMessage,
-    Status,
 )
 
 log = logging.getLogger("tidegate.edge")
@@ -77,10 +80,10 @@ class FrameSink(Protocol):
         """Frames went out through the direct path (for the keepalive)."""
 
 
-class WsRelay(Relay):
+class WsRelay(GenerationRelay):
     """Drives one generation of a socket; ``run`` returns when it ended."""
 
-    __slots__ = ("announced", "done_msg", "framer", "gen_id", "sink")
+    __slots__ = ("framer", "sink")
 
     def __init__(self, sink: FrameSink, gen_id: str, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
@@ -93,39 +96,23 @@ class WsRelay(Relay):
         self.announced = False
         self.done_msg: Done | None = None
 
-    async def _handle(self, messages: list[SessionMessage], now: float) -> bool:
-        # Frames only a socket has, before the relay writes what follows them.
-        for m in messages:
-            kind = type(m)
-            if kind is Status:
-                assert isinstance(m, Status)
-                if m.admission is Admission.REJECTED:
-                    continue
-                if m.headers:
-                    self.headers.update(m.headers)
-                await self._announce()
-                if m.admission is Admission.QUEUED and m.position:
-                    await self.sink.send([wire.queued(self.gen_id, m.position)])
-            elif kind is Head:
-                await self._announce()
-            elif kind is Done:
-                assert isinstance(m, Done)
-                self.done_msg = m
-        return await super()._handle(messages, now)
-
-    async def _announce(self) -> None:
-        if self.announced:
-            return
-        self.announced = True
-        ratelimit = {k: v for k, v in self.headers.items() if k.startswith("x-ratelimit-")}
+    async def _send_accepted(self, ratelimit: dict[str, str]) -> None:
         await self.sink.send([wire.accepted(self.gen_id, self.request.id, ratelimit,
                                             resumable=self.request.resumable)])
+
+    async def _send_queued(self, position: int) -> None:
+        await self.sink.send([wire.queued(self.gen_id, position)])
 
     def _queue_note(self, position: int) -> bytes:
         return b": queued\n\n"  # a comment: no frame (the queued frame went out in _handle)
 
     async def _write(self, data: bytes, *, last: bool = False) -> None:
         self.last_write = time.monotonic()
+        if data[:1] == b":":
+            # An SSE comment (``: ping``, the queue note): no frame, and no
+            # number either, or the next chunk's seq would skip one (a seam's
+            # pause outlasts a heartbeat) and stop matching the log's ids.
+            return
         frames = self.framer.frames(data)
         if frames:
             await self.sink.send(frames)
@@ -146,6 +133,8 @@ class WsRelay(Relay):
         frames = self.framer.frames(data)
         if frames:
             transport.write(b"".join([wire.encode_text_frame(f) for f in frames]))
+        if self.delivered is not None:  # failover = "continue": as Relay._direct
+            self.delivered.add(data)
         self.expected_seq = chunk.seq + 1
         self.acks.on_written(chunk.seq, n)
         now = self.last_worker_msg = self.last_write = time.monotonic()
@@ -154,7 +143,10 @@ class WsRelay(Relay):
 
     async def _finish(self) -> web.StreamResponse:
         d = self.done_msg
-        frame = (wire.done(self.gen_id, d.prompt_tokens, d.completion_tokens, d.finish_reason)
+        # A continued generation's last worker counts every token the client
+        # received, the dead worker's too (workers/continuation.py).
+        frame = (wire.done(self.gen_id, d.prompt_tokens, d.completion_tokens,
+                           d.finish_reason)
                  if d is not None else wire.done(self.gen_id, 0, 0, ""))
         await self.sink.send([frame])
         return self.sink.ws

@@ -8,12 +8,17 @@ after N, then the live tail, from the stream log (``edge.logreader``).
 Each log event becomes one ``chunk`` frame whose ``seq`` is the event's id,
 the same number the live generation's frames carried, so a client that
 resumes after the last ``seq`` it saw neither loses nor repeats one.
+
+When the edge drains, the replay ends with a ``reconnect`` frame whose
+``after`` is the last event sent here (the reader hands out none after the
+drain: ``LogReader.next_unless_draining``), so the client resumes exactly
+after it on another edge.
 """
 
 from __future__ import annotations
 
 from edge.errors import from_info
-from edge.logreader import LogReader
+from edge.logreader import Draining, LogReader
 from edge.ws_relay import FrameSink
 from tidegate.wire import ws as wire
 from tidegate.wire.streamlog import LogEvent
@@ -21,15 +26,18 @@ from tidegate.wire.streamlog import LogEvent
 
 async def replay(sink: FrameSink, gen_id: str, reader: LogReader) -> None:
     """``accepted``, a ``chunk`` per event, then ``done``, ``cancelled`` or
-    ``error``. Backpressure is the socket's: ``sink.send`` waits for the client
-    (and drops a client that does not drain); meanwhile the events wait in
-    JetStream, not in the edge."""
+    ``error`` (``reconnect`` when the edge drains). Backpressure is the
+    socket's: ``sink.send`` waits for the client (and drops a client that
+    does not drain); meanwhile the events wait in JetStream, not in the edge."""
     await sink.send([wire.accepted(gen_id, reader.request_id, resumable=True)])
     framer = wire.ChunkFramer(gen_id)
     while True:
         try:
-            item = await reader.next(None)  # never None without a bound
+            item = await reader.next_unless_draining(None)  # never None without a bound
         except StopAsyncIteration:
+            return
+        if isinstance(item, Draining):
+            await sink.send([wire.reconnect(gen_id, reader.request_id, reader.last_id)])
             return
         assert item is not None
         if isinstance(item, LogEvent):

@@ -34,6 +34,16 @@ from tests.servers import (
 )
 from tidegate.run.clusters import NatsCluster, RedisCluster
 
+# The checkout's bench/ (fake backends, peer proxies, tidegate bench) is not
+# installed: every process a test starts finds it here, whatever its cwd.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+# The gRPC tests hold grpcio channels in this process, which starts tiers
+# with fork + exec: grpcio's fork handlers then skip ("other threads are
+# calling into gRPC") and a child once hung before its exec, so its tier
+# never started. Nothing here needs gRPC in a forked child.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[ServerHandle]:

@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -24,8 +25,8 @@ import nats
 import nats.js.errors
 from aiohttp import web
 
+from bench.fake_backend import FakeBackend, FakeRecord
 from tidegate import config as tgconfig
-from tidegate.bench.fake_backend import FakeBackend, FakeRecord
 from tidegate.run.servers import ManagedProcess, free_port, http_ok, stop_all
 from tidegate.telemetry.observability import METRICS_PORT_ENV
 from tidegate.wire.protocol import UsageRecord
@@ -46,24 +47,28 @@ class Pipeline:
 
     ``env`` is added to the children's environment (OTel variables, say).
     With ``metrics``, the dispatcher and each worker serve ``/metrics`` on a
-    port of their own (:meth:`metrics_url`); the edge always does, on its
-    main port. With ``workers=0``, :meth:`start` waits for the edge only.
+    port of their own (:meth:`metrics_url`); every edge always does, on a port
+    of its own too (``edge.metrics_port``; never its API port, where it would
+    need no key). With ``workers=0``, :meth:`start` waits for the edge only.
     """
 
     def __init__(self, workdir: Path, nats_url: str, redis_url: str,
                  overrides: Mapping[str, Any] | None = None, workers: int = 1,
                  env: Mapping[str, str] | None = None, metrics: bool = False,
-                 edges: int = 1, worker_env: Sequence[Mapping[str, str]] = ()) -> None:
+                 edges: int = 1, worker_env: Sequence[Mapping[str, str]] = (),
+                 worker_launcher: Sequence[str] = ("tidegate",)) -> None:
         self.workdir = workdir
         self.env = dict(env) if env else None
         self.metrics = metrics
         self.metrics_ports: dict[str, int] = {}
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        self.metrics_ports["edge"] = free_port()
         raw: dict[str, Any] = {
             "nats": {"url": nats_url},
             "redis": {"url": redis_url},
-            "edge": {"port": self.port, "admission_timeout": 20.0, "queue_timeout": 60.0},
+            "edge": {"port": self.port, "admission_timeout": 20.0, "queue_timeout": 60.0,
+                     "metrics_port": self.metrics_ports["edge"]},
             "auth": {"dev_key": DEV_KEY},
             "session": {"heartbeat_interval": 2.0},
             "dispatcher": {"ack_wait": 2.0},
@@ -79,8 +84,11 @@ class Pipeline:
         self.dispatchers = [self.dispatcher]
         # worker_env[i]: more environment for worker i only (its own config
         # overrides, e.g. TIDEGATE__WORKER__REPLICAS).
+        # worker_launcher: the module (and its arguments) that runs the
+        # workers, e.g. a fault wrapper from tests/faults.
         self.workers = [self._process("worker", f"worker{i}",
-                                      extra_env=worker_env[i] if i < len(worker_env) else None)
+                                      extra_env=worker_env[i] if i < len(worker_env) else None,
+                                      launcher=worker_launcher)
                         for i in range(workers)]
         self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"))
         # More edges (``edges`` > 1), each on a port of its own: edge_urls[i].
@@ -89,8 +97,10 @@ class Pipeline:
 
     def _edge(self, i: int) -> ManagedProcess:
         url = f"http://127.0.0.1:{self.edge_ports[i]}"
+        metrics = self.metrics_ports[f"edge{i}"] = free_port()
         return self._process("edge", f"edge{i}", ready=lambda: http_ok(f"{url}/readyz"),
-                             args=["--port", str(self.edge_ports[i])])
+                             args=["--port", str(self.edge_ports[i])],
+                             extra_env={METRICS_PORT_ENV: str(metrics)})
 
     @property
     def edges(self) -> list[ManagedProcess]:
@@ -102,7 +112,8 @@ class Pipeline:
 
     def _process(self, tier: str, name: str | None = None,
                  ready: Any = None, args: list[str] | None = None,
-                 extra_env: Mapping[str, str] | None = None) -> ManagedProcess:
+                 extra_env: Mapping[str, str] | None = None,
+                 launcher: Sequence[str] = ("tidegate",)) -> ManagedProcess:
         name = name or tier
         env: dict[str, str] | None = None
         if self.env or extra_env or (self.metrics and tier != "edge"):
@@ -110,16 +121,18 @@ class Pipeline:
             if self.metrics and tier != "edge":
                 port = self.metrics_ports[name] = free_port()
                 env[METRICS_PORT_ENV] = str(port)
+        if launcher[0].startswith("tests."):  # importable wherever pytest was started
+            env = env or dict(os.environ)
+            root = str(Path(__file__).resolve().parent.parent)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         return ManagedProcess(
-            name, [sys.executable, "-m", "tidegate", tier, "--config", str(self.config_path),
+            name, [sys.executable, "-m", *launcher, tier, "--config", str(self.config_path),
                    *(args or [])],
             self.workdir / "logs" / f"{name}.log", env=env, ready=ready, start_timeout=30.0)
 
     def metrics_url(self, name: str) -> str:
         """Where process ``name`` (``edge``, ``dispatcher``, ``worker0``, ...)
         serves ``/metrics``."""
-        if name == "edge":
-            return f"{self.url}/metrics"
         return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
     def scrape(self, name: str, timeout: float = 5.0) -> str:
@@ -138,7 +151,18 @@ class Pipeline:
     def processes(self) -> list[ManagedProcess]:
         return [self.edge, *self.extra_edges, *self.workers, *self.dispatchers]
 
+    def setup(self) -> None:
+        """``tidegate setup`` as admin, as a deployment runs it before the
+        tiers: with per-tier credentials they may not create what they use."""
+        done = subprocess.run(
+            [sys.executable, "-m", "tidegate", "setup", "--config", str(self.config_path)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, **(self.env or {})})
+        if done.returncode != 0:
+            raise RuntimeError(f"tidegate setup failed ({done.returncode}): {done.stderr}")
+
     def start(self) -> None:
+        if self.config.nats.credentials:
+            self.setup()
         for dispatcher in self.dispatchers:
             dispatcher.spawn()
         for worker in self.workers:

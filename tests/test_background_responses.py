@@ -22,8 +22,8 @@ import nats
 import openai
 import pytest
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, threaded_fake_backend, wait_for
-from tidegate.bench.fake_backend import FakeBackend
 from tidegate.control.keys import create_key, ensure_keys_bucket
 
 pytestmark = pytest.mark.pipeline

@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from dispatcher.batch_session import Limits, LineSession, Phase, Verdict
+from dispatcher.batch.session import Limits, LineSession, Phase, Verdict
 from tidegate.wire.batch import (
     TERMINAL,
     TRANSITIONS,
@@ -305,3 +305,44 @@ def test_batch_only_policies_apply_to_batch_requests_only() -> None:
     assert ps.applicable("acme", "gpt", batch=True) == [tenant, batch_acme, batch_all]
     assert ps.applicable("other", "gpt", batch=True) == [batch_all]
     assert ps.applicable("other", "gpt") == []
+
+
+# -- the chat route's hostile corpus, as batch lines (issue 24 item 7) ----------------
+
+def _hostile_cases() -> list[bytes]:
+    from tests.test_fuzz_edge import NASTY_BODIES
+    return NASTY_BODIES
+
+
+@pytest.mark.parametrize("body", _hostile_cases(), ids=lambda b: repr(b[:40]))
+def test_hostile_chat_bodies_fail_as_batch_lines(body: bytes) -> None:
+    """Every body the chat route rejects (tests/test_fuzz_edge.py) fails as
+    a batch line's body too: at parsing (the edge's bounded parser) or at
+    the body check (the edge's validation, and the wire's integer range).
+    The same corpus runs through the real pipeline in
+    tests/test_batch_hostile.py."""
+    from dispatcher.batch.files import check_body, line_loader
+    from tidegate import config as tgconfig
+    from tidegate.errors import ApiError
+
+    config = tgconfig.from_dict({"models": [
+        {"name": "tidegate-sim", "aliases": ["sim"], "simulator": {}}]})
+    v = LineValidator("/v1/chat/completions", 10, loads=line_loader(64))
+    raw = b'{"custom_id":"h","method":"POST","url":"/v1/chat/completions","body":' + body + b"}"
+    parsed = v.feed(1, raw)
+    if parsed is None:
+        assert [e.line for e in v.finish()] == [1]
+        return
+    with pytest.raises(ApiError) as err:
+        check_body(parsed, "/v1/chat/completions", config.model_index())
+    assert 400 <= err.value.status < 500
+
+
+def test_a_line_nested_past_the_limit_is_a_line_error_not_a_recursion_error() -> None:
+    from dispatcher.batch.files import line_loader
+
+    v = LineValidator("/v1/chat/completions", 10, loads=line_loader(64))
+    deep = b'{"custom_id":"d","url":"/v1/chat/completions","body":{"x":' + b"[" * 50_000 \
+        + b"]" * 50_000 + b"}}"
+    assert v.feed(1, deep) is None
+    assert [(e.code, e.line) for e in v.finish()] == [("invalid_json_line", 1)]

@@ -21,8 +21,8 @@ import nats
 import openai
 import pytest
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, running_pipeline, threaded_fake_backend
-from tidegate.bench.fake_backend import FakeBackend
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import BATCH_SCOPE, Policy, ensure_policies_bucket, set_policy
 
@@ -245,16 +245,19 @@ async def test_cancel_mid_batch_keeps_partial_results(client: openai.AsyncOpenAI
 
 
 async def test_expiry_with_a_short_window(client: openai.AsyncOpenAI) -> None:
-    lines = [chat_line(f"e-{i}", f"slow {i}", model="slow-sim", max_tokens=40)
-             for i in range(16)]
-    batch = await submit(client, lines, window="4s")
-    done = await poll(client, batch.id, {"expired", "completed", "failed"}, within=40)
+    # Two lines that take a tenth of a second, then fourteen of ~100 s: the
+    # window ends while those run, however slow a busy machine is (sixteen
+    # 2 s lines in a 4 s window saw none finish on a loaded box).
+    lines = [chat_line(f"e-{i}", f"slow {i}", model="slow-sim",
+                       max_tokens=1 if i < 2 else 2000) for i in range(16)]
+    batch = await submit(client, lines, window="10s")
+    done = await poll(client, batch.id, {"expired", "completed", "failed"}, within=120)
     assert done.status == "expired"
     assert done.expired_at is not None
     counts = done.request_counts
     assert counts is not None
     assert counts.total == 16
-    assert 1 <= counts.completed < 16
+    assert counts.completed == 2
     output = await lines_of(client, done.output_file_id)
     errors = await lines_of(client, done.error_file_id)
     assert len(output) == counts.completed
@@ -272,7 +275,10 @@ def cli(pipeline: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
 
 async def test_operator_cli_lists_shows_and_cancels(pipeline: Pipeline,
                                                     client: openai.AsyncOpenAI) -> None:
-    lines = [chat_line(f"o-{i}", f"slow {i}", model="slow-sim", max_tokens=40)
+    # Lines of ~100 s each: the batch is still in progress after the CLI's
+    # start-ups, however slow a busy machine makes them (2 s lines used to
+    # finish first); the cancel ends the running ones upstream at once.
+    lines = [chat_line(f"o-{i}", f"slow {i}", model="slow-sim", max_tokens=2000)
              for i in range(12)]
     batch = await submit(client, lines)
     await poll(client, batch.id, {"in_progress"})

@@ -1,11 +1,11 @@
-"""The batch share rule (dispatcher/batch_room.py), on numbers."""
+"""The batch share rule (dispatcher/batch/room.py), on numbers."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.batch_room import batch_room
+from dispatcher.batch.room import batch_room
 
 
 def room(slots: int, running: int, started: int = 0, unstarted: int = 0,

@@ -1,5 +1,5 @@
 """While interactive streams run, batch holds only ``batch.share_under_load`` of
-the slots they leave free (dispatcher/batch_room.py), and takes every free
+the slots they leave free (dispatcher/batch/room.py), and takes every free
 slot again once they end."""
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tidegate.bench import alternate, loadgen, procstats, runner, telemetry_bench
-from tidegate.bench.fake_backend import FakeBackend
-from tidegate.bench.profiling import summarize
+from bench import alternate, loadgen, procstats, runner, telemetry_bench
+from bench.fake_backend import FakeBackend
+from bench.profiling import summarize
 from tidegate.errors import TidegateError
 
 
@@ -54,6 +54,14 @@ def test_parse_scenarios() -> None:
     assert runner.parse_scenarios("q,a") == "aq"
     assert runner.parse_scenarios("a,b,c,d,e,q,t") == "abcdeqt"
     assert runner.parse_scenarios("r") == "r"
+    # Names, the letters' aliases, and both mixed.
+    assert runner.parse_scenarios("overhead,cancel") == "ac"
+    assert runner.parse_scenarios("Telemetry, slow-clients,b") == "bdt"
+    assert set(runner.NAMES.values()) == set(runner.KNOWN_SCENARIOS)
+    with pytest.raises(TidegateError, match="overhead"):
+        runner.parse_scenarios("overheads")
+    assert runner.BenchOptions(scenarios="ac").command().startswith(
+        "tidegate bench --scenarios overhead,cancel ")
     assert "q" not in runner.SCENARIOS
     assert "t" not in runner.SCENARIOS
 
@@ -187,6 +195,10 @@ def test_quick_bench_writes_results(tmp_path: Path) -> None:
                                      ["rss_per_stream_kib"])
     assert all("latency_ms" in r for r in results["scenarios"]["c"]["runs"])
     assert all("rss_kib" in r for r in results["scenarios"]["d"]["runs"])
+    # Every slow client was served (a request tidegate refuses measures nothing:
+    # max_tokens past max_output_tokens once turned (d) into a row of 400s).
+    assert all(r["statuses"] == ["HTTP/1.1 200 OK"] for r in results["scenarios"]["d"]["runs"]), \
+        [r["statuses"] for r in results["scenarios"]["d"]["runs"]]
     # The targets docs/benchmarks.md documents ("Against the targets").
     assert [(row["key"], row["target"]) for row in results["targets"]] == [
         ("ttft_overhead_p99_ms", 20.0), ("throughput_ratio", 0.90), ("cpu_us_per_chunk", 50.0),
@@ -203,7 +215,7 @@ def test_quick_telemetry_scenario(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TIDEGATE_", "OTEL_"))}
     done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
-                           "t", "--out", str(out)], capture_output=True, text=True,
+                           "telemetry", "--out", str(out)], capture_output=True, text=True,
                           timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
@@ -224,24 +236,27 @@ def test_quick_telemetry_scenario(tmp_path: Path) -> None:
 
 @pytest.mark.pipeline
 def test_quick_responses_scenario(tmp_path: Path) -> None:
-    """Scenario r: chat and Responses streams on direct and tidegate, each API
-    against its own direct run."""
+    """Scenario r: chat, Responses and Messages streams (passed through and
+    translated) on direct and tidegate, each API against its own direct run."""
+    from bench.responses_bench import APIS
+
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TIDEGATE_", "OTEL_"))}
     done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
                            "r", "--out", str(out)], capture_output=True, text=True,
-                          timeout=240, env=env)
+                          timeout=480, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
     r = results["scenarios"]["r"]
     assert {(run["api"], run["target"]) for run in r["runs"]} == {
-        (api, target) for api in ("chat", "responses") for target in ("direct", "tidegate")}
+        (api, target) for api in APIS for target in ("direct", "tidegate")}
     assert all(run["error_count"] == 0 and run["completed"] > 0 for run in r["runs"])
-    for api in ("chat", "responses"):
+    for api in APIS:
         assert r["summary"][api]["cpu_us_per_chunk"] > 0
         assert "p99" in r["summary"][api]["ttft_overhead_ms"]
-    assert "## (r) Responses API streaming overhead" in (out / "results.md").read_text()
+    assert "## (r) Responses and Messages API streaming overhead" in (
+        out / "results.md").read_text()
 
 
 @pytest.mark.pipeline
@@ -268,7 +283,7 @@ def test_quick_resumable_scenario(tmp_path: Path) -> None:
 
 @pytest.mark.pipeline
 def test_quota_scenario_counts_round_trips(tmp_path: Path) -> None:
-    from tidegate.bench import quota
+    from bench import quota
 
     profile = quota.QuotaProfile(name="test", runs=((1, 4, True), (2, 4, False)), warmup=0.2,
                                  duration=0.5, window=1.0)
@@ -298,6 +313,7 @@ def test_alternate_variants_parse_and_reject_clearly(tmp_path: Path) -> None:
     wide = alternate.parse_variant("wide=set:dispatcher.batch=256,worker.read_bytes=8192")
     assert wide.env == {}
     assert wide.settings == ("dispatcher.batch=256", "worker.read_bytes=8192")
+    assert alternate.parse_variant("plain=proxy").proxy
     for bad in ("base", "base=", "base=tree:", "x=sh:ls", "y=env:NOEQUALS",
                 f"z=tree:{tmp_path}", "w=set:nodot"):
         with pytest.raises(TidegateError):
@@ -309,12 +325,12 @@ def test_alternate_runs_a_variant_end_to_end() -> None:
     from the named tree, and a line of CPU per chunk for it."""
     repo = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "-m", "tidegate.bench.alternate", "--rounds", "1",
+        [sys.executable, "-m", "bench.alternate", "--rounds", "1",
          "--concurrency", "5", "--window", "0.8", "--warmup", "0.3", f"here=tree:{repo}",
-         "small=set:worker.read_bytes=4096"],
+         "small=set:worker.read_bytes=4096", "plain=proxy"],
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    for name in ("here", "small"):
+    for name in ("here", "small", "plain"):
         lines = [line for line in done.stdout.splitlines() if line.strip().startswith(name)]
         assert len(lines) == 1, done.stdout
         assert float(lines[0].split()[1]) > 0  # µs of CPU per chunk, summed over the tiers
@@ -381,7 +397,7 @@ def test_bench_peer_relays_streams_and_cancels(tmp_path: Path, peer: str) -> Non
     """A tiny run through each optional peer as `tidegate bench` starts it
     (skipped without the `peers` extra): streams complete with every chunk,
     and a client that leaves makes the peer close the backend connection."""
-    from tidegate.bench.targets import MODEL, Targets
+    from bench.targets import MODEL, Targets
 
     pytest.importorskip("fastapi" if peer == "fastapi" else "litellm")
     with Targets(tmp_path, heartbeat_interval=2.0, max_streams=64) as env:

@@ -208,9 +208,10 @@ async def test_follow_cancels_returns_after_existing_tombstones(
         async with asyncio.TaskGroup() as tg:
             started = asyncio.get_running_loop().time()
             watcher = await broker.follow_cancels(
-                tg, kv, lambda request_id, reason: registry.add(request_id), 10.0, "test")
-            # Returned on the replay, not on the 10 s limit.
-            assert asyncio.get_running_loop().time() - started < 5.0
+                tg, kv, lambda request_id, reason: registry.add(request_id), 120.0, "test")
+            # Returned on the replay, not on the limit (two minutes: only the
+            # limit is a bound here, not how fast this machine replays).
+            assert asyncio.get_running_loop().time() - started < 120.0
             assert all(request_id in registry for request_id in ids)
             await kv.put("req-late", b"client_disconnected")  # live ones follow
             assert await wait_for(lambda: "req-late" in registry, 5.0)
@@ -224,7 +225,9 @@ async def test_wait_synced_gives_up_after_its_limit() -> None:
     limit, not forever."""
     started = asyncio.get_running_loop().time()
     assert not await kvwatch.wait_synced(asyncio.Event(), 0.2, "test")
-    assert 0.2 <= asyncio.get_running_loop().time() - started < 2.0
+    # At its limit, not before (it returning at all is the "not forever";
+    # how late a busy machine wakes it is not the promise).
+    assert asyncio.get_running_loop().time() - started >= 0.19
     synced = asyncio.Event()
     synced.set()
     assert await kvwatch.wait_synced(synced, 0.2, "test")

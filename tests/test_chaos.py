@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bench import chaos
 from tests.pipeline import serve_app
-from tidegate.bench import chaos
 
 EXPECTED = "hello there"
 
@@ -161,8 +161,10 @@ async def test_short_chaos_run_loses_nothing_silently(tmp_path: Path) -> None:
     assert kinds.get("truncated", 0) == 0, report["codes"]
     assert kinds.get("hang", 0) == 0, report["codes"]
     assert kinds.get("complete", 0) >= 0.8 * report["requests"], report
-    # Clean errors only of the kinds a SIGKILL mid-stream explains.
-    allowed = {"stream_gap", "broker_unavailable", "worker_lost", "quota_store_unavailable",
+    # Clean errors only of the kinds a SIGKILL mid-stream explains. Not
+    # broker_unavailable: one NATS node at a time dies, and the edge retries
+    # a request's publish for edge.publish_patience, longer than a failover.
+    allowed = {"stream_gap", "worker_lost", "quota_store_unavailable",
                "service_unavailable", "admission_timeout", "ack_timeout", "overloaded",
                "queue_timeout"}
     codes = {c.split(":", 1)[1] for c in report["codes"] if c.startswith("clean_error:")}

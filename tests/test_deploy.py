@@ -70,6 +70,9 @@ def test_compose_tiers_two_of_each_healthchecked_on_all_nats_urls() -> None:
     assert "9100/healthz" in " ".join(services["worker"]["healthcheck"]["test"])
     assert {p.split(":")[0] for s in ("edge-1", "edge-2") for p in services[s]["ports"]} == {
         "8080", "8081"}
+    # The edges' /metrics (keyless) is on the unpublished metrics port, not the API's.
+    assert all(p.endswith(":8080") for s in ("edge-1", "edge-2") for p in services[s]["ports"])
+    assert services["edge-1"]["environment"]["TIDEGATE_METRICS_PORT"] == "9100"
 
 
 def _has_compose_plugin() -> bool:
@@ -162,6 +165,12 @@ def test_tiers_have_probes_and_drain_within_the_grace_period(
         assert pod["terminationGracePeriodSeconds"] > pre_stop_s + drain, name
     edge = deployments["edge"]["spec"]["template"]["spec"]["containers"][0]
     assert edge["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # /metrics on its own container port; the Service exposes the API port only.
+    assert {p["name"]: p["containerPort"] for p in edge["ports"]} == {"http": 8080,
+                                                                      "metrics": 9100}
+    (service,) = [r for r in rendered if r.get("kind") == "Service"
+                  and r["metadata"]["name"] == "edge"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
     assert edge["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
 
 
@@ -181,6 +190,11 @@ def test_pdbs_keda_and_config(rendered: list[dict[str, Any]]) -> None:
     cfg = tgconfig.load(None, dict(env), {})
     assert cfg.streams.replicas == 3
     assert all(d["metadata"].get("namespace", "tidegate") == "tidegate" for d in rendered)
+    # The admin step the tiers' restricted credentials rely on (docs/security.md).
+    setup = _of(rendered, "Job")["tidegate-setup"]["spec"]["template"]["spec"]
+    (container,) = setup["containers"]
+    assert container["args"] == ["setup"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "tidegate-env"}}]
 
 
 def test_nats_chart_values_run_a_jetstream_cluster_of_three() -> None:

@@ -22,7 +22,7 @@ import nats.errors
 import pytest
 
 from dispatcher.admission import ADMIT, Decision, QuotaAdmission
-from dispatcher.quota import QuotaResult, QuotaUnavailable, Scope
+from dispatcher.quota import BudgetCharge, QuotaResult, QuotaUnavailable, Scope
 from dispatcher.service import Dispatcher
 from tidegate import config as tgconfig
 from tidegate.control.policies import Policy, PolicySet
@@ -194,10 +194,25 @@ async def test_malformed_request_is_terminated() -> None:
     assert log.names() == ["term"]
 
 
-async def test_a_failure_leaves_the_request_for_redelivery() -> None:
-    dispatcher, log = make(RuntimeError("redis exploded"))
+@pytest.mark.parametrize("failure", [QuotaUnavailable("redis exploded"),
+                                     nats.errors.TimeoutError(), ConnectionError("reset")])
+async def test_a_transient_failure_leaves_the_request_for_redelivery(
+        failure: Exception) -> None:
+    dispatcher, log = make(failure)
     await dispatcher.handle_safely(FakeMsg(log, request().encode()))  # type: ignore[arg-type]
     assert log.names() == [], "neither acked nor answered: JetStream redelivers it"
+
+
+async def test_any_other_failure_is_poison_answered_400_and_terminated() -> None:
+    """tidegate.broker.poison: a failure of the message itself would come back
+    forever; the edge gets a 400 and the message is terminated."""
+    dispatcher, log = make(OverflowError("cannot convert float infinity to integer"))
+    await dispatcher.handle_safely(FakeMsg(log, request().encode()))  # type: ignore[arg-type]
+    assert log.names() == ["status", "term"]
+    subject, status = log.events[0][1]
+    assert subject == SUBJECTS.out("e1", "r1")
+    assert status.admission is Admission.REJECTED
+    assert (status.error.status, status.error.code) == (400, "unprocessable_request")
 
 
 # -- QuotaAdmission -------------------------------------------------------------------
@@ -209,14 +224,15 @@ class FakeQuotas:
         self.calls: list[tuple[str, list[str], int]] = []
 
     async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
-                      now: float | None = None) -> QuotaResult:
+                      now: float | None = None, budgets: Sequence[BudgetCharge] = (),
+                      money: int = 0) -> QuotaResult:
         self.calls.append((request_id, [s.id for s in scopes], tokens))
         if self.result is None:
             raise QuotaUnavailable("connection refused")
         return self.result
 
     async def reconcile(self, request_id: str, actual_tokens: int,
-                        now: float | None = None) -> None:
+                        now: float | None = None, actual_money: int = 0) -> None:
         pass
 
     async def release(self, request_id: str) -> None:

@@ -24,10 +24,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_log
 from tests.poll import eventually
 from tests.servers import ServerHandle
-from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
 
@@ -115,19 +115,29 @@ async def test_worker_drain_finishes_hands_back_and_ends(pipelines: Any,
             # ~1000 s of output: still streaming when the drain ends.
             asyncio.create_task(events_of(session, pipeline,
                                           body(long, max_tokens=100_000), long_first)),
-            # 4 s of prefill: nothing sent when the drain ends.
-            asyncio.create_task(events_of(session, pipeline,
-                                          body(prefill, max_tokens=3, fake_ttft=4.0))),
         ]
         await asyncio.wait_for(short_first.wait(), 15)
         await asyncio.wait_for(long_first.wait(), 15)
-        await eventually(lambda: record_for(backend, prefill), 15.0, "the prefill job runs")
-        # A second worker to take the job handed back.
-        second = pipeline._process("worker", "worker-b")
-        pipeline.workers.append(second)
-        await asyncio.to_thread(second.spawn)
-        await wait_log(second, "worker serving fake")
-        pipeline.workers[0].terminate()  # SIGTERM
+        # A job in prefill until it is handed back, however long the rest of
+        # the set-up takes on a busy machine (a fixed 4 s prefill used to end
+        # while the second worker was still starting, and the job then ran to
+        # the end on the first): the backend's first-token delay is an hour
+        # until the first worker is told to stop, normal again for the job's
+        # second run (which starts after the 2 s drain).
+        paced = backend.config.ttft
+        backend.config.ttft = 3600.0
+        try:
+            tasks.append(asyncio.create_task(events_of(session, pipeline,
+                                                       body(prefill, max_tokens=3))))
+            await eventually(lambda: record_for(backend, prefill), 15.0, "the prefill job runs")
+            # A second worker to take the job handed back.
+            second = pipeline._process("worker", "worker-b")
+            pipeline.workers.append(second)
+            await asyncio.to_thread(second.spawn)
+            await wait_log(second, "worker serving fake")
+            pipeline.workers[0].terminate()  # SIGTERM
+        finally:
+            backend.config.ttft = paced
         short_events, long_events, prefill_events = await asyncio.wait_for(
             asyncio.gather(*tasks), 40)
     assert short_events[-1] == "[DONE]", "a job that fits the drain must finish"
@@ -141,7 +151,9 @@ async def test_worker_drain_finishes_hands_back_and_ends(pipelines: Any,
     records = record_for(backend, prefill)
     assert len(records) == 2, "the handed-back job ran once more, on the second worker"
     assert not records[0].completed
-    assert records[1].completed
+    # The client has its [DONE]; the backend (another thread) marks its
+    # record complete just after writing it: wait for that, not race it.
+    await eventually(lambda: records[1].completed, 10.0, "the second run completed")
     assert await asyncio.to_thread(pipeline.workers[0].wait, 15) == 0
     long_record = record_for(backend, long)[0]
     await eventually(lambda: long_record.closed_at is not None, 10.0,

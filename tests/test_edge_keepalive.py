@@ -1,4 +1,4 @@
-"""TCP keepalive on client sockets (edge.app.set_keepalive), on real sockets."""
+"""TCP keepalive on client sockets (edge.state.set_keepalive), on real sockets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from edge.app import set_keepalive
+from edge.state import set_keepalive
 from tidegate.config import EdgeConfig
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_KEEPIDLE"),

@@ -104,7 +104,10 @@ async def test_connect_errors() -> None:
         finally:
             for filler in fillers:
                 filler.close()
-        assert 0.15 < time.monotonic() - start < 1.0
+        # Not before its time. No upper bound: the ConnectTimeout naming 0.2 s
+        # is the proof it fired (without it, connect hangs for the kernel's
+        # minutes of SYN retries), and a busy machine may wake it late.
+        assert time.monotonic() - start > 0.15
 
 
 # --- regressions: each of these once hung or misread a connection --------------------

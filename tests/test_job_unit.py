@@ -37,7 +37,8 @@ from tidegate.wire.protocol import (
     decode_session,
 )
 from workers.backends import Usage
-from workers.job import ACK_TIMEOUT, WORKER_SHUTDOWN, Job, JobContext
+from workers.job import ACK_TIMEOUT, WORKER_SHUTDOWN, Job
+from workers.job_context import JobContext
 
 CONFIG = tgconfig.from_dict({
     "session": {"heartbeat_interval": 0.1, "ack_timeout": 0.6, "worker_lost_after": 6},
@@ -53,6 +54,7 @@ class FakeMsg:
         self.metadata = SimpleNamespace(num_delivered=delivered,
                                         sequence=SimpleNamespace(stream=42))
         self.headers = {RESERVED_HEADER: "1"} if reserved else {}
+        self.reply = "$JS.ACK.TG_JOBS.workers.1.42.1.0.0"  # named in the Head (edge.liveness)
         self.fate: list[str] = []
 
     async def ack(self) -> None:

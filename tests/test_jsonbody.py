@@ -1,4 +1,5 @@
-"""Strict, bounded JSON (edge.jsonbody) and the OpenAI field checks (edge.openai_fields)."""
+"""Strict, bounded JSON (tidegate.validation.jsonbody) and the OpenAI field
+checks (tidegate.validation.openai_fields)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.jsonbody import parse_object
-from edge.validation import validate
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError
+from tidegate.validation.generation import validate
+from tidegate.validation.jsonbody import parse_object
 from tidegate.wire.protocol import Api
 
 SIM = ModelConfig(name="tidegate-sim")

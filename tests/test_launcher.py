@@ -7,15 +7,18 @@ with the openai SDK, and check that SIGTERM leaves no process and no port.
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +28,7 @@ import pytest
 
 from tests.servers import descendants, is_alive, kill_all, proc_identity, wait_until
 from tidegate import config as tgconfig
+from tidegate.config import DEFAULT_MAX_OUTPUT_TOKENS
 from tidegate.errors import ConfigError, TidegateError
 from tidegate.run.banner import banner
 from tidegate.run.planning import (
@@ -61,7 +65,12 @@ def test_embedded_servers_get_free_ports(tmp_path: Path) -> None:
     assert plan.nats_port is not None
     assert plan.redis_port is not None
     assert plan.config.nats.url == f"nats://127.0.0.1:{plan.nats_port}"
-    assert plan.config.redis.url == f"redis://127.0.0.1:{plan.redis_port}/0"
+    # The embedded Redis has a password, in the URL the tiers get.
+    assert plan.redis_password
+    assert plan.config.redis.url == (
+        f"redis://:{plan.redis_password}@127.0.0.1:{plan.redis_port}/0")
+    assert plan.redis_password not in banner(plan)
+    assert plan.options.nats_monitor_port is None  # off unless asked for
     for port, default in ((plan.nats_port, 4222), (plan.redis_port, 6379)):
         assert port == default or not port_is_free(default)
     assert [m.name for m in plan.config.models] == ["tidegate-sim"]
@@ -111,15 +120,20 @@ def test_invalid_options(tmp_path: Path) -> None:
 
 class _ModelsHandler(http.server.BaseHTTPRequestHandler):
     seen: list[tuple[str, str | None]] = []
+    props: dict[str, object] | None = None  # llama-server's /props; None: 404
 
     def do_GET(self) -> None:
         type(self).seen.append((self.path, self.headers.get("Authorization")))
-        if self.path != "/v1/models":
+        if self.path == "/props" and self.props is not None:
+            body = json.dumps(self.props).encode()
+        elif self.path != "/v1/models":
             self.send_error(404)
             return
-        body = json.dumps({"object": "list", "data": [
-            {"id": "org/llama-3:8b", "object": "model"}, {"id": "qwen2.5", "object": "model"},
-        ]}).encode()
+        else:
+            body = json.dumps({"object": "list", "data": [
+                {"id": "org/llama-3:8b", "object": "model", "max_model_len": 8192},
+                {"id": "qwen2.5", "object": "model"},
+            ]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -133,6 +147,7 @@ class _ModelsHandler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def models_server() -> Iterator[str]:
     _ModelsHandler.seen = []
+    _ModelsHandler.props = None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ModelsHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -151,7 +166,20 @@ def test_backend_models_are_listed(tmp_path: Path, models_server: str) -> None:
         ("org/llama-3:8b", "openai", f"{models_server}/v1", "UPSTREAM_KEY"),
         ("qwen2.5", "openai", f"{models_server}/v1", "UPSTREAM_KEY"),
     ]
-    assert _ModelsHandler.seen == [("/v1/models", "Bearer sk-upstream")]
+    # vLLM's max_model_len bounds max_output_tokens; a model listed without
+    # one (and no llama-server /props) keeps the default.
+    assert [m.max_output_tokens for m in plan.config.models] == [8192,
+                                                                 DEFAULT_MAX_OUTPUT_TOKENS]
+    assert _ModelsHandler.seen == [("/v1/models", "Bearer sk-upstream"),
+                                   ("/props", "Bearer sk-upstream")]
+
+
+def test_llamacpp_context_bounds_max_output_tokens(tmp_path: Path,
+                                                   models_server: str) -> None:
+    _ModelsHandler.props = {"default_generation_settings": {"n_ctx": 4096}}
+    plan = prepare(UpOptions(data_dir=tmp_path, backends=(f"{models_server}/v1",)), env={})
+    assert [(m.name, m.max_output_tokens) for m in plan.config.models] == [
+        ("org/llama-3:8b", 8192), ("qwen2.5", 4096)]
 
 
 def test_backend_with_model_names_does_not_list(tmp_path: Path, models_server: str) -> None:
@@ -191,17 +219,31 @@ def test_banner(tmp_path: Path) -> None:
     assert f"URL:      {plan.base_url}" in text
     assert DEV_KEY in text
     assert "tidegate-sim" in text
+    # gRPC is on under `tidegate up` (off in the default config), on its own port.
+    assert plan.config.edge.grpc_port not in (0, plan.config.edge.port)
+    assert f"gRPC:     127.0.0.1:{plan.config.edge.grpc_port}  (tidegate.v1.Gateway" in text
     assert f"curl -N {plan.base_url}/chat/completions" in text
     assert '"stream": true' in text
     assert "stream=True" in text
     assert "logs" in text
     # Every process's /metrics, and how to see the fleet.
-    assert f"Metrics:  {plan.base_url.removesuffix('/v1')}/metrics  (edge)" in text
+    # The edge's is on a port of its own, not the keyless API port (issue 24).
+    assert f"Metrics:  http://127.0.0.1:{plan.metrics_ports['edge']}/metrics  (edge)" in text
+    assert f"{plan.base_url.removesuffix('/v1')}/metrics" not in text
     for name in ("dispatcher", "worker-1"):
         assert f"127.0.0.1:{plan.metrics_ports[name]}/metrics  ({name})" in text
     assert f"tidegate status --config {plan.config_file}" in text
+    # The operator console's URL, and how to get a key that may sign in.
+    assert plan.console_url == f"http://127.0.0.1:{plan.console_port}/console"
+    assert f"Console:  {plan.console_url}" in text
+    assert "tidegate keys create --admin" in text
+    assert plan.console_port not in {plan.config.edge.port, *plan.metrics_ports.values()}
+    off = prepare(UpOptions(data_dir=tmp_path, port=free_port(), console_port=0), env={})
+    assert off.console_url is None
+    assert "Console:" not in banner(off)
     assert plan.env_for("worker-1")["TIDEGATE_METRICS_PORT"] == str(plan.metrics_ports["worker-1"])
-    assert "TIDEGATE_METRICS_PORT" not in plan.env_for("edge")
+    assert plan.env_for("edge")["TIDEGATE_METRICS_PORT"] == str(plan.metrics_ports["edge"])
+    assert plan.metrics_ports["edge"] != plan.config.edge.port
     # The SDK snippet is valid Python.
     snippet = text.split("(pip install openai):", 1)[1].split("Press Ctrl-C", 1)[0]
     compile("\n".join(line[2:] for line in snippet.splitlines()), "<banner>", "exec")
@@ -308,11 +350,28 @@ def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
         with urllib.request.urlopen(metrics_url, timeout=5) as response:
             text = response.read().decode()
         assert "target_info" in text, (name, text)
+    assert f":{up.port}/" not in metrics["edge"]
+    # Not on the API port, where it would need no key.
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"http://127.0.0.1:{up.port}/metrics", timeout=5).close()
+    info.value.close()
+    assert info.value.code == 404
     with urllib.request.urlopen(metrics["worker-1"], timeout=5) as response:
         assert "tidegate_worker_slots" in response.read().decode()
+    # The console the banner names answers (its API needs an admin key).
+    console = re.search(r"Console:  (http://\S+/console)", out)
+    assert console is not None, out
+    with urllib.request.urlopen(console.group(1), timeout=5) as response:
+        assert "tidegate console" in response.read().decode()
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(urllib.request.Request(
+            console.group(1) + "/api/status", headers={"Authorization": f"Bearer {DEV_KEY}"}),
+            timeout=5).close()
+    denied.value.close()
+    assert denied.value.code == 403
 
-    # nats, redis, dispatcher, one worker, edge; each its own process.
-    assert len(up.children) >= 5, up.children
+    # nats, redis, dispatcher, one worker, edge, console; each its own process.
+    assert len(up.children) >= 6, up.children
     assert (up.data_dir / "tidegate.toml").exists()
     effective = tgconfig.load(up.data_dir / "tidegate.toml", {})
     assert (effective.edge.port, effective.auth.dev_key) == (up.port, DEV_KEY)
@@ -332,6 +391,17 @@ def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
         env={**os.environ, "TIDEGATE__NATS__CREDENTIALS": ""})
     assert anonymous.returncode != 0
     assert "Authorization" in anonymous.stderr, anonymous.stderr
+    # tidegate up ran setup as admin: the tiers' logins only bound to it.
+    assert "setup: creating or updating" in up.stderr_path.read_text(), up.diagnostics()
+    # No NATS monitoring port (it lists users to anyone), and Redis needs the
+    # password the tiers got in their config.
+    argv = (up.data_dir / "logs" / "nats.log").read_text().split("starting: ", 1)[1]
+    assert " -m " not in argv.splitlines()[0], argv.splitlines()[0]
+    redis_port = int(effective.redis.url.rsplit(":", 1)[1].split("/")[0])
+    with socket.create_connection(("127.0.0.1", redis_port), timeout=5) as conn:
+        conn.sendall(b"PING\r\n")
+        assert conn.recv(64).startswith(b"-NOAUTH")
+    assert "@" in effective.redis.url
 
     up.proc.send_signal(signal.SIGTERM)
     try:
@@ -454,7 +524,7 @@ def fake_backend_process(tmp_path: Path) -> Iterator[str]:
     port = free_port()
     log = open(tmp_path / "fake-backend.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tidegate.bench.fake_backend", "--port", str(port),
+        [sys.executable, "-m", "bench.fake_backend", "--port", str(port),
          "--model", "acme/llama-fake:8b", "--tokens", "12", "--itl", "0.001"],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
@@ -484,3 +554,47 @@ def test_up_fronts_a_running_openai_compatible_server(
     assert content, up.diagnostics()
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(timeout=20) == 0, up.diagnostics()
+
+
+@pytest.mark.pipeline
+@pytest.mark.slow
+def test_up_runs_setup_again_after_restarting_nats(up: Up) -> None:
+    """The tiers' credentials may not create buckets, and a restarted NATS has
+    lost the memory-stored ones (the worker and edge registries): the
+    launcher runs setup as admin again, and the stack serves."""
+    from tidegate.run.supervisor import read_state
+
+    url = up.wait_url()
+    config = up.data_dir / "tidegate.toml"
+    state = read_state(up.data_dir)
+    assert state is not None
+    (nats_pid,) = [p["pid"] for p in state["processes"] if p["name"] == "nats"]
+    os.kill(nats_pid, signal.SIGKILL)
+    assert wait_until(lambda: up.stderr_path.read_text().count(
+        "setup: creating or updating") >= 2, READY_TIMEOUT), up.diagnostics()
+
+    async def workers_bucket_exists() -> bool:
+        effective = tgconfig.load(config, {})
+        from tidegate.control.admin import connect_once
+
+        nc = await connect_once(effective.nats, "tidegate-admin")
+        try:
+            await nc.jetstream().key_value(effective.nats.subjects.workers_bucket)
+            return True
+        finally:
+            await nc.close()
+
+    assert asyncio.run(workers_bucket_exists())
+    deadline = time.monotonic() + READY_TIMEOUT
+    while True:
+        try:
+            with openai.OpenAI(base_url=url, api_key=DEV_KEY, max_retries=0,
+                               timeout=30) as client:
+                reply = client.chat.completions.create(
+                    model="tidegate-sim", max_tokens=4,
+                    messages=[{"role": "user", "content": "after the restart"}])
+            assert reply.choices[0].message.content
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, up.diagnostics()
+            time.sleep(0.5)

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import (
     DEV_KEY,
     Pipeline,
@@ -33,7 +34,6 @@ from tests.pipeline import (
     wait_log,
 )
 from tests.poll import eventually
-from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
 
@@ -128,16 +128,19 @@ async def test_client_disconnect_closes_the_backend_quickly(
             resp.close()
 
         await asyncio.gather(*(one(m) for m in markers))
+        # Each answer would run 50 s (5,000 tokens at 10 ms): closed well
+        # before that is the cancel's doing, whatever this machine's speed.
         assert await wait_for(
             lambda: all(record_for(backend, m) and record_for(backend, m)[0].closed_at
-                        for m in markers), 5.0), "backend connections were not closed"
+                        for m in markers), 40.0), "backend connections were not closed"
     latencies = sorted(record_for(backend, m)[0].closed_at - closed_at[m]  # type: ignore[operator]
                        for m in markers)
     print(f"cancel latency over {n}: p50 {statistics.median(latencies) * 1000:.1f} ms, "
           f"max {latencies[-1] * 1000:.1f} ms")
     # The target (p99 < 100 ms at 200 streams) is measured by the benchmark
-    # suite; here: the backend is closed promptly instead of running 50 s on.
-    assert latencies[-1] < 1.0
+    # suite; here: the backend is closed instead of running its 50 s on, the
+    # bound being that 50 s (halved), not a guess at a busy machine's speed.
+    assert latencies[-1] < 5000 * 0.01 / 2
     for m in markers:
         assert not record_for(backend, m)[0].completed
 
@@ -251,7 +254,9 @@ async def test_worker_killed_before_first_chunk_completes_elsewhere(
     async with aiohttp.ClientSession() as session:
         request = asyncio.ensure_future(session.post(
             f"{pipeline.url}/v1/chat/completions",
-            json=body(marker, max_tokens=8, fake_ttft=2.5),
+            # A long prefill: starting a second worker on a loaded box takes
+            # seconds, and the first must still be in it when it is killed.
+            json=body(marker, max_tokens=8, fake_ttft=10.0),
             headers={"Authorization": f"Bearer {DEV_KEY}"}))
         assert await wait_for(lambda: bool(record_for(backend, marker)), 10.0)
         # The first worker is in the backend's prefill. Start a second one,
@@ -262,7 +267,7 @@ async def test_worker_killed_before_first_chunk_completes_elsewhere(
         await wait_log(second, "worker serving fake")  # it pulls from now on
         assert not record_for(backend, marker)[0].bytes_written, "still in prefill"
         pipeline.workers[0].kill()
-        resp = await asyncio.wait_for(request, 30)
+        resp = await asyncio.wait_for(request, 90)
         assert resp.status == 200, await resp.text()
         events = await asyncio.wait_for(read_events(resp), 30)
     assert events[-1] == "[DONE]"

@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 from edge.session import SessionTable
+from tests.poll import eventually
 from tidegate.errors import ProtocolError
 from tidegate.wire.mux import Outbox, batch_limit, decode_mux
 from tidegate.wire.protocol import (
@@ -121,9 +122,14 @@ async def test_flush_with_nothing_put_publishes_nothing(
         outbox: Outbox, publish: RecordingPublish) -> None:
     async with asyncio.timeout(1):
         await outbox.flush()
-    await asyncio.sleep(0.01)
     assert publish.calls == []
-    assert (outbox.published, outbox.frames) == (0, 0)
+    # The positive event that gives a stray publish its chance: publishes go
+    # out in order, so once the next put's flush is out, anything the empty
+    # flush had started would be ahead of it.
+    outbox.put("s", "r1", msg(1))
+    await outbox.flush()
+    assert publish.frames() == [("r1", msg(1))]
+    assert (outbox.published, outbox.frames) == (1, 1)
 
 
 async def test_flusher_publishes_without_being_asked(
@@ -164,6 +170,55 @@ async def test_the_flusher_waits_for_the_rest_of_the_iteration(
     await outbox.flush()
     assert len(publish.calls) == 1
     assert publish.frames() == [("r1", msg(1)), ("r2", msg(2))]
+
+
+async def test_a_latency_budget_gathers_puts_across_iterations(
+        publish: RecordingPublish) -> None:
+    """With ``delay``, puts in later loop iterations (other streams' chunks
+    arriving a little later) join the waiting batch; without, each goes alone."""
+    for delay, messages in ((NEVER, 1), (0.0, 5)):
+        publish.calls.clear()
+        box = Outbox(publish, delay=delay)
+        box.start()
+        try:
+            for i in range(5):
+                box.put("s", f"r{i}", msg(i))
+                for _ in range(5):  # the flusher without a budget publishes here
+                    await asyncio.sleep(0)
+            if delay:
+                assert publish.calls == [], "a batch waits out its budget"
+            await box.flush()  # ... unless someone flushes: the budget is cut short
+        finally:
+            await box.close()
+        assert len(publish.calls) == messages
+        assert publish.frames() == [(f"r{i}", msg(i)) for i in range(5)]
+
+
+async def test_the_latency_budget_is_kept(publish: RecordingPublish) -> None:
+    """A message put into an idle outbox leaves on its own once the budget
+    is spent, without a flush."""
+    box = Outbox(publish, delay=0.01)
+    box.start()
+    try:
+        box.put("s", "r1", msg(1))
+        await eventually(lambda: publish.calls, 30, "the batch published after its budget")
+    finally:
+        await box.close()
+    assert publish.frames() == [("r1", msg(1))]
+
+
+async def test_a_full_batch_does_not_wait_out_the_budget(publish: RecordingPublish) -> None:
+    box = Outbox(publish, max_bytes=1000, delay=NEVER)
+    box.start()
+    try:
+        frames = [(f"{i:024x}", msg(i, 100)) for i in range(8)]  # 7 fill a batch
+        for rid, m in frames:
+            box.put("s", rid, m)
+        # The full batch leaves at once, and what was open behind it with it.
+        await eventually(lambda: publish.frames() == frames, 30, "the full batch published")
+    finally:
+        await box.close()
+    assert len(publish.calls) == 2
 
 
 async def test_batches_are_cut_at_max_bytes_in_order(publish: RecordingPublish) -> None:

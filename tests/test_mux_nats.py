@@ -18,10 +18,10 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from bench.fake_backend import FakeBackend
 from edge.session import SessionTable
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
 from tests.servers import ServerHandle
-from tidegate.bench.fake_backend import FakeBackend
 from tidegate.errors import ProtocolError
 from tidegate.run.servers import NatsServer
 from tidegate.wire.mux import Outbox, batch_limit, decode_mux
@@ -323,6 +323,25 @@ async def test_pipeline_without_coalescing_sends_no_mux_messages(
     assert tap.direct_kinds["Head"] == tap.direct_kinds["Done"] == 20
     assert tap.direct_kinds["Chunk"] >= 20
 
+
+
+@pytest.mark.pipeline
+async def test_a_latency_budget_gathers_more_streams_per_message(
+        tmp_path: Path, module_nats_url: str, module_redis_url: str, fake: FakeBackend) -> None:
+    """``worker.coalesce_delay``: every stream still arrives whole and in order,
+    and a batch waits for other streams' chunks, so one NATS message carries
+    more of them than without the budget, measured in the same run."""
+    per_message = {}
+    for delay in (0.0, 0.05):
+        pipeline = start_pipeline(tmp_path / f"d{delay}", module_nats_url, module_redis_url,
+                                  fake, worker={"coalesce_delay": delay})
+        try:
+            tap = await run_load(pipeline, fake, module_nats_url)
+        finally:
+            pipeline.stop()
+        per_message[delay] = tap.mux_frames / tap.mux_messages
+    print(f"frames per mux message: {per_message}")
+    assert per_message[0.05] > 3 * per_message[0.0], per_message
 
 
 @pytest.mark.pipeline

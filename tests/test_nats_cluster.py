@@ -23,9 +23,9 @@ import nats
 import nats.errors
 import pytest
 
+from bench.chaos import Load, stream_once, summarize
 from tests.pipeline import DEV_KEY, Pipeline
 from tests.servers import ServerHandle
-from tidegate.bench.chaos import Load, stream_once, summarize
 from tidegate.control import workers_registry
 from tidegate.control.keys import create_key, ensure_keys_bucket, revoke_key
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
@@ -176,9 +176,10 @@ async def test_streaming_load_through_a_node_kill_loses_nothing(
     # what died with the node): every stream in flight completes byte-exact;
     # the node loss shows in them only as a stall.
     assert everything["accepted_not_complete"] == {}, everything["codes"]
-    # New requests while the edge reconnects are refused up front, cleanly
-    # (503 broker_unavailable, retryable): nothing else.
-    assert set(everything["kinds"]) <= {"complete", "clean_error"}, everything["codes"]
-    assert set(everything["codes"]) <= {"clean_error:broker_unavailable"}, everything["codes"]
+    # New requests while the edge reconnects wait for it: the edge retries
+    # their publish for edge.publish_patience (10 s, far more than a node's
+    # loss takes to fail over), so none is refused (no 503 broker_unavailable).
+    assert set(everything["kinds"]) == {"complete"}, everything["codes"]
+    assert everything["codes"] == {}, everything["codes"]
     assert during["requests"] > 0
     assert after["requests"] > 0

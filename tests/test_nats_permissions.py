@@ -1,8 +1,10 @@
 """NATS least privilege against a real nats-server (tidegate.broker.permissions).
 
 The server runs with the ``auth.conf`` that ``tidegate nats-config`` writes;
-the whole pipeline serves under it (each tier with its own credentials), and
-each tier's credentials are then tried on what they must not do.
+``tidegate setup`` provisions as admin, the whole pipeline serves under it
+(each tier with its own credentials), and each tier's credentials are then
+tried on what they must not do: the attacks of issue 24 among them. The walk
+of the whole ``$JS.API.>`` surface is tests/test_nats_walk.py.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +21,17 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from tests.pipeline import Pipeline, running_pipeline, wait_for
+from bench.fake_backend import FakeBackend
+from tests.pipeline import (
+    DEV_KEY,
+    Pipeline,
+    running_pipeline,
+    threaded_fake_backend,
+    wait_for,
+)
 from tidegate.broker import natsconfig
 from tidegate.broker.auth import load_credentials
+from tidegate.broker.kvwatch import snapshot
 from tidegate.broker.permissions import ROLES, role_of, table
 from tidegate.control.keys import KeyRecord, key_digest
 from tidegate.run.servers import NatsServer
@@ -29,6 +40,7 @@ from tidegate.wire.subjects import Subjects, encode_token
 pytestmark = [pytest.mark.pipeline]
 
 CHAT = "/v1/chat/completions"
+ROUTED = "routed-model"
 EDGE_ID = "permedge"
 
 
@@ -61,12 +73,33 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer
 
 
 @pytest.fixture(scope="module")
+def replicas() -> Iterator[tuple[FakeBackend, FakeBackend]]:
+    with threaded_fake_backend(ttft=0.01, itl=0.001, tokens=4) as a, \
+            threaded_fake_backend(ttft=0.01, itl=0.001, tokens=4) as b:
+        yield a, b
+
+
+@pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory, auth_server: AuthServer,
-             module_redis_url: str) -> Iterator[Pipeline]:
+             module_redis_url: str, replicas: tuple[FakeBackend, FakeBackend]
+             ) -> Iterator[Pipeline]:
+    # Besides the simulator: a queue-mode model (the dispatchers' grant
+    # subjects) and a routed model of two replicas (the affinity and claims
+    # buckets, the load subjects, a consumer per replica), so every feature's
+    # subjects run under the rules.
+    models: list[dict[str, Any]] = [
+        {"name": "tidegate-sim", "aliases": ["sim"],
+         "simulator": {"ttft": 0.01, "tokens_per_second": 400.0, "length": 32}},
+        {"name": "queued-sim", "simulator": {"ttft": 0.01, "tokens_per_second": 400.0,
+                                             "length": 8},
+         "queue": {"ttft_p99": 30.0}},
+        {"name": ROUTED, "backend": "openai", "base_urls": [f.base_url for f in replicas]},
+    ]
     yield from running_pipeline(
         tmp_path_factory.mktemp("permpipe"), auth_server.url, module_redis_url,
         overrides={"nats": {"credentials": natsconfig.credentials_setting(auth_server.auth_dir)},
-                   "edge": {"edge_id": EDGE_ID}})
+                   "edge": {"edge_id": EDGE_ID}, "models": models,
+                   "routing": {"affinity": "auto", "max_affinity_wait": 3.0}})
 
 
 def test_the_pipeline_serves_under_its_permissions_without_a_violation(
@@ -80,6 +113,62 @@ def test_the_pipeline_serves_under_its_permissions_without_a_violation(
     # A cancelled stream too (acks, cancel, tombstone, usage).
     status, _ = pipeline.post(CHAT, {**body, "stream": False})
     assert status == 200
+    # A queue-mode model and a routed one (a conversation goes home).
+    for model in ("queued-sim", ROUTED, ROUTED):
+        status, data = pipeline.post(CHAT, {**body, "model": model})
+        assert status == 200, data[:300]
+        assert data.rstrip().endswith(b"data: [DONE]")
+    assert auth_server.violations() == [], "\n".join(auth_server.violations())
+
+
+def test_resume_batches_and_files_work_under_the_permissions(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    """The features whose streams and buckets the tiers only bind to (the
+    stream log, the batch buckets, the files object store): each works, and
+    the server reports no violation."""
+    import io
+
+    import openai
+
+    body = {"model": "tidegate-sim", "stream": True, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "resume me"}]}
+    status, headers, data = pipeline.post_full(CHAT, body,
+                                               headers={"X-Tidegate-Resumable": "true"})
+    assert status == 200, data[:300]
+    request_id = headers["x-request-id"]
+    replay = urllib.request.Request(f"{pipeline.url}/v1/streams/{request_id}?after=0",
+                                    headers={"Authorization": f"Bearer {DEV_KEY}"})
+    with urllib.request.urlopen(replay, timeout=30) as resp:
+        assert resp.status == 200
+        assert resp.read().rstrip().endswith(b"data: [DONE]")
+
+    async def batch() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=DEV_KEY,
+                                      max_retries=0, timeout=30) as client:
+            lines = b"".join(json.dumps(
+                {"custom_id": f"c{i}", "method": "POST", "url": CHAT,
+                 "body": {"model": "tidegate-sim", "max_tokens": 3,
+                          "messages": [{"role": "user", "content": f"line {i}"}]}}).encode()
+                + b"\n" for i in range(3))
+            file = await client.files.create(file=("in.jsonl", io.BytesIO(lines)),
+                                             purpose="batch")
+            created = await client.batches.create(input_file_id=file.id,
+                                                  endpoint="/v1/chat/completions",
+                                                  completion_window="24h")
+            done = created
+            deadline = time.monotonic() + 90
+            while done.status not in ("completed", "failed", "expired", "cancelled"):
+                assert time.monotonic() < deadline, f"batch still {done.status}"
+                await asyncio.sleep(0.3)
+                done = await client.batches.retrieve(created.id)
+            assert done.status == "completed", done
+            assert done.output_file_id is not None
+            output = await client.files.content(done.output_file_id)
+            await client.files.delete(file.id)
+            return sorted(json.loads(line)["custom_id"]
+                          for line in output.content.splitlines() if line.strip())
+
+    assert asyncio.run(batch()) == ["c0", "c1", "c2"]
     assert auth_server.violations() == [], "\n".join(auth_server.violations())
 
 
@@ -100,15 +189,23 @@ async def _denied(auth_server: AuthServer, role: str,
     """Run ``action`` as ``role``; the permissions violation the server reported."""
     errors: list[str] = []
     nc = await _connect(auth_server, role, errors)
-    try:
+    async def attempt() -> None:
         try:
             await action(nc)
             await nc.flush()
         except Exception as exc:  # a request that got no answer, a refused subscribe
             errors.append(f"{type(exc).__name__}: {exc}")
-        # The server reports a violation asynchronously (-ERR).
-        await wait_for(lambda: any("violation" in e.lower() for e in errors), 5)
+
+    task = asyncio.ensure_future(attempt())
+    try:
+        # The server reports a violation asynchronously (-ERR); a denied
+        # request gets no answer, so stop waiting for one once the violation
+        # is in. A positive event: a loaded machine may take long, a pass
+        # costs nothing.
+        await wait_for(lambda: any("violation" in e.lower() for e in errors), 30)
     finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         await nc.close()
     found = [e for e in errors if "violation" in e.lower()]
     assert found, f"{role} was allowed: {errors}"
@@ -121,8 +218,12 @@ async def _allowed(auth_server: AuthServer, role: str,
     nc = await _connect(auth_server, role, errors)
     try:
         result = await action(nc)
+        # The positive event that gives a violation its chance: the server
+        # answers a command's violation (-ERR) as it processes it, before the
+        # flush's PING that follows it, and the client runs the error
+        # callback before it reads the PONG. Once the flush returns, every
+        # violation of the action has been recorded; no sleep to guess at.
         await nc.flush()
-        await asyncio.sleep(0.2)
     finally:
         await nc.close()
     assert not [e for e in errors if "violation" in e.lower()], errors
@@ -131,7 +232,7 @@ async def _allowed(auth_server: AuthServer, role: str,
 
 def _api(subject: str, body: dict[str, Any] | None = None) -> Callable[[NATS], Awaitable[Any]]:
     async def call(nc: NATS) -> Any:
-        reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=2)
+        reply = await nc.request(subject, json.dumps(body or {}).encode(), timeout=15)
         answer = json.loads(reply.data)
         if "error" in answer:
             raise RuntimeError(answer["error"])
@@ -211,6 +312,14 @@ async def test_dispatcher_cannot_write_keys_and_admin_can(
     record = KeyRecord(key_id=digest[:12], tenant="perm").encode()
     await _denied(auth_server, "dispatcher", _publish(f"$KV.{s.keys_bucket}.{digest}", record))
     await _denied(auth_server, "dispatcher", _subscribe("_INBOX_worker.>"))
+    # ... but reads them: the batch runner holds each line to its key's rules
+    # (dispatcher/batch/keys.py), through a KV watch like the edge's.
+
+    async def watch_keys(nc: NATS) -> dict[str, bytes]:
+        kv = await nc.jetstream().key_value(s.keys_bucket)
+        return await asyncio.wait_for(snapshot(kv), 10)
+
+    await _allowed(auth_server, "dispatcher", watch_keys)
     # The control: admin may, and the edge then accepts the key it wrote.
     await _allowed(auth_server, "admin", _publish(f"$KV.{s.keys_bucket}.{digest}", record))
     deadline = time.monotonic() + 10
@@ -239,8 +348,78 @@ def test_roles_and_table_cover_every_tier() -> None:
     assert set(rules) == set(ROLES)
     # Derived from the prefix: a second deployment's rules name its own subjects.
     assert "acme.req.>" in rules["edge"].publish_allow
-    assert "$KV.ACME_KEYS.>" in rules["edge"].publish_deny
+    assert "$JS.API.DIRECT.GET.KV_ACME_KEYS.>" in rules["edge"].publish_allow
+    assert not [a for a in rules["edge"].publish_allow if "ACME_KEYS" in a and "$KV" in a]
+    # An allow list only: nothing relies on a deny rule.
+    assert all(not r.publish_deny and not r.subscribe_deny for r in rules.values())
     # The batch runner's inbox name lives in the dispatcher; the table must agree.
-    from dispatcher.batch_state import INBOX
+    from dispatcher.batch.state import INBOX
 
     assert Subjects().edge_inbox(INBOX) in table(Subjects())["dispatcher"].subscribe_allow
+
+
+# -- issue 24: what the edge's and worker's credentials did to JetStream ----------
+
+
+def _mirror(name: str, source: str) -> dict[str, Any]:
+    return {"name": name, "subjects": [], "mirror": {"name": source}, "storage": "memory"}
+
+
+@pytest.mark.asyncio
+async def test_tier_credentials_cannot_mirror_source_shrink_or_delete_consumers(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    s = Subjects()
+    kv_policies, kv_keys = f"KV_{s.policies_bucket}", f"KV_{s.keys_bucket}"
+    for source in (kv_policies, s.jobs_stream, s.requests_stream, s.usage_stream):
+        await _denied(auth_server, "edge",
+                      _api(f"$JS.API.STREAM.CREATE.STEAL_{source}", _mirror("STEAL", source)))
+    await _denied(auth_server, "worker",
+                  _api("$JS.API.STREAM.CREATE.STEAL_KEYS", _mirror("STEAL_KEYS", kv_keys)))
+    # A source with a subject transform injected a forged job into TG_JOBS.
+    forged = {"name": s.jobs_stream, "subjects": [s.jobs_wildcard], "retention": "workqueue",
+              "sources": [{"name": s.requests_stream, "subject_transforms": [
+                  {"src": f"{s.prefix}.req.>", "dest": f"{s.prefix}.job.x"}]}]}
+    for role in ("edge", "worker", "dispatcher"):
+        await _denied(auth_server, role, _api(f"$JS.API.STREAM.UPDATE.{s.jobs_stream}", forged))
+        await _denied(auth_server, role, _api(
+            f"$JS.API.STREAM.UPDATE.{s.usage_stream}",
+            {"name": s.usage_stream, "subjects": [s.usage_wildcard], "max_msgs": 1}))
+    for role in ("edge", "worker"):
+        await _denied(auth_server, role,
+                      _api(f"$JS.API.CONSUMER.DELETE.{s.jobs_stream}.{WORKERS}"))
+        await _denied(auth_server, role, _api(
+            f"$JS.API.CONSUMER.DELETE.{s.requests_stream}.{s.dispatcher_consumer}"))
+    # The usage log is still whole, and the consumers still there.
+    info = await _allowed(auth_server, "admin", _api(f"$JS.API.STREAM.INFO.{s.usage_stream}"))
+    assert info["config"].get("max_msgs", -1) == -1
+    await _allowed(auth_server, "admin",
+                   _api(f"$JS.API.CONSUMER.INFO.{s.jobs_stream}.{WORKERS}"))
+
+
+@pytest.mark.asyncio
+async def test_a_reader_makes_only_ephemerals_and_the_dispatcher_reads_keys_read_only(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    """The grant that lets a tier watch a bucket (CONSUMER.CREATE.<stream>, no
+    name) cannot make or change a durable: the server refuses a durable name on
+    that subject, so the tiers' durables stay admin's."""
+    s = Subjects()
+    kv_keys = f"KV_{s.keys_bucket}"
+    durable = {"stream_name": kv_keys,
+               "config": {"durable_name": "stolen", "ack_policy": "explicit"}}
+    with pytest.raises(RuntimeError, match=r"(?i)durable"):
+        await _allowed(auth_server, "dispatcher", _api(f"$JS.API.CONSUMER.CREATE.{kv_keys}",
+                                                       durable))
+    # What the batch runner re-checks a line's key with: a direct get.
+    digest = key_digest("sk-tg-permission-read")
+    record = KeyRecord(key_id=digest[:12], tenant="perm").encode()
+    await _allowed(auth_server, "admin", _publish(f"$KV.{s.keys_bucket}.{digest}", record))
+
+    async def get(nc: NATS) -> bytes:
+        js = nc.jetstream()
+        kv = await js.key_value(s.keys_bucket)
+        entry = await kv.get(digest)
+        return entry.value or b""
+
+    assert await _allowed(auth_server, "dispatcher", get) == record
+    await _denied(auth_server, "worker", get)
+    await _denied(auth_server, "dispatcher", _publish(f"$KV.{s.keys_bucket}.{digest}", b"{}"))

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from bench.fake_backend import FakeBackend, FakeConfig, FakeRecord
 from tests.pipeline import serve_app, threaded_fake_backend
-from tidegate.bench.fake_backend import FakeBackend, FakeConfig, FakeRecord
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.errors import BackendError, ConfigError
 from tidegate.wire.protocol import Api, Request
@@ -378,17 +378,20 @@ async def test_no_headers_in_time_is_a_timeout(fake: FakeBackend) -> None:
                       WorkerConfig())
     start = time.monotonic()
     try:
-        error = await open_error(b, make_request(fake={"header_delay": 2.0}))
+        # Headers only after a minute: the 504 naming them is the timeout's.
+        error = await open_error(b, make_request(fake={"header_delay": 60.0}))
     finally:
         await b.aclose()
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start > 0.2  # not before its time (late is the machine's)
     assert (error.status, error.code) == (504, "backend_timeout")
     assert "no response headers" in error.message
 
 
 @pytest.mark.parametrize(("fault", "what"), [
-    ({"ttft": 2.0}, "no first event"),
-    ({"itl": 2.0}, "silent mid-stream"),
+    # A minute of silence: the 504 naming it is the timeout's, not the end of
+    # the fault (a wall-clock upper bound would be the machine's speed).
+    ({"ttft": 60.0}, "no first event"),
+    ({"itl": 60.0}, "silent mid-stream"),
 ])
 async def test_silence_in_stream_is_a_timeout(fake: FakeBackend, fault: dict[str, float],
                                               what: str) -> None:
@@ -402,7 +405,7 @@ async def test_silence_in_stream_is_a_timeout(fake: FakeBackend, fault: dict[str
         await stream.aclose()
     finally:
         await b.aclose()
-    assert 0.25 < time.monotonic() - start < 1.5
+    assert time.monotonic() - start > 0.25
     assert (info.value.status, info.value.code) == (504, "backend_timeout")
     assert what in info.value.message
     record = only_record(fake)

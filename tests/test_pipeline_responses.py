@@ -23,6 +23,7 @@ import nats
 import openai
 import pytest
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import (
     DEV_KEY,
     Pipeline,
@@ -30,7 +31,6 @@ from tests.pipeline import (
     threaded_fake_backend,
     wait_for,
 )
-from tidegate.bench.fake_backend import FakeBackend
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
@@ -58,7 +58,7 @@ def fake() -> Iterator[FakeBackend]:
 @pytest.fixture(scope="module")
 def bare() -> Iterator[FakeBackend]:
     """A backend that serves chat only, as an older server does."""
-    from tidegate.bench.fake_backend import FakeConfig
+    from bench.fake_backend import FakeConfig
     with threaded_fake_backend(config=FakeConfig(models=("fake-model",), ttft=0.01, itl=0.002,
                                           tokens=12, responses=False,
                                           embeddings=False)) as backend:
@@ -408,10 +408,11 @@ async def _usage_record(pipeline: Pipeline, nats_url: str, request_id: str) -> d
 async def test_disconnect_mid_responses_stream_closes_the_backend(
         pipeline: Pipeline, fake: FakeBackend) -> None:
     """The Responses path cancels as chat does: the client goes, the backend
-    connection closes at once (the fake would take 2.4 s more to finish)."""
+    connection closes (the fake would take a minute more to finish: closed
+    well before that is the cancel's doing, whatever the machine's speed)."""
     marker = uuid.uuid4().hex
     body = {"model": "org/fake:v1", "input": f"cancel {marker}", "stream": True,
-            "fake_itl": 0.2}
+            "fake_itl": 5.0}
     async with aiohttp.ClientSession() as session:
         resp = await session.post(f"{pipeline.url}/v1/responses", json=body,
                                   headers={"Authorization": f"Bearer {DEV_KEY}"})
@@ -422,11 +423,11 @@ async def test_disconnect_mid_responses_stream_closes_the_backend(
         gone = time.monotonic()
         resp.close()
     assert await wait_for(lambda: bool(_records(fake, marker)
-                                       and _records(fake, marker)[0].closed_at), 5.0)
+                                       and _records(fake, marker)[0].closed_at), 30.0)
     (record,) = _records(fake, marker)
     assert record.closed_at is not None, "the backend connection was not closed"
     assert not record.completed
-    assert record.closed_at - gone < 1.0
+    assert record.closed_at - gone < 30.0  # half the run the cancel saved
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/embeddings", "/v1/responses"])

@@ -25,6 +25,7 @@ import aiohttp
 import nats
 import pytest
 
+from bench.fake_backend import FakeBackend
 from dispatcher.quota import QuotaStore
 from dispatcher.quota import connect as connect_quota_store
 from tests.pipeline import (
@@ -37,7 +38,6 @@ from tests.pipeline import (
     wait_log,
 )
 from tests.poll import eventually
-from tidegate.bench.fake_backend import FakeBackend
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
 from tidegate.wire.protocol import Api, Request, decode_session

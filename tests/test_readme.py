@@ -92,6 +92,9 @@ def fresh_environment(tmp: Path) -> dict[str, str]:
 
 @pytest.mark.pipeline
 @pytest.mark.slow
+# A fresh venv and pip install of every dependency (up to 420 s on a loaded
+# box) before tidegate up starts: past the suite's default 300 s timeout.
+@pytest.mark.timeout(900)
 def test_the_run_command_serves_a_stream_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     checkout = tmp_path / "checkout"
     fresh_checkout(checkout)

@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dispatcher.cluster import cluster_nodes, is_cluster_url
 from dispatcher.quota import Limits, QuotaStore, Scope, connect
+from dispatcher.redis_client import cluster_nodes, is_cluster_url
 from tests import test_quotas_pipeline as quotas
 from tidegate import config as tgconfig
 from tidegate.control.policies import Policy

@@ -32,6 +32,8 @@ from tidegate.wire.protocol import (
     ControlMessage,
     Detach,
     Done,
+    Error,
+    ErrorInfo,
     Head,
     Heartbeat,
     Request,
@@ -334,6 +336,29 @@ async def test_a_gap_never_filled_ends_with_stream_gap(harness: Harness) -> None
     assert len(asks) >= 2  # asked again while the gap stayed open
     assert {m.seq for m in asks} == {3}
     assert harness.publisher.tombstones == [("r-direct", "edge:stream_gap")]
+
+
+async def test_chunks_batched_with_an_error_reach_the_client_before_it(
+        harness: Harness) -> None:
+    """Issue 26: a loaded edge takes the first chunks and the worker's Error in
+    one batch. The chunks came first, so they go out (200, headers sent) and
+    the error is the stream's final event, never a 502 that drops them."""
+    task, opened = await harness.start()
+    session = opened.session
+    info = ErrorInfo(502, "server_error", "backend_error", "The backend broke the stream.")
+    # All before the relay task runs: it takes them as one batch.
+    for message in (Head(1, CONTROL, 7, 1), Chunk(2, event(0)), Chunk(3, event(1)),
+                    Error(4, info)):
+        session.feed(message)
+    async with asyncio.timeout(5):
+        resp = await task
+        body = await resp.read()
+    assert resp.status == 200, body
+    blocks = [b for b in body.split(b"\n\n") if b]
+    assert blocks[:2] == [event(0)[:-2], event(1)[:-2]]
+    assert json.loads(blocks[-1][6:])["error"]["code"] == "backend_error"
+    assert len(blocks) == 3
+    assert DONE not in body
 
 
 async def test_no_direct_writer_for_a_non_streaming_response(harness: Harness) -> None:

@@ -22,13 +22,19 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
-from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
 
 AUTH = {"Authorization": f"Bearer {DEV_KEY}"}
 RESUMABLE = {**AUTH, "X-Tidegate-Resumable": "true"}
+
+
+# A cancelled 5,000-token stream (10 ms a token) would run 50 s more: the
+# backend closed well before that is the cancel's doing. The bound is half the
+# run the cancel saved, not a guess at how fast a busy machine is.
+CANCEL_BOUND = 5000 * 0.01 / 2
 
 
 @pytest.fixture(scope="module")
@@ -319,11 +325,11 @@ async def test_other_tenant_gets_404_and_cancel_ends_every_reader(
         assert sse.last_error is not None
         assert sse.last_error["code"] == "stream_cancelled"
     (record,) = record_for(backend, marker)
-    assert await wait_for(lambda: record.closed_at is not None, 5.0)
+    assert await wait_for(lambda: record.closed_at is not None, CANCEL_BOUND)
     assert record.closed_at is not None
     print(f"explicit cancel (resumable, from the other edge): backend closed "
           f"{(record.closed_at - cancelled_at) * 1000:.1f} ms after the POST was sent")
-    assert record.closed_at - cancelled_at < 1.0
+    assert record.closed_at - cancelled_at < CANCEL_BOUND
     assert not record.completed
 
 
@@ -350,9 +356,10 @@ async def test_cancel_of_a_plain_stream_from_another_edge(
     assert rest.last_error is not None
     assert rest.last_error["code"] == "stream_cancelled"
     (record,) = record_for(backend, marker)
-    assert await wait_for(lambda: record.closed_at is not None, 5.0)
+    assert await wait_for(lambda: record.closed_at is not None, CANCEL_BOUND)
     assert record.closed_at is not None
-    assert record.closed_at - cancelled_at < 1.0
+    assert record.closed_at - cancelled_at < CANCEL_BOUND
+    assert not record.completed
 
 
 async def test_grace_cancels_after_it_and_not_before(
@@ -475,8 +482,9 @@ async def test_edge_drain_tells_resumable_clients_to_reconnect(
             assert rest.done
             assert first.events + rest.events == full.events
             fulls.append(full)
-    # Not after the drain's grace: at once (the streams had seconds to go).
-    assert told < 5.0
+    # At once, not at the end of the drain's 20 s grace (which would end the
+    # streams with an error, not a reconnect): the grace is the bound.
+    assert told < 20.0
     for marker, full in zip(markers, fulls, strict=True):
         assert payloads(full) == backend_events(backend, marker)
 

@@ -2,7 +2,7 @@
 for a lost message again (Retransmit), and the stream goes on byte-exact.
 
 Unit tests of the sans-I/O parts, then the pipeline with a worker that drops
-every Nth NATS message to its edge (``TIDEGATE_TEST_DROP_EVERY``), as a NATS
+every Nth NATS message to its edge (``tests.faults.lossy_worker``), as a NATS
 restart or a client reconnect would lose them."""
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend
-from tidegate.bench.fake_backend import FakeBackend
 from tidegate.wire.flow import SendWindow
 from tidegate.wire.protocol import Request
-from workers.service import DROP_EVERY_ENV
 from workers.tails import Tails
 
 
@@ -82,7 +81,7 @@ async def test_lost_messages_are_sent_again_and_streams_stay_byte_exact(
         "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url}],
     }
     pipeline = Pipeline(tmp_path, module_nats_url, module_redis_url, overrides=overrides,
-                        env={DROP_EVERY_ENV: "5"})
+                        worker_launcher=("tests.faults.lossy_worker", "5"))
     pipeline.start()
     try:
         markers = [f"lossy-{uuid.uuid4().hex}" for _ in range(8)]
@@ -97,7 +96,17 @@ async def test_lost_messages_are_sent_again_and_streams_stay_byte_exact(
                     "stream_options": {"include_usage": True},
                     "messages": [{"role": "user", "content": marker}]}, headers=headers)
                 assert resp.status == 200
-                return await resp.read()
+                body = await resp.read()
+                # A resumable stream whose gap stays open past a heartbeat (a
+                # loaded machine's slow resend) is sent to its log: the event
+                # says where, and the client resumes there, as EventSource does.
+                while resumable and b"event: reconnect\n" in body.rsplit(b"\n\n", 2)[-2]:
+                    told = json.loads(body.rsplit(b"data: ", 1)[1])
+                    async with session.get(f"{pipeline.url}{told['resume_url']}", headers={
+                            **headers, "Last-Event-ID": str(told["last_event_id"])}) as again:
+                        assert again.status == 200
+                        body += await again.read()
+                return body
 
             bodies = await asyncio.gather(*(one(m, i % 2 == 1) for i, m in enumerate(markers)))
         logs = (tmp_path / "logs" / "edge.log").read_text()

@@ -11,7 +11,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.errors
 import pytest
 
+from bench.fake_backend import FakeBackend, FakeConfig
 from tests.pipeline import Pipeline, running_pipeline, threaded_fake_backend
-from tidegate.bench.fake_backend import FakeBackend, FakeConfig
 from tidegate.control.workers_registry import WorkerInfo
 
 pytestmark = pytest.mark.pipeline
@@ -133,51 +133,6 @@ def test_prompt_cache_key_overrides_the_derived_key(
     assert set(others) == {first[0]}
 
 
-def test_a_full_home_sends_the_turn_to_the_other_replica(
-        routed: Pipeline, replicas: tuple[FakeBackend, FakeBackend]) -> None:
-    """Home at its limit (2 slots, both busy with slow streams): the next turn
-    goes to the shared queue, the idle replica takes it at once."""
-    key = f"busy-{uuid.uuid4().hex[:8]}"
-    home = converse(routed, replicas, f"h-{uuid.uuid4().hex[:8]}", turns=1, prompt_cache_key=key)[0]
-    results: list[int] = []
-
-    def slow() -> None:
-        status, _ = routed.post("/v1/chat/completions", {
-            "model": MODEL, "max_tokens": 2, "prompt_cache_key": key, "fake_ttft": 4.0,
-            "messages": [{"role": "user", "content": f"filler {uuid.uuid4().hex}"}]})
-        results.append(status)
-
-    fillers = [threading.Thread(target=slow) for _ in range(2)]
-    for t in fillers:
-        t.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        busy = [r for r in list(replicas[home].records)
-                if "filler" in json.dumps(r.body) and r.finished_at is None]
-        if len(busy) == 2:
-            break
-        time.sleep(0.02)
-    else:
-        seen = [[(r.finished_at, r.body.get("prompt_cache_key")) for r in list(f.records)
-                 if "filler" in json.dumps(r.body)] for f in replicas]
-        raise AssertionError(f"the fillers did not both reach the home replica {home}: {seen}, "
-                             f"{results}")
-    started = time.monotonic()
-    where = converse(routed, replicas, f"h2-{uuid.uuid4().hex[:8]}", turns=1,
-                     prompt_cache_key=key)[0]
-    took = time.monotonic() - started
-    assert took < 3.0  # not behind the 4 s fillers
-    if where == home:
-        # A shared-queue pull request the home still had out when the
-        # fillers filled it (expiry 0.25 s) took the turn: it ran at once,
-        # past the slots, which docs/routing.md bounds.
-        assert started - max(r.started_at for r in replicas[home].records
-                             if "filler" in json.dumps(r.body)) < 1.0
-    for t in fillers:
-        t.join(30)
-    assert results == [200, 200]  # nothing lost
-
-
 @pytest.fixture
 def unrouted(tmp_path: Path, nats_server: Any, redis_server: Any,
              replicas: tuple[FakeBackend, FakeBackend]) -> Iterator[Pipeline]:
@@ -262,22 +217,30 @@ def test_status_shows_each_replica_with_its_hit_rate(
         if totals(again) == totals(before):
             break
         before = again
-    for _ in range(3):
-        converse(routed, replicas, f"s-{uuid.uuid4().hex[:8]}", turns=3)
+    # New chats land by rendezvous hashing of their random keys: chat on
+    # until each replica is the home of one (three chats all land on one
+    # replica a quarter of the time).
+    homes: list[int] = []
+    while len(set(homes)) < 2:
+        assert len(homes) < 24, f"24 new chats, all on replica {homes[0]}"
+        homes.append(converse(routed, replicas, f"s-{uuid.uuid4().hex[:8]}", turns=3)[0])
     names = {f.base_url.split("://", 1)[1] for f in replicas}
+    want = 3 * len(homes)
     deadline = time.monotonic() + 20
     while True:
         rows = replica_rows(routed)
         jobs = totals(rows)[0] - totals(before)[0]
-        if jobs >= 9 or time.monotonic() > deadline:
+        if jobs >= want or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert set(rows) == names
     assert all(r["slots"] == 2 for r in rows.values())
-    assert jobs == 9, rows
+    assert jobs == want, rows
     # Turns 2 and 3 of each chat were home hits, turn 1 never.
-    assert totals(rows)[1] - totals(before)[1] == 6, rows
-    assert all(r["hit_rate"] is not None for r in rows.values())
+    assert totals(rows)[1] - totals(before)[1] == 2 * len(homes), rows
+    for r in rows.values():
+        assert r["jobs"] > 0, rows
+        assert r["hit_rate"] == round(r["hits"] / r["jobs"], 3), rows
 
 
 def test_backend_reported_load_steers_new_conversations(
@@ -294,7 +257,7 @@ def test_backend_reported_load_steers_new_conversations(
             asyncio.run(registry_names_replicas(nats_server.url, 2))
             # The probe polls every second; the registry beats every 5 s.
             name_a = a.base_url.split("://", 1)[1]
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60  # a positive event; the limit is only a backstop
             while not _reported(nats_server.url, name_a, waiting=4) \
                     and time.monotonic() < deadline:
                 time.sleep(0.3)
@@ -303,7 +266,7 @@ def test_backend_reported_load_steers_new_conversations(
                      for _ in range(10)]
             assert first == [1] * 10, first
             a.waiting, a.kv_usage = 0, 0.95
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60
             while not _reported(nats_server.url, name_a, waiting=0, kv_usage=0.95) \
                     and time.monotonic() < deadline:
                 time.sleep(0.3)
@@ -322,7 +285,11 @@ def _reported(nats_url: str, replica: str, **expected: Any) -> bool:
         nc = await nats.connect(nats_url)
         try:
             kv = await nc.jetstream().key_value("TG_WORKERS")
-            for key in await kv.keys():
+            try:
+                keys = await kv.keys()
+            except nats.js.errors.NoKeysError:
+                return False  # no worker has beaten yet (a busy machine starts them late)
+            for key in keys:
                 info = WorkerInfo.decode((await kv.get(key)).value or b"{}")
                 slot = info.replicas.get(MODEL, {}).get(replica)
                 if slot is not None and all(getattr(slot, k) == v for k, v in expected.items()):

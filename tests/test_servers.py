@@ -286,3 +286,44 @@ def test_server_dies_with_its_parent(tmp_path: Path) -> None:
             parent.stdout.close()
     assert wait_until(lambda: not is_alive(identity), 5)
     assert wait_until(lambda: port_is_free(port), 5)
+
+
+@pytest.mark.pipeline
+async def test_nats_without_monitor_is_ready_with_jetstream_and_has_no_http_port(
+        tmp_path: Path) -> None:
+    """tidegate up's NATS: no monitoring port (it lists users to anyone);
+    readiness then comes from the server's own "Server is ready" line, and
+    JetStream answers at once. A restart is ready again only once it says so."""
+    server = NatsServer(tmp_path, monitor=False)
+    try:
+        server.start()
+        assert server.monitor_port is None
+        assert "-m" not in server.argv
+        assert await _nats_roundtrip(server.url) == 1
+        server.stop(timeout=10)
+        assert not server.is_ready()  # the old "ready" line is not this start's
+        server.start()
+        assert await _nats_roundtrip(server.url) == 2
+    finally:
+        server.stop(timeout=10)
+
+
+@pytest.mark.pipeline
+async def test_redis_with_a_password_refuses_without_it(tmp_path: Path) -> None:
+    password = "pw-" + os.urandom(8).hex()
+    server = RedisServer(tmp_path, password=password)
+    try:
+        server.start()
+        assert password not in " ".join(server.argv)  # ps would show it
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o777 == 0o600
+        assert server.url.startswith(f"redis://:{password}@")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
+            conn.sendall(b"PING\r\n")
+            assert conn.recv(64).startswith(b"-NOAUTH")
+        client = aioredis.from_url(server.url)
+        try:
+            assert await client.ping()
+        finally:
+            await client.aclose()
+    finally:
+        server.stop(timeout=10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import create_backend
 from workers.backends.simulator import SimulatorBackend, SimulatorStream
+from workers.backends.simulator import plan as sim_plan
 
 CREATED_MS = 1_700_000_000_123
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -138,6 +140,33 @@ async def test_max_tokens(field: str, value: int, expected: int, reason: str) ->
 async def test_both_limits_take_the_smaller() -> None:
     _, stream = await run(make_request(max_tokens=9, max_completion_tokens=4))
     assert stream.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETIONS, Api.RESPONSES])
+async def test_a_huge_limit_is_cut_at_the_model_bound_without_memory(api: Api) -> None:
+    """Issue 24: max_tokens 10^12 once made the simulator build a 10^12-token
+    list (the worker grew to 23.8 GB). The plan is lazy and the model's
+    max_output_tokens cuts it, whatever reached the worker."""
+    backend = SimulatorBackend(ModelConfig(name="sim", max_output_tokens=50,
+                                           simulator=SimulatorConfig(ttft=0.0,
+                                                                     tokens_per_second=1e6)))
+    field = "max_output_tokens" if api == Api.RESPONSES else "max_tokens"
+    body: dict[str, Any] = {field: 10**12, "stop": "zzz-not-there"}
+    if api == Api.RESPONSES:
+        body["input"] = "hi"
+    tracemalloc.start()
+    try:
+        stream = await backend.open(make_request(api, extra_body=body))
+        opened, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert opened < 64 << 10
+    assert len(b"".join(await read_all(stream))) > 0
+    assert stream.usage.completion_tokens == 50
+    assert stream.usage.finish_reason in ("length", "incomplete")
+    plan = sim_plan(Api.CHAT, {"max_tokens": 10**12}, SimulatorConfig(), 10**12)
+    assert len(plan) == 10**12
+    assert plan[1].startswith(" ")
 
 
 async def test_stop_strings() -> None:

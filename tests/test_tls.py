@@ -221,3 +221,37 @@ async def test_quota_store_over_tls_with_an_acl_user(redis_tls: int,
             await wrong.ping()
     finally:
         await wrong.aclose()
+
+
+async def test_grpc_port_serves_tls_with_the_edge_certificate(pki: dict[str, Path]) -> None:
+    """edge.grpc_port uses the HTTP port's certificate: a TLS client that
+    trusts the CA is answered (health), a plaintext one is not."""
+    import types
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from edge.grpc_server import GrpcIngress
+    from tidegate import config as tgconfig
+
+    config = tgconfig.from_dict({"edge": {
+        "host": "127.0.0.1", "port": free_port(), "grpc_port": free_port(),
+        "tls_cert": str(pki["cert"]), "tls_key": str(pki["key"])}})
+    # Only the listener is under test: health reads NATS' state, here "not connected".
+    state = types.SimpleNamespace(config=config, edge_id="tls", draining=False,
+                                  nc=types.SimpleNamespace(is_connected=False))
+    ingress = GrpcIngress(state)  # type: ignore[arg-type]
+    port = await ingress.start()
+    try:
+        credentials = grpc.ssl_channel_credentials(pki["ca"].read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="tidegate.v1.Gateway"), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no NATS
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await ingress.close()

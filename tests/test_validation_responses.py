@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from edge.validation_responses import validate_request
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.errors import ApiError
+from tidegate.validation.responses import validate_request
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import completion_cap, estimate_prompt_tokens, reservation
 from workers.backends.simulator import SimulatorBackend

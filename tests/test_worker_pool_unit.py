@@ -11,7 +11,7 @@ import time
 from tests.poll import eventually
 from tests.test_job_unit import CONFIG, FakeBackend, FakeMsg, FakeNats, FakeStream, events
 from tidegate.wire.protocol import Ack, Api, Cancel, Request
-from workers.job import JobContext
+from workers.job_context import JobContext
 from workers.service import Pool
 
 

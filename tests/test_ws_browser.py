@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 from websockets.asyncio.client import connect as ws_connect
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, serve_app, threaded_fake_backend, wait_for
-from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
 

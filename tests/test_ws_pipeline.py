@@ -23,8 +23,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
-from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
 
@@ -495,8 +495,9 @@ async def test_a_socket_that_stops_reading_is_dropped_and_its_generations_cancel
                  overrides={
                      "nats": {"subject_prefix": "t" + uuid.uuid4().hex[:8]},
                      "edge": {"slow_client_timeout": 2.0},
+                     # An endless answer: past the default bound on max_tokens.
                      "models": [{"name": "fake", "backend": "openai",
-                                 "base_url": backend.base_url}]})
+                                 "base_url": backend.base_url, "max_output_tokens": 10**7}]})
     markers = [f"slow{i}-{uuid.uuid4().hex}" for i in range(2)]
     try:
         p.start()

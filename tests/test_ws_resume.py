@@ -23,8 +23,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
+from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
-from tidegate.bench.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.pipeline
 
@@ -233,6 +233,46 @@ async def test_drain_tells_resumable_generations_to_reconnect(
         got += chunk_data(rest)
         assert [seq for seq, _ in got] == list(range(1, len(got) + 1))
         assert rest[-1]["usage"]["completion_tokens"] == 400
+    finally:
+        p.stop()
+
+
+async def test_drain_tells_a_resumed_generation_to_reconnect_after_its_last_chunk(
+        tmp_path: Path, module_nats_url: str, module_redis_url: str,
+        backend: FakeBackend) -> None:
+    """A ``resume`` generation on a draining edge (issue 26): its reader is not
+    cancelled mid-read (which could count an event it never sent); it ends
+    with ``reconnect`` whose ``after`` is the last chunk it sent, the socket
+    closes 1012, and resuming there loses and repeats nothing."""
+    p = _pipeline(tmp_path, module_nats_url, module_redis_url, backend)
+    marker = f"wsdrainresumed-{uuid.uuid4().hex}"
+    try:
+        p.start()
+        async with connect(p, 1) as live:
+            await live.send(request("g", marker, 400))
+            accepted = await recv(live)
+            request_id = accepted["request_id"]
+            async with connect(p, 0) as ws:
+                await ws.send(json.dumps({"type": "resume", "id": "r",
+                                          "request_id": request_id, "after": 0}))
+                frames: list[dict[str, Any]] = []
+                while sum(f["type"] == "chunk" for f in frames) < 5:
+                    frames.append(await recv(ws))
+                p.edge.terminate()  # SIGTERM edge 0, the resumed reader's
+                with contextlib.suppress(websockets.ConnectionClosed):
+                    while True:
+                        frames.append(await recv(ws))
+                assert ws.close_code == 1012
+        got = chunk_data(frames)
+        assert frames[-1] == {"type": "reconnect", "id": "r", "request_id": request_id,
+                              "after": got[-1][0]}
+        async with connect(p, 1) as ws:
+            await ws.send(json.dumps({"type": "resume", "id": "r", "request_id": request_id,
+                                      "after": frames[-1]["after"]}))
+            rest = await until_end(ws, "r")
+        assert rest[-1]["type"] == "done"
+        got += chunk_data(rest)
+        assert [seq for seq, _ in got] == list(range(1, len(got) + 1))
     finally:
         p.stop()
 

@@ -27,19 +27,18 @@ redelivered, no edge   nothing                         ack
 =====================  ==============================  =====================
 
 A job that stops before sending output is handed back (nak) so another worker
-runs it transparently; once output has reached the edge, it can only end with
-a retryable error, never run a second time.
+runs it transparently; one with output ends with a retryable error, unless its
+edge continues it elsewhere (``Continue``, workers/continuation.py). A backend
+replica that fails mid-stream while the job lives is the job's own to hide:
+it goes on on another replica (workers/replica_continuation.py).
 
-Sequence numbers: Head is 1; every later message (chunk, heartbeat, done,
-error) takes the next one. A seq is assigned and its message handed to the
-NATS client with no ``await`` in between, so the wire order is the seq order.
+Sequence numbers: Head is 1, every later message takes the next one, assigned
+and handed to NATS with no ``await`` in between (wire order = seq order).
 
 Telemetry, all outside the per-chunk path: one span per job (a child of the
-previous hop's, from the NATS headers or the envelope), whose context replaces
-``request.extra["traceparent"]`` so the backend's HTTP request names it; an
-event at the first chunk and at a cancel; usage, TTFT, TPOT and duration
-recorded once at the end from the same numbers as the usage record; stall
-time once per stall of the flow-control window.
+previous hop's), whose context replaces ``request.extra["traceparent"]`` so
+the backend's HTTP request names it; events at the first chunk and a cancel;
+usage, TTFT, TPOT, duration once at the end; stall time once per stall.
 """
 
 from __future__ import annotations
@@ -49,22 +48,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from tidegate.config import Config
+from tidegate.control import prices
 from tidegate.errors import ApiError, BackendError
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry import tracing
-from tidegate.telemetry.telemetry import Telemetry
 from tidegate.wire.flow import SendWindow
-from tidegate.wire.mux import Outbox
 from tidegate.wire.protocol import (
-    RESERVED_HEADER,
+    Continue,
     Done,
     Error,
     ErrorInfo,
@@ -75,7 +70,12 @@ from tidegate.wire.protocol import (
     encode_chunk,
 )
 from workers.backends import Backend, BackendStream, PushStream, Usage
+from workers.continuation import continued, continued_stream
+from workers.fencing import FENCED
+from workers.job_context import JobContext, resend, reserved
 from workers.limiter import AdaptiveLimit
+from workers.replica_continuation import Continuation, continuable, go_on
+from workers.replicas import ReplicaSet, open_on_replicas
 
 log = logging.getLogger("tidegate.worker")
 
@@ -102,38 +102,6 @@ _CANCEL_ERRORS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class JobContext:
-    """What every job of one worker process shares."""
-
-    config: Config
-    nc: NATS
-    control_subject: str
-    telemetry: Telemetry = field(default_factory=tm.get)
-    # Coalesces messages to the same edge (None: one NATS message per session
-    # message, as with an edge that does not advertise a mux subject).
-    outbox: Outbox | None = None
-    # Batches resumable streams' stream-log entries (workers.resumable); the
-    # same outbox as ``outbox`` when there is one.
-    log_outbox: Outbox | None = None
-
-    async def report(self, record: UsageRecord) -> None:
-        """Publish a usage record to the TG_USAGE stream.
-
-        A plain publish, not JetStream's acked one: waiting for the stream's
-        ack cost every job a request/reply (a reply message, an inbox future
-        and a timer), and a record that does not make it could only be logged
-        anyway. It goes out on the same connection before the job's ack, so
-        the server stores it first; ``Nats-Msg-Id`` still deduplicates a
-        redelivered job's record. A lost record (broker unreachable) costs an
-        accounting entry (the reservation then expires), never the answer."""
-        try:
-            await self.nc.publish(self.config.nats.subjects.usage(record.model),
-                                  record.encode(), headers={"Nats-Msg-Id": f"u-{record.id}"})
-        except Exception as exc:
-            log.warning("could not publish usage for %s: %s", record.id, exc)
-
-
 def _helper(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """A job's helper task; a failure is logged (the job goes on without it:
     a lost watchdog leaves the edge's limits, a lost in-progress ack leaves
@@ -148,21 +116,6 @@ def _log_helper_failure(task: asyncio.Task[None]) -> None:
         log.error("job helper task failed", exc_info=task.exception())
 
 
-async def resend(ctx: JobContext, request: Request, messages: list[bytes]) -> None:
-    """Send kept messages to the request's edge again, in order."""
-    outbox = ctx.outbox if request.mux else None
-    for message in messages:
-        if outbox is not None:
-            outbox.put(request.mux, request.id, message)
-        else:
-            await ctx.nc.publish(request.reply, message)
-
-
-def reserved(msg: Msg) -> bool:
-    """Whether the dispatcher reserved quota for this job (see RESERVED_HEADER)."""
-    return bool(msg.headers and msg.headers.get(RESERVED_HEADER))
-
-
 def _info(error: ApiError) -> ErrorInfo:
     return ErrorInfo(error.status, error.type, error.code or "", error.message,
                      error.retryable, error.retry_after)
@@ -172,6 +125,17 @@ class Job:
     # Called with every chunk message a resumable job sends (workers.resumable
     # sets it); None here, so a default job's chunk path only tests a local.
     _log_put: Callable[[bytes], None] | None = None
+    # A model with several replicas (workers.replicas): the set and the
+    # replica that pulled this job; a backend failure before output fails over.
+    replicas: ReplicaSet | None = None
+    replica = ""
+    running = ""  # the replica whose backend call runs now
+    continued: Continue | None = None  # the edge's go-ahead, when a Continue (workers.continuation)
+    _origin: tuple[Request, str, int] | None = None  # ... the request before it, and its text
+    # A continuable job on several replicas keeps what it sent (a reference
+    # per chunk, in _account); None for every other job.
+    _kept: Continuation | None = None
+    _sent: list[bytes] | None = None
 
     def __init__(self, msg: Msg, request: Request, backend: Backend, ctx: JobContext,
                  limit: AdaptiveLimit | None = None) -> None:
@@ -195,6 +159,7 @@ class Job:
         self.first_chunk_at = 0.0
         self.last_ack_at = self.started  # the edge acks at least every ack_timeout/4
         self.stall_time = 0.0
+        self.price: prices.Price | None = None  # the model's price, taken when the job starts
         self.span: Span | None = None
         self.attrs = {tm.MODEL: request.model, tm.OPERATION: tracing.operation(request.api)}
         # Every message to the edge goes one way, so the wire order is the seq order.
@@ -219,6 +184,12 @@ class Job:
         self._pushing = None
 
     # -- control messages from the edge (called by the worker's demux) -------
+
+    def on_continue(self, go: Continue) -> None:
+        if not self._edge_confirmed.is_set():  # a go-ahead that continues the delivered text
+            self._origin = (self.request, go.text, go.tokens)
+            self.request, self.continued = continued(self.request, go.text, go.tokens), go
+        self.on_ack(0)
 
     def on_ack(self, seq: int) -> None:
         now = self.last_ack_at = time.monotonic()
@@ -249,6 +220,9 @@ class Job:
     # -- the job ----------------------------------------------------------------
 
     async def run(self) -> None:
+        if self.ctx.prices is not None:  # priced once: record, Done and usage chunk agree
+            self.price, extra = self.ctx.prices.for_job(self.request.model, self.request.extra)
+            self.request = dataclasses.replace(self.request, extra=extra)
         tel = self.ctx.telemetry
         if not tel.tracing:
             await self._run()
@@ -292,6 +266,8 @@ class Job:
         usage = self.stream.usage if self.stream is not None else Usage()
         now = time.monotonic()
         request = self.request
+        cost = prices.job_cost(self.price, outcome, usage.prompt_tokens,
+                               usage.completion_tokens, usage.cached_tokens)
         record = UsageRecord(
             id=request.id, model=request.model, outcome=outcome, tenant=request.tenant,
             user=request.user, key_id=request.key_id, prompt_tokens=usage.prompt_tokens,
@@ -299,7 +275,8 @@ class Job:
             queue_wait_ms=self.queue_wait_ms,
             ttft_ms=(self.first_chunk_at - self.started) * 1000 if self.first_chunk_at else 0.0,
             duration_ms=(now - self.started) * 1000, attempt=self.msg.metadata.num_delivered,
-            reserved=reserved(self.msg))
+            reserved=reserved(self.msg), cached_tokens=usage.cached_tokens, cost_nanos=cost,
+            currency=self.ctx.prices.currency if self.ctx.prices and self.price else "")
         self._observe(record, now)
         await self.ctx.report(record)
 
@@ -311,6 +288,10 @@ class Job:
         attrs = self.attrs
         outcome = record.outcome
         metrics.jobs.add(1, {**attrs, tm.OUTCOME: outcome})
+        if record.cost_nanos:
+            metrics.spend.add(record.cost_nanos / prices.NANO,
+                              {tm.TENANT: record.tenant, tm.MODEL: record.model,
+                               tm.CURRENCY: record.currency})
         queue_wait = record.queue_wait_ms / 1000
         metrics.queue_wait.record(queue_wait, attrs)
         if record.prompt_tokens:
@@ -345,6 +326,8 @@ class Job:
         self.ctx.telemetry.metrics.cancellations.add(1, {tm.CAUSE: reason, tm.TIER: "worker"})
         if self.span is not None:
             self.span.add_event(tracing.CANCEL_EVENT, {tm.CAUSE: reason})
+        if reason == FENCED:  # cut from NATS: nothing would arrive (workers/fencing.py)
+            return
         if reason == WORKER_SHUTDOWN and not self.chunks_sent:
             self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: "handed_back"})
             await self.msg.nak()  # nothing reached the client: another worker takes over
@@ -376,7 +359,7 @@ class Job:
         self.last_ack_at = time.monotonic()
         self.seq = 1
         await self._send(Head(1, self.ctx.control_subject, metadata.sequence.stream,
-                              metadata.num_delivered).encode())
+                              metadata.num_delivered, self.msg.reply or "").encode())
         if metadata.num_delivered > 1 and not await self._edge_still_waiting():
             log.info("dropping redelivered job %s: its edge did not confirm", self.request.id)
             self.outcome = "dropped"
@@ -404,7 +387,23 @@ class Job:
             now = self._backend_at = time.monotonic()
             self._mark = limit.mark(now)
         try:
-            stream = self.stream = await self.backend.open(self.request)
+            if self.replicas is None:
+                stream = self.stream = await self.backend.open(self.request)
+            else:
+                stream, self.backend, self.running = await open_on_replicas(
+                    self.replicas, self.replica, self.request)
+                self.stream = stream
+                if self.running != self.replica:
+                    self.limit = limit = None  # neither replica's latency alone
+                replicas = self.replicas
+                keeps = len(replicas.backends) > 1 and continuable(self.request, replicas.failover)
+                kept = self._kept = Continuation(
+                    *(self._origin or (self.request,)), keeps=keeps,
+                    response_id=self.continued.response_id if self.continued else "")
+                if keeps:
+                    self._sent = kept.sent.parts
+            if self.continued is not None:
+                stream = self.stream = continued_stream(stream, self.request, self.continued)
         except BackendError as error:
             log.info("job %s: backend refused: %s", self.request.id, error.message)
             if limit is not None and error.status in (429, 503):
@@ -413,17 +412,29 @@ class Job:
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
             return
-        try:
-            # A method lookup, not isinstance(): a runtime Protocol check
-            # walks the protocol's members, per job.
-            if self.outbox is not None and getattr(stream, "start", None) is not None:
-                await self._push(cast(PushStream, stream))
-            else:
-                await self._pump(stream)
-        finally:
-            await stream.aclose()
+        while True:
+            try:
+                # A method lookup, not isinstance(): a runtime Protocol check
+                # walks the protocol's members, per job.
+                if self.outbox is not None and getattr(stream, "start", None) is not None:
+                    failure = await self._push(cast(PushStream, stream))
+                else:
+                    failure = await self._pump(stream)
+            finally:
+                await stream.aclose()
+            if failure is None:
+                await self._done(stream)
+                return
+            following = None if self.replicas is None or self._kept is None else await go_on(
+                self.replicas, self.replica, self.running, self.request, stream, failure,
+                self._kept, sent=self.chunks_sent > 0, resumed=self.continued is not None)
+            if following is None:
+                await self._fail(failure)
+                return
+            stream, self.backend, self.running = following
+            self.stream, self.limit = stream, None  # neither replica's latency alone
 
-    async def _push(self, stream: PushStream) -> None:
+    async def _push(self, stream: PushStream) -> BackendError | None:
         """The hot path: the stream calls :meth:`data` from its socket callback
         and this task only waits for the end. Messages go through the outbox,
         whose ``put`` does not await, so a chunk is handed to NATS in the same
@@ -434,13 +445,12 @@ class Job:
         try:
             await self._end
         except BackendError as error:
-            await self._fail(error)
-            return
+            return error
         finally:
             self._pushing = None
-        await self._done(stream)
+        return None
 
-    async def _pump(self, stream: BackendStream) -> None:
+    async def _pump(self, stream: BackendStream) -> BackendError | None:
         window = self.window
         read_bytes = self.ctx.config.worker.read_bytes
         publish, reply = self.ctx.nc.publish, self.request.reply
@@ -468,9 +478,17 @@ class Job:
                 if log_put is not None:
                     log_put(message)
         except BackendError as error:
-            await self._fail(error)
+            return error
+        return None
+
+    async def abort(self, error: ErrorInfo) -> None:
+        """End the session with ``error`` after what was sent (a job that
+        raised: ``tidegate.broker.poison``); nothing if it already ended."""
+        if self.outcome:
             return
-        await self._done(stream)
+        self.outcome = "error"
+        self.seq += 1
+        await self._send(Error(self.seq, error).encode())
 
     async def _fail(self, error: BackendError) -> None:
         log.info("job %s: backend failed mid-stream: %s", self.request.id, error.message)
@@ -490,8 +508,11 @@ class Job:
                 limit.whole(self._mark, self._backend_at, usage.completion_tokens,
                             time.monotonic(), stalled=self.stall_time)
         self.seq += 1
+        cost = prices.format_money(prices.job_cost(
+            self.price, "done", usage.prompt_tokens, usage.completion_tokens,
+            usage.cached_tokens)) if self.price is not None else ""
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
-                              usage.finish_reason).encode())
+                              usage.finish_reason, cost).encode())
 
     def _account(self, data: bytes) -> bytes:
         """A chunk is about to go out: its seq, its message (kept in the window
@@ -509,6 +530,9 @@ class Job:
                 limit.ttfb(self._mark, self._backend_at, now)
                 self._mark = limit.mark(now)
         self.chunks_sent += 1
+        sent = self._sent
+        if sent is not None:  # a continuable job on replicas: a reference, no copy
+            sent.append(data)
         message = encode_chunk(seq, data)
         if not self.window.on_send(seq, len(data), now, message):
             self._window_open.clear()

@@ -36,7 +36,8 @@ from nats.aio.msg import Msg
 from tidegate.wire import streamlog
 from tidegate.wire.protocol import Error, ErrorInfo, Request
 from workers.backends import Backend
-from workers.job import RESUME_GRACE, Job, JobContext
+from workers.job import RESUME_GRACE, Job
+from workers.job_context import JobContext
 
 log = logging.getLogger("tidegate.worker")
 

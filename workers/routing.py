@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from tidegate.control.workers_registry import ReplicaSlot
 from tidegate.wire.affinity import AFFINITY_HEADER, CLAIM_HEADER, ROUTE_HEADER, Reason, home_key
 from tidegate.wire.subjects import Subjects
 from workers.backends.load_probe import BackendLoad, LoadProbe
+from workers.replicas import Breaker
 
 log = logging.getLogger("tidegate.worker")
 
@@ -62,6 +64,7 @@ class ReplicaPullers:
     pullers: list[Puller] = field(default_factory=list)
     on_change: Callable[[str], None] | None = None  # called with the model name
     probe: LoadProbe | None = None  # the backend's own load report, where it gives one
+    breaker: Breaker | None = None  # the replica's circuit breaker (workers.replicas)
 
     @property
     def busy(self) -> int:
@@ -93,7 +96,8 @@ class ReplicaPullers:
     def slot(self) -> ReplicaSlot:
         load = self.probe.load if self.probe is not None else BackendLoad()
         return ReplicaSlot(self.capacity, self.busy, load.kv_usage, load.waiting, self.jobs,
-                           self.hits)
+                           self.hits, self.breaker.current(time.monotonic()).value if self.breaker
+                           else "closed")
 
 
 class LoadReporter:

@@ -33,19 +33,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate.broker import broker
-from tidegate.broker.pull import Puller
+from tidegate.broker import broker, poison
+from tidegate.broker.kvwatch import wait_synced
+from tidegate.broker.pull import Credit, Puller
 from tidegate.config import Config, ModelConfig
-from tidegate.control import workers_registry
+from tidegate.control import provision, workers_registry
 from tidegate.control.affinity import ensure_buckets as ensure_routing_buckets
+from tidegate.control.prices import PriceBook, ensure_prices_bucket, watch_prices
 from tidegate.control.workers_registry import ReplicaSlot, SlotInfo
 from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
@@ -57,7 +58,9 @@ from tidegate.wire.protocol import (
     Ack,
     Attach,
     Cancel,
+    Continue,
     Detach,
+    ErrorInfo,
     Request,
     Retransmit,
     UsageRecord,
@@ -65,14 +68,20 @@ from tidegate.wire.protocol import (
 )
 from workers.backends import Backend, create_backend
 from workers.backends.load_probe import LoadProbe
-from workers.job import WORKER_SHUTDOWN, Job, JobContext, resend, reserved
+from workers.fencing import FENCED, Fence
+from workers.job import WORKER_SHUTDOWN, Job
+from workers.job_context import JobContext, resend, reserved
 from workers.limiter import AdaptiveLimit
+from workers.replicas import Breaker, ReplicaSet
 from workers.resumable import ResumableJob
 from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
 from workers.tails import Tails
 
 log = logging.getLogger("tidegate.worker")
 BAD_INPUT = BadInput("worker", log)
+UNPROCESSABLE = ErrorInfo(400, "invalid_request_error", "unprocessable_request",
+                          "The worker could not process this request (a field's type or value "
+                          "is out of what it can handle); it was dropped.")
 
 # Expiry of a replica's pull requests on its model's shared queue (seconds):
 # the bound on how long in-flight may pass the replica's slots (see
@@ -101,12 +110,25 @@ class Pool:
         self.limits: dict[str, AdaptiveLimit] = {}  # models with max_streams = "auto"
         # ... and per replica of a model with several: the limit is each backend's.
         self.replica_limits: dict[tuple[str, str], AdaptiveLimit] = {}
+        # ... and its replicas' backends behind their breakers (failover).
+        self.replica_sets: dict[str, ReplicaSet] = {}
         # Set when a limit moves: the registry heartbeat then goes out early,
         # so the batch runner (which fills exactly the advertised free slots)
         # sees a grown limit within a beat's spacing, not HEARTBEAT later.
         self.registry_wake = asyncio.Event()
+        # Set by serve(): a worker cut from NATS runs no job (workers/fencing.py).
+        self.fence: Fence | None = None
         ctx.telemetry.metrics.observe_worker_slots(self._slot_observations)
         ctx.telemetry.metrics.observe_worker_limit(self._limit_observations)
+
+    def breaker_changed(self, model: str) -> Callable[[], None]:
+        """What a model's breakers call on a change: the registry entry and
+        the load report go out now, so dispatchers stop routing there."""
+        def changed() -> None:
+            self.registry_wake.set()
+            if self.load is not None:
+                self.load.changed(model)
+        return changed
 
     def slot_info(self, models: list[ModelConfig] | None = None) -> dict[str, SlotInfo]:
         """Slots and running jobs per served model (``models``: also those
@@ -143,6 +165,10 @@ class Pool:
         return out
 
     async def on_control(self, msg: Msg) -> None:
+        if not msg.data:
+            # An edge's liveness probe (edge.liveness): being subscribed is the
+            # whole answer; the server tells the edge when nobody is.
+            return
         try:
             message = decode_control(msg.data)
         except ProtocolError as exc:
@@ -157,6 +183,8 @@ class Pool:
             return
         if kind is Ack:
             job.on_ack(message.seq)  # type: ignore[union-attr]
+        elif kind is Continue:
+            job.on_continue(message)  # type: ignore[arg-type]
         elif kind is Cancel:
             job.cancel(message.reason)  # type: ignore[union-attr]
         elif isinstance(job, ResumableJob):
@@ -192,6 +220,9 @@ class Pool:
             BAD_INPUT.drop("job", "malformed", str(exc))
             await msg.term()
             return
+        if self.fence is not None and self.fence.fenced:
+            await msg.nak()  # cut from NATS: another worker takes it (if this gets out)
+            return
         # This task is the job's: the binding ends with it.
         logs.bind(request.id, request.tenant, tracing.trace_id(request.extra))
         metrics = self.ctx.telemetry.metrics
@@ -213,11 +244,9 @@ class Pool:
                                               attempt=attempt, reserved=reserved(msg)))
             await msg.ack()
             return
-        # A job answers on request.reply: only an edge inbox may be named there,
-        # whatever the envelope says (it came off the broker, untrusted).
-        inbox = f"{self.config.nats.subjects.prefix}.out."
-        if not request.reply.startswith(inbox) or (request.mux and
-                                                   not request.mux.startswith(inbox)):
+        # A job answers on request.reply: only an edge inbox.
+        if not request.reply or not self.config.nats.subjects.edge_inboxes(request.reply,
+                                                                           request.mux):
             BAD_INPUT.drop("job", "bad_reply_subject", request.reply)
             await msg.term()
             return
@@ -240,6 +269,8 @@ class Pool:
             await msg.term()
             return
         job.limit = limit  # adaptive concurrency: this job's latency samples
+        if group is not None:
+            job.replicas, job.replica = self.replica_sets.get(group.model), group.replica
         self.jobs[request.id] = job
         if limit is not None:
             limit.acquire(time.monotonic())
@@ -247,9 +278,14 @@ class Pool:
             await job.run()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            # Unacked: JetStream redelivers it (up to worker.max_deliver).
-            log.exception("job %s failed", request.id)
+        except Exception as exc:
+            if poison.is_transient(exc):
+                # Unacked: JetStream redelivers it (up to worker.max_deliver).
+                log.exception("job %s failed", request.id)
+            else:
+                # The job itself is unprocessable: redelivering it fails the
+                # same way. The edge gets an error, the quota its refund.
+                await poison.terminate(msg, BAD_INPUT, "job", exc, self._fail_poison(job))
         finally:
             if limit is not None:
                 limit.release(time.monotonic())
@@ -259,15 +295,23 @@ class Pool:
             self.tails.keep(job.request, job.window.kept())
             job.release()
 
+    def _fail_poison(self, job: Job) -> poison.Answer:
+        """Answer a job that raised: a final Error after what the edge has
+        (the next seq), and a usage record that frees its reservation."""
+        async def answer() -> None:
+            request = job.request
+            await job.abort(UNPROCESSABLE)
+            await self.ctx.report(UsageRecord(
+                id=request.id, model=request.model, outcome="error", tenant=request.tenant,
+                user=request.user, key_id=request.key_id,
+                attempt=job.msg.metadata.num_delivered, reserved=reserved(job.msg)))
+        return answer
+
     async def pull(self, js: JetStreamContext, model: ModelConfig, backend: Backend,
                    stop: asyncio.Event) -> None:
         subjects = self.config.nats.subjects
         cfg = self.config.worker
-        durable = subjects.worker_consumer(model.name)
-        await broker.ensure_consumer(
-            js, subjects.jobs_stream, durable, subjects.job(model.name),
-            ack_wait=cfg.ack_wait, max_deliver=cfg.max_deliver,
-            max_ack_pending=max(10_000, model.streams_ceiling * 64))
+        durable = await provision.worker_consumer(js, self.config, model)
         limit: AdaptiveLimit | None = None
         if model.adaptive:
             def resize(slots: int) -> None:
@@ -323,16 +367,11 @@ class Pool:
         async def handle(msg: Msg) -> None:
             await self.run_job(msg, backend, group, limit)
 
-        consumers = [(subjects.worker_consumer(model.name), subjects.job(model.name),
-                      group.shared_credit)]
+        consumers: list[tuple[str | None, Credit]] = [(None, group.shared_credit)]
         if self.routing is not None:
-            consumers.append((subjects.replica_consumer(model.name, replica),
-                              subjects.job_replica(model.name, replica), group.own_credit))
-        for durable, subject, credit in consumers:
-            await broker.ensure_consumer(
-                js, subjects.jobs_stream, durable, subject, ack_wait=cfg.ack_wait,
-                max_deliver=cfg.max_deliver,
-                max_ack_pending=max(10_000, model.streams_ceiling * 64))
+            consumers.append((replica, group.own_credit))
+        for own, credit in consumers:
+            durable = await provision.worker_consumer(js, self.config, model, own)
             # The shared queue's pull requests expire fast: those still out when
             # routed jobs fill the slots can deliver past the limit until then.
             expires = (min(cfg.fetch_timeout, SHARED_PULL_EXPIRES)
@@ -374,32 +413,6 @@ class Pool:
             task.cancel()
 
 
-# Fault injection for the retransmit tests only: drop every Nth NATS message
-# to an edge, as a lost core NATS message would be. Read once at start; unset
-# (always, outside tests) the outbox gets the client's publish itself.
-DROP_EVERY_ENV = "TIDEGATE_TEST_DROP_EVERY"
-
-
-def _lossy(publish: Callable[[str, bytes], Awaitable[None]]
-           ) -> Callable[[str, bytes], Awaitable[None]]:
-    every = int(os.environ.get(DROP_EVERY_ENV) or 0)
-    if every <= 0:
-        return publish
-    log.warning("%s=%d: dropping every %dth message to an edge (tests only)",
-                DROP_EVERY_ENV, every, every)
-    count = 0
-
-    async def lossy(subject: str, payload: bytes) -> None:
-        nonlocal count
-        if ".out." in subject:
-            count += 1
-            if count % every == 0:
-                return
-        await publish(subject, payload)
-
-    return lossy
-
-
 async def serve(config: Config, stop: asyncio.Event) -> None:
     worker_id = secrets.token_hex(6)
     subjects = config.nats.subjects
@@ -408,22 +421,35 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     models = [m for m in config.models if not wanted or any(index[n] is m for n in wanted)]
 
     started = time.time()
-    nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop)
+    pools: list[Pool] = []  # the pool, once made: the fence stops its jobs
+
+    def stop_jobs(why: str) -> None:
+        for job in [j for p in pools for j in p.jobs.values()]:
+            job.cancel(FENCED)
+
+    fence = Fence(stop_jobs)
+    nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop,
+                              on_link=fence.on_link)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
     outbox = None
     if config.worker.coalesce_bytes:
-        outbox = Outbox(_lossy(nc.publish),
-                        batch_limit(config.worker.coalesce_bytes, nc.max_payload))
+        outbox = Outbox(nc.publish,
+                        batch_limit(config.worker.coalesce_bytes, nc.max_payload),
+                        config.worker.coalesce_delay)
         outbox.start()
     # Resumable streams' log entries are batched even with coalescing off.
     log_outbox = outbox
     if log_outbox is None:
         log_outbox = Outbox(nc.publish, batch_limit(128 << 10, nc.max_payload))
         log_outbox.start()
+    prices = PriceBook(config)
+    prices_kv = await ensure_prices_bucket(js, config)
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
-                     outbox=outbox, log_outbox=log_outbox)
+                     outbox=outbox, log_outbox=log_outbox, prices=prices)
     pool = Pool(config, ctx)
+    pool.fence = fence
+    pools.append(pool)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
     # Retransmits from an edge that lost a Head (it cannot know the worker).
     await nc.subscribe(subjects.retransmit_any, cb=pool.on_control)
@@ -448,17 +474,28 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     replica_backends = {(m.name, r): create_backend(m.for_replica(r), config.worker)
                         for m in replicated for r in m.replica_names
                         if not served or r in served}
-    for m, r in replica_backends:
-        pool.replica_group(index[m], r)
+    for (m, r), backend in replica_backends.items():
+        group = pool.replica_group(index[m], r)
+        group.breaker = Breaker()
+        pool.replica_sets.setdefault(m, ReplicaSet(on_change=pool.breaker_changed(m),
+                                                   failover=index[m].failover)).add(
+            r, backend, group.breaker)
     try:
         # The pull loops are owned by this TaskGroup and end at stop; jobs are
         # tracked by the pool, since they must outlive the pull loops to drain.
         async with asyncio.TaskGroup() as tg:
             heartbeat = tg.create_task(workers_registry.heartbeat(registry, beat,
                                                                   wake=pool.registry_wake))
+            fencing = tg.create_task(fence.watch(nc))
             reporter = tg.create_task(pool.load.run()) if pool.load is not None else None
             watcher = await broker.follow_cancels(tg, cancels, pool.on_cancel,
                                                   config.nats.request_timeout, "worker")
+            # Pull only once the stored prices are loaded, so no job is
+            # costed at a price the operator already replaced.
+            prices_synced = asyncio.Event()
+            price_watch = tg.create_task(watch_prices(prices_kv, prices,
+                                                      on_synced=prices_synced.set))
+            await wait_synced(prices_synced, config.nats.request_timeout, "worker: prices")
             pullers = [tg.create_task(pool.pull(js, m, backends[m.name], stop))
                        for m in models if m.name in backends]
             pullers += [tg.create_task(pool.pull_replica(js, index[m], r, backend, stop))
@@ -472,6 +509,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                 puller.cancel()
             await pool.drain(config.worker.shutdown_timeout)
             watcher.cancel()
+            price_watch.cancel()
+            fencing.cancel()
             heartbeat.cancel()  # deletes this worker's entry
             if reporter is not None:
                 reporter.cancel()

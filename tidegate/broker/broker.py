@@ -1,8 +1,13 @@
 """NATS connection and JetStream provisioning shared by every tier.
 
-Streams and consumers are created idempotently at start by whichever tier
-comes up first: ``add`` when missing, ``update`` when the config changed, so
-every tier can be started alone and in any order.
+Who creates streams, consumers and buckets depends on the login
+(docs/security.md). With per-tier credentials (``nats.credentials``) only the
+admin identity may: ``tidegate setup`` (tidegate.control.provision) creates or
+updates everything before the tiers start, and a tier only *binds* to what
+exists, waiting up to ``_SETUP_PATIENCE`` for a setup still running. Without
+credentials (the dev path) or as admin, every ``ensure_*`` here creates what is
+missing and updates what changed, idempotently, so every tier can be started
+alone and in any order.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import nats
 from nats.aio.client import Client as NATS
@@ -27,8 +32,9 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
-from tidegate.broker.auth import connect_options
+from tidegate.broker.auth import connect_options, credentials_path
 from tidegate.broker.kvwatch import follow_bucket, wait_synced
+from tidegate.broker.permissions import role_of
 from tidegate.config import Config, NatsConfig
 from tidegate.errors import BrokerError
 from tidegate.wire import streamlog
@@ -36,11 +42,16 @@ from tidegate.wire import streamlog
 log = logging.getLogger("tidegate.broker")
 
 
-async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None) -> NATS:
+async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
+                  on_link: Callable[[bool], None] | None = None) -> NATS:
     """Connect to NATS, retrying until it answers or ``stop`` is set.
 
     Once connected the client reconnects forever on its own: a NATS restart
-    must never need a tidegate restart.
+    must never need a tidegate restart. A link cut silently (a partition: no
+    FIN, no RST) is noticed by the client's own PINGs: ``nats.max_pings_out``
+    unanswered, ``nats.ping_interval`` apart, and it drops the connection and
+    reconnects. ``on_link(False)`` is called at every disconnect,
+    ``on_link(True)`` at every reconnect (workers.fencing).
     """
 
     async def on_error(exc: Exception) -> None:
@@ -51,9 +62,13 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None)
     async def on_disconnect() -> None:
         if not (client and client[0].is_closed):
             log.warning("nats disconnected (%s)", name)
+            if on_link is not None:
+                on_link(False)
 
     async def on_reconnect() -> None:
         log.info("nats reconnected (%s)", name)
+        if on_link is not None:
+            on_link(True)
 
     servers = [s.strip() for s in cfg.url.split(",") if s.strip()]
     login = connect_options(cfg, name)  # a bad credentials file fails here, once
@@ -68,6 +83,9 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None)
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                # nats-py sleeps on it: a float works, its annotation says int.
+                ping_interval=cast(int, cfg.ping_interval),
+                max_outstanding_pings=cfg.max_pings_out,
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
@@ -105,8 +123,40 @@ async def close(nc: NATS) -> None:
     await nc.close()
 
 
+class NotProvisioned(BrokerError):
+    """A stream, consumer or bucket is missing and this login may not create it."""
+
+
+class TierJetStream(JetStreamContext):
+    """A JetStream context that knows whether its login may create and update
+    streams, consumers and buckets (:func:`may_provision`)."""
+
+    def __init__(self, nc: NATS, timeout: float, provision: bool) -> None:
+        super().__init__(nc, timeout=timeout)
+        self.provision = provision
+
+
+def may_provision(cfg: NatsConfig, client_name: str) -> bool:
+    """True for admin (``tidegate setup``, the CLI) and for a tier without
+    credentials (a server without authorization lets anyone create)."""
+    role = role_of(client_name)
+    return role == "admin" or credentials_path(cfg, role) is None
+
+
+def provisions(js: JetStreamContext) -> bool:
+    """Whether ``js`` may create and update (any context not made by
+    :func:`jetstream`, e.g. the admin CLI's, may)."""
+    return not isinstance(js, TierJetStream) or js.provision
+
+
 def jetstream(nc: NATS, cfg: NatsConfig) -> JetStreamContext:
-    return nc.jetstream(timeout=cfg.request_timeout)
+    name = str(nc.options.get("name") or "")
+    return TierJetStream(nc, cfg.request_timeout, may_provision(cfg, name))
+
+
+def _missing(what: str) -> NotProvisioned:
+    return NotProvisioned(f"{what} does not exist, and this tier's NATS credentials may not "
+                          f"create it: run `tidegate setup` (admin credentials) first")
 
 
 def _stream_configs(config: Config) -> list[StreamConfig]:
@@ -191,8 +241,8 @@ async def ensure_streams(js: JetStreamContext, config: Config) -> None:
                 await _ensure_stream(js, sc)
                 break
             except BrokerError as exc:
-                if (not isinstance(exc.__cause__, _TRANSIENT)
-                        or asyncio.get_running_loop().time() >= deadline):
+                waiting = isinstance(exc, NotProvisioned) or isinstance(exc.__cause__, _TRANSIENT)
+                if not waiting or asyncio.get_running_loop().time() >= deadline:
                     raise
                 log.warning("%s; retrying", exc)
                 await asyncio.sleep(0.5)
@@ -203,6 +253,8 @@ async def _ensure_stream(js: JetStreamContext, sc: StreamConfig) -> None:
     try:
         await js.stream_info(sc.name)  # type: ignore[arg-type]
     except NotFoundError:
+        if not provisions(js):
+            raise _missing(f"stream {sc.name}") from None
         try:
             await js.add_stream(sc)
             log.info("created stream %s", sc.name)
@@ -213,16 +265,19 @@ async def _ensure_stream(js: JetStreamContext, sc: StreamConfig) -> None:
             raise BrokerError(f"cannot create stream {sc.name}: {exc}") from exc
     except Exception as exc:
         raise BrokerError(f"cannot read stream {sc.name}: {exc}") from exc
+    if not provisions(js):
+        return  # bound: its config is setup's business
     try:
         await js.update_stream(sc)
     except Exception as exc:
         raise BrokerError(f"cannot update stream {sc.name}: {exc}") from exc
 
 
-# What a bucket or object-store setup retries: only timeouts. A 503 there is
-# also what a server without JetStream answers, and the admin CLI must say so
-# at once (tests/test_cli_admin.py), not after the patience runs out.
-_BUCKET_TRANSIENT = (nats.errors.TimeoutError,)
+# What a bucket or object-store setup retries: timeouts, and (for a tier that
+# only binds) a bucket setup has not made yet. Not a 503: that is also what a
+# server without JetStream answers, and the admin CLI must say so at once
+# (tests/test_cli_admin.py), not after the patience runs out.
+_BUCKET_TRANSIENT: tuple[type[Exception], ...] = (nats.errors.TimeoutError, NotProvisioned)
 
 
 async def patiently(make: Callable[[], Awaitable[T]], what: str,
@@ -256,7 +311,8 @@ async def _ensure_bucket(js: JetStreamContext, config: Config, bucket: str, desc
     try:
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
-        pass
+        if not provisions(js):
+            raise _missing(f"KV bucket {bucket}") from None
     storage = StorageType.FILE if config.streams.storage == "file" else StorageType.MEMORY
     try:
         return await js.create_key_value(KeyValueConfig(
@@ -319,7 +375,12 @@ async def ensure_consumer(
     max_deliver: int,
     max_ack_pending: int,
 ) -> None:
-    """Create or update a durable pull consumer. Idempotent."""
+    """Create or update a durable pull consumer. Idempotent. A tier that may
+    not provision checks that it exists (waiting for setup) instead."""
+    if not provisions(js):
+        await patiently(lambda: _bind_consumer(js, stream, durable),
+                        f"consumer {durable} on {stream}")
+        return
     cc = ConsumerConfig(
         durable_name=durable,
         ack_policy=AckPolicy.EXPLICIT,
@@ -336,3 +397,10 @@ async def ensure_consumer(
         # A change the server cannot apply in place (e.g. another filter):
         # keep serving from the existing consumer, loudly.
         log.warning("consumer %s on %s kept its old config: %s", durable, stream, exc)
+
+
+async def _bind_consumer(js: JetStreamContext, stream: str, durable: str) -> None:
+    try:
+        await js.consumer_info(stream, durable)
+    except NotFoundError:
+        raise _missing(f"consumer {durable} on stream {stream}") from None

@@ -25,7 +25,10 @@ from typing import Any
 import nats.errors
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from tidegate.telemetry.untrusted import BadInput
+
 log = logging.getLogger("tidegate.kvwatch")
+_BAD_ENTRY = BadInput("kvwatch", log)
 
 OnPut = Callable[[str, bytes], None]
 OnDelete = Callable[[str], None]
@@ -92,7 +95,8 @@ async def follow_bucket(kv: KeyValue, on_put: OnPut, on_delete: OnDelete, *,
                         check_interval: float = 0.5) -> None:
     """Call ``on_put(key, value)`` / ``on_delete(key)`` for every entry, existing
     ones first, then ``on_synced()`` once, then live changes. Runs until
-    cancelled; NATS outages are logged and ridden out, never raised."""
+    cancelled; NATS outages are logged and ridden out, never raised, and so
+    is a callback that raises on one entry (counted as a bad message)."""
     live: set[str] = set()
     synced = False
     while True:
@@ -150,12 +154,18 @@ async def _follow(kv: KeyValue, watcher: Any, before: set[str], on_put: OnPut,
         last_revision = max(last_revision, entry.revision or 0)
         if replaying:
             replayed.add(entry.key)
-        if entry.operation in (KV_DEL, KV_PURGE):
-            live.discard(entry.key)
-            on_delete(entry.key)
-        else:
-            live.add(entry.key)
-            on_put(entry.key, entry.value or b"")
+        try:
+            if entry.operation in (KV_DEL, KV_PURGE):
+                live.discard(entry.key)
+                on_delete(entry.key)
+            else:
+                live.add(entry.key)
+                on_put(entry.key, entry.value or b"")
+        except Exception as exc:
+            # One entry a callback cannot take (a hostile or corrupt record)
+            # must not end the follow: every later change would be missed,
+            # or the tier's task group would stop the tier.
+            _BAD_ENTRY.drop(f"kv:{_bucket(kv)}", "poison", f"{type(exc).__name__}: {exc}")
 
 
 async def _behind(kv: KeyValue, last_revision: int) -> bool:

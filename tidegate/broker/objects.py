@@ -58,7 +58,10 @@ async def _ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replic
     try:
         return await js.object_store(bucket)
     except nats.js.errors.BucketNotFoundError:
-        pass
+        if not broker.provisions(js):
+            raise broker.NotProvisioned(
+                f"object store {bucket} does not exist, and this tier's NATS credentials may "
+                f"not create it: run `tidegate setup` (admin credentials) first") from None
     storage = api.StorageType.FILE if file_storage else api.StorageType.MEMORY
     try:
         return await js.create_object_store(bucket, api.ObjectStoreConfig(

@@ -1,39 +1,46 @@
-"""NATS permissions per tier: the ONE table, derived from tidegate.wire.subjects.
+"""NATS permissions per tier: the ONE ACCESS table, derived from tidegate.wire.subjects.
 
 Every tier connects as its own NATS user (``edge``, ``dispatcher``, ``worker``,
 ``admin``) with its own inbox prefix (``_INBOX_<tier>``), and the server
-enforces what each may publish and subscribe to. :func:`table` builds the
-rules from a :class:`~tidegate.wire.subjects.Subjects`, so a custom prefix
-gets the same rules; :func:`server_config` turns them into nats-server's
+enforces what each may publish and subscribe to. :func:`access` is the table
+(tier -> the exact JetStream API subjects, other publishes and subscribes it
+uses), built from a :class:`~tidegate.wire.subjects.Subjects` so a custom
+prefix gets the same rules; :func:`server_config` turns it into nats-server's
 ``authorization`` block and ``tidegate nats-config`` writes it with one
-credentials file per tier (docs/security.md has the table in prose).
+credentials file per tier. docs/security.md shows the table in prose.
 
 How the rules are shaped, and why:
 
-* **Subscribe is an allow list per tier.** A tier may read its own inbox
-  (JetStream API replies, KV watches, pull fetches all deliver there) and the
-  core subjects its role reads; nothing else. No tier can read another
-  tier's replies or, e.g., the ``$KV.<P>_KEYS.>`` puts as they happen.
-* **Publish under the tidegate prefix is an allow list per tier** (an edge
-  publishes requests, acks and cancels, never ``<p>.out.>``; a worker never
-  ``<p>.req.>``).
-* **The JetStream API is allowed with a deny list.** The API is one subject
-  tree (``$JS.API.>``) whose exact needs change with every feature (streams,
-  buckets, object stores, ordered consumers); what matters is denied by name:
-  pulling or reading another role's work stream (``CONSUMER.MSG.NEXT``,
-  ``CONSUMER.CREATE``, ``STREAM.MSG.GET``, ``DIRECT.GET`` on ``<P>_JOBS`` for
-  an edge), reading a bucket the role does not need (``<P>_POLICIES`` for an
-  edge, ``<P>_KEYS`` for a worker), and destroying anything (stream delete
-  for every tier but admin, purge of the queues, keys, policies and logs).
-* **KV writes** (``$KV.<bucket>.>``) are allowed per tier for its own buckets
-  and denied for the control buckets of other roles: only admin writes keys
-  and policies.
+* **Everything is an allow list, the JetStream API included.** Each tier
+  names the API subjects it calls (``STREAM.INFO.TG_JOBS``,
+  ``CONSUMER.MSG.NEXT.TG_JOBS.*``, ``DIRECT.GET.KV_TG_KEYS.>``, ...). A deny
+  list over ``$JS.API.>`` missed whole verbs (a new stream mirroring
+  ``KV_TG_POLICIES``, ``STREAM.UPDATE`` adding a source to ``TG_JOBS``,
+  ``CONSUMER.DELETE``); an allow list cannot miss what it never grants.
+* **Only admin creates, updates or deletes** streams, consumers and buckets
+  (:data:`ADMIN_VERBS`): ``tidegate setup`` (tidegate.control.provision) does it
+  before the tiers start, and a tier with restricted credentials only binds to
+  what exists.
+* **Reading is a grant of its own** (:meth:`_Grants.read`): message gets and
+  *ephemeral* ordered consumers on the no-name ``CONSUMER.CREATE.<stream>``
+  subject, where the server refuses a durable, so a reader can neither change
+  nor delete the tiers' durable consumers. An edge never reads the jobs,
+  requests, usage or policies; a worker never reads keys or policies.
+* **Subscribe is an allow list per tier**: its own inbox (API replies, KV
+  watches and pull deliveries land there) and the core subjects its role reads.
 
-ADDING A FEATURE: a new subject, stream, KV bucket or object store (the resume
-log stream, the batch buckets, WebSocket, ...) gets its line here and nowhere
-else: add it to the role(s) that publish or read it in :func:`table`, and
-extend ``tests/test_nats_permissions.py``, which runs the whole pipeline under
-these rules and proves the denials.
+Known gap (nats-server issue 8274): a push consumer's deliver subject is not
+checked against its creator's publish permissions, so a tier that may create
+an ephemeral reader can have the server deliver that stream's messages to a
+subject it could not publish to (an edge: a log entry it wrote, into another
+edge's output). docs/security.md says what that exposes;
+tests/test_nats_walk.py pins it.
+
+ADDING A FEATURE: a new subject, stream, KV bucket or object store gets its
+line in :func:`access` (and its creation in tidegate.control.provision) and
+nowhere else; ``tests/test_nats_walk.py`` walks the whole
+``$JS.API.>`` surface with each tier's credentials and fails on anything the
+table does not name.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from tidegate.wire import streamlog
 from tidegate.wire.subjects import Subjects
 
 #: The edge id the dispatcher's batch runner reads its lines' output under
-#: (dispatcher/batch_state.py INBOX; tests/test_nats_permissions.py checks they agree).
+#: (dispatcher/batch/state.py INBOX; tests/test_nats_permissions.py checks they agree).
 BATCH_INBOX = "batch"
 
 ROLES = ("edge", "dispatcher", "worker", "admin")
@@ -85,84 +92,184 @@ class Rules:
                 "subscribe": part(self.subscribe_allow, self.subscribe_deny)}
 
 
-def _read_stream(stream: str) -> tuple[str, ...]:
-    """The JetStream API subjects that read messages of ``stream``."""
-    return (f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
-            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
-            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>")
+API = "$JS.API."
+
+# JetStream API verbs that change or destroy streams, consumers and buckets
+# (a KV bucket or object store is a stream): admin only, whatever the table
+# says. The walk (tests/test_nats_walk.py) checks every tier against
+# this list too, so a table line that grants one fails even if it matches the
+# server. CONSUMER.CREATE.<stream> (no name) is not here: on that subject the
+# server refuses a durable, so it only makes ephemeral readers (KV watches).
+ADMIN_VERBS = ("STREAM.CREATE.", "STREAM.UPDATE.", "STREAM.DELETE.", "STREAM.SNAPSHOT.",
+               "STREAM.RESTORE.", "STREAM.MSG.DELETE.", "STREAM.LEADER.STEPDOWN.",
+               "STREAM.PEER.REMOVE.", "CONSUMER.DURABLE.CREATE.", "CONSUMER.DELETE.",
+               "CONSUMER.PAUSE.", "CONSUMER.UNPIN.", "CONSUMER.RESET.",
+               "CONSUMER.LEADER.STEPDOWN.", "META.", "SERVER.", "ACCOUNT.")
+
+
+def is_admin_verb(api: str) -> bool:
+    """True for an API subject (relative to ``$JS.API.``) only admin may use:
+    the verbs above, and the named form of CONSUMER.CREATE (which creates or
+    updates durables)."""
+    if api.startswith(ADMIN_VERBS):
+        return True
+    parts = api.split(".")
+    return parts[:2] == ["CONSUMER", "CREATE"] and len(parts) > 3
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """One tier's line in the ACCESS table.
+
+    ``api``: the JetStream API subjects it may call, relative to ``$JS.API.``
+    (``STREAM.INFO.TG_JOBS``, ``CONSUMER.MSG.NEXT.TG_JOBS.*``, ...);
+    ``publish``: every other subject it may publish to (its messages, KV and
+    object-store writes, acks, flow-control replies); ``subscribe``: what it
+    may subscribe to.
+    """
+
+    api: tuple[str, ...]
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+    def rules(self) -> Rules:
+        return Rules(publish_allow=(*(API + a for a in self.api), *self.publish),
+                     subscribe_allow=self.subscribe)
+
+
+class _Grants:
+    """Builds one :class:`Access` from the kinds of use a tier makes of JetStream."""
+
+    def __init__(self) -> None:
+        self.api: list[str] = []
+        self.publish: list[str] = []
+
+    def _add(self, api: tuple[str, ...] = (), publish: tuple[str, ...] = ()) -> _Grants:
+        self.api += [a for a in api if a not in self.api]
+        self.publish += [p for p in publish if p not in self.publish]
+        return self
+
+    def bind(self, *streams: str) -> _Grants:
+        """Look a stream or bucket up (``js.stream_info``, ``js.key_value``)."""
+        return self._add(tuple(f"STREAM.INFO.{s}" for s in streams))
+
+    def pull(self, stream: str, consumer: str) -> _Grants:
+        """Pull from (and ack on) an existing durable consumer."""
+        return self.bind(stream)._add(
+            (f"CONSUMER.INFO.{stream}.{consumer}", f"CONSUMER.MSG.NEXT.{stream}.{consumer}"),
+            (f"$JS.ACK.{stream}.{consumer}.>",))
+
+    def get(self, stream: str) -> _Grants:
+        """Read messages by sequence or subject (direct or not)."""
+        return self.bind(stream)._add(
+            (f"STREAM.MSG.GET.{stream}", f"DIRECT.GET.{stream}", f"DIRECT.GET.{stream}.>"))
+
+    def read(self, stream: str) -> _Grants:
+        """:meth:`get`, and follow with an ephemeral ordered consumer (a KV
+        watch, the log reader). The no-name CONSUMER.CREATE subject only makes
+        ephemerals, which the server drops once idle; no delete is needed or
+        granted. (A push consumer's deliver subject is not checked, see the
+        known gap above: only grant this where the tier must follow.)"""
+        return self.get(stream)._add(
+            (f"CONSUMER.CREATE.{stream}", f"CONSUMER.INFO.{stream}.*"),
+            (f"$JS.FC.{stream}.>",))
+
+    def watch(self, bucket: str) -> _Grants:
+        """Read a KV bucket (get, keys, watch)."""
+        return self.read(_kv(bucket))
+
+    def write(self, bucket: str) -> _Grants:
+        """Put, update and delete keys of a KV bucket (a publish each)."""
+        return self.bind(_kv(bucket))._add(publish=(f"$KV.{bucket}.>",))
+
+    def objects(self, bucket: str) -> _Grants:
+        """Read and write an object store: direct gets chunk by chunk
+        (tidegate.broker.objects), no consumer; deleting an object is a purge
+        of its chunk and meta subjects (the object-store format's own delete)."""
+        stream = f"OBJ_{bucket}"
+        return self.get(stream)._add((f"STREAM.PURGE.{stream}",), (f"$O.{bucket}.>",))
+
+    def messages(self, *subjects: str) -> _Grants:
+        """Core or JetStream publishes (a JetStream publish is a plain publish
+        whose ack the server sends to the publisher's inbox)."""
+        return self._add(publish=subjects)
+
+    def done(self, subscribe: tuple[str, ...]) -> Access:
+        return Access(tuple(self.api), tuple(self.publish), subscribe)
 
 
 def _kv(bucket: str) -> str:
     return f"KV_{bucket}"
 
 
-def _destroy(protected: tuple[str, ...]) -> tuple[str, ...]:
-    """Deleting any stream, and purging or deleting messages of ``protected``
-    ones. (Object stores delete an object with a filtered purge, and batch
-    buckets expire entries that way, so purge stays allowed elsewhere.)"""
-    return ("$JS.API.STREAM.DELETE.>",
-            *(f"$JS.API.STREAM.{verb}.{stream}" for stream in protected
-              for verb in ("PURGE", "MSG.DELETE")))
+def access(subjects: Subjects) -> dict[str, Access]:
+    """THE ACCESS TABLE: tier -> exactly what its credentials may do.
 
-
-def _change_bucket(bucket: str) -> tuple[str, ...]:
-    """Reconfiguring a bucket (e.g. a max age that wipes every key)."""
-    return (f"$JS.API.STREAM.UPDATE.{_kv(bucket)}",)
-
-
-def table(subjects: Subjects) -> dict[str, Rules]:
-    """Role -> its rules, for the subjects of one prefix."""
+    Admin (``tidegate setup``, the CLI) may do anything; it is not a tier.
+    Every stream, consumer and bucket here is created by admin
+    (tidegate.control.provision) before the tiers run.
+    """
     p, s = subjects.prefix, subjects
+    P = p.upper()
     requests, jobs, usage = s.requests_stream, s.jobs_stream, s.usage_stream
-    keys, policies, cancels = s.keys_bucket, s.policies_bucket, s.cancels_bucket
-    workers, affinity, claims = s.workers_bucket, s.affinity_bucket, s.claims_bucket
-    # JetStream plumbing every service tier needs: the API (minus denials),
-    # flow-control replies of push/ordered consumers, acks of its pulls.
-    js = ("$JS.API.>", "$JS.FC.>")
-
-    # Streams only admin may purge: the work queues, the usage log, keys and
-    # policies, the resume log.
-    protected = (requests, jobs, usage, _kv(keys), _kv(policies), streamlog.stream_name(s))
-    destroy = _destroy(protected)
+    log = streamlog.stream_name(s)
+    files, filemeta, batches, batchout = f"{P}_FILES", f"{P}_FILEMETA", f"{P}_BATCHES", \
+        f"{P}_BATCHOUT"
+    keyuse, tenants, edges = f"{P}_KEYUSE", f"{P}_TENANTS", f"{P}_EDGES"
+    prices, budgets = f"{P}_PRICES", f"{P}_BUDGETS"  # docs/spend.md
 
     def inbox(role: str) -> str:
         return f"{inbox_prefix(role)}.>"
 
-    # Resumable streams (docs/resume.md): workers and edges write the log,
-    # edges tell each other to end a stream they hold.
-    log, edge_cancel = streamlog.wildcard(s), streamlog.edge_cancel_subject(s)
+    streams = (requests, jobs, usage, log)
+    edge = (_Grants().bind(*streams)
+            .messages(s.requests_wildcard, f"{p}.ctl.*", f"{p}.usage.>",
+                      streamlog.wildcard(s), streamlog.edge_cancel_subject(s),
+                      # -NAK of a job whose worker it found dead (edge.liveness):
+                      # another worker runs it at once, not after ack_wait.
+                      f"$JS.ACK.{jobs}.>")
+            .watch(s.keys_bucket).write(keyuse).watch(tenants)
+            .write(s.cancels_bucket).write(edges)
+            .read(log)  # resume and background responses read the log
+            .objects(files).watch(filemeta).write(filemeta).watch(batches).write(batches)
+            .bind(_kv(batchout))
+            .done((inbox("edge"), f"{p}.out.*.*", streamlog.edge_cancel_subject(s))))
+    dispatcher = (_Grants().bind(*streams)
+                  .pull(requests, s.dispatcher_consumer).pull(usage, "reconcilers")
+                  .messages(s.jobs_wildcard, f"{p}.out.*.*", f"{p}.usage.>", f"{p}.ctl.*",
+                            s.requests_wildcard, f"{p}.grant.*")
+                  # Queue depth per model (gate, batch release, queue stats).
+                  ._add((f"CONSUMER.INFO.{jobs}.*", f"CONSUMER.INFO.{requests}.*",
+                         f"STREAM.MSG.GET.{jobs}"))
+                  .watch(s.policies_bucket).watch(prices).watch(budgets)
+                  # Read only: per-key rules re-checked for batch lines.
+                  .watch(s.keys_bucket)
+                  .watch(s.cancels_bucket).write(s.cancels_bucket)
+                  .watch(s.workers_bucket)
+                  .watch(s.affinity_bucket).write(s.affinity_bucket)
+                  .watch(s.claims_bucket).write(s.claims_bucket)
+                  .objects(files).watch(filemeta).write(filemeta)
+                  .watch(batches).write(batches).watch(batchout).write(batchout)
+                  .done((inbox("dispatcher"), s.load_wildcard, s.edge_inbox(BATCH_INBOX),
+                         f"{p}.grant.*")))
+    worker = (_Grants().bind(*streams)
+              .pull(jobs, "*")  # one durable per model (and per replica)
+              .messages(f"{p}.out.>", s.usage_wildcard, s.load_wildcard,
+                        streamlog.wildcard(s))
+              .watch(s.cancels_bucket).write(s.cancels_bucket)
+              .write(s.workers_bucket)
+              .watch(prices)  # each job is costed at its model's price
+              .watch(s.affinity_bucket).write(s.affinity_bucket)
+              .watch(s.claims_bucket).write(s.claims_bucket)
+              .done((inbox("worker"), f"{p}.ctl.*")))
+    return {"edge": edge, "dispatcher": dispatcher, "worker": worker}
 
-    edge = Rules(
-        publish_allow=(*js, f"{p}.req.>", f"{p}.ctl.*", f"{p}.usage.>", "$KV.>", "$O.>",
-                       "$JS.ACK.>", log, edge_cancel),
-        publish_deny=(
-            *destroy, *_read_stream(jobs), *_read_stream(requests), *_read_stream(usage),
-            *_read_stream(_kv(policies)), *_change_bucket(keys), *_change_bucket(policies),
-            f"$KV.{keys}.>", f"$KV.{policies}.>", f"$KV.{workers}.>", f"$KV.{affinity}.>",
-            f"$KV.{claims}.>", f"{p}.out.>"),
-        subscribe_allow=(inbox("edge"), f"{p}.out.*.*", edge_cancel),
-    )
-    dispatcher = Rules(
-        publish_allow=(*js, "$JS.ACK.>", f"{p}.job.>", f"{p}.out.*.*", f"{p}.usage.>",
-                       f"{p}.ctl.*", "$KV.>", "$O.>", f"{p}.req.>"),
-        publish_deny=(*destroy, *_read_stream(_kv(keys)), *_change_bucket(keys),
-                      *_change_bucket(policies), f"$KV.{keys}.>", f"$KV.{policies}.>"),
-        subscribe_allow=(inbox("dispatcher"), f"{p}.load.*", s.edge_inbox(BATCH_INBOX)),
-    )
-    worker = Rules(
-        publish_allow=(*js, "$JS.ACK.>", f"{p}.out.>", f"{p}.usage.>", f"{p}.load.*", log,
-                       f"$KV.{workers}.>", f"$KV.{affinity}.>", f"$KV.{claims}.>",
-                       f"$KV.{cancels}.>"),
-        publish_deny=(*destroy, *_read_stream(requests), *_read_stream(_kv(keys)),
-                      *_read_stream(_kv(policies)), *_change_bucket(keys),
-                      *_change_bucket(policies), f"{p}.req.>", f"$KV.{keys}.>",
-                      f"$KV.{policies}.>"),
-        subscribe_allow=(inbox("worker"), f"{p}.ctl.*"),
-    )
-    admin = Rules(publish_allow=(">",), subscribe_allow=(">",))
-    return {"edge": edge, "dispatcher": dispatcher, "worker": worker, "admin": admin}
+
+def table(subjects: Subjects) -> dict[str, Rules]:
+    """Role -> its nats-server rules, for the subjects of one prefix."""
+    rules = {role: line.rules() for role, line in access(subjects).items()}
+    rules["admin"] = Rules(publish_allow=(">",), subscribe_allow=(">",))
+    return rules
 
 
 @dataclass(frozen=True, slots=True)

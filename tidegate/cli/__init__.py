@@ -11,15 +11,20 @@ Subcommands::
     tidegate chaos       streaming load against a local fleet while SIGKILLing it
     tidegate keys        create, list and revoke API keys (NATS KV)
     tidegate policy      set, list and delete quota policies (NATS KV)
+    tidegate price       set, list and delete prices per model (NATS KV)
+    tidegate budget      set, list and delete budgets in money (NATS KV)
+    tidegate usage       sum the usage log by tenant, key, model or day
     tidegate batches     list, show and cancel batches of every tenant (NATS KV)
     tidegate tenant      set, list and delete per-tenant settings (resumable streams)
     tidegate status      live view of models, workers, queues, batches (``--json`` once)
+    tidegate console     the operator console in a browser (docs/console.md)
     tidegate version
 
 Each command group has its module: ``tidegate.cli.tiers`` (up, edge,
 dispatcher, worker), ``tidegate.cli.common`` (the common flags, config,
-nats-config), ``tidegate.cli.admin`` (keys, policy, tenant, batches) and
-``tidegate.cli.tools`` (bench, chaos, status); this one builds the parser and
+nats-config), ``tidegate.cli.admin`` (keys, policy, tenant, batches),
+``tidegate.cli.spend`` (price, budget, usage) and
+``tidegate.cli.tools`` (bench, chaos, status, console); this one builds the parser and
 maps each command to its function.
 
 Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
@@ -40,9 +45,10 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from tidegate.cli.admin import _admin_parsers, _cmd_batches, _cmd_keys, _cmd_policy, _cmd_tenant
-from tidegate.cli.common import _cmd_config, _cmd_nats_config, _common
+from tidegate.cli.common import _cmd_config, _cmd_nats_config, _cmd_setup, _common
+from tidegate.cli.spend import cmd_budget, cmd_price, cmd_usage, spend_parsers
 from tidegate.cli.tiers import _cmd_dispatcher, _cmd_edge, _cmd_up, _cmd_worker
-from tidegate.cli.tools import _cmd_bench, _cmd_chaos, _cmd_status
+from tidegate.cli.tools import _cmd_bench, _cmd_chaos, _cmd_console, _cmd_status
 from tidegate.errors import ConfigError, TidegateError
 
 PROG = "tidegate"
@@ -98,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-nats-auth", action="store_true",
                     help="run the embedded NATS without per-tier users and permissions "
                          "(default: with them, see docs/security.md)")
+    up.add_argument("--nats-monitor-port", type=int, metavar="PORT",
+                    help="serve the embedded NATS's HTTP monitoring on 127.0.0.1:PORT "
+                         "(default: off; it lists users and connections without a login)")
+    up.add_argument("--console-port", type=int, metavar="PORT",
+                    help="the operator console's port on 127.0.0.1 (default: 8090 if free, "
+                         "else any; 0: no console; docs/console.md)")
     up.add_argument("--ready-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="how long every child may take to become ready (default: 60)")
 
@@ -124,14 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and against a plain proxy; see docs/benchmarks.md.")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run of every scenario in under a minute")
-    bench.add_argument("--scenarios", default="a,b,c,d,e", metavar="LIST",
-                       help="comma-separated list of a (overhead), b (idle streams), "
-                            "c (cancel), d (slow clients), e (other gateways), "
-                            "q (quota check cost), t (telemetry overhead: off, metrics, "
-                            "traced), r (Responses API overhead), w (WebSocket against "
-                            "SSE), j (batch API), f (affinity across 4 replicas, on and "
-                            "off), s (resumable streams: CPU per chunk, explicit cancel) "
-                            "(default: a,b,c,d,e; f, j, q, r, s, t and w only when named)")
+    bench.add_argument("--scenarios", default="overhead,idle,cancel,slow-clients,peers",
+                       metavar="LIST",
+                       help="comma-separated list of overhead (a), idle (b: idle streams), "
+                            "cancel (c), slow-clients (d), peers (e: other gateways), "
+                            "quota (q: quota check cost), telemetry (t: off, metrics, "
+                            "traced), responses (r: Responses API overhead), websocket "
+                            "(w: against SSE), grpc (g: against SSE), batch (j: batch "
+                            "API), affinity (f: across 4 replicas, on and off), resumable "
+                            "(s: CPU per chunk, explicit cancel); the letters work too "
+                            "(default: overhead, idle, cancel, slow-clients, peers; the "
+                            "others only when named)")
     bench.add_argument("--out", default="bench-results", metavar="DIR",
                        help="results folder (default: ./bench-results)")
     bench.add_argument("--idle-streams", type=int, metavar="N",
@@ -175,7 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a tidegate up's data dir: show its processes and restarts "
                              "(default: the --config file's directory)")
 
+    console = sub.add_parser(
+        "console", help="the operator console: live view, usage and admin in a browser",
+        description="Serve the operator console at http://HOST:PORT/console: live models, "
+                    "workers and batches, usage by tenant, key and model, and key, policy, "
+                    "tenant and batch admin. Sign in with an admin key (`tidegate keys "
+                    "create --admin`). Runs with the admin NATS credentials; see "
+                    "docs/console.md.")
+    _common(console)
+    console.add_argument("--host", default="127.0.0.1",
+                         help="address to listen on (default: 127.0.0.1)")
+    console.add_argument("--port", type=int, default=8090, help="port (default: 8090)")
+    console.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+                         help="how often the live numbers are read (default: 2)")
+    console.add_argument("--data-dir", metavar="DIR",
+                         help="a tidegate up's data dir: show its processes (default: the "
+                              "--config file's directory)")
+
     _admin_parsers(sub)
+    spend_parsers(sub)
     natscfg = sub.add_parser(
         "nats-config", help="write nats-server users and per-tier credentials",
         description="Write DIR/auth.conf (an authorization block: one user per tier with "
@@ -186,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where to write (default: .tidegate/nats-auth)")
     natscfg.add_argument("--rotate", action="store_true",
                          help="new passwords even where credentials exist")
+    setup = sub.add_parser(
+        "setup", help="create or update every stream, consumer and bucket (admin)",
+        description="Create or update every JetStream stream, consumer, KV bucket and object "
+                    "store the tiers use, with the admin credentials (nats.credentials with "
+                    "{tier} = admin). With per-tier credentials the tiers may not create "
+                    "them: run this before starting them and after changing models or "
+                    "limits (tidegate up runs it itself). Idempotent; see docs/security.md.")
+    _common(setup)
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -213,8 +254,13 @@ _COMMANDS = {
     "policy": _cmd_policy,
     "batches": _cmd_batches,
     "tenant": _cmd_tenant,
+    "price": cmd_price,
+    "budget": cmd_budget,
+    "usage": cmd_usage,
     "status": _cmd_status,
+    "console": _cmd_console,
     "nats-config": _cmd_nats_config,
+    "setup": _cmd_setup,
 }
 
 

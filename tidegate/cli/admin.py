@@ -68,6 +68,9 @@ def _admin_parsers(sub: Any) -> None:
     create.add_argument("--expires", type=_duration, default=0.0, metavar="DURATION",
                         help="the key stops working after this long, e.g. 30d, 12h "
                              "(default: never)")
+    create.add_argument("--admin", action="store_true",
+                        help="an admin key: it may also sign in to the operator console "
+                             "(`tidegate console`, docs/console.md)")
     rotate = keys_sub.add_parser(
         "rotate", help="replace a key: a new one now, the old one expires after --overlap")
     _common(rotate)
@@ -167,33 +170,51 @@ def _tenant_parsers(sub: Any) -> None:
         p.add_argument("batch_id", metavar="BATCH_ID", help="batch_...")
 
 
-def _cmd_keys(args: argparse.Namespace) -> int:
-    from tidegate.control import admin
+def _audit_to_stderr() -> None:
+    """The CLI's changes leave the same audit line the console's do
+    (tidegate.control.operations), on stderr: a command line has no log file."""
+    import logging
+    import sys
 
+    audit = logging.getLogger("tidegate.audit")
+    if not audit.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tidegate: %(message)s"))
+        audit.addHandler(handler)
+        audit.setLevel(logging.INFO)
+        audit.propagate = False
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from tidegate.cli import keys as commands
+
+    _audit_to_stderr()
     config = load_config(args)
     if args.keys_command == "create":
-        return admin.keys_create(config, args.tenant, args.user or "", args.models, args.json,
-                                 expires_in=args.expires)
+        return commands.keys_create(config, args.tenant, args.user or "", args.models,
+                                    args.json, expires_in=args.expires, admin=args.admin)
     if args.keys_command == "list":
-        return admin.keys_list(config, args.json)
+        return commands.keys_list(config, args.json)
     if args.keys_command == "rotate":
-        return admin.keys_rotate(config, args.key_id, args.overlap, args.expires, args.json)
-    return admin.keys_revoke(config, args.key_id)
+        return commands.keys_rotate(config, args.key_id, args.overlap, args.expires, args.json)
+    return commands.keys_revoke(config, args.key_id)
 
 
 def _cmd_policy(args: argparse.Namespace) -> int:
-    from tidegate.control import admin
+    _audit_to_stderr()
+    from tidegate.cli import keys as commands
 
     config = load_config(args)
     if args.policy_command == "set":
-        return admin.policy_set(config, args.tenant or "", args.model or "", args.user or "",
+        return commands.policy_set(config, args.tenant or "", args.model or "", args.user or "",
                                 args.rpm, args.tpm, args.concurrency)
     if args.policy_command == "list":
-        return admin.policy_list(config, args.json)
-    return admin.policy_delete(config, args.tenant or "", args.model or "", args.user or "")
+        return commands.policy_list(config, args.json)
+    return commands.policy_delete(config, args.tenant or "", args.model or "", args.user or "")
 
 
 def _cmd_batches(args: argparse.Namespace) -> int:
+    _audit_to_stderr()
     from tidegate.control import batch_admin
 
     config = load_config(args)
@@ -206,7 +227,8 @@ def _cmd_batches(args: argparse.Namespace) -> int:
 
 
 def _cmd_tenant(args: argparse.Namespace) -> int:
-    from tidegate.control import tenants
+    _audit_to_stderr()
+    from tidegate.cli import tenants
 
     config = load_config(args)
     if args.tenant_command == "set":

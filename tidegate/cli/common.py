@@ -82,3 +82,13 @@ def _cmd_nats_config(args: argparse.Namespace) -> int:
     print(f"  nats-server: -c {auth} (or include it in your server config)")
     print(f'  tidegate:    [nats] credentials = "{natsconfig.credentials_setting(out)}"')
     return 0
+
+
+def _cmd_setup(args: argparse.Namespace) -> int:
+    from tidegate.control import provision
+
+    config = load_config(args)
+    done = provision.setup(config)
+    print(f"tidegate setup: {', '.join(done)} ready for prefix {config.nats.subject_prefix} "
+          f"at {redacted(config).nats.url}")
+    return 0

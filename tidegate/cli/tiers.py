@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 def _run_tier(tier: str, serve: Serve, config: Config) -> int:
     """A tier process's last step: freeze the startup heap (imports, config)
     out of the cyclic GC, then serve until stopped."""
+    from tidegate.run.instrumented import instrumented
     from tidegate.run.runtime import freeze_startup_heap, run_service
-    from tidegate.telemetry.observability import instrumented
 
     freeze_startup_heap()
     return run_service(instrumented(serve, tier), config)
@@ -69,6 +69,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         models=tuple(args.model),
         ready_timeout=args.ready_timeout,
         nats_auth=not args.no_nats_auth,
+        nats_monitor_port=args.nats_monitor_port,
+        console_port=args.console_port,
     )
     plan = planning.prepare(options)
     logs.setup(plan.config.logging)

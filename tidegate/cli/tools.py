@@ -1,18 +1,42 @@
-"""``tidegate bench``, ``chaos`` and ``status``: measuring the gateway, breaking
-it on purpose, and watching it run."""
+"""``tidegate bench``, ``chaos``, ``status`` and ``console``: measuring the
+gateway, breaking it on purpose, and watching it run."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from tidegate.cli.common import load_config
-from tidegate.errors import ConfigError
+from tidegate.errors import ConfigError, TidegateError
+
+
+def _load_bench() -> None:
+    """``tidegate bench`` and ``tidegate chaos`` live in the checkout's
+    ``bench/``, which the wheel does not ship (its fake backends and peer
+    proxies are test tools, not the gateway). From an editable install the
+    checkout is found beside this package; its processes get it on
+    ``PYTHONPATH`` too (they run ``python -m bench.fake_server`` and such)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        import bench
+    except ModuleNotFoundError:
+        if not (root / "bench" / "runner.py").is_file():
+            raise TidegateError(
+                "tidegate bench and tidegate chaos run from a source checkout of tidegate "
+                "(git clone, then pip install -e '.[dev]'): the bench and its fake backends "
+                "are not part of the installed package.") from None
+        sys.path.insert(0, str(root))
+    else:
+        root = Path(bench.__file__).resolve().parents[1]
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), os.environ.get("PYTHONPATH")]))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from tidegate.bench import runner
+    _load_bench()
+    from bench import runner
 
     options = runner.BenchOptions(out=Path(args.out), quick=args.quick,
                                   scenarios=runner.parse_scenarios(args.scenarios),
@@ -24,12 +48,34 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_chaos(args: argparse.Namespace) -> int:
-    from tidegate.bench import chaos
+    _load_bench()
+    from bench import chaos
 
     if args.duration <= 0 or args.concurrency < 1:
         raise ConfigError("--duration must be > 0 and --concurrency >= 1")
     return chaos.run(args.duration, args.concurrency, args.seed,
                      Path(args.out) if args.out else None, resume=not args.no_resume)
+
+
+def _data_dir(args: argparse.Namespace) -> Path | None:
+    # tidegate up's banner says `--config <data-dir>/tidegate.toml`: its
+    # process state file sits next to that config file.
+    config_path = args.config or os.environ.get("TIDEGATE_CONFIG")
+    return Path(args.data_dir) if args.data_dir else (
+        Path(config_path).parent if config_path else None)
+
+
+def _cmd_console(args: argparse.Namespace) -> int:
+    from tidegate.run import console
+    from tidegate.telemetry import logs
+
+    if args.interval <= 0:
+        raise ConfigError(f"--interval: must be > 0, got {args.interval}")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port: must be 1-65535, got {args.port}")
+    config = load_config(args)
+    logs.setup(config.logging)
+    return console.run(config, args.host, args.port, _data_dir(args), args.interval)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from tidegate.config.check import _check
 from tidegate.config.sections import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
     AffinityMode,
     AuthConfig,
     BackendKind,
@@ -39,6 +40,7 @@ from tidegate.config.sections import (
     Config,
     DispatcherConfig,
     EdgeConfig,
+    GrpcConfig,
     LoggingConfig,
     ModelConfig,
     NatsConfig,
@@ -49,6 +51,7 @@ from tidegate.config.sections import (
     RoutingConfig,
     SessionConfig,
     SimulatorConfig,
+    SpendConfig,
     StorageKind,
     StreamLimit,
     StreamsConfig,
@@ -61,10 +64,11 @@ from tidegate.errors import ConfigError
 # The section dataclasses live in tidegate.config.sections and validation in
 # tidegate.config.check; import the dataclasses from here.
 __all__ = [
-    "AffinityMode", "AuthConfig", "BackendKind", "BatchConfig", "Config", "DispatcherConfig",
-    "EdgeConfig", "LoggingConfig", "ModelConfig", "NatsConfig", "QueueModeConfig",
+    "DEFAULT_MAX_OUTPUT_TOKENS", "AffinityMode", "AuthConfig", "BackendKind", "BatchConfig",
+    "Config", "DispatcherConfig",
+    "EdgeConfig", "GrpcConfig", "LoggingConfig", "ModelConfig", "NatsConfig", "QueueModeConfig",
     "QuotaFailure", "RedisConfig", "ResumeConfig", "RoutingConfig", "SessionConfig",
-    "SimulatorConfig", "StorageKind", "StreamLimit", "StreamsConfig", "WorkerConfig",
+    "SimulatorConfig", "SpendConfig", "StorageKind", "StreamLimit", "StreamsConfig", "WorkerConfig",
     "WsConfig", "dump_toml", "from_dict", "load", "replica_name",
 ]
 

@@ -3,6 +3,8 @@ cannot express, each message naming the key (run by :func:`tidegate.config.from_
 
 from __future__ import annotations
 
+import zoneinfo
+
 from tidegate.config.sections import Config
 from tidegate.errors import ConfigError
 from tidegate.wire.subjects import Subjects
@@ -21,8 +23,20 @@ def _check(config: Config) -> None:
                           f"token), got {e.edge_id!r}")
     if not 0 <= e.port <= 65535:
         raise ConfigError(f"edge.port: must be 0..65535, got {e.port}")
+    if not 0 <= e.metrics_port <= 65535:
+        raise ConfigError(f"edge.metrics_port: must be 0..65535 (0 = none), got "
+                          f"{e.metrics_port}")
+    if e.metrics_port and e.metrics_port == e.port:
+        raise ConfigError(f"edge.metrics_port: {e.metrics_port} is edge.port; /metrics goes "
+                          "on a port of its own (or set edge.metrics_public)")
     if e.publish_patience < 0:
         raise ConfigError(f"edge.publish_patience: must be >= 0, got {e.publish_patience:g}")
+    if e.body_min_rate < 0:
+        raise ConfigError(f"edge.body_min_rate: must be >= 0 (0 = body_timeout only), got "
+                          f"{e.body_min_rate:g}")
+    if config.batch.tenant_storage_bytes < 0:
+        raise ConfigError(f"batch.tenant_storage_bytes: must be >= 0 (0 = no quota), got "
+                          f"{config.batch.tenant_storage_bytes}")
     for name, value in (
         ("edge.max_body_bytes", e.max_body_bytes),
         ("edge.admission_timeout", e.admission_timeout),
@@ -46,6 +60,8 @@ def _check(config: Config) -> None:
         ("session.worker_lost_after", s.worker_lost_after),
         ("nats.connect_timeout", config.nats.connect_timeout),
         ("nats.request_timeout", config.nats.request_timeout),
+        ("nats.ping_interval", config.nats.ping_interval),
+        ("nats.max_pings_out", config.nats.max_pings_out),
         ("redis.timeout", config.redis.timeout),
         ("streams.replicas", config.streams.replicas),
         ("streams.requests_max_msgs", config.streams.requests_max_msgs),
@@ -82,8 +98,27 @@ def _check(config: Config) -> None:
         ("ws.ping_interval", config.ws.ping_interval),
         ("ws.pong_timeout", config.ws.pong_timeout),
         ("ws.max_missed_pongs", config.ws.max_missed_pongs),
+        ("grpc.max_concurrent", config.grpc.max_concurrent),
+        ("grpc.max_concurrent_streams", config.grpc.max_concurrent_streams),
+        ("grpc.max_metadata_bytes", config.grpc.max_metadata_bytes),
+        ("grpc.keepalive_time", config.grpc.keepalive_time),
+        ("grpc.keepalive_timeout", config.grpc.keepalive_timeout),
+        ("grpc.min_ping_interval", config.grpc.min_ping_interval),
     ):
         _positive(name, value)
+    g = config.grpc
+    for name, value in (("grpc.max_message_bytes", g.max_message_bytes),
+                        ("grpc.max_connection_age", g.max_connection_age),
+                        ("grpc.max_connection_age_grace", g.max_connection_age_grace),
+                        ("grpc.max_connection_idle", g.max_connection_idle)):
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0 (0 = the default, off), got {value}")
+    if not 0 <= e.grpc_port <= 65535 or (e.grpc_port and e.grpc_port == e.port):
+        raise ConfigError(f"edge.grpc_port: 0 (off) or a port other than edge.port, "
+                          f"got {e.grpc_port}")
+    if s.liveness_interval < 0:
+        raise ConfigError("session.liveness_interval: must be >= 0 (0 turns the worker "
+                          "liveness probe off)")
     if not 0 < config.batch.share_under_load <= 1:
         raise ConfigError(f"batch.share_under_load: must be in (0, 1] (1 = batch may fill "
                           f"every free slot), got {config.batch.share_under_load}")
@@ -95,6 +130,9 @@ def _check(config: Config) -> None:
     if not 0 <= w.coalesce_bytes <= 512 << 10:
         raise ConfigError(f"worker.coalesce_bytes: must be between 0 (off) and 524288, "
                           f"got {w.coalesce_bytes}")
+    if not 0 <= w.coalesce_delay <= 0.1:
+        raise ConfigError(f"worker.coalesce_delay: must be between 0 (off) and 0.1 s: it is "
+                          f"added to every token's latency, got {w.coalesce_delay:g}")
     for name, value in (("edge.keepalive_idle", e.keepalive_idle),
                         ("edge.keepalive_interval", e.keepalive_interval),
                         ("edge.keepalive_count", e.keepalive_count)):
@@ -147,6 +185,7 @@ def _check(config: Config) -> None:
         _positive(f"resume.{name}", value)
     if not 0 <= r.grace <= r.max_grace:
         raise ConfigError(f"resume.grace: must be in [0, resume.max_grace], got {r.grace}")
+    _check_spend(config)
     if not config.models:
         raise ConfigError("models: at least one [[models]] entry is required")
     names = config.model_index()
@@ -181,8 +220,14 @@ def _check(config: Config) -> None:
                                   f"got {url!r}")
         if len(set(m.replica_names)) != len(m.replica_names):
             raise ConfigError(f"{where}.base_urls: the same replica is listed twice")
+        if m.failover not in ("continue", "restart", "off"):
+            raise ConfigError(f"{where}.failover: one of \"continue\", \"restart\", "
+                              f"\"off\", got {m.failover!r}")
         if m.base_urls and m.backend != "openai":
             raise ConfigError(f"{where}.base_urls: replicas need backend = \"openai\"")
+        if m.max_output_tokens < 1:
+            raise ConfigError(f"{where}.max_output_tokens: must be >= 1, got "
+                              f"{m.max_output_tokens}")
         if m.reserve_max_tokens < 1:
             raise ConfigError(f"{where}.reserve_max_tokens: must be >= 1, got "
                               f"{m.reserve_max_tokens}")
@@ -216,9 +261,31 @@ def _check(config: Config) -> None:
         if m.simulator.prefill_per_char < 0:
             raise ConfigError(f"{where}.simulator.prefill_per_char: must be >= 0, got "
                               f"{m.simulator.prefill_per_char}")
+        for name, value in (("price_input", m.price_input), ("price_output", m.price_output),
+                            ("price_request", m.price_request)):
+            if not 0 <= value <= 1_000_000:
+                raise ConfigError(f"{where}.{name}: must be in [0, 1000000], got {value!r}")
+        if m.price_cached_input > 1_000_000:
+            raise ConfigError(f"{where}.price_cached_input: must be <= 1000000 (< 0 = the "
+                              f"input price), got {m.price_cached_input!r}")
         if m.simulator.length < 1:
             raise ConfigError(f"{where}.simulator.length: must be >= 1, got "
                               f"{m.simulator.length}")
         if not 1 <= m.simulator.embedding_dimensions <= 8192:
             raise ConfigError(f"{where}.simulator.embedding_dimensions: must be in "
                               f"[1, 8192], got {m.simulator.embedding_dimensions}")
+
+
+def _check_spend(config: Config) -> None:
+    sp = config.spend
+    if not sp.currency.strip() or len(sp.currency) > 16 or not sp.currency.isprintable():
+        raise ConfigError(f"spend.currency: a short name such as \"USD\", got {sp.currency!r}")
+    try:
+        zoneinfo.ZoneInfo(sp.timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ConfigError(f"spend.timezone: not a time zone name (IANA, e.g. "
+                          f"\"Europe/Paris\"), got {sp.timezone!r}") from None
+    for i, ratio in enumerate(sp.alert_at):
+        if not 0 < ratio <= 10:
+            raise ConfigError(f"spend.alert_at[{i}]: a fraction of the budget in (0, 10], "
+                              f"got {ratio!r}")

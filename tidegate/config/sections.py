@@ -13,11 +13,19 @@ from typing import Literal
 from tidegate.wire.subjects import Subjects
 
 BackendKind = Literal["simulator", "openai"]
+FailoverMode = Literal["continue", "restart", "off"]
 # A model's worker concurrency: a pinned number, or "auto" (workers.limiter).
 StreamLimit = int | Literal["auto"]
 StorageKind = Literal["file", "memory"]
+# A model's bound on one request's output tokens when neither the config nor
+# its backend (tidegate up --backend reads the context length) says otherwise.
+DEFAULT_MAX_OUTPUT_TOKENS = 1 << 18
+# The edge's metrics port (the OpenTelemetry Prometheus exporter's default).
+DEFAULT_EDGE_METRICS_PORT = 9464
 QuotaFailure = Literal["closed", "open"]
 AffinityMode = Literal["auto", "off"]
+# How a model's workers serve POST /v1/messages (docs/anthropic.md).
+MessagesMode = Literal["auto", "translate", "passthrough"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +39,9 @@ class SimulatorConfig:
     # A prefix-cache model (docs/routing.md): the first token also waits this
     # many seconds per prompt character this worker's cache did not hold.
     prefill_per_char: float = 0.0
+    # Token i is a function of (prompt, i) and a trailing assistant message is
+    # continued (workers/backends/greedy.py): byte-exact continuation checks.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +91,33 @@ class ModelConfig:
     # no max_tokens (the prompt is estimated separately); actual usage
     # reconciles the reservation afterwards.
     reserve_max_tokens: int = 1024
+    # The largest max_tokens / max_completion_tokens / max_output_tokens a
+    # request may ask for; above it the edge answers 400 invalid_value. Every
+    # per-request allocation sized by the limit (the simulator's plan, quota
+    # reservations) is bounded by it.
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
     simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
     queue: QueueModeConfig = field(default_factory=QueueModeConfig)
     # Every streaming request for this model is resumable (docs/resume.md).
     resumable: bool = False
+    # POST /v1/messages (Anthropic's API, docs/anthropic.md): "passthrough"
+    # relays it to the backend's own /v1/messages; "translate" turns it into
+    # a chat completion and the chunks back into Anthropic's events; "auto"
+    # tries passthrough and falls back to translate, for good, once the
+    # backend answers that it lacks the endpoint. The simulator translates.
+    messages: MessagesMode = "auto"
+    # Prices in spend.currency (docs/spend.md): per million input, cached
+    # input and output tokens, and per request. price_cached_input < 0 means
+    # "the input price". The KV bucket <P>_PRICES overrides them per model.
+    price_input: float = 0.0
+    price_cached_input: float = -1.0
+    price_output: float = 0.0
+    price_request: float = 0.0
+    # A worker that dies mid-request (docs/resume.md, "Continuation"):
+    # "continue" - its job runs again elsewhere, continuing the delivered text;
+    # "restart" - a job with no output yet runs again, one with output ends
+    # with worker_lost; "off" - worker_lost either way, nothing runs again.
+    failover: FailoverMode = "restart"
 
     def __post_init__(self) -> None:
         if self.max_streams is None:  # the backend's default (see max_streams)
@@ -161,6 +195,9 @@ class EdgeConfig:
     max_json_depth: int = 64  # deeper JSON bodies get 400 invalid_json
     header_timeout: float = 10.0  # first request's headers must arrive within this (slowloris)
     body_timeout: float = 30.0  # the whole body must arrive within this, else 408
+    # ... plus one second per this many bytes received (uploads), so a large
+    # honest body keeps earning time and a trickle does not (edge/body.py).
+    body_min_rate: float = 16384.0
     idle_timeout: float = 75.0  # an idle kept-alive connection is closed after this
     max_line_size: int = 8190  # request line bytes
     max_field_size: int = 8190  # bytes of one header line
@@ -170,6 +207,42 @@ class EdgeConfig:
     # HTTPS: PEM certificate chain and key; both empty = plain HTTP.
     tls_cert: str = ""
     tls_key: str = ""
+    # GET /metrics is served without a key, so not on the API port: on a port
+    # of its own (with GET /healthz), bound to metrics_host. 0 = no metrics
+    # server. $TIDEGATE_METRICS_PORT / $TIDEGATE_METRICS_HOST, when set, win
+    # (tidegate up gives each edge its own). metrics_public: also serve
+    # /metrics on the API port, keyless, as before (opt-in).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = DEFAULT_EDGE_METRICS_PORT
+    metrics_public: bool = False
+    # The gRPC ingress (docs/grpc.md) listens on this port of ``host``, with
+    # the same TLS; 0 = no gRPC server (the default; `tidegate up` turns it on).
+    grpc_port: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcConfig:
+    """The gRPC ingress's limits and HTTP/2 connection management (docs/grpc.md)."""
+
+    # Largest request message; a bigger one fails with RESOURCE_EXHAUSTED
+    # before it is parsed. 0 = edge.max_body_bytes plus room for the envelope.
+    max_message_bytes: int = 0
+    max_concurrent: int = 16  # generations at once per Session call
+    max_concurrent_streams: int = 256  # HTTP/2 streams (calls) at once per connection
+    max_metadata_bytes: int = 8192  # all request metadata of one call
+    # Server keepalive: a PING after keepalive_time seconds without traffic;
+    # no answer within keepalive_timeout closes the connection (its calls'
+    # work upstream is cancelled, as for a dropped socket). Client pings more
+    # often than min_ping_interval are refused (GOAWAY too_many_pings).
+    keepalive_time: float = 30.0
+    keepalive_timeout: float = 20.0
+    min_ping_interval: float = 10.0
+    # A connection lives at most max_connection_age seconds (then GOAWAY, so
+    # clients rebalance across edges), its calls get max_connection_age_grace
+    # more to finish; an idle one closes after max_connection_idle. 0 = never.
+    max_connection_age: float = 0.0
+    max_connection_age_grace: float = 0.0
+    max_connection_idle: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +274,10 @@ class SessionConfig:
     window_msgs: int = 128  # unacked messages a worker may have in flight
     heartbeat_interval: float = 15.0  # worker heartbeat / edge ": ping" while silent
     worker_lost_after: int = 3  # heartbeats missed before the edge gives up
+    # How often an edge asks NATS whether each worker its streams follow is
+    # still subscribed (edge.liveness): a killed worker is known dead within
+    # about this plus a round trip. 0 turns the probe off (heartbeats only).
+    liveness_interval: float = 0.25
     # A worker with output unacknowledged for this long takes the edge (or its
     # client) as gone and cancels the backend. Above edge.slow_client_timeout,
     # so a slow client is handled by its edge, with a clear error, first.
@@ -213,6 +290,13 @@ class NatsConfig:
     subject_prefix: str = "tg"
     connect_timeout: float = 5.0
     request_timeout: float = 5.0  # JetStream publish / API calls
+    # Every client PINGs its server this often; with max_pings_out PINGs
+    # unanswered the link is stale: the client drops it and reconnects, and a
+    # worker fences itself, an edge releases its clients (docs/reliability.md,
+    # "Partitions"). Bound on noticing a silent cut: ping_interval x
+    # (max_pings_out + 1).
+    ping_interval: float = 1.0
+    max_pings_out: int = 2
     # Per-tier login written by `tidegate nats-config` (a TOML file: user,
     # password, inbox_prefix); "{tier}" is replaced by the connecting tier's
     # name (edge, dispatcher, worker, admin). Empty: connect without auth.
@@ -275,6 +359,11 @@ class WorkerConfig:
     # Messages to one edge within one loop iteration go as one NATS message of
     # at most this many bytes (tidegate.mux); 0 = one NATS message each.
     coalesce_bytes: int = 128 << 10
+    # ... and a batch's first message waits up to this long (seconds) for
+    # others to join it: fewer NATS messages and edge wake-ups per chunk at
+    # moderate load, for at most this much added latency per chunk (measured:
+    # 2 ms cut CPU per chunk by 20 % at 50 streams, docs/benchmarks.md).
+    coalesce_delay: float = 0.002
     fetch_timeout: float = 1.0
     shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
     max_response_bytes: int = 8 << 20  # non-streaming backend body cap
@@ -306,6 +395,9 @@ class BatchConfig:
     """The Files + Batches API (docs/batch.md). Limits default to OpenAI's."""
 
     max_file_bytes: int = 200 << 20  # an upload larger than this gets 413
+    # All of one tenant's files together (uploads and batch outputs); an upload
+    # past it gets 413 storage_quota_exceeded. 0 = no quota.
+    tenant_storage_bytes: int = 1 << 30
     max_lines: int = 50_000  # requests per batch input file
     max_line_bytes: int = 1 << 20  # one input line (a request must fit one NATS message)
     max_retries: int = 3  # transient failures (5xx, worker lost) retried per line first
@@ -334,6 +426,17 @@ class ResumeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpendConfig:
+    """Money: the currency prices and budgets are in, and the calendar of
+    budget periods (docs/spend.md)."""
+
+    currency: str = "USD"  # named once; every price and budget is in it
+    timezone: str = "UTC"  # IANA name; day / week / month budgets start at its midnight
+    # Fractions of a budget at which a metric and a log line alert (soft and hard budgets).
+    alert_at: tuple[float, ...] = (0.8, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
 class AuthConfig:
     keys: tuple[str, ...] = ()  # static API keys, tenant "default"
     dev_key: str = ""
@@ -350,6 +453,7 @@ class Config:
     edge: EdgeConfig = field(default_factory=EdgeConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
     ws: WsConfig = field(default_factory=WsConfig)
+    grpc: GrpcConfig = field(default_factory=GrpcConfig)
     nats: NatsConfig = field(default_factory=NatsConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     streams: StreamsConfig = field(default_factory=StreamsConfig)
@@ -360,6 +464,7 @@ class Config:
     batch: BatchConfig = field(default_factory=BatchConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    spend: SpendConfig = field(default_factory=SpendConfig)
     models: tuple[ModelConfig, ...] = (ModelConfig(name="tidegate-sim", aliases=("sim",)),)
 
     def model_index(self) -> dict[str, ModelConfig]:

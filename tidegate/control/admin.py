@@ -1,4 +1,5 @@
-"""``tidegate keys`` and ``tidegate policy``: API keys and quota policies in NATS KV.
+"""The connection and error contract of the operator commands (``tidegate
+keys``, ``policy``, ``tenant``, ``batches``; the commands are in tidegate.cli).
 
 Each command connects once with a short timeout (unlike the tiers, which wait
 for NATS forever), creates the bucket it needs when missing, does its work and
@@ -11,11 +12,9 @@ policy :class:`NotFound` (exit 1); none prints a traceback.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -27,8 +26,6 @@ from nats.js import JetStreamContext
 
 from tidegate.broker.auth import connect_options
 from tidegate.config import Config, NatsConfig
-from tidegate.control import keys as tgkeys
-from tidegate.control import policies as tgpolicies
 from tidegate.errors import BrokerError, ConfigError, TidegateError
 
 log = logging.getLogger("tidegate.admin")
@@ -83,20 +80,22 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def run(config: Config, work: Callable[[JetStreamContext], Awaitable[T]]) -> T:
-    """Connect, run ``work(js)`` within a deadline, disconnect."""
+def run(config: Config, work: Callable[[JetStreamContext], Awaitable[T]],
+        deadline: float | None = None) -> T:
+    """Connect, run ``work(js)`` within a deadline (default: four request
+    timeouts), disconnect."""
 
     async def main() -> T:
         nc = await connect_once(config.nats, "tidegate-admin")
         try:
             js = nc.jetstream(timeout=config.nats.request_timeout)
-            deadline = config.nats.request_timeout * 4
+            limit = deadline or config.nats.request_timeout * 4
             try:
-                async with asyncio.timeout(deadline):
+                async with asyncio.timeout(limit):
                     return await work(js)
             except TimeoutError:
                 raise BrokerError(f"NATS at {config.nats.url} did not answer within "
-                                  f"{deadline:.0f}s") from None
+                                  f"{limit:.0f}s") from None
             except (nats.js.errors.ServiceUnavailableError,
                     nats.errors.NoRespondersError):
                 raise BrokerError(f"JetStream is not enabled on the NATS server at "
@@ -164,176 +163,6 @@ def parse_duration(value: str) -> float:
     if number:
         raise UsageError(f"a duration needs a unit (s, m, h, d, w), got {value!r}")
     return total
-
-
-def keys_create(config: Config, tenant: str, user: str = "", models: Sequence[str] = (),
-                as_json: bool = False, expires_in: float = 0.0) -> int:
-    models = tuple(dict.fromkeys(canonical_model(config, m) for m in models))
-
-    async def work(js: JetStreamContext) -> tuple[str, tgkeys.KeyRecord]:
-        kv = await tgkeys.ensure_keys_bucket(js, config)
-        return await tgkeys.create_key(kv, tenant, user, models, expires_in=expires_in)
-
-    try:
-        tgkeys.KeyRecord(key_id="", tenant=tenant, user=user, models=models)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    key, record = run(config, work)
-    if as_json:
-        print(json.dumps({"key": key, **record.as_dict()}))
-    else:
-        print(f"key:     {key}")
-        print(f"key_id:  {record.key_id}")
-        print(f"tenant:  {record.tenant}")
-        print(f"user:    {record.user or '-'}")
-        print(f"models:  {','.join(record.models) or 'all'}")
-        print(f"expires: {_timestamp(record.expires) if record.expires else 'never'}")
-    print("Store the key now: it is not shown again (tidegate keeps only its SHA-256 "
-          "digest).", file=sys.stderr)
-    return 0
-
-
-def keys_list(config: Config, as_json: bool = False) -> int:
-    async def work(js: JetStreamContext) -> tuple[list[tgkeys.KeyRecord], dict[str, float]]:
-        records = await tgkeys.list_keys(await tgkeys.ensure_keys_bucket(js, config))
-        used = await tgkeys.read_last_used(await tgkeys.ensure_last_used_bucket(js, config))
-        return records, {digest[:tgkeys.KEY_ID_LENGTH]: when for digest, when in used.items()}
-
-    records, last_used = run(config, work)
-    if as_json:
-        print(json.dumps([{**r.as_dict(), "last_used": last_used.get(r.key_id, 0.0)}
-                          for r in records]))
-        return 0
-    if not records:
-        print(f"no API keys in {config.nats.subjects.keys_bucket}")
-        return 0
-    now = time.time()
-    _table(["KEY_ID", "TENANT", "USER", "MODELS", "CREATED", "EXPIRES", "LAST_USED"],
-           [[r.key_id, r.tenant, r.user or "-", ",".join(r.models) or "all",
-             _timestamp(r.created),
-             ("expired " if r.expired(now) else "") + _timestamp(r.expires)
-             if r.expires else "never",
-             _timestamp(last_used[r.key_id]) if r.key_id in last_used else "never"]
-            for r in records])
-    return 0
-
-
-def keys_rotate(config: Config, key_id: str, overlap: float, expires_in: float = 0.0,
-                as_json: bool = False) -> int:
-    """A new key for the same tenant, user and models; the old one expires
-    after ``overlap`` seconds."""
-    async def work(js: JetStreamContext) -> Any:
-        kv = await tgkeys.ensure_keys_bucket(js, config)
-        return await tgkeys.rotate_key(kv, key_id, overlap, expires_in=expires_in)
-
-    try:
-        result = run(config, work)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if result is None:
-        raise NotFound(f"no API key with id {key_id} (see `tidegate keys list`)")
-    key, new, old = result
-    if as_json:
-        print(json.dumps({"key": key, **new.as_dict(), "replaces": old.as_dict()}))
-    else:
-        print(f"key:     {key}")
-        print(f"key_id:  {new.key_id}")
-        print(f"tenant:  {new.tenant}")
-        print(f"replaces {old.key_id}, which stops working at {_timestamp(old.expires)}")
-    print("Store the key now: it is not shown again.", file=sys.stderr)
-    return 0
-
-
-def keys_revoke(config: Config, key_id: str) -> int:
-    async def work(js: JetStreamContext) -> bool:
-        return await tgkeys.revoke_key(await tgkeys.ensure_keys_bucket(js, config), key_id)
-
-    try:
-        found = run(config, work)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if not found:
-        raise NotFound(f"no API key with id {key_id} (see `tidegate keys list`)")
-    print(f"revoked key {key_id}")
-    return 0
-
-
-# --------------------------------------------------------------------------
-# policy
-# --------------------------------------------------------------------------
-
-
-def policy_set(config: Config, tenant: str = "", model: str = "", user: str = "",
-               rpm: int | None = None, tpm: int | None = None,
-               concurrency: int | None = None) -> int:
-    if rpm is None and tpm is None and concurrency is None:
-        raise UsageError("policy set: give at least one limit: --rpm, --tpm or --concurrency")
-    try:
-        policy = tgpolicies.Policy(
-            tenant=tenant, model=canonical_model(config, model) if model else "", user=user,
-            rpm=rpm or 0, tpm=tpm or 0, concurrency=concurrency or 0)
-    except ValueError as exc:
-        raise UsageError(f"policy set: {exc}") from None
-    if not policy.has_limits:
-        raise UsageError("policy set: every limit given is 0 (unlimited); to remove the "
-                         "policy use `tidegate policy delete`")
-
-    async def work(js: JetStreamContext) -> int:
-        kv = await tgpolicies.ensure_policies_bucket(js, config)
-        return await tgpolicies.set_policy(kv, policy)
-
-    run(config, work)
-    print(f"set policy for {policy.scope_label}: {_limits(policy)}")
-    return 0
-
-
-def policy_list(config: Config, as_json: bool = False) -> int:
-    async def work(js: JetStreamContext) -> list[tgpolicies.Policy]:
-        return await tgpolicies.list_policies(
-            await tgpolicies.ensure_policies_bucket(js, config))
-
-    policies = run(config, work)
-    if as_json:
-        print(json.dumps([p.as_dict() for p in policies]))
-        return 0
-    if not policies:
-        print(f"no policies in {config.nats.subjects.policies_bucket}")
-        return 0
-    _table(["TENANT", "MODEL", "USER", "RPM", "TPM", "CONCURRENCY"],
-           [[p.tenant or "*", p.model or "*", p.user or "*", *(_limit(v) for v in
-             (p.rpm, p.tpm, p.concurrency))] for p in policies])
-    return 0
-
-
-def policy_delete(config: Config, tenant: str = "", model: str = "", user: str = "") -> int:
-    try:
-        probe = tgpolicies.Policy(tenant=tenant, user=user,
-                                  model=canonical_model(config, model) if model else "")
-    except ValueError as exc:
-        raise UsageError(f"policy delete: {exc}") from None
-
-    async def work(js: JetStreamContext) -> bool:
-        kv = await tgpolicies.ensure_policies_bucket(js, config)
-        return await tgpolicies.delete_policy(kv, probe.scope_id)
-
-    if not run(config, work):
-        raise NotFound(f"no policy for {probe.scope_label} (see `tidegate policy list`)")
-    print(f"deleted policy for {probe.scope_label}")
-    return 0
-
-
-# --------------------------------------------------------------------------
-# Output
-# --------------------------------------------------------------------------
-
-
-def _limit(value: int) -> str:
-    return str(value) if value else "-"
-
-
-def _limits(policy: tgpolicies.Policy) -> str:
-    return ", ".join(f"{name} {getattr(policy, name) or 'unlimited'}"
-                     for name in tgpolicies.LIMITS)
 
 
 def _timestamp(created: float) -> str:

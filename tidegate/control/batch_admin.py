@@ -1,5 +1,6 @@
-"""Operators' view of batches: ``tidegate batches list|show|cancel`` and the
-batches table of ``tidegate status``.
+"""Operators' view of batches: ``tidegate batches list|show|cancel``, and the
+rows of ``tidegate status``'s batches table (drawn by
+:func:`tidegate.run.status_view.batches_table`).
 
 Operators see every tenant's batches (the CLI talks to NATS directly, with the
 deployment's credentials, not through an API key). A cancel from here is the
@@ -18,7 +19,7 @@ from nats.js import JetStreamContext
 from tidegate.config import Config
 from tidegate.control.admin import NotFound, UsageError, _table, _timestamp, run
 from tidegate.control.batches import open_stores
-from tidegate.wire.batch import BATCH_PREFIX, BatchRecord, cancel, valid_id
+from tidegate.wire.batch import BATCH_PREFIX, BatchRecord, valid_id
 
 
 def row(batch: BatchRecord, now: float) -> dict[str, Any]:
@@ -36,20 +37,6 @@ async def active_rows(js: JetStreamContext, config: Config) -> list[dict[str, An
     stores = await open_stores(js, config)
     now = time.time()
     return [row(b, now) for b in reversed(await stores.list_batches(None)) if not b.terminal]
-
-
-def render(rows: list[dict[str, Any]]) -> Any:
-    """A rich table of :func:`row` dicts."""
-    from rich.table import Table
-
-    table = Table(title="Batches", title_justify="left", expand=True)
-    for column in ("batch", "tenant", "status", "done/total", "failed", "expires in"):
-        table.add_column(column)
-    for r in rows:
-        table.add_row(r["id"], r["tenant"], r["status"],
-                      f"{r['completed'] + r['failed']}/{r['total']}", str(r["failed"]),
-                      f"{r['expires_in_s']}s")
-    return table
 
 
 def _checked(batch_id: str) -> str:
@@ -91,16 +78,13 @@ def batches_show(config: Config, batch_id: str) -> int:
 
 
 def batches_cancel(config: Config, batch_id: str) -> int:
+    from tidegate.control import operations
+
     _checked(batch_id)
 
-    async def work(js: JetStreamContext) -> BatchRecord | None:
-        stores = await open_stores(js, config)
-        if await stores.get_batch(None, batch_id) is None:
-            return None
-        return await stores.update_batch(batch_id, lambda b: cancel(b, int(time.time())))
+    async def work(js: JetStreamContext) -> BatchRecord:
+        return await operations.cancel_batch(js, config, "cli", batch_id)
 
     batch = run(config, work)
-    if batch is None:
-        raise NotFound(f"no batch {batch_id} (see `tidegate batches list`)")
     print(f"batch {batch_id}: {batch.status}")
     return 0

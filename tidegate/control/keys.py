@@ -58,6 +58,9 @@ class KeyRecord:
     models: tuple[str, ...] = ()  # allowed models; empty = all
     created: float = 0.0  # Unix time
     expires: float = 0.0  # Unix time after which the edge refuses the key; 0 = never
+    # An admin key (``keys create --admin``) may also use the operator console
+    # (tidegate.run.console); a tenant key never may.
+    admin: bool = False
 
     def expired(self, now: float) -> bool:
         return bool(self.expires) and now >= self.expires
@@ -79,7 +82,9 @@ class KeyRecord:
                 raise TypeError("not an object")
             key_id, tenant, user = raw["key_id"], raw["tenant"], raw.get("user", "")
             models, created = raw.get("models", []), raw.get("created", 0.0)
-            expires = raw.get("expires", 0.0)
+            expires, admin = raw.get("expires", 0.0), raw.get("admin", False)
+            if not isinstance(admin, bool):
+                raise TypeError("admin must be true or false")
             if not all(isinstance(v, str) for v in (key_id, tenant, user)):
                 raise TypeError("key_id, tenant and user must be strings")
             if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
@@ -88,13 +93,15 @@ class KeyRecord:
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise TypeError(f"{name} must be a number")
             return cls(key_id=key_id, tenant=tenant, user=user, models=tuple(models),
-                       created=float(created), expires=float(expires))
+                       created=float(created), expires=float(expires), admin=admin)
         except (ValueError, TypeError, KeyError) as exc:
             raise ProtocolError(f"malformed key record: {exc}") from None
 
     def as_dict(self) -> dict[str, Any]:
         return {"key_id": self.key_id, "tenant": self.tenant, "user": self.user,
-                "models": list(self.models), "created": self.created, "expires": self.expires}
+                "models": list(self.models), "created": self.created, "expires": self.expires,
+                # Written only when set: records of tenant keys stay as they were.
+                **({"admin": True} if self.admin else {})}
 
 
 async def ensure_keys_bucket(js: JetStreamContext, config: Config) -> KeyValue:
@@ -105,15 +112,16 @@ async def ensure_keys_bucket(js: JetStreamContext, config: Config) -> KeyValue:
 
 async def create_key(kv: KeyValue, tenant: str, user: str = "", models: Iterable[str] = (),
                      *, clock: Callable[[], float] = time.time,
-                     expires_in: float = 0.0) -> tuple[str, KeyRecord]:
+                     expires_in: float = 0.0, admin: bool = False) -> tuple[str, KeyRecord]:
     """Store a new key; returns the plain key (shown once) and its record.
-    ``expires_in`` seconds from now the edge stops accepting it (0 = never)."""
+    ``expires_in`` seconds from now the edge stops accepting it (0 = never);
+    ``admin``: the key may also use the operator console."""
     key = generate_key()
     digest = key_digest(key)
     now = clock()
     record = KeyRecord(key_id=digest[:KEY_ID_LENGTH], tenant=tenant, user=user,
                        models=tuple(models), created=now,
-                       expires=now + expires_in if expires_in > 0 else 0.0)
+                       expires=now + expires_in if expires_in > 0 else 0.0, admin=admin)
     await kv.create(digest, record.encode())
     return key, record
 
@@ -207,7 +215,7 @@ async def rotate_key(kv: KeyValue, key_id: str, overlap: float, *,
     if old.expires:
         end = min(end, old.expires)  # rotation never extends a key's life
     key, new = await create_key(kv, old.tenant, old.user, old.models, clock=clock,
-                                expires_in=expires_in)
+                                expires_in=expires_in, admin=old.admin)
     updated = dataclasses.replace(old, expires=end)
     await kv.put(digest, updated.encode())
     return key, new, updated

@@ -27,7 +27,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -123,16 +123,7 @@ class Policy:
 
     @classmethod
     def decode(cls, data: bytes) -> Policy:
-        try:
-            raw = json.loads(data)
-            if not isinstance(raw, dict):
-                raise TypeError("not an object")
-            unknown = set(raw) - set(_FIELDS)
-            if unknown:
-                raise ValueError(f"unknown fields {sorted(unknown)}")
-            return cls(**raw)
-        except (ValueError, TypeError) as exc:
-            raise ProtocolError(f"malformed policy: {exc}") from None
+        return decode_record(cls, data, _FIELDS, "policy")
 
 
 class PolicySet:
@@ -265,3 +256,24 @@ def _decode_at(sid: str, value: bytes) -> Policy:
     if policy.scope_id != sid:
         raise ProtocolError(f"policy for {policy.scope_id} stored under {sid}")
     return policy
+
+
+
+R = TypeVar("R")
+
+
+def decode_record(kind: Callable[..., R], data: bytes, fields: Iterable[str], what: str) -> R:
+    """``kind(**fields)`` from a KV record's JSON object (policies, budgets):
+    a field outside ``fields``, a value ``kind`` refuses (ValueError,
+    TypeError) or JSON that is not an object is one :class:`ProtocolError`,
+    "malformed <what>: ...", for the watcher to log and skip."""
+    try:
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise TypeError("not an object")
+        unknown = set(raw) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
+        return kind(**raw)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed {what}: {exc}") from None

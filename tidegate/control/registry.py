@@ -21,6 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from tidegate.broker import broker
 from tidegate.broker.kvwatch import current_entries
 from tidegate.config import Config
 
@@ -43,10 +44,19 @@ async def ensure_bucket(js: JetStreamContext, config: Config, bucket: str, descr
                         ttl: float) -> KeyValue:
     """Memory storage: a registry is rebuilt by the next heartbeats after a
     NATS restart, and it changes every few seconds."""
+    return await broker.patiently(
+        lambda: _ensure_bucket(js, config, bucket, description, ttl), f"KV bucket {bucket}")
+
+
+async def _ensure_bucket(js: JetStreamContext, config: Config, bucket: str, description: str,
+                         ttl: float) -> KeyValue:
     try:
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
-        pass
+        if not broker.provisions(js):
+            raise broker.NotProvisioned(
+                f"KV bucket {bucket} does not exist, and this tier's NATS credentials may not "
+                f"create it: run `tidegate setup` (admin credentials) first") from None
     try:
         return await js.create_key_value(KeyValueConfig(
             bucket=bucket, description=description, history=1, ttl=ttl,

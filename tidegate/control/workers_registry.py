@@ -60,17 +60,22 @@ class ReplicaSlot:
     waiting: int | None = None
     jobs: int = 0
     hits: int = 0
+    # The worker's circuit breaker for this replica (workers.replicas):
+    # "closed", "open" (failing: no new work) or "half_open" (one probe).
+    breaker: str = "closed"
 
     def encode(self) -> dict[str, Any]:
         return {"slots": self.slots, "in_flight": self.in_flight, "kv_usage": self.kv_usage,
-                "waiting": self.waiting, "jobs": self.jobs, "hits": self.hits}
+                "waiting": self.waiting, "jobs": self.jobs, "hits": self.hits,
+                "breaker": self.breaker}
 
     @classmethod
     def decode(cls, raw: Mapping[str, Any]) -> ReplicaSlot:
         kv, waiting = raw.get("kv_usage"), raw.get("waiting")
         return cls(int(raw["slots"]), int(raw["in_flight"]),
                    None if kv is None else float(kv), None if waiting is None else int(waiting),
-                   int(raw.get("jobs", 0)), int(raw.get("hits", 0)))
+                   int(raw.get("jobs", 0)), int(raw.get("hits", 0)),
+                   str(raw.get("breaker", "closed")))
 
 
 @dataclass(frozen=True, slots=True)

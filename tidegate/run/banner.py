@@ -4,9 +4,11 @@ where logs and metrics are, and how to stream a first completion."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 from tidegate.run.planning import Plan
+from tidegate.run.servers import connect_host
 
 
 def banner(plan: Plan) -> str:
@@ -40,16 +42,21 @@ def banner(plan: Plan) -> str:
         "",
         f"  URL:      {url}",
         f"  API key:  {key}",
+        *([f"  gRPC:     {connect_host(cfg.edge.host)}:{cfg.edge.grpc_port}"
+           f"{' (TLS)' if cfg.edge.tls_cert else ''}  (tidegate.v1.Gateway, docs/grpc.md)"]
+          if cfg.edge.grpc_port else []),
         f"  Models:   {', '.join(m.name for m in cfg.models)}",
         f"  Workers:  {plan.options.workers}",
         *([f"  Edges:    {plan.options.edges} on one port (SO_REUSEPORT)"]
           if plan.options.edges > 1 else []),
         *([f"  Dispatchers: {plan.options.dispatchers}"] if plan.options.dispatchers > 1 else []),
         f"  NATS:     {cfg.nats.url}{'' if plan.nats_port is None else ' (embedded)'}",
-        f"  Redis:    {cfg.redis.url}{'' if plan.redis_port is None else ' (embedded)'}",
+        f"  Redis:    {_hide_password(cfg.redis.url)}"
+        f"{'' if plan.redis_port is None else ' (embedded, with a password)'}",
         f"  Logs:     tail -f {shlex.quote(str(plan.log_dir))}/*.log",
         *_metrics_lines(plan),
         f"  Status:   tidegate status --config {shlex.quote(str(plan.config_file))}",
+        *_console_lines(plan),
         "",
         "Stream a chat completion:",
         "",
@@ -63,6 +70,15 @@ def banner(plan: Plan) -> str:
     ])
 
 
+def _console_lines(plan: Plan) -> list[str]:
+    if plan.console_url is None:
+        return []
+    config = shlex.quote(str(plan.config_file))
+    return [f"  Console:  {plan.console_url}",
+            f"            (sign in with an admin key: tidegate keys create --admin "
+            f"--tenant ops --config {config})"]
+
+
 def _metrics_lines(plan: Plan) -> list[str]:
     return [f"  {'Metrics:' if i == 0 else '':<10}{url}  ({name})"
             for i, (name, url) in enumerate(plan.metrics_urls().items())]
@@ -70,3 +86,8 @@ def _metrics_lines(plan: Plan) -> list[str]:
 
 def _indent(text: str) -> str:
     return "\n".join(f"  {line}" if line else "" for line in text.splitlines())
+
+
+def _hide_password(url: str) -> str:
+    """A URL's password is never printed (the embedded Redis has one)."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1<redacted>@", url)

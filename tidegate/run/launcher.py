@@ -34,9 +34,10 @@ Supervision invariants:
   SIGKILLs every child at once.
 * One launcher per data dir (a lock file): two would share a JetStream store.
 
-Metrics: the edge serves ``/metrics`` on its own port; the dispatcher and
-each worker get a free port of their own (``TIDEGATE_METRICS_PORT`` in their
-environment, on the edge's host), and the banner lists all of them.
+Metrics: every edge, the dispatcher and each worker get a free port of their
+own (``TIDEGATE_METRICS_PORT`` in their environment, on ``edge.metrics_host``;
+never an edge's API port, where ``/metrics`` would need no key), and the
+banner lists all of them.
 """
 
 from __future__ import annotations
@@ -120,12 +121,14 @@ class Launcher:
         self.dispatchers: list[ManagedProcess] = []
         self.workers: list[ManagedProcess] = []
         self.edges: list[ManagedProcess] = []
+        self.console: ManagedProcess | None = None
         self.supervisor = Supervisor(plan.options.restart, plan.data_dir / STATE_FILE,
                                      self._restart_ready)
 
     def children(self) -> Iterator[ManagedProcess]:
         """Every child started so far, in start order."""
-        for child in (self.nats, self.redis, *self.dispatchers, *self.workers, *self.edges):
+        for child in (self.nats, self.redis, *self.dispatchers, *self.workers, *self.edges,
+                      self.console):
             if child is not None:
                 yield child
 
@@ -163,17 +166,21 @@ class Launcher:
         plan.log_dir.mkdir(parents=True, exist_ok=True)
         if plan.nats_port is not None:
             auth = ["-c", str(plan.nats_auth)] if plan.nats_auth else []
+            monitor = plan.options.nats_monitor_port
             self.nats = NatsServer(plan.data_dir / "nats", port=plan.nats_port,
+                                   monitor=monitor is not None, monitor_port=monitor,
                                    log_path=plan.log_dir / "nats.log", extra_args=auth)
             self.nats.name = "nats"
             log.info("starting nats-server on port %d", plan.nats_port)
             self._start_server(self.nats)
         if plan.redis_port is not None:
             self.redis = RedisServer(plan.data_dir / "redis", port=plan.redis_port,
+                                     password=plan.redis_password,
                                      log_path=plan.log_dir / "redis.log")
             self.redis.name = "redis"
             log.info("starting redis-server on port %d", plan.redis_port)
             self._start_server(self.redis)
+        self._setup()
 
         fd = os.open(plan.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:  # holds the dev key: owner only
@@ -191,8 +198,21 @@ class Launcher:
         log.info("started %d dispatcher(s), %d worker(s) and %d edge(s); waiting for %s",
                  len(self.dispatchers), len(self.workers), len(self.edges), edge_url)
         self._wait_ready([*self.dispatchers, *self.workers, *self.edges])
+        if plan.console_url is not None:
+            self.console = self._console(plan.console_url)
+            self._wait_ready([self.console])
         for child in self.children():
             self.supervisor.add(child, server=child in (self.nats, self.redis))
+
+    def _setup(self) -> None:
+        """``tidegate setup`` as admin: with per-tier credentials no tier may
+        create a stream, consumer or bucket (docs/security.md), so they must
+        exist before the tiers start, and again after an embedded NATS
+        restart (memory-stored buckets are gone)."""
+        from tidegate.control import provision
+
+        log.info("setup: creating or updating streams, consumers and buckets")
+        provision.setup(self.plan.config)
 
     def _start_server(self, server: ManagedProcess) -> None:
         server.spawn()
@@ -204,6 +224,17 @@ class Launcher:
         child = (_EdgeProcess(name, argv, log_path, env=env, port=self.plan.config.edge.port,
                               readyz=edge_url)
                  if edge_url else ManagedProcess(name, argv, log_path, env=env))
+        child.spawn()
+        return child
+
+    def _console(self, url: str) -> ManagedProcess:
+        """``tidegate console`` (the operator page) on 127.0.0.1, with the
+        admin credentials ``tidegate setup`` used (tidegate.run.console)."""
+        argv = [sys.executable, "-m", "tidegate", "console", "--config",
+                str(self.plan.config_file), "--port", str(self.plan.console_port),
+                "--data-dir", str(self.plan.data_dir)]
+        child = ManagedProcess("console", argv, self.plan.log_dir / "console.log",
+                               env=self.plan.child_env, ready=lambda: http_ok(url))
         child.spawn()
         return child
 
@@ -256,6 +287,8 @@ class Launcher:
                 raise TidegateError(server.describe_failure(
                     f"{server.name} was not ready within {self.plan.options.ready_timeout:g}s"))
             self.stop_requested.wait(0.1)
+        if server is self.nats:
+            self._setup()
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.stop_requested.is_set():
@@ -270,6 +303,7 @@ class Launcher:
         """Stop every child, dependents first. Idempotent; never raises."""
         cfg = self.plan.config
         waves: list[tuple[list[ManagedProcess], float]] = [
+            ([self.console] if self.console else [], _SERVER_STOP_TIMEOUT),
             (self.edges, cfg.edge.shutdown_timeout + _GRACE),
             (self.workers, cfg.worker.shutdown_timeout + _GRACE),
             (self.dispatchers, _SERVER_STOP_TIMEOUT + _GRACE),

@@ -454,6 +454,11 @@ class NatsServer(ManagedProcess):
 
     JetStream state lives under ``data_dir`` (``-sd``), so a restart keeps
     streams, consumers and messages, as a real broker restart would.
+
+    ``monitor=False`` runs it without the HTTP monitoring port, which answers
+    anyone with the users, connections and subscriptions (``tidegate up``'s
+    default, docs/security.md); readiness then comes from the server's own
+    "Server is ready" line, logged once JetStream and the client port are up.
     """
 
     def __init__(
@@ -463,6 +468,7 @@ class NatsServer(ManagedProcess):
         host: str = "127.0.0.1",
         port: int | None = None,
         monitor_port: int | None = None,
+        monitor: bool = True,
         log_path: str | os.PathLike[str] | None = None,
         binary: str | None = None,
         extra_args: Sequence[str] = (),
@@ -472,10 +478,12 @@ class NatsServer(ManagedProcess):
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
-        self.monitor_port = monitor_port or free_port(host)
+        # The monitor binds to ``host`` too (nats-server's http_host defaults to it).
+        self.monitor_port: int | None = (monitor_port or free_port(host)) if monitor else None
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        monitoring = ["-m", str(self.monitor_port)] if self.monitor_port else []
         argv = [binary or find_nats_server(), "-a", host, "-p", str(self.port),
-                "-js", "-sd", str(self.data_dir), "-m", str(self.monitor_port), *extra_args]
+                "-js", "-sd", str(self.data_dir), *monitoring, *extra_args]
         # GOMAXPROCS caps the OS threads running Go code at once (default: one
         # per core). None leaves it to the environment.
         env = None if gomaxprocs is None else {**os.environ, "GOMAXPROCS": str(gomaxprocs)}
@@ -489,12 +497,29 @@ class NatsServer(ManagedProcess):
     def is_ready(self) -> bool:
         # /healthz answers 200 only once JetStream is up, which the client
         # port alone does not promise.
-        return _can_connect(self.host, self.port) and http_ok(
+        if not _can_connect(self.host, self.port):
+            return False
+        if self.monitor_port is None:
+            return "Server is ready" in self._log_since_spawn()
+        return http_ok(
             f"http://{_url_host(connect_host(self.host))}:{self.monitor_port}/healthz")
+
+    def _log_since_spawn(self) -> str:
+        """The log written since the last spawn (spawn marks each start)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[text.rfind("\n--- ") + 1:] if "\n--- " in text else text
 
 
 class RedisServer(ManagedProcess):
-    """``redis-server`` without persistence, bound to ``host`` on a free (or given) port."""
+    """``redis-server`` without persistence, bound to ``host`` on a free (or given) port.
+
+    With ``password`` it requires it (``requirepass``, written to a 0600 config
+    file rather than the command line, where any local user's ``ps`` would
+    show it); :attr:`url` carries it.
+    """
 
     def __init__(
         self,
@@ -502,6 +527,7 @@ class RedisServer(ManagedProcess):
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
+        password: str | None = None,
         log_path: str | os.PathLike[str] | None = None,
         binary: str | None = None,
         extra_args: Sequence[str] = (),
@@ -510,8 +536,16 @@ class RedisServer(ManagedProcess):
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
+        self.password = password
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [binary or find_redis_server(), "--port", str(self.port), "--bind", host,
+        conf: list[str] = []
+        if password:
+            path = self.data_dir / "redis.conf"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f'requirepass "{password}"\n')
+            conf = [str(path)]
+        argv = [binary or find_redis_server(), *conf, "--port", str(self.port), "--bind", host,
                 "--save", "", "--appendonly", "no", "--daemonize", "no",
                 "--dir", str(self.data_dir), *extra_args]
         super().__init__("redis-server", argv, log_path or self.data_dir / "redis-server.log",
@@ -519,14 +553,22 @@ class RedisServer(ManagedProcess):
 
     @property
     def url(self) -> str:
-        return f"redis://{_url_host(connect_host(self.host))}:{self.port}/0"
+        login = f":{self.password}@" if self.password else ""
+        return f"redis://{login}{_url_host(connect_host(self.host))}:{self.port}/0"
 
     def is_ready(self) -> bool:
         # PONG, not just an accepted connection: redis accepts while loading.
+        hello = f"AUTH {self.password}\r\n".encode() if self.password else b""
         try:
             with socket.create_connection((connect_host(self.host), self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                s.sendall(hello + b"PING\r\n")
+                answer = b""
+                while answer.count(b"\r\n") < (2 if hello else 1):
+                    data = s.recv(64)
+                    if not data:
+                        break
+                    answer += data
+                return answer.endswith(b"+PONG\r\n")
         except OSError:
             return False
 

@@ -19,25 +19,41 @@ Read-only. Sources:
 Rates (requests, jobs started and finished per second) are the difference of
 two samples: the live view's refresh interval, or one interval for
 ``--json``, which prints one document and exits.
+
+The view (:mod:`tidegate.run.status_view`) fits the terminal's width at every
+refresh, wrapping or stacking columns rather than cutting cells. A NATS that
+goes away while the view watches (the stack stopped or restarted) is a line
+saying so, and the view reconnects every interval until it is back; only a
+NATS missing at the start, or during ``--json``/``--once``, ends the command,
+with a one-line error and exit code 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import shutil
+import signal
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import nats.errors
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.control import edges_registry, workers_registry
 from tidegate.control.admin import connect_once
 from tidegate.control.queue_stats import QueueStats, Snapshot
+from tidegate.errors import BrokerError
+from tidegate.run import status_view
 from tidegate.run.supervisor import read_state
 
 
@@ -167,166 +183,212 @@ def _replicas(model: str, workers: Any) -> list[dict[str, Any]]:
     return [out[k] for k in sorted(out)]
 
 
-def render(doc: dict[str, Any]) -> Any:
-    """A rich renderable of :func:`document`'s output."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
+class Source:
+    """One NATS connection's readers: the JetStream queues, the worker and
+    edge registries, batches; plus Redis and the ``tidegate up`` state file."""
 
-    rps = doc["requests_per_s"]
-    header = Text.assemble(
-        ("tidegate status", "bold"), f"  nats {doc['nats']}",
-        f"  dispatch backlog {doc['dispatch_backlog']}",
-        f"  requests/s {'-' if rps is None else f'{rps:g}'}",
-        f"  {time.strftime('%H:%M:%S', time.localtime(doc['taken']))}")
+    def __init__(self, nc: NATS, config: Config, data_dir: Path | None) -> None:
+        self.nc = nc
+        self.config = config
+        self.data_dir = data_dir
+        self.js = broker.jetstream(nc, config.nats)
+        self.stats: QueueStats | None = None
+        self.edges_kv: KeyValue | None = None
 
-    models = Table(title="Models", title_justify="left", expand=True)
-    for column in ("model", "workers", "slots used/total", "waiting", "running", "oldest",
-                   "mode", "limit", "p99 TTFT", "held", "started/s", "finished/s"):
-        models.add_column(column, justify="left" if column in ("model", "mode") else "right")
-    for m in doc["models"]:
-        qm = m["queue_mode"]
-        mode = "-" if qm is None else qm["mode"]
-        style = "bold red" if mode == "queue" else ("yellow" if mode == "?" else "")
-        q, slots, rates = m["queue"], m["slots"], m["rates"]
-        models.add_row(
-            m["model"],
-            Text(str(m["workers"]), style="bold red" if not m["workers"] and q["depth"] else ""),
-            f"{slots['used']}/{slots['total']}{' auto' if m.get('adaptive') else ''}",
-            str(q["waiting"]), str(q["running"]),
-            _age(q["oldest_age_s"]), Text(mode, style=style),
-            "-" if qm is None or mode != "queue" else str(qm["limit"]),
-            "-" if qm is None or not qm["p99_ms"] else f"{qm['p99_ms']:.0f} ms",
-            "-" if qm is None else str(qm["queued"]),
-            "-" if rates is None else f"{rates['started_per_s']:g}",
-            "-" if rates is None else f"{rates['finished_per_s']:g}")
+    async def open(self) -> Snapshot:
+        """Bind the buckets; the first sample (rates need a second one)."""
+        registry = await workers_registry.ensure_bucket(self.js, self.config)
+        self.edges_kv = await edges_registry.ensure_bucket(self.js, self.config)
+        self.stats = QueueStats(self.js, self.config, registry)
+        return await self.stats.snapshot()
 
-    replicas = Table(title="Replicas", title_justify="left", expand=True)
-    for column in ("model", "replica", "workers", "in flight/slots", "affinity hit rate"):
-        replicas.add_column(column)
-    for m in doc["models"]:
-        for r in m.get("replicas") or ():
-            replicas.add_row(m["model"], r["replica"], str(r["workers"]),
-                             f"{r['in_flight']}/{r['slots']}",
-                             "-" if r["hit_rate"] is None
-                             else f"{r['hit_rate']:.0%} of {r['jobs']}")
+    async def snapshot(self) -> Snapshot:
+        assert self.stats is not None, "open() first"
+        return await self.stats.snapshot()
 
-    workers = Table(title="Workers", title_justify="left", expand=True)
-    for column in ("worker", "host", "pid", "up", "models (in flight/slots)", "heartbeat"):
-        workers.add_column(column)
-    for w in doc["workers"]:
-        served = ", ".join(
-            f"{m} {s['in_flight']}/{s['slots']}{' auto' if s.get('adaptive') else ''}"
-            for m, s in w["models"].items())
-        workers.add_row(w["worker_id"] + (" (draining)" if w["draining"] else ""), w["host"],
-                        str(w["pid"]), _age(w["uptime_s"]), served,
-                        f"{w['heartbeat_age_s']:.0f}s ago")
-    if not doc["workers"]:
-        workers.add_row(Text("no live workers", style="bold red"), "", "", "", "", "")
-    tables: list[Any] = [header, models, *([replicas] if replicas.row_count else []), workers]
-    if doc.get("edges") is not None:
-        tables.append(_edges_table(doc["edges"]))
-    if doc.get("batches"):
-        from tidegate.control import batch_admin
-
-        tables.append(batch_admin.render(doc["batches"]))
-    if not doc.get("processes"):
-        return Group(*tables)
-    procs = Table(title="Processes (tidegate up)", title_justify="left", expand=True)
-    for column in ("process", "pid", "state", "restarts", "last exit code"):
-        procs.add_column(column)
-    for p in doc["processes"]:
-        state = "running" if p["running"] else (
-            "restarting" if p["restart_pending"] else "down")
-        procs.add_row(p["name"], str(p["pid"]),
-                      Text(state, style="" if p["running"] else "bold red"),
-                      Text(str(p["restarts"]), style="yellow" if p["restarts"] else ""),
-                      "-" if p["last_exit_code"] is None else str(p["last_exit_code"]))
-    return Group(*tables, procs)
+    async def document(self, snap: Snapshot, previous: Snapshot | None) -> dict[str, Any]:
+        assert self.edges_kv is not None, "open() first"
+        edges = edges_registry.summary(await edges_registry.read_all(self.edges_kv), time.time())
+        return document(self.config, snap, previous, await _queue_modes(self.config),
+                        None if self.data_dir is None else read_state(self.data_dir),
+                        await _batches(self.js, self.config), edges)
 
 
-def _edges_table(edges: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    total = edges["total"]
-    table = Table(title=f"Edges: {total['edges']} live, {total['streams']} open requests, "
-                        f"{total['ws_connections']} WebSockets running "
-                        f"{total['ws_generations']} generations",
-                  title_justify="left", expand=True)
-    for column in ("edge", "host", "open requests", "WebSockets", "ws generations", "up"):
-        table.add_column(column)
-    for e in edges["edges"]:
-        table.add_row(e["edge_id"] + (" (draining)" if e["draining"] else ""), e["host"],
-                      str(e["streams"]), str(e["ws_connections"]), str(e["ws_generations"]),
-                      _age(e["uptime_s"]))
-    return table
+# What a NATS that went away (stopped, restarted, unreachable) raises at a
+# reader: the client's errors (closed connection, timeouts, no responders),
+# a socket's, and connect_once's BrokerError when it is not back yet.
+# asyncio.TimeoutError is TimeoutError, an OSError.
+_NATS_LOST: tuple[type[BaseException], ...] = (nats.errors.Error, OSError, BrokerError)
 
 
-def _age(seconds: float) -> str:
-    if seconds <= 0:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
-    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+async def _close(nc: NATS | None) -> None:
+    """Close a client that may already be closed by the server's going away."""
+    if nc is not None and not nc.is_closed:
+        with contextlib.suppress(*_NATS_LOST):
+            await nc.close()
 
 
-async def _run(config: Config, as_json: bool, once: bool, interval: float,
-               out: IO[str], data_dir: Path | None) -> int:
-    def processes() -> dict[str, Any] | None:
-        return None if data_dir is None else read_state(data_dir)
+def _why(exc: BaseException, url: str) -> str:
+    """The reason in a few words (the URL is already in the line)."""
+    if isinstance(exc, BrokerError):
+        return str(exc).removeprefix(f"cannot reach NATS at {url}: ")
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text and text != type(exc).__name__ \
+        else type(exc).__name__
 
+
+async def _once(config: Config, as_json: bool, interval: float, out: IO[str],
+                data_dir: Path | None, width: int | None) -> int:
+    """One document: two samples ``interval`` apart. A NATS lost in between
+    is a one-line error (exit 1), like one that was never there."""
     nc = await connect_once(config.nats, "tidegate-status")
     try:
-        js = broker.jetstream(nc, config.nats)
-        registry = await workers_registry.ensure_bucket(js, config)
-        edges_kv = await edges_registry.ensure_bucket(js, config)
-
-        async def edges() -> dict[str, Any]:
-            return edges_registry.summary(await edges_registry.read_all(edges_kv), time.time())
-
-        stats = QueueStats(js, config, registry)
-        previous = await stats.snapshot()
-        if as_json or once:
-            await asyncio.sleep(interval)
-            doc = document(config, await stats.snapshot(), previous,
-                           await _queue_modes(config), processes(),
-                           await _batches(js, config), await edges())
-            if as_json:
-                out.write(json.dumps(doc, indent=2) + "\n")
-            else:
-                from rich.console import Console
-
-                Console(file=out, width=None if out.isatty() else 160).print(render(doc))
-            return 0
-        from rich.console import Console
-        from rich.live import Live
-
-        doc = document(config, previous, None, await _queue_modes(config), processes(),
-                       await _batches(js, config), await edges())
-        with Live(render(doc), console=Console(file=out), refresh_per_second=4,
-                  screen=False) as live:
-            while True:
-                await asyncio.sleep(interval)
-                snap = await stats.snapshot()
-                doc = document(config, snap, previous, await _queue_modes(config),
-                               processes(), await _batches(js, config), await edges())
-                previous = snap
-                live.update(render(doc))
+        source = Source(nc, config, data_dir)
+        previous = await source.open()
+        await asyncio.sleep(interval)
+        doc = await source.document(await source.snapshot(), previous)
+    except _NATS_LOST as exc:
+        raise BrokerError(f"lost NATS at {config.nats.url}: {_why(exc, config.nats.url)}") from None
     finally:
-        await nc.close()
+        await _close(nc)
+    if as_json:
+        out.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        out.write(status_view.render(doc, width or _Screen(out).width()))
+    out.flush()
+    return 0
+
+
+class _Screen:
+    """Where the live view goes. A terminal is redrawn in place at its current
+    width; a pipe or file gets each frame after the last, and a NATS outage
+    as one line when it starts and one when it ends (not one per retry)."""
+
+    def __init__(self, out: IO[str], width: int | None = None,
+                 rows: int | None = None) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.fixed = width
+        self.rows = rows
+
+    def width(self) -> int:
+        # COLUMNS first, then the terminal; 160 for a pipe (a log, a test).
+        return self.fixed or shutil.get_terminal_size((160, 24)).columns
+
+    def frame(self, text: str) -> None:
+        if not self.tty:
+            self.out.write(text + "\n")
+            self.out.flush()
+            return
+        lines = text.rstrip("\n").split("\n")
+        # At most rows - 1 lines, each ending in a newline: one more would
+        # scroll the top of the frame away, and the next redraw from "home"
+        # would leave torn copies in the scrollback. Rows are cut, never cells.
+        rows = max(3, (self.rows or shutil.get_terminal_size((160, 24)).lines) - 1)
+        if len(lines) > rows:
+            hidden = len(lines) - rows + 1
+            lines = [*lines[:rows - 1],
+                     f"(+{hidden} lines: a taller terminal shows them, or --once)"]
+        # Home, each line clearing its old tail, then clear below: no flicker.
+        self.out.write("\x1b[H" + "".join(f"{line}\x1b[K\n" for line in lines) + "\x1b[J")
+        self.out.flush()
+
+    def note(self, line: str) -> None:
+        """A line a pipe keeps (the next frame redraws a terminal anyway)."""
+        if not self.tty:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def problem(self, line: str, first: bool) -> None:
+        if self.tty:
+            self.frame("\n".join(status_view.wrap(line, self.width())) + "\n")
+        elif first:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+
+async def _watch(config: Config, interval: float, screen: _Screen,
+                 data_dir: Path | None) -> int:
+    """The live view until Ctrl-C. NATS not there at the start: a one-line
+    error (exit 1), as before. NATS gone later (the stack stopped or
+    restarted): say so, retry every ``interval``, and carry on when it is
+    back; never a traceback."""
+    url = config.nats.url
+    nc: NATS | None = await connect_once(config.nats, "tidegate-status")
+    lost: float | None = None  # when NATS went away; None while connected
+    try:
+        while True:
+            try:
+                if nc is None:
+                    nc = await connect_once(config.nats, "tidegate-status")
+                source = Source(nc, config, data_dir)
+                previous = await source.open()
+                if lost is not None:
+                    screen.note(f"tidegate status: NATS at {url} is back after "
+                                f"{status_view.age(time.time() - lost)}")
+                lost = None
+                screen.frame(status_view.render(await source.document(previous, None),
+                                                screen.width()))
+                while True:
+                    await asyncio.sleep(interval)
+                    snap = await source.snapshot()
+                    doc = await source.document(snap, previous)
+                    previous = snap
+                    screen.frame(status_view.render(doc, screen.width()))
+            except _NATS_LOST as exc:
+                first = lost is None
+                lost = time.time() if lost is None else lost
+                since = time.strftime("%H:%M:%S", time.localtime(lost))
+                screen.problem(f"tidegate status: lost NATS at {url} at {since} "
+                               f"({_why(exc, url)}); reconnecting every {interval:g}s, "
+                               "Ctrl-C quits", first)
+                await _close(nc)
+                nc = None
+                await asyncio.sleep(interval)
+    finally:  # Ctrl-C cancels the loop: still say goodbye to the server
+        await _close(nc)
 
 
 def run(config: Config, as_json: bool = False, once: bool = False,
         interval: float | None = None, out: IO[str] | None = None,
-        data_dir: Path | None = None) -> int:
+        data_dir: Path | None = None, width: int | None = None) -> int:
     """``tidegate status``; the exit code. Ctrl-C ends the live view (0).
 
-    ``data_dir``: where a ``tidegate up`` keeps its process state file.
+    ``data_dir``: where a ``tidegate up`` keeps its process state file;
+    ``width``: the view's width (default: the terminal's, 160 off one).
     """
     wait = interval if interval is not None else (1.0 if as_json or once else 2.0)
+    stream = out or sys.stdout
     try:
-        return asyncio.run(_run(config, as_json, once, wait, out or sys.stdout, data_dir))
+        if as_json or once:
+            return asyncio.run(_once(config, as_json, wait, stream, data_dir, width))
+        return asyncio.run(until_interrupted(
+            _watch(config, wait, _Screen(stream, width), data_dir)))
     except KeyboardInterrupt:
         return 0
+
+
+async def until_interrupted(body: Coroutine[Any, Any, int], *, grace: float = 2.0) -> int:
+    """Run the live view until it ends or Ctrl-C (SIGINT), which ends it in
+    at most ``grace`` seconds (0). asyncio's own Ctrl-C cancels the view's
+    task once; a library call that swallows that one cancellation (the view
+    waits in nats-py, redis-py and JetStream calls while NATS comes and
+    goes) kept the view running, deaf to Ctrl-C. Here the task is cancelled
+    again until it ends."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    task = asyncio.ensure_future(body)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        deadline = loop.time() + grace
+        while not task.done() and loop.time() < deadline:
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+        return 0
+    finally:
+        stopper.cancel()
+        loop.remove_signal_handler(signal.SIGINT)

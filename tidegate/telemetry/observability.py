@@ -1,34 +1,27 @@
-"""Per-process telemetry around a tier's ``serve``: SDK setup, ``/metrics``,
-and (dispatcher) the queue-depth poller.
+"""Serving a process's ``/metrics``: the handler, a small metrics server and
+where it listens. ``tidegate.run.instrumented`` sets the SDK up around a
+tier's ``serve`` and starts the server, so the tiers themselves only
+record. Where ``/metrics`` is:
 
-The CLI runs every tier as ``run_service(instrumented(serve, tier), config)``,
-so the tiers themselves only record. Where ``/metrics`` is:
-
-* edge: its main HTTP port (``edge/app.py`` adds the route);
-* dispatcher and worker: a small HTTP server on ``$TIDEGATE_METRICS_PORT``
-  (bound to ``$TIDEGATE_METRICS_HOST``, default ``127.0.0.1``), when set.
-  ``tidegate up`` gives each child its own port and prints them.
-
-Queue depth is a fleet-wide value read from JetStream, so dispatchers export
-it (each the same numbers; alert on ``max`` across them). The poller has its
-own NATS connection, so it never queues behind the dispatch loop.
+* every tier: a small HTTP server (``/metrics`` and ``/healthz``) on
+  ``$TIDEGATE_METRICS_PORT``, bound to ``$TIDEGATE_METRICS_HOST`` (default
+  ``127.0.0.1``), when set. ``tidegate up`` gives each child its own port and
+  prints them.
+* edge, without the variable: ``edge.metrics_port`` on ``edge.metrics_host``
+  (default 9464 on 127.0.0.1; 0 = none). Never the API port unless
+  ``edge.metrics_public`` (``edge/app.py`` adds the route then): ``/metrics``
+  takes no key, and tenant names, models and traffic are in it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
-from tidegate.broker import broker
-from tidegate.config import Config
-from tidegate.run.runtime import Serve
-from tidegate.telemetry import telemetry
-from tidegate.telemetry.telemetry import Telemetry, TelemetrySettings
+from tidegate.telemetry.telemetry import Telemetry
 
 log = logging.getLogger("tidegate.telemetry")
 
@@ -79,61 +72,3 @@ def metrics_address(env: Mapping[str, str] | None = None) -> tuple[str, int] | N
     if not 0 < port <= 65535:
         raise ValueError(f"{METRICS_PORT_ENV}: must be 1..65535, got {port}")
     return env.get(METRICS_HOST_ENV, "").strip() or "127.0.0.1", port
-
-
-def instrumented(serve: Serve, tier: str) -> Serve:
-    """``serve`` with this process's telemetry set up around it."""
-
-    async def run(config: Config, stop: asyncio.Event) -> None:
-        tel = telemetry.setup(TelemetrySettings.from_env(tier))
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                address = metrics_address() if tier != "edge" else None
-                if address is not None:
-                    runner = await start_metrics_server(tel, *address)
-                    stack.push_async_callback(runner.cleanup)
-                async with asyncio.TaskGroup() as tg:
-                    poller = (tg.create_task(_poll_queues(config, stop, tel))
-                              if tier == "dispatcher" else None)
-                    try:
-                        await serve(config, stop)
-                    finally:
-                        if poller is not None:
-                            poller.cancel()
-        finally:
-            # Blocks for at most the exporters' timeouts: queued spans of the
-            # last requests are worth a moment at exit.
-            await asyncio.to_thread(tel.shutdown)
-
-    return run
-
-
-async def _poll_queues(config: Config, stop: asyncio.Event, tel: Telemetry) -> None:
-    """Never raises: a failure here must not take the dispatcher down with it."""
-    try:
-        await _poll_queues_until_stop(config, stop, tel)
-    except Exception:
-        log.exception("queue stats stopped; queue gauges are stale from now on")
-
-
-async def _poll_queues_until_stop(config: Config, stop: asyncio.Event, tel: Telemetry) -> None:
-    from tidegate.control import workers_registry
-    from tidegate.control.queue_stats import QueueStats
-
-    try:
-        nc = await broker.connect(config.nats, "tidegate-dispatcher-stats", stop)
-    except Exception as exc:  # stopped before NATS answered: nothing to report
-        log.info("queue stats not started: %s", exc)
-        return
-    try:
-        js = broker.jetstream(nc, config.nats)
-        registry = None
-        try:
-            registry = await workers_registry.ensure_bucket(js, config)
-        except Exception as exc:
-            log.warning("worker registry unavailable, fleet gauges off: %s", exc)
-        stats = QueueStats(js, config, registry)
-        stats.register(tel.metrics)
-        await stats.run(stop)
-    finally:
-        await broker.close(nc)

@@ -64,6 +64,10 @@ CAUSE = "tidegate.cancel.cause"
 TIER = "tidegate.tier"
 OUTCOME = "tidegate.outcome"
 LIMIT = "tidegate.quota.limit"
+TENANT = "tidegate.tenant"
+CURRENCY = "tidegate.currency"
+BUDGET = "tidegate.budget"  # a budget's scope id (docs/spend.md)
+THRESHOLD = "tidegate.budget.threshold"  # the fraction of a budget an alert is about
 SLOT_STATE = "tidegate.slot.state"
 REPLICA = "tidegate.replica"  # a backend replica of a model (docs/routing.md)
 ROUTE_REASON = "tidegate.route.reason"  # why a job went where it went
@@ -260,6 +264,14 @@ class Metrics:
         self.queue_mode_queued = meter.create_gauge(
             "tidegate.queue_mode.queued", unit="{request}",
             description="Requests held in the model's queue-mode fair queue")
+        self.spend = meter.create_counter(
+            "tidegate.spend", unit="{currency}",
+            description="Money spent, in spend.currency, by tenant and model (the cost "
+                        "of every finished job at its model's price)")
+        self.budget_alerts = meter.create_counter(
+            "tidegate.budget.alerts", unit="{alert}",
+            description="A budget's spend crossed an alert threshold (spend.alert_at), by "
+                        "budget and threshold")
         self.quota_rejections = meter.create_counter(
             "tidegate.quota.rejections", unit="{request}",
             description="Requests rejected by a quota, by tidegate.quota.limit (requests, "

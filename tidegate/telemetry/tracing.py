@@ -54,9 +54,9 @@ REPLICA = "tidegate.replica"  # the backend replica a job was routed to ("" = sh
 ROUTE_REASON = "tidegate.route.reason"  # why (tidegate.wire.affinity.Reason)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-# OpenTelemetry GenAI operation names; a Responses call is a chat turn there.
+# OpenTelemetry GenAI operation names; a Responses or Messages call is a chat turn there.
 _OPERATIONS = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion", Api.RESPONSES: "chat",
-               Api.EMBEDDINGS: "embeddings"}
+               Api.EMBEDDINGS: "embeddings", Api.MESSAGES: "chat"}
 
 
 def operation(api: Api) -> str:

@@ -1,7 +1,7 @@
 """The batch API's data model, sans-I/O: files, batches, their status machine, lines.
 
 Nothing here touches NATS or sockets; the edge routes (``edge.files``,
-``edge.batches``), the runner (``dispatcher.batch``) and the CLI share it.
+``edge.batches``), the runner (``dispatcher.batch.runner``) and the CLI share it.
 
 * :class:`BatchStatus` and :data:`TRANSITIONS`: the batch's status machine as
   an enum plus a transition table. Every status change goes through
@@ -31,14 +31,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from tidegate.errors import TidegateError
+from tidegate.errors import ApiError, TidegateError
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+             "/v1/messages")
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
 _ID = re.compile(r"(file-|batch_)[0-9a-f]{32}")
@@ -299,11 +300,23 @@ class BatchLine:
     body: dict[str, Any]
 
 
-def parse_line(line: int, raw: bytes, endpoint: str) -> BatchLine:
-    """One input line, or the :class:`LineError` (raised as BadLine) naming it."""
+def parse_line(line: int, raw: bytes, endpoint: str,
+               loads: Callable[[bytes], Any] = json.loads) -> BatchLine:
+    """One input line, or the :class:`LineError` (raised as BadLine) naming it.
+
+    ``loads`` parses the line; the runner passes the edge's bounded parser
+    (``dispatcher.batch.files.line_loader``: nesting, duplicate keys), whose
+    ``ApiError`` names what is wrong. A non-object line is ``invalid_request``
+    whichever parser said so."""
     try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        obj = loads(raw)
+    except ApiError as error:
+        if error.message.startswith("The request body must be a JSON object"):
+            obj = None  # valid JSON, just not an object: reported below
+        else:
+            raise BadLine(LineError("invalid_json_line", f"Line {line}: {error.message}",
+                                    line, error.param)) from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise BadLine(LineError("invalid_json_line", f"Line {line} is not valid JSON.",
                                 line)) from None
     if not isinstance(obj, dict):
@@ -338,16 +351,18 @@ class LineValidator:
 
     MAX_ERRORS = 100  # a broken file reports this many, not one per line
 
-    def __init__(self, endpoint: str, max_lines: int) -> None:
+    def __init__(self, endpoint: str, max_lines: int,
+                 loads: Callable[[bytes], Any] = json.loads) -> None:
         self.endpoint = endpoint
         self.max_lines = max_lines
+        self.loads = loads
         self.count = 0
         self.errors: list[LineError] = []
         self._seen: set[str] = set()
 
     def feed(self, line: int, raw: bytes) -> BatchLine | None:
         try:
-            parsed = parse_line(line, raw, self.endpoint)
+            parsed = parse_line(line, raw, self.endpoint, self.loads)
         except BadLine as bad:
             self.error(bad.error)
             return None

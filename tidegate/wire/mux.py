@@ -19,10 +19,16 @@ Invariants:
 * Order: an edge gets one request's messages in the order they were put.
   Batches for one subject are published in order, each batch keeps put order,
   and one NATS connection preserves publish order to a subscriber.
-* No added latency: a batch waits only for the rest of the current loop
-  iteration (the flusher yields once, so every job woken in this iteration
-  adds to it), never for a timer. Under load an iteration carries more, so
-  the cost per chunk falls as the load rises.
+* Bounded latency: with no ``delay`` a batch waits only for the rest of the
+  current loop iteration (the flusher yields once, so every job woken in this
+  iteration adds to it), never for a timer. Under load an iteration carries
+  more, so the cost per chunk falls as the load rises. At moderate load an
+  iteration carries one chunk, and every chunk costs a NATS message and a
+  wake-up of the edge: a ``delay`` (``worker.coalesce_delay``) lets a batch's
+  oldest message wait that long for others, so chunks of many streams that
+  arrive within it travel together. No message waits longer than ``delay``
+  plus one loop iteration, and a batch cut at ``max_bytes`` leaves at once.
+  One timer per batch, not per stream.
 * Bounded: a batch is cut at ``max_bytes`` of payload (one message larger
   than that goes alone), so no NATS message approaches the server's
   max_payload. What waits in the outbox is bounded by the flow-control
@@ -62,13 +68,17 @@ class Outbox:
     sequence number and its place in the batch are assigned with no ``await``
     in between, which is what keeps the wire order the sequence order."""
 
-    def __init__(self, publish: Publish, max_bytes: int = 128 << 10) -> None:
+    def __init__(self, publish: Publish, max_bytes: int = 128 << 10,
+                 delay: float = 0.0) -> None:
         self._publish = publish
         self._max_bytes = max_bytes
+        self._delay = delay  # the latency budget: how long a batch may wait for more
+        self._hurry = 0  # flush() calls waiting: no batch waits out the budget
         self._open: dict[str, list[Any]] = {}  # subject -> the batch being filled
         self._sizes: dict[str, int] = {}
         self._full: list[tuple[str, list[Any]]] = []  # cut at max_bytes, in order
         self._wake: asyncio.Future[None] | None = None
+        self._linger: asyncio.Future[None] | None = None  # set while a batch waits
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -96,6 +106,9 @@ class Outbox:
             self._full.append((subject, batch))
             batch = self._open[subject] = [VERSION, Kind.MUX]
             self._sizes[subject] = 0
+            linger = self._linger
+            if linger is not None and not linger.done():
+                linger.set_result(None)  # a full batch does not wait out the budget
         batch.append(request_id)
         batch.append(message)
         self._sizes[subject] += size
@@ -106,7 +119,15 @@ class Outbox:
         if self._task is None or self._task.done():
             await self._publish_all()
             return
-        await self._idle.wait()
+        # Whoever flushes waits for no budget: neither the wait under way nor
+        # one the flusher is about to start.
+        self._hurry += 1
+        try:
+            if self._linger is not None:
+                _settle(self._linger)
+            await self._idle.wait()
+        finally:
+            self._hurry -= 1
 
     async def close(self) -> None:
         await self.flush()
@@ -126,6 +147,14 @@ class Outbox:
                 self._wake = loop.create_future()
                 await self._wake
                 self._wake = None
+            if self._delay and not self._full and not self._hurry:
+                # Wait out the latency budget (or a batch filling up) for other
+                # streams' messages to join this one.
+                linger = self._linger = loop.create_future()
+                timer = loop.call_later(self._delay, _settle, linger)
+                await linger
+                timer.cancel()
+                self._linger = None
             # Let the rest of this loop iteration's ready callbacks (other jobs
             # woken by the same epoll round) add to the batch first.
             await asyncio.sleep(0)
@@ -148,6 +177,11 @@ class Outbox:
                 continue
             self.published += 1
             self.frames += (len(batch) - 2) // 2
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def decode_mux(data: bytes) -> list[tuple[str, bytes]]:

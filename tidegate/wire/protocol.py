@@ -23,6 +23,7 @@ a worker ``seq``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -52,13 +53,15 @@ class Kind(IntEnum):
     ATTACH = 10  # edge -> worker: a reader of a resumable stream is here
     DETACH = 11  # edge -> worker: that reader left
     LOG_OPEN = 12  # first entry of a resumable stream's log (tidegate.wire.streamlog)
+    CONTINUE = 13  # edge -> worker: go ahead, continuing from the delivered text
 
 
 _CHUNK = int(Kind.CHUNK)  # a plain int packs faster than the enum member (per chunk)
 
 
 class Api(IntEnum):
-    """Which OpenAI endpoint the request came in on (decides the chunk format).
+    """Which endpoint (OpenAI's, or Anthropic's Messages) a request came in on
+    (decides the chunk format).
 
     Values are on the wire (``Request.api``): append, never renumber."""
 
@@ -66,6 +69,7 @@ class Api(IntEnum):
     COMPLETIONS = 1
     RESPONSES = 2  # /v1/responses: typed SSE events (``event:`` + ``data:``), no [DONE]
     EMBEDDINGS = 3  # /v1/embeddings: never streamed, input tokens only
+    MESSAGES = 4  # Anthropic's /v1/messages: typed SSE events, no [DONE] (docs/anthropic.md)
 
 
 class Admission(IntEnum):
@@ -229,6 +233,12 @@ class UsageRecord:
     # the job with the RESERVED_HEADER). Unknown means yes: settling a
     # reservation that does not exist is harmless, skipping one is not.
     reserved: bool = True
+    # Of prompt_tokens, those served from the backend's prefix cache.
+    cached_tokens: int = 0
+    # What the request cost, in nano-units (10^-9) of ``currency``, at the
+    # model's price when the worker picked the job up; "" = no price set.
+    cost_nanos: int = 0
+    currency: str = ""
 
     def encode(self) -> bytes:
         fields = {f: getattr(self, f) for f in self.__slots__}
@@ -241,6 +251,13 @@ class UsageRecord:
             if not isinstance(m, dict) or m.get("v") != VERSION:
                 raise ProtocolError("usage record is not a version-1 map")
             known = {f: m[f] for f in cls.__slots__ if f in m}
+            for name in ("cached_tokens", "cost_nanos"):
+                value = known.get(name, 0)
+                if isinstance(value, bool) or not isinstance(value, int) or not (
+                        0 <= value < 1 << 62):
+                    raise ProtocolError(f"usage record: {name} must be an integer >= 0")
+            if not isinstance(known.get("currency", ""), str):
+                raise ProtocolError("usage record: currency must be a string")
             return cls(**known)
         except ProtocolError:
             raise
@@ -310,15 +327,20 @@ class Head(NamedTuple):
     after a worker died, and the worker waits for the edge's go-ahead (an
     ``Ack`` with ``seq = 0``) before it calls the backend, so output that
     already reached the client is never generated a second time.
+    ``ack`` is the job message's JetStream ack subject: an edge that finds the
+    worker dead (edge.liveness) sends ``-NAK`` there, so JetStream hands the
+    job to another worker at once instead of after ``worker.ack_wait``.
     """
 
     seq: int
     control: str
     job_seq: int = 0
     attempt: int = 1
+    ack: str = ""
 
     def encode(self) -> bytes:
-        return _pack([VERSION, Kind.HEAD, self.seq, self.control, self.job_seq, self.attempt])
+        return _pack([VERSION, Kind.HEAD, self.seq, self.control, self.job_seq, self.attempt,
+                      self.ack])
 
 
 class Chunk(NamedTuple):
@@ -351,13 +373,19 @@ class Heartbeat(NamedTuple):
         return _pack([VERSION, Kind.HEARTBEAT, self.seq])
 
 
+_MONEY = re.compile(r"[0-9]{1,18}(\.[0-9]{1,9})?")  # a plain decimal amount
+
+
 class Done(NamedTuple):
-    """Worker -> edge: the response is complete."""
+    """Worker -> edge: the response is complete. ``cost``: what it cost, a
+    decimal string in the currency (the edge's ``x-tidegate-cost``); "" when
+    the model has no price (and from workers that predate prices)."""
 
     seq: int
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    cost: str = ""
 
     def encode(self) -> bytes:
         return _pack(
@@ -368,8 +396,17 @@ class Done(NamedTuple):
                 self.prompt_tokens,
                 self.completion_tokens,
                 self.finish_reason,
+                self.cost,
             ]
         )
+
+    def cost_headers(self, currency: str) -> dict[str, str]:
+        """``x-tidegate-cost`` / ``x-tidegate-currency`` (docs/spend.md); none
+        without a cost or with one that is not a plain amount (it comes from a
+        worker and goes into a header)."""
+        if not self.cost or not _MONEY.fullmatch(self.cost):
+            return {}
+        return {"x-tidegate-cost": self.cost, "x-tidegate-currency": currency}
 
 
 class Error(NamedTuple):
@@ -391,6 +428,36 @@ class Ack(NamedTuple):
 
     def encode(self) -> bytes:
         return _pack([VERSION, Kind.ACK, 0, self.request_id, self.seq])
+
+
+class Continue(NamedTuple):
+    """Edge -> worker control subject: the go-ahead of a redelivered job whose
+    first worker died after output reached the client (docs/resume.md,
+    "Continuation"). ``text`` is what the client received, ``tokens`` how many
+    content events carried it: the worker asks the backend to continue the
+    text, with the token limit reduced by ``tokens``, and drops what would
+    repeat the stream's opening (the role chunk).
+
+    A Responses stream's seam needs more (workers/continuation.py,
+    ``ContinuedResponses``): ``events``, the sequence_number its next event
+    takes; ``response_id`` and ``item_id``, the ids the client saw (the new
+    backend names its own); ``opened``, how many of the opening events
+    (created, in_progress, output_item.added, content_part.added) it got.
+    Encoded after the first three, so an older decoder reads what it knows."""
+
+    request_id: str
+    text: str
+    tokens: int
+    events: int = 0
+    response_id: str = ""
+    item_id: str = ""
+    opened: int = 0
+
+    def encode(self) -> bytes:
+        head = [VERSION, Kind.CONTINUE, 0, self.request_id, self.text, self.tokens]
+        if self.events or self.response_id or self.item_id or self.opened:
+            head += [self.events, self.response_id, self.item_id, self.opened]
+        return _pack(head)
 
 
 class Cancel(NamedTuple):
@@ -440,7 +507,7 @@ class Detach(NamedTuple):
 
 
 SessionMessage = Status | Head | Chunk | Heartbeat | Done | Error
-ControlMessage = Ack | Cancel | Retransmit | Attach | Detach
+ControlMessage = Ack | Cancel | Retransmit | Attach | Detach | Continue
 
 _pack = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
@@ -465,9 +532,10 @@ def decode_session(data: bytes) -> SessionMessage:
         if kind == Kind.HEARTBEAT:
             return Heartbeat(t[2])
         if kind == Kind.HEAD:
-            return Head(t[2], t[3], t[4], t[5] if len(t) > 5 else 1)
+            return Head(t[2], t[3], t[4], t[5] if len(t) > 5 else 1, t[6] if len(t) > 6 else "")
         if kind == Kind.DONE:
-            return Done(t[2], t[3], t[4], t[5])
+            return Done(t[2], t[3], t[4], t[5], t[6] if len(t) > 6 and isinstance(t[6], str)
+                        else "")
         if kind == Kind.ERROR:
             return Error(t[2], _error_info(t[3]))
         if kind == Kind.STATUS:
@@ -498,6 +566,9 @@ def decode_control(data: bytes) -> ControlMessage:
             return Attach(str(t[3]), str(t[4]))
         if kind == Kind.DETACH:
             return Detach(str(t[3]), str(t[4]))
+        if kind == Kind.CONTINUE:
+            seam = (int(t[6]), str(t[7]), str(t[8]), int(t[9])) if len(t) > 9 else ()
+            return Continue(str(t[3]), str(t[4]), int(t[5]), *seam)
     except ProtocolError:
         raise
     except Exception as exc:

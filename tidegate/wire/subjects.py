@@ -148,6 +148,14 @@ class Subjects:
     def out(self, edge_id: str, request_id: str) -> str:
         return f"{self.prefix}.out.{edge_id}.{request_id}"
 
+    def edge_inboxes(self, *subjects: str) -> bool:
+        """Whether every non-empty subject is under an edge's inbox
+        (``<p>.out.``). A request came off the broker, untrusted: a tier
+        answers on its ``reply`` and ``mux`` only when they pass, or a
+        forged request could make it publish anywhere."""
+        inbox = f"{self.prefix}.out."
+        return all(s.startswith(inbox) for s in subjects if s)
+
     def edge_mux(self, edge_id: str) -> str:
         """Where workers send an edge the messages of many sessions in one NATS
         message. Inside the inbox wildcard; ``MUX_TOKEN`` is never a request id

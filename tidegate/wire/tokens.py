@@ -138,6 +138,8 @@ def estimate_prompt_tokens(api: Api, body: Mapping[str, Any]) -> int:
     cost = 0.0
     if api == Api.RESPONSES:
         return math.ceil(_responses_cost(body))
+    if api == Api.MESSAGES:
+        return math.ceil(_messages_cost(body))
     if api == Api.EMBEDDINGS:
         return math.ceil(sum(_text_cost(p) if isinstance(p, str) else len(p)
                              for p in _prompts(body.get("input"))))
@@ -216,6 +218,50 @@ def _responses_cost(body: Mapping[str, Any]) -> float:
             value = item.get(key)
             if isinstance(value, str):
                 cost += _text_cost(value)
+    if body.get("tools"):
+        cost += _text_cost(_json(body["tools"]))
+    return cost
+
+
+def _messages_cost(body: Mapping[str, Any]) -> float:
+    """An Anthropic Messages body: ``system``, each turn's content blocks
+    (text, images, tool calls and their results), the tool definitions."""
+    cost = float(_REPLY_PRIMING)
+    system = body.get("system")
+    blocks: list[Any] = [{"type": "text", "text": system}] if isinstance(system, str) else (
+        list(system) if isinstance(system, list) else [])
+    if blocks:
+        cost += _PER_MESSAGE
+    turns = body.get("messages")
+    for turn in turns if isinstance(turns, list) else ():
+        if not isinstance(turn, Mapping):
+            continue
+        cost += _PER_MESSAGE
+        content = turn.get("content")
+        if isinstance(content, str):
+            cost += _text_cost(content)
+        elif isinstance(content, list):
+            blocks.extend(content)
+    while blocks:
+        block = blocks.pop()
+        if not isinstance(block, Mapping):
+            continue
+        kind = block.get("type")
+        if isinstance(block.get("text"), str):
+            cost += _text_cost(block["text"])
+        elif kind == "image":
+            cost += _IMAGE_TOKENS
+        elif kind == "tool_use":
+            cost += _PER_TOOL_CALL + _text_cost(_json(block.get("input")))
+            if isinstance(block.get("name"), str):
+                cost += _text_cost(block["name"])
+        elif kind == "tool_result":
+            content = block.get("content")
+            if isinstance(content, str):
+                cost += _PER_TOOL_CALL + _text_cost(content)
+            elif isinstance(content, list):
+                cost += _PER_TOOL_CALL
+                blocks.extend(content)
     if body.get("tools"):
         cost += _text_cost(_json(body["tools"]))
     return cost

@@ -38,7 +38,8 @@ from tidegate.wire.protocol import Api
 # generation, so an unbounded one would multiply into every chunk.
 MAX_ID_LENGTH = 128
 
-PATHS: dict[str, Api] = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS}
+PATHS: dict[str, Api] = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS,
+                         "/v1/messages": Api.MESSAGES}
 
 
 class CloseCode(IntEnum):
@@ -132,7 +133,7 @@ def parse_client_frame(data: bytes | str | None, *, binary: bool = False,
     """One client frame -> its event. Never raises.
 
     ``loads`` parses the JSON and raises :class:`ApiError` for bad input; the
-    edge passes its strict, depth-bounded body parser (``edge.jsonbody``), so
+    edge passes its strict, depth-bounded body parser (``tidegate.validation.jsonbody``), so
     a request frame's body is held to exactly the rules of an HTTP body."""
     if binary or data is None:
         return Invalid(_frame_error("Binary frames are not part of this protocol; send JSON "

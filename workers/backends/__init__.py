@@ -1,92 +1,16 @@
 """Model backends: the seam between a worker and whatever generates tokens.
 
-A worker only ever talks to :class:`Backend` and :class:`BackendStream`; the
-built-in simulator and the OpenAI-compatible HTTP client are two
-implementations, and tests can add fakes.
-
-Contract of :meth:`BackendStream.read`:
-
-* It returns bytes that the edge writes to the client **as they are**. For a
-  streaming request these are one or more complete SSE events
-  (``data: {...}\\n\\n``); for a non-streaming request, a slice of the final JSON
-  body. It never returns a partial SSE event, and never ``data: [DONE]`` (the
-  edge writes that itself once the worker reports ``Done``).
-* It returns ``b""`` exactly once, at the end; :attr:`BackendStream.usage` is
-  final from then on.
-* ``max_bytes`` bounds the bytes read from the backend in one call, so the
-  worker's flow-control window bounds what is buffered. A single SSE event
-  larger than ``max_bytes`` is still returned whole.
-* Errors raise :class:`tidegate.errors.BackendError`. :meth:`Backend.open`
-  raises before anything was sent, so the edge can answer with the HTTP
-  status; :meth:`read` raises mid-stream.
-* :meth:`BackendStream.aclose` closes the backend connection at once. That is
-  what makes vLLM and friends abort the generation and free its KV cache.
+The contract every backend keeps is in :mod:`workers.backends.base` (its
+protocols and :class:`Usage` are handed on from here); this package's face
+picks the implementation a model's config names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 from tidegate.config import ModelConfig, WorkerConfig
-from tidegate.errors import BackendError
-from tidegate.wire.protocol import Request
+from workers.backends.base import Backend, BackendStream, PushStream, Sink, Usage
 
-
-@dataclass(slots=True)
-class Usage:
-    """Token accounting for one response; final once ``read()`` returned ``b""``.
-
-    For a cancelled stream it holds what was generated so far.
-    """
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str = ""
-
-
-class BackendStream(Protocol):
-    @property
-    def usage(self) -> Usage: ...
-
-    async def read(self, max_bytes: int) -> bytes: ...
-
-    async def aclose(self) -> None: ...
-
-
-class Sink(Protocol):
-    """Where a :class:`PushStream` delivers: in practice the worker's job.
-
-    ``credit`` is how many bytes the sink takes in the next :meth:`data` call
-    (0: none now; the stream then holds what it has, stops reading the
-    backend, and waits for :meth:`PushStream.resume`). Each :meth:`data` call
-    is one message of complete SSE events (or body slice), as ``read``
-    returns. :meth:`end` comes once: None after the last byte, or the error
-    that ended the stream. All three are called from socket callbacks and
-    must not block.
-    """
-
-    def credit(self) -> int: ...
-
-    def data(self, data: bytes) -> None: ...
-
-    def end(self, error: BackendError | None) -> None: ...
-
-
-class PushStream(BackendStream, Protocol):
-    """A stream that can push into a :class:`Sink` instead of being read:
-    the hot path of the worker, with no task wake-up per chunk. A stream is
-    consumed one way only: either :meth:`start` or ``read``."""
-
-    def start(self, sink: Sink) -> None: ...
-
-    def resume(self) -> None: ...
-
-
-class Backend(Protocol):
-    async def open(self, request: Request) -> BackendStream: ...
-
-    async def aclose(self) -> None: ...
+__all__ = ["Backend", "BackendStream", "PushStream", "Sink", "Usage", "create_backend"]
 
 
 def create_backend(model: ModelConfig, worker: WorkerConfig) -> Backend:

@@ -37,13 +37,18 @@ import os
 from typing import Any
 
 from tidegate.config import ModelConfig, WorkerConfig
+from tidegate.control.prices import PRICE_EXTRA
 from tidegate.errors import BackendError, ConfigError
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
-from workers.backends import Sink, Usage, upstream
+from workers.backends import upstream
+from workers.backends.base import Sink, Usage
 from workers.backends.http1 import BodyTooLarge, Http1Pool, Response
+from workers.backends.messages_sse import MessagesPassthrough, MessagesTranslator, finish_of
+from workers.backends.messages_sse import record_usage as record_messages_usage
+from workers.backends.messages_translate import to_chat, to_message
 from workers.backends.responses_sse import ResponsesPassthrough, record_usage
-from workers.backends.sse import SSEPassthrough, loads
+from workers.backends.sse import SSEPassthrough, cached_tokens, loads
 from workers.backends.upstream import endpoint_missing, status_error
 
 __all__ = ["BodyStream", "OpenAIBackend", "OpenAIStream"]
@@ -101,8 +106,9 @@ class OpenAIStream:
     and 1.25 times the limit. Time paused for lack of credit is not silence.
     """
 
-    def __init__(self, resp: Response, parser: SSEPassthrough | ResponsesPassthrough,
-                 model: ModelConfig,
+    def __init__(self, resp: Response,
+                 parser: SSEPassthrough | ResponsesPassthrough | MessagesPassthrough
+                 | MessagesTranslator, model: ModelConfig,
                  read_bytes: int) -> None:
         self._resp = resp
         self._parser = parser
@@ -312,7 +318,13 @@ class OpenAIBackend:
         self._worker = worker
         self._pool: Http1Pool | None = None
         self._paths = {Api.CHAT: "/chat/completions", Api.COMPLETIONS: "/completions",
-                       Api.RESPONSES: "/responses", Api.EMBEDDINGS: "/embeddings"}
+                       Api.RESPONSES: "/responses", Api.EMBEDDINGS: "/embeddings",
+                       Api.MESSAGES: "/messages"}
+        # /v1/messages: relayed to the backend's own (True), translated to
+        # chat (False), or not known yet ("auto" until the first answer).
+        self._native: bool | None = {"passthrough": True, "translate": False}.get(
+            model.messages)
+        self._anthropic_auth = b""
         auth = ""
         if model.api_key_env:
             key = os.environ.get(model.api_key_env, "")
@@ -323,6 +335,7 @@ class OpenAIBackend:
                 raise ConfigError(f"model {model.name!r}: the key in {model.api_key_env!r} "
                                   f"holds characters an HTTP header cannot carry")
             auth = f"Authorization: Bearer {key}\r\n"
+            self._anthropic_auth = f"x-api-key: {key}\r\n".encode("latin-1")
         common = ("Content-Type: application/json\r\nAccept-Encoding: identity\r\n"
                   f"User-Agent: tidegate\r\n{auth}")
         self._base_headers = {
@@ -338,7 +351,7 @@ class OpenAIBackend:
     def _payload(self, request: Request) -> bytes:
         body = dict(request.body)
         body["model"] = self._model.backend_model
-        if request.api >= Api.RESPONSES:
+        if request.api in (Api.RESPONSES, Api.EMBEDDINGS, Api.MESSAGES):
             # Responses and embeddings go as the client sent them, model aside:
             # Responses streams report usage in response.completed unasked.
             # Background mode is tidegate's (edge.background): the backend
@@ -354,28 +367,39 @@ class OpenAIBackend:
             body.pop("stream_options", None)  # OpenAI rejects it without stream
         return json.dumps(body, separators=(",", ":")).encode()
 
-    def _headers(self, request: Request) -> bytes:
+    def _headers(self, request: Request, native: bool = False) -> bytes:
         headers = self._base_headers[request.stream]
-        for name in ("traceparent", "tracestate"):
-            value = request.extra.get(name)
-            if isinstance(value, str) and value and _header_safe(value):
+        # A native /v1/messages also gets the client's anthropic-version and
+        # anthropic-beta (edge: extra["anthropic"]), unchanged, and the key
+        # as Anthropic's own API wants it.
+        forwarded = request.extra.get("anthropic") if native else None
+        names = ("traceparent", "tracestate")
+        for name, value in [*((n, request.extra.get(n)) for n in names),
+                            *(forwarded.items() if isinstance(forwarded, dict) else ())]:
+            if isinstance(value, str) and value and _header_safe(value) and _header_safe(name):
                 headers += f"{name}: {value}\r\n".encode("latin-1")
-        return headers
+        return headers + self._anthropic_auth if native else headers
 
-    async def open(self, request: Request) -> OpenAIStream | BodyStream:
+    async def _post(self, path: str, headers: bytes, payload: bytes, api: Api) -> Response:
         model = self._model
         limit = model.connect_timeout + model.first_byte_timeout
         try:
             async with asyncio.timeout(limit):
-                resp = await self._http().request("POST", self._paths[request.api],
-                                                  self._headers(request),
-                                                  self._payload(request))
+                resp = await self._http().request("POST", path, headers, payload)
         except TimeoutError:
             raise upstream.timeout(model.name, "sent no response headers", limit) from None
         except OSError as exc:  # refused, connect timeout, closed, not HTTP
             raise upstream.unavailable(model.name, exc) from exc
         if not 200 <= resp.status < 300:
-            raise await self._status_error(resp, request.api)
+            raise await self._status_error(resp, api)
+        return resp
+
+    async def open(self, request: Request) -> OpenAIStream | BodyStream:
+        if request.api is Api.MESSAGES:
+            return await self._messages(request)
+        model = self._model
+        resp = await self._post(self._paths[request.api], self._headers(request),
+                                self._payload(request), request.api)
         prompt_tokens = estimate_prompt_tokens(request.api, request.body)
         if not request.stream:
             return await self._body(resp, request, prompt_tokens)
@@ -390,7 +414,7 @@ class OpenAIBackend:
         include_usage = request.include_usage or (
             isinstance(options, dict) and bool(options.get("include_usage")))
         parser = SSEPassthrough(include_usage=include_usage, prompt_tokens=prompt_tokens,
-                                model=model.name)
+                                model=model.name, cost=request.extra.get(PRICE_EXTRA))
         return OpenAIStream(resp, parser, model, self._worker.read_bytes)
 
     async def _status_error(self, resp: Response, api: Api) -> BackendError:
@@ -404,6 +428,14 @@ class OpenAIBackend:
             resp.abort()
         log.info("model backend %s answered HTTP %d", self._model.name, resp.status)
         message = upstream.upstream_message(raw)
+        if resp.status == 529 or (resp.status == 503 and api is Api.MESSAGES):
+            # Overloaded (529 is Anthropic's own): 503, which a Messages
+            # client reads as 529 overloaded_error (tidegate.wire.anthropic).
+            return BackendError(503, f"The model backend for {self._model.name!r} is "
+                                f"overloaded (HTTP {resp.status}): {message}",
+                                type="service_unavailable", code="backend_overloaded",
+                                retryable=True,
+                                retry_after=upstream.retry_after(resp.headers) or 1.0)
         if api >= Api.RESPONSES and upstream.is_missing_endpoint(resp.status, message):
             log.warning("model backend %s (%s) does not serve %s", self._model.name,
                         self._model.base_url, self._paths[api])
@@ -413,7 +445,55 @@ class OpenAIBackend:
                             model=self._model.name,
                             retry_after=upstream.retry_after(resp.headers))
 
+    async def _messages(self, request: Request) -> OpenAIStream | BodyStream:
+        """POST /v1/messages: relayed to the backend's own endpoint or
+        translated to chat (``ModelConfig.messages``; "auto" learns which from
+        the first answer and keeps it for the life of this backend)."""
+        model = self._model
+        prompt_tokens = estimate_prompt_tokens(Api.MESSAGES, request.body)
+        if self._native is not False:
+            try:
+                resp = await self._post("/messages", self._headers(request, native=True),
+                                        self._payload(request), Api.MESSAGES)
+            except BackendError as exc:
+                if self._native is not None or exc.code != "endpoint_not_supported":
+                    raise
+                log.info("model backend %s serves no /v1/messages: translating to chat",
+                         model.name)
+                self._native = False
+            else:
+                self._native = True
+                if not request.stream:
+                    raw, obj = await self._read_json(resp)
+                    usage = Usage(prompt_tokens=prompt_tokens, finish_reason=finish_of(
+                        obj.get("stop_reason")))
+                    record_messages_usage(usage, obj.get("usage"), final=True)
+                    return BodyStream(raw, usage)
+                return OpenAIStream(resp, MessagesPassthrough(
+                    prompt_tokens=prompt_tokens, model=model.name,
+                    message_id="msg_" + request.id,
+                    client_model=str(request.body.get("model", model.name))),
+                    model, self._worker.read_bytes)
+        chat = to_chat(request.body, model.backend_model, stream=request.stream)
+        resp = await self._post("/chat/completions", self._headers(request),
+                                json.dumps(chat, separators=(",", ":")).encode(), Api.CHAT)
+        message_id = "msg_" + request.id
+        client_model = str(request.body.get("model", model.name))
+        if not request.stream:
+            _, obj = await self._read_json(resp)
+            usage = _body_usage(obj, Api.CHAT, prompt_tokens)
+            message = to_message(obj, message_id, client_model)
+            return BodyStream(json.dumps(message, separators=(",", ":")).encode(), usage)
+        return OpenAIStream(resp, MessagesTranslator(
+            prompt_tokens=prompt_tokens, model=model.name, message_id=message_id,
+            client_model=client_model), model, self._worker.read_bytes)
+
     async def _body(self, resp: Response, request: Request, prompt_tokens: int) -> BodyStream:
+        body, obj = await self._read_json(resp)
+        return BodyStream(body, _body_usage(obj, request.api, prompt_tokens))
+
+    async def _read_json(self, resp: Response) -> tuple[bytes, dict[str, Any]]:
+        """A complete non-streaming body and its JSON object."""
         model, cap = self._model, self._worker.max_response_bytes
         try:
             async with asyncio.timeout(model.idle_timeout):
@@ -431,10 +511,10 @@ class OpenAIBackend:
         if not isinstance(obj, dict):
             raise upstream.broken(model.name,
                                   "returned a response body that is not a JSON object")
-        if obj.get("error") is not None:
+        if obj.get("error") is not None and obj.get("type") != "message":
             raise upstream.broken(model.name,
                                   f"reported an error: {upstream.upstream_message(body)}")
-        return BodyStream(body, _body_usage(obj, request.api, prompt_tokens))
+        return body, obj
 
     async def aclose(self) -> None:
         if self._pool is not None:
@@ -484,4 +564,5 @@ def _body_usage(obj: dict[str, Any], api: Api, prompt_tokens: int) -> Usage:
             usage.prompt_tokens = reported["prompt_tokens"]
         if isinstance(reported.get("completion_tokens"), int):
             usage.completion_tokens = reported["completion_tokens"]
+        usage.cached_tokens = cached_tokens(reported, "prompt_tokens_details")
     return usage

@@ -31,8 +31,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from workers.backends import Usage
-from workers.backends.sse import loads
+from workers.backends.base import Usage
+from workers.backends.sse import EventFramer, cached_tokens, loads
 from workers.backends.upstream import broken
 
 __all__ = ["ResponsesPassthrough"]
@@ -50,11 +50,11 @@ _FINISH = {"completed": "stop", "max_output_tokens": "length", "content_filter":
            "content_filter", "failed": "error"}
 
 
-class ResponsesPassthrough:
+class ResponsesPassthrough(EventFramer):
     """Upstream Responses SSE bytes in, client-ready SSE bytes out, usage noted."""
 
-    __slots__ = ("_backend_id", "_buf", "_model", "_rename", "done", "events", "spliced",
-                 "usage", "usage_reported")
+    __slots__ = ("_backend_id", "_model", "_rename", "events", "spliced", "usage",
+                 "usage_reported")
 
     def __init__(self, *, prompt_tokens: int, model: str, rename: bytes | None = None) -> None:
         self._buf = b""
@@ -82,34 +82,7 @@ class ResponsesPassthrough:
             tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
             buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
             buf += tail
-        *events, rest = buf.split(b"\n\n")
-        self._buf = rest
-        if not events:
-            return b""
-        kept: list[bytes] = []
-        intact = True  # every event passes unchanged: hand back the input slice as is
-        for event in events:
-            passed = self._event(event)
-            if passed is None:
-                intact = False
-            else:
-                intact = intact and passed is event
-                kept.append(passed)
-            if self.done:
-                intact = False
-                self._buf = b""
-                break
-        if intact:
-            return buf[: len(buf) - len(rest)]
-        return b"\n\n".join(kept) + b"\n\n" if kept else b""
-
-    def flush(self) -> bytes:
-        """End of input: treat an unterminated last event as complete (lenient)."""
-        rest, self._buf = self._buf.rstrip(b"\r\n"), b""
-        if not rest or self.done:
-            return b""
-        passed = self._event(rest)
-        return passed + b"\n\n" if passed else b""
+        return self._events(buf)
 
     def _event(self, event: bytes) -> bytes | None:
         """One event without its blank line: ``event`` itself when it passes
@@ -181,6 +154,7 @@ def record_usage(usage: Usage, reported: Any) -> None:
         usage.prompt_tokens = prompt
     if isinstance(completion, int) and not isinstance(completion, bool):
         usage.completion_tokens = completion
+    usage.cached_tokens = cached_tokens(reported, "input_tokens_details")
 
 
 def _splice(event: bytes, seq: int) -> bytes:

@@ -17,7 +17,9 @@ Invariants:
 * **Length.** Without ``max_tokens`` (``max_completion_tokens`` for chat) the
   simulator writes ``simulator.length`` tokens and finishes with ``"stop"``, as
   a model does when it chooses to end. With it, exactly that many tokens and
-  ``"length"``. A ``stop`` string ends the text *before* the string, with
+  ``"length"``; a limit above the model's ``max_output_tokens`` is cut there.
+  The text is planned lazily (:class:`TextPlan`), so what a stream holds does
+  not grow with the limit. A ``stop`` string ends the text *before* the string, with
   ``"stop"``; the token in which it starts counts as generated.
 * **Hot path.** Each stream prebuilds its event prefix/suffix bytes once; per
   token only the token text is JSON-encoded (and common words come from a
@@ -33,17 +35,20 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from math import floor
+from typing import Any, overload
 
-from tidegate.config import ModelConfig, SimulatorConfig
+from tidegate.config import DEFAULT_MAX_OUTPUT_TOKENS, ModelConfig, SimulatorConfig
+from tidegate.control.prices import PRICE_EXTRA, cost_member
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
-from workers.backends import BackendStream, Usage
+from workers.backends.base import BackendStream, Usage
+from workers.backends.greedy import GreedyPlan, greedy_plan
 from workers.backends.prefix_cache import PrefixCache, prompt_text
 from workers.backends.simulator_responses import SimulatorEmbeddings, SimulatorResponsesStream
 
-__all__ = ["SimulatorBackend", "SimulatorStream", "plan_text"]
+__all__ = ["SimulatorBackend", "SimulatorStream", "TextPlan", "plan", "plan_text"]
 
 _WORDS = (
     "the", "of", "and", "to", "in", "is", "that", "it", "for", "on", "with", "as", "was", "at",
@@ -93,34 +98,149 @@ def _seed(api: Api, body: Mapping[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
 
 
-def plan_text(api: Api, body: Mapping[str, Any], sim: SimulatorConfig) -> tuple[list[str], str]:
-    """The pieces (one per emitted token) and the finish reason for a request.
+# Every piece a stream emits untruncated is one of these shared strings, so a
+# plan holds no per-token string of its own.
+_SPACED = tuple(" " + w for w in _WORDS)
+_NWORDS = float(len(_WORDS))
 
-    Pure function of the body and the simulator config; the stream only paces it.
+
+class TextPlan(Sequence[str]):
+    """The pieces (one per emitted token) of one simulated answer, generated
+    lazily: the plan holds a seed, a count and at most one cached piece, never
+    a list as long as the answer, so memory does not grow with ``max_tokens``.
+
+    Piece ``i`` is ``_WORDS[floor(random() * len)]`` of the ``i``-th draw of a
+    generator seeded from the request, the same sequence ``rng.choices(_WORDS,
+    k=count)`` gives (``random.Random.choices`` draws exactly so). Indexing is
+    for the streams' in-order reads: the next index is drawn, the last one
+    repeats from a one-piece cache, anything else replays from the seed.
+    A stop string cuts the plan at its earliest start (``len`` and the last
+    piece say so); finding that start reads the text once with a window of the
+    longest stop's length, so it too needs no memory per token.
     """
+
+    __slots__ = ("_count", "_cut", "_last", "_last_index", "_rng", "_seed", "finish",
+                 "stopped_by")
+
+    def __init__(self, seed: int, count: int, finish: str, stops: list[str]) -> None:
+        self._seed = seed
+        self._count = count
+        self.finish = finish
+        # (tokens kept, length of the last kept piece or -1 = whole)
+        self.stopped_by = ""  # the stop string that cut the text, as vLLM reports it
+        found = _find_cut(seed, count, stops) if stops else None
+        self._cut: tuple[int, int] | None = found[:2] if found is not None else None
+        if found is not None:
+            self._count = found[0]
+            self.finish = "stop"
+            self.stopped_by = found[2]
+        self._rng = random.Random(seed)
+        self._last_index = -1
+        self._last = ""
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        if index != self._last_index:
+            if index < self._last_index:
+                self._rng = random.Random(self._seed)
+                self._last_index = -1
+            while self._last_index < index:
+                self._last_index += 1
+                self._last = self._draw(self._rng, self._last_index)
+        return self._last
+
+    def __iter__(self) -> Iterator[str]:
+        rng = random.Random(self._seed)
+        for i in range(self._count):
+            yield self._draw(rng, i)
+
+    def _draw(self, rng: random.Random, i: int) -> str:
+        k = floor(rng.random() * _NWORDS)
+        piece = _WORDS[k] if i == 0 else _SPACED[k]
+        if self._cut is not None and i == self._count - 1 and self._cut[1] >= 0:
+            piece = piece[: self._cut[1]]
+        return piece
+
+
+def _find_cut(seed: int, count: int, stops: list[str]) -> tuple[int, int, str] | None:
+    """Where the earliest occurrence of any stop string starts in the planned
+    text, as (pieces kept, characters of the last kept piece, -1 for all of
+    it, the stop string); None when no stop occurs. An occurrence found ends in the current
+    piece; one that starts earlier ends at most ``longest`` characters later,
+    so the scan goes on that far before it settles."""
+    longest = max(len(s) for s in stops)
+    rng = random.Random(seed)
+    window = ""  # the text's last characters, ending at `offset`
+    offset = 0
+    best: int | None = None
+    matched = ""
+    for i in range(count):
+        k = floor(rng.random() * _NWORDS)
+        piece = _WORDS[k] if i == 0 else _SPACED[k]
+        window = (window + piece)[-(longest - 1 + len(piece)):]
+        start = offset + len(piece) - len(window)
+        for stop in stops:
+            at = window.find(stop)
+            if at >= 0 and (best is None or start + at < best):
+                best, matched = start + at, stop
+        offset += len(piece)
+        if best is not None and offset >= best + longest:
+            break
+    if best is None:
+        return None
+    # Replay to the piece holding `best`: it is cut, or dropped when it starts there.
+    rng = random.Random(seed)
+    offset = 0
+    for i in range(count):
+        k = floor(rng.random() * _NWORDS)
+        size = len(_WORDS[k]) + (0 if i == 0 else 1)
+        if offset + size > best:
+            return (i + 1, best - offset, matched) if best > offset else (i, -1, matched)
+        offset += size
+    return (count, -1, matched)  # not reached: best lies inside the text
+
+
+def plan(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
+         cap: int) -> TextPlan | GreedyPlan:
+    """The answer to a request, as a lazy :class:`TextPlan`. ``cap`` (the
+    model's ``max_output_tokens``) bounds its length whatever the body says:
+    the edge rejects a larger limit, and a body that reached a worker some
+    other way is still cut there, with ``"length"``."""
     limit = _limit(api, body)
+    if sim.deterministic and api in (Api.CHAT, Api.COMPLETIONS, Api.RESPONSES):
+        if api == Api.RESPONSES:  # its input read as chat messages, a text as one user turn
+            given = body.get("input")
+            turns = [{"role": "user", "content": given}] if isinstance(given, str) else given
+            body = {"messages": [*([{"role": "system", "content": body["instructions"]}]
+                                   if body.get("instructions") else []),
+                                 *(turns if isinstance(turns, list) else [])]}
+        return greedy_plan(api != Api.COMPLETIONS, body,
+                           None if limit is None else min(limit, cap), min(sim.length, cap))
     count = sim.length if limit is None else limit
     finish = "stop" if limit is None else "length"
-    rng = random.Random(_seed(api, body))
-    words = rng.choices(_WORDS, k=count)
-    pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
-    stops = _stops(body)
-    if stops and pieces:
-        text = "".join(pieces)
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        if hits:
-            cut = min(hits)
-            kept: list[str] = []
-            offset = 0
-            for piece in pieces:
-                if offset + len(piece) > cut:
-                    if cut > offset:
-                        kept.append(piece[: cut - offset])
-                    break
-                kept.append(piece)
-                offset += len(piece)
-            return kept, "stop"
-    return pieces, finish
+    if count > cap:
+        count, finish = cap, "length"
+    return TextPlan(_seed(api, body), count, finish, _stops(body))
+
+
+def plan_text(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
+              cap: int = DEFAULT_MAX_OUTPUT_TOKENS) -> tuple[list[str], str]:
+    """The pieces and the finish reason for a request, as a list (for tests
+    and tools; the streams read the lazy :func:`plan`)."""
+    text = plan(api, body, sim, cap)
+    return list(text), text.finish
 
 
 def _usage_json(usage: Usage) -> bytes:
@@ -145,9 +265,11 @@ class SimulatorStream:
         "_usage", "_usage_finish",
     )
 
-    def __init__(self, request: Request, sim: SimulatorConfig, now: float) -> None:
+    def __init__(self, request: Request, sim: SimulatorConfig, now: float,
+                 cap: int = DEFAULT_MAX_OUTPUT_TOKENS) -> None:
         self._request = request
-        pieces, finish = plan_text(request.api, request.body, sim)
+        pieces = plan(request.api, request.body, sim, cap)
+        finish = pieces.finish
         self._pieces = pieces
         self._n = len(pieces)
         self._usage = Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body))
@@ -207,7 +329,10 @@ class SimulatorStream:
             else:
                 choice = b'{"text":"","index":0,"logprobs":null,"finish_reason":"%s"}' % reason
             return b"data: " + self._head + choice + b"]" + self._tail + b"}\n\n"
-        return b"data: " + self._head + b'],"usage":' + _usage_json(self._usage) + b"}\n\n"
+        u = self._usage
+        cost = cost_member(self._request.extra.get(PRICE_EXTRA), u.prompt_tokens,
+                           u.completion_tokens, u.cached_tokens)
+        return b"data: " + self._head + b'],"usage":' + _usage_json(u) + cost + b"}\n\n"
 
     def _account(self, index: int) -> None:
         token = index - self._first_tok
@@ -309,17 +434,33 @@ class SimulatorBackend:
 
     async def open(self, request: Request) -> BackendStream:
         sim = self._model.simulator
+        cap = self._model.max_output_tokens
         if sim.prefill_per_char > 0 and request.api in (Api.CHAT, Api.COMPLETIONS):
             cached, total = self._cache.lookup(prompt_text(request.body,
                                                            request.api == Api.CHAT))
             prefill = sim.prefill_per_char * (total - cached)
-            return SimulatorStream(request, sim, time.monotonic() + prefill)
+            return SimulatorStream(request, sim, time.monotonic() + prefill, cap)
+        if request.api == Api.MESSAGES:
+            return simulated_messages(request, sim, cap)
         if request.api == Api.RESPONSES:
-            pieces, finish = plan_text(request.api, request.body, sim)
-            return SimulatorResponsesStream(request, pieces, finish, sim, time.monotonic())
+            pieces = plan(request.api, request.body, sim, cap)
+            return SimulatorResponsesStream(request, pieces, pieces.finish, sim,
+                                            time.monotonic())
         if request.api == Api.EMBEDDINGS:
             return SimulatorEmbeddings(request, sim, time.monotonic())
-        return SimulatorStream(request, sim, time.monotonic())
+        return SimulatorStream(request, sim, time.monotonic(), cap)
 
     async def aclose(self) -> None:
         return None
+
+
+def simulated_messages(request: Request, sim: SimulatorConfig, cap: int) -> BackendStream:
+    """POST /v1/messages on the simulator: its chat answer to the translated
+    request, translated back (``workers.backends.messages_sim``)."""
+    from workers.backends.messages_sim import TranslatedStream
+    chat = TranslatedStream.chat_request(request, sim.length)
+    planned = plan(Api.CHAT, chat.body, sim, cap)
+    # A greedy plan applies no stop strings (workers/backends/greedy.py).
+    stopped_by = planned.stopped_by if isinstance(planned, TextPlan) else ""
+    return TranslatedStream(request, SimulatorStream(chat, sim, time.monotonic(), cap),
+                            stopped_by)

@@ -35,14 +35,14 @@ import math
 import random
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tidegate.config import SimulatorConfig
 from tidegate.errors import BackendError
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
-from workers.backends import Usage
+from workers.backends.base import Usage
 
 __all__ = ["MAX_DIMENSIONS", "SimulatorEmbeddings", "SimulatorResponsesStream", "embed"]
 
@@ -63,7 +63,7 @@ class SimulatorResponsesStream:
                  "_n", "_next", "_offset", "_pieces", "_request", "_status", "_t_first",
                  "_t_open", "_total", "_usage", "_usage_finish")
 
-    def __init__(self, request: Request, pieces: list[str], finish: str, sim: SimulatorConfig,
+    def __init__(self, request: Request, pieces: Sequence[str], finish: str, sim: SimulatorConfig,
                  now: float) -> None:
         self._request = request
         self._pieces = pieces

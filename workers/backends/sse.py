@@ -12,7 +12,8 @@ import json
 import re
 from typing import Any
 
-from workers.backends import Usage
+from tidegate.control.prices import cost_member
+from workers.backends.base import Usage
 from workers.backends.upstream import broken, upstream_message
 
 # One search finds every event worth parsing; most events match none of it.
@@ -22,7 +23,53 @@ _FINISH_RE = re.compile(rb'"finish_reason"\s*:\s*"')
 _CONTENT_RE = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
 
 
-class SSEPassthrough:
+class EventFramer:
+    """What both passthroughs share: whole SSE events out of a byte stream,
+    each handed to ``_event`` (which returns it as it is, a replacement, or
+    None to drop it), and the input slice itself when every event passed
+    unchanged (no copy on a healthy stream)."""
+
+    __slots__ = ("_buf", "done")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False  # the stream's end passed; later bytes are ignored
+
+    def _event(self, event: bytes) -> bytes | None:
+        raise NotImplementedError
+
+    def _events(self, buf: bytes) -> bytes:
+        """The events of ``buf`` (line ends normalised), keeping the
+        unterminated rest for the next read."""
+        *events, rest = buf.split(b"\n\n")
+        self._buf = rest
+        kept: list[bytes] = []
+        intact = True  # every event passes unchanged: hand back the input slice as is
+        for event in events:
+            passed = self._event(event)
+            if passed is None:
+                intact = False
+            else:
+                intact = intact and passed is event
+                kept.append(passed)
+            if self.done:
+                intact = False
+                self._buf = b""
+                break
+        if intact:
+            return buf[: len(buf) - len(rest)]
+        return b"\n\n".join(kept) + b"\n\n" if kept else b""
+
+    def flush(self) -> bytes:
+        """End of input: treat an unterminated last event as complete (lenient)."""
+        rest, self._buf = self._buf.rstrip(b"\r\n"), b""
+        if not rest or self.done:
+            return b""
+        passed = self._event(rest)
+        return passed + b"\n\n" if passed else b""
+
+
+class SSEPassthrough(EventFramer):
     """Sans-I/O: upstream SSE bytes in, client-ready SSE bytes out, usage noted.
 
     Invariants: output is only complete events, each the upstream's own
@@ -31,11 +78,16 @@ class SSEPassthrough:
     line ends are normalised only when the input holds a ``\\r``.
     """
 
-    __slots__ = ("_buf", "_include_usage", "_model", "done", "events", "usage",
+    __slots__ = ("_cost", "_include_usage", "_model", "_spliced", "events", "usage",
                  "usage_reported")
 
-    def __init__(self, *, include_usage: bool, prompt_tokens: int, model: str) -> None:
+    def __init__(self, *, include_usage: bool, prompt_tokens: int, model: str,
+                 cost: Any = None) -> None:
         self._buf = b""
+        # A price spec (tidegate.control.prices.price_spec) when the client
+        # asked for the cost: the usage event then gets the extension member.
+        self._cost = cost
+        self._spliced: bytes | None = None
         self._include_usage = include_usage
         self._model = model
         self.done = False  # data: [DONE] seen; later bytes are ignored
@@ -89,32 +141,7 @@ class SSEPassthrough:
                     self.usage.completion_tokens += sum(
                         1 for event in block.split(b"\n\n") if _CONTENT_RE.search(event))
             return block
-        *events, rest = buf.split(b"\n\n")
-        self._buf = rest
-        kept: list[bytes] = []
-        intact = True  # every event passes unchanged: hand back the input slice as is
-        for event in events:
-            passed = self._event(event)
-            if passed is None:
-                intact = False
-            else:
-                intact = intact and passed is event
-                kept.append(passed)
-            if self.done:
-                intact = False
-                self._buf = b""
-                break
-        if intact:
-            return buf[: len(buf) - len(rest)]
-        return b"\n\n".join(kept) + b"\n\n" if kept else b""
-
-    def flush(self) -> bytes:
-        """End of input: treat an unterminated last event as complete (lenient)."""
-        rest, self._buf = self._buf.rstrip(b"\r\n"), b""
-        if not rest or self.done:
-            return b""
-        passed = self._event(rest)
-        return passed + b"\n\n" if passed else b""
+        return self._events(buf)
 
     def _event(self, event: bytes) -> bytes | None:
         """One event without its blank line: ``event`` itself when it passes
@@ -132,8 +159,12 @@ class SSEPassthrough:
         if payload == b"[DONE]":
             self.done = True
             return None
-        if _INTEREST_RE.search(payload) is not None and not self._inspect(payload):
-            return None
+        if _INTEREST_RE.search(payload) is not None:
+            if not self._inspect(payload):
+                return None
+            if self._spliced is not None:  # the usage event, with the cost member added
+                out, self._spliced = b"data: " + self._spliced, None
+                return out
         if not self.usage_reported and _CONTENT_RE.search(payload):
             self.usage.completion_tokens += 1
         return out
@@ -155,6 +186,13 @@ class SSEPassthrough:
             if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
                 self._record_usage(obj["usage"])
                 keep = obj.get("choices") != [] or self._include_usage
+                if keep and self._cost is not None:
+                    u = self.usage
+                    member = cost_member(self._cost, u.prompt_tokens, u.completion_tokens,
+                                         u.cached_tokens)
+                    end = payload.rfind(b"}")
+                    if member and end > 0:
+                        self._spliced = payload[:end] + member + payload[end:]
         if _FINISH_RE.search(payload):
             obj = obj if obj is not None else loads(payload)
             if isinstance(obj, dict):
@@ -171,6 +209,14 @@ class SSEPassthrough:
             self.usage_reported = True
         if isinstance(prompt, int):
             self.usage.prompt_tokens = prompt
+        self.usage.cached_tokens = cached_tokens(usage, "prompt_tokens_details")
+
+
+def cached_tokens(usage: dict[str, Any], details: str) -> int:
+    """``usage[details].cached_tokens`` when the backend reports it, else 0."""
+    found = usage.get(details)
+    value = found.get("cached_tokens") if isinstance(found, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def loads(payload: bytes) -> Any:

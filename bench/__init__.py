@@ -1,0 +1,37 @@
+"""The benchmark suite behind ``tidegate bench``.
+
+Modules: :mod:`~bench.loadgen` (closed- and open-loop SSE load),
+:mod:`~bench.targets` (the fake backend, tidegate, the plain proxy
+and LiteLLM as child processes), :mod:`~bench.scenarios` (what is
+measured: a run's profile; scenarios a and e in
+:mod:`~bench.overhead_bench`, b and d in
+:mod:`~bench.memory_bench`, c in :mod:`~bench.cancel_bench`,
+t in :mod:`~bench.telemetry_bench`),
+:mod:`~bench.procstats` (CPU and RSS from ``/proc``),
+:mod:`~bench.report` (JSON, markdown, plots),
+:mod:`~bench.quota` (scenario q, the cost of a quota check),
+:mod:`~bench.runner` (the command) and
+:mod:`~bench.alternate` (alternating A/B runs of two trees or
+settings). See ``docs/benchmarks.md``.
+
+This module stays import-light: the child processes start from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop when it is installed (tidegate's tiers use it too,
+    so every process in a comparison runs the same loop), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    result: T = uvloop.run(coro)
+    return result

@@ -1,0 +1,228 @@
+"""(f) affinity: cache-aware routing across replicas (issue 18, docs/routing.md).
+
+Four fake backends, each with the prefix-cache model (``--prefill-per-char``:
+the first token waits for every prompt character its cache did not hold),
+serve one model as four replicas behind one tidegate stack. ``chats``
+simulated conversations of ``turns`` turns each run at once; every turn
+resends the whole conversation so far plus a new user message, as chat
+clients do, so prompts grow turn by turn. The same run happens twice, each on
+fresh backends (cold caches) and a fresh stack: ``routing.affinity = "auto"``
+(the default) and ``"off"``.
+
+Reported per mode: TTFT p50/p99 of the streamed turns (client side, request
+sent to first data event), the share of prompt characters the replicas found
+cached, and the load spread (requests per replica over the mean). Targets:
+TTFT p50 with affinity at most half of without; no replica above 1.3x the
+mean; p99 no worse than with affinity off.
+
+Everything is this module's own processes; the run needs no other scenario.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tidegate import config as tgconfig
+from tidegate.run.servers import (
+    ManagedProcess,
+    NatsServer,
+    RedisServer,
+    free_port,
+    http_ok,
+    stop_all,
+)
+
+QUICK = {"chats": 16, "turns": 3, "replicas": 4}
+FULL = {"chats": 200, "turns": 6, "replicas": 4}
+MODEL = "bench-chat"
+KEY = "sk-tg-bench-affinity"
+_HOST = "127.0.0.1"
+# 100 us per uncached character (about 0.4 ms per token): a 3,000-character
+# conversation costs 300 ms of prefill, as an 8B model's long prompt does on
+# one GPU under load, and a cached one almost nothing.
+PREFILL_PER_CHAR = 100e-6
+CACHE_BLOCKS = 1024  # 256 KiB of prompt per replica: the whole fleet's chats do not fit one
+
+
+def _python(module: str, *args: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", module, *args]
+
+
+def _chat(i: int, turn: int) -> list[dict[str, str]]:
+    system = f"You are assistant {i}. " + "Answer in the voice of a patient teacher. " * 20
+    messages = [{"role": "system", "content": system}]
+    for t in range(turn + 1):
+        messages.append({"role": "user", "content": f"Chat {i}, question {t}: " + "why? " * 30})
+        if t < turn:
+            messages.append({"role": "assistant", "content": f"Answer {t}. " + "because. " * 25})
+    return messages
+
+
+async def _turn(session: aiohttp.ClientSession, url: str, i: int, turn: int) -> float:
+    body = {"model": MODEL, "stream": True, "max_tokens": 4, "messages": _chat(i, turn)}
+    start = time.monotonic()
+    async with session.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"turn {turn} of chat {i}: HTTP {resp.status}: "
+                               f"{(await resp.read())[:200]!r}")
+        first = None
+        async for line in resp.content:
+            if first is None and line.startswith(b"data: "):
+                first = time.monotonic() - start
+        return first if first is not None else time.monotonic() - start
+
+
+def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("fake_"):
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+async def _mode(workdir: Path, affinity: str, profile: dict[str, int]) -> dict[str, Any]:
+    procs: list[ManagedProcess] = []
+    tmp = Path(tempfile.mkdtemp(prefix=f"tidegate-affinity-{affinity}-"))
+    logs = workdir / "logs"
+    try:
+        fakes = []
+        for r in range(profile["replicas"]):
+            port = free_port(_HOST)
+            url = f"http://{_HOST}:{port}"
+            fake = ManagedProcess(
+                f"affinity-{affinity}-fake{r}",
+                _python("bench.fake_backend", "--host", _HOST, "--port", str(port),
+                        "--ttft", "0.005", "--itl", "0.002", "--report-load",
+                        "--prefill-per-char", str(PREFILL_PER_CHAR),
+                        "--cache-blocks", str(CACHE_BLOCKS)),
+                logs / f"affinity-{affinity}-fake{r}.log",
+                ready=functools.partial(http_ok, f"{url}/v1/models"), start_timeout=30.0)
+            procs.append(fake)
+            fake.start()
+            fakes.append(url)
+        nats = NatsServer(tmp / "nats", host=_HOST, log_path=logs / f"affinity-{affinity}-nats.log")
+        redis = RedisServer(tmp / "redis", host=_HOST,
+                            log_path=logs / f"affinity-{affinity}-redis.log")
+        procs += [nats, redis]
+        nats.start()
+        redis.start()
+        port = free_port(_HOST)
+        config = tgconfig.from_dict({
+            "nats": {"url": nats.url}, "redis": {"url": redis.url},
+            "edge": {"host": _HOST, "port": port, "metrics_port": 0}, "auth": {"dev_key": KEY},
+            "routing": {"affinity": affinity},
+            "models": [{"name": MODEL, "backend": "openai",
+                        "base_urls": [f"{u}/v1" for u in fakes], "max_streams": 64}]})
+        path = workdir / f"affinity-{affinity}.toml"
+        path.write_text(tgconfig.dump_toml(config))
+        edge_url = f"http://{_HOST}:{port}"
+
+        def edge_ready() -> bool:
+            return http_ok(f"{edge_url}/readyz")
+
+        for tier in ("dispatcher", "worker", "edge"):
+            proc = ManagedProcess(f"affinity-{affinity}-{tier}",
+                                  _python("tidegate", tier, "--config", str(path)),
+                                  logs / f"affinity-{affinity}-{tier}.log",
+                                  ready=edge_ready if tier == "edge" else None,
+                                  start_timeout=30.0)
+            procs.append(proc)
+            proc.start()
+        url = f"{edge_url}/v1/chat/completions"
+        ttfts: list[float] = []
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=300)) as session:
+            await _warm(session, url)
+            before = [_scrape(u) for u in fakes]
+
+            async def chat(i: int) -> None:
+                for turn in range(profile["turns"]):
+                    ttfts.append(await _turn(session, url, i, turn))
+
+            started = time.monotonic()
+            await asyncio.gather(*(chat(i) for i in range(profile["chats"])))
+            elapsed = time.monotonic() - started
+        after = [_scrape(u) for u in fakes]
+        served = [a["fake_requests_total"] - b["fake_requests_total"]
+                  for a, b in zip(after, before, strict=True)]
+        prompt = sum(a["fake_prompt_chars_total"] - b["fake_prompt_chars_total"]
+                     for a, b in zip(after, before, strict=True))
+        cached = sum(a["fake_cached_chars_total"] - b["fake_cached_chars_total"]
+                     for a, b in zip(after, before, strict=True))
+        mean = statistics.fmean(served)
+        q = statistics.quantiles(ttfts, n=100, method="inclusive")
+        return {"affinity": affinity, "turns": len(ttfts), "seconds": round(elapsed, 2),
+                "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
+                "ttft_p99_ms": round(q[98] * 1000, 1),
+                "cached_share": round(cached / prompt, 3) if prompt else None,
+                "served_per_replica": served,
+                "max_over_mean": round(max(served) / mean, 3) if mean else None}
+    finally:
+        stop_all(procs, 10.0)
+
+
+async def _warm(session: aiohttp.ClientSession, url: str) -> None:
+    """One request through, so every tier (and the load view) is up."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            body = {"model": MODEL, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "warm up"}]}
+            async with session.post(url, json=body,
+                                    headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    await asyncio.sleep(1.0)  # a load report from every replica group
+                    return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the affinity stack did not serve within 30 s")
+        await asyncio.sleep(0.2)
+
+
+async def run(workdir: Path, quick: bool = False) -> dict[str, Any]:
+    profile = QUICK if quick else FULL
+    on = await _mode(workdir, "auto", profile)
+    off = await _mode(workdir, "off", profile)
+    return {"profile": profile, "prefill_per_char_s": PREFILL_PER_CHAR,
+            "cache_blocks": CACHE_BLOCKS, "on": on, "off": off,
+            "p50_ratio": round(on["ttft_p50_ms"] / off["ttft_p50_ms"], 3)
+            if off["ttft_p50_ms"] else None,
+            "targets": {"p50_at_most_half": on["ttft_p50_ms"] <= off["ttft_p50_ms"] / 2,
+                        "spread_within_1_3": (on["max_over_mean"] or 0) <= 1.3,
+                        "p99_no_worse": on["ttft_p99_ms"] <= off["ttft_p99_ms"]}}
+
+
+def markdown(f: dict[str, Any]) -> list[str]:
+    p = f["profile"]
+    lines = [f"{p['chats']} chats x {p['turns']} turns on {p['replicas']} replicas "
+             f"(prefill {f['prefill_per_char_s'] * 1e6:.0f} us per uncached char, "
+             f"{f['cache_blocks']} blocks of cache each)", "",
+             "| affinity | TTFT p50 | TTFT p99 | prompt cached | requests per replica | "
+             "max / mean |", "| --- | --- | --- | --- | --- | --- |"]
+    for mode in (f["on"], f["off"]):
+        lines.append(f"| {mode['affinity']} | {mode['ttft_p50_ms']} ms | {mode['ttft_p99_ms']} ms "
+                     f"| {mode['cached_share']:.0%} | {mode['served_per_replica']} "
+                     f"| {mode['max_over_mean']} |")
+    t = f["targets"]
+    lines += ["", f"p50 with / without: {f['p50_ratio']} (target <= 0.5: "
+                  f"{'met' if t['p50_at_most_half'] else 'missed'}); spread "
+                  f"{'met' if t['spread_within_1_3'] else 'missed'} (<= 1.3x); p99 "
+                  f"{'met' if t['p99_no_worse'] else 'missed'} (no worse than off)."]
+    return lines

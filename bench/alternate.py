@@ -1,0 +1,164 @@
+"""Alternating A/B runs of (a)'s closed loop: which of two trees or settings
+costs less CPU per chunk, on a machine whose speed drifts by minutes.
+
+    python -m bench.alternate --rounds 3 \\
+        base=tree:/tmp/base  work=tree:.  one=env:GOMAXPROCS=1 \\
+        wide=set:dispatcher.batch=256
+
+Each variant is ``NAME=tree:PATH`` (a source checkout: its ``tidegate``,
+``edge``, ``dispatcher`` and ``workers`` come first on ``PYTHONPATH``),
+``NAME=env:KEY=VALUE[,KEY=VALUE...]`` (added to the environment) or
+``NAME=set:SECTION.KEY=VALUE[,...]`` (tidegate config overrides, as
+``tidegate bench --set``) or ``NAME=proxy`` (the plain aiohttp proxy of
+scenario e in tidegate's place: the baseline the per-chunk targets are
+ratios against). A round runs every variant once, in the order
+given, each in a process of its own with a fresh stack (fake backend,
+nats-server, redis-server and the three tiers): the direct run and then
+tidegate at one concurrency. Single runs on a shared 2-core machine differ
+by a few percent; only a difference that holds in every round means
+something (docs/benchmarks.md reports these pairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.runner import BenchOptions
+from tidegate.errors import TidegateError
+
+__all__ = ["Variant", "parse_variant", "summary_line"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    env: dict[str, str]
+    settings: tuple[str, ...] = ()  # SECTION.KEY=VALUE, for the child's --set
+    proxy: bool = False  # the plain proxy instead of tidegate
+
+    def environ(self) -> dict[str, str]:
+        env = {**os.environ, **self.env}
+        if "PYTHONPATH" in self.env and os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] = f"{self.env['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
+        return env
+
+
+def parse_variant(text: str) -> Variant:
+    """``base=tree:/src``, ``one=env:GOMAXPROCS=1,X=2``,
+    ``wide=set:dispatcher.batch=256`` or ``plain=proxy``; TidegateError if not."""
+    name, sep, spec = text.partition("=")
+    if sep and name and spec == "proxy":
+        return Variant(name, {}, proxy=True)
+    kind, _, value = spec.partition(":")
+    if not sep or not name or not value or kind not in ("tree", "env", "set"):
+        raise TidegateError(f"a variant is NAME=tree:PATH, NAME=env:KEY=VALUE[,...], "
+                            f"NAME=set:SECTION.KEY=VALUE[,...] or NAME=proxy, not {text!r}")
+    if kind == "tree":
+        root = Path(value).resolve()
+        if not (root / "tidegate" / "__init__.py").is_file():
+            raise TidegateError(f"{value!r} is not a tidegate source tree "
+                                "(no tidegate/__init__.py)")
+        return Variant(name, {"PYTHONPATH": str(root)})
+    pairs = [item.partition("=") for item in value.split(",")]
+    if any(not key or not eq for key, eq, _ in pairs):
+        raise TidegateError(f"{kind} variant {name!r} takes KEY=VALUE pairs, not {value!r}")
+    if kind == "set":
+        settings = tuple(value.split(","))
+        BenchOptions.parse_set(list(settings))  # the same rules as tidegate bench --set
+        return Variant(name, {}, settings)
+    return Variant(name, {key: val for key, _, val in pairs})
+
+
+def summary_line(name: str, result: dict[str, Any]) -> str:
+    cpu = result["cpu_s"]
+    by_tier = " ".join(f"{k} {v:.2f}" for k, v in cpu.items() if v is not None)
+    itl = result.get("itl_ms") or [0.0, 0.0]
+    return (f"{name:>10}  {result['us_per_chunk']:6.1f} us/chunk  ({by_tier} s)  "
+            f"TTFT overhead p50 {result['ttft_overhead_ms'][0]:.1f} / "
+            f"p99 {result['ttft_overhead_ms'][1]:.1f} ms  ITL p50 {itl[0]:.1f} / "
+            f"p99 {itl[1]:.1f} ms  vs direct {result['ratio']:.3f}")
+
+
+def _one(concurrency: int, window: float, warmup: float,
+         overrides: dict[str, Any], proxy: bool = False) -> dict[str, Any]:
+    """One direct run and one tidegate (or ``proxy``) run on fresh stacks
+    (this process's tree)."""
+    from bench import overhead_bench, run_async, scenarios
+    from bench.targets import Targets
+
+    profile = dataclasses.replace(scenarios.FULL, concurrencies=(concurrency,),
+                                  duration=window, warmup=warmup)
+    # tidegate's defaults, as in `tidegate bench` (a): pin with set:models.max_streams=N.
+    with Targets(Path(tempfile.mkdtemp(prefix="tidegate-alternate-")),
+                 overrides=overrides) as env:
+        fake = env.start_fake()
+        tidegate = env.start_proxy() if proxy else env.start_tidegate()
+
+        async def both() -> tuple[dict[str, Any], dict[str, Any]]:
+            direct = await overhead_bench._load_run(fake, profile, "closed", concurrency, None)
+            ours = await overhead_bench._load_run(tidegate, profile, "closed", concurrency, None)
+            return direct, ours
+
+        direct, ours = run_async(both())
+    overhead_bench._add_ratios([direct, ours])  # the bench's own TTFT overhead and throughput ratio
+    if not ours.get("cpu_us_per_chunk") or "ttft_overhead_ms" not in ours:
+        raise TidegateError(f"tidegate relayed nothing in the window: {ours.get('errors')}")
+    itl = ours.get("itl_ms") or {}
+    return {"us_per_chunk": ours["cpu_us_per_chunk"], "cpu_s": ours["cpu_s"],
+            "ttft_overhead_ms": [ours["ttft_overhead_ms"][p] for p in ("p50", "p99")],
+            "itl_ms": [itl.get("p50", 0.0), itl.get("p99", 0.0)],
+            "ratio": ours.get("throughput_ratio", 0.0),
+            "errors": ours["error_count"], "tidegate": str(Path(__file__).parents[1])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.alternate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", nargs="*", help="NAME=tree:PATH or NAME=env:KEY=VALUE")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--window", type=float, default=6.0, help="measured seconds")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--proxy", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        overrides = dict(BenchOptions.parse_set(args.set))
+        print(json.dumps(_one(args.concurrency, args.window, args.warmup, overrides,
+                              args.proxy)))
+        return 0
+    try:
+        variants = [parse_variant(v) for v in args.variants]
+    except TidegateError as exc:
+        parser.error(str(exc))
+    if not variants:
+        parser.error("name at least one variant")
+    for round_ in range(1, args.rounds + 1):
+        print(f"round {round_}", flush=True)
+        for variant in variants:
+            child = subprocess.run(
+                [sys.executable, "-m", "bench.alternate", "--one",
+                 "--concurrency", str(args.concurrency), "--window", str(args.window),
+                 "--warmup", str(args.warmup),
+                 *(arg for setting in variant.settings for arg in ("--set", setting)),
+                 *(["--proxy"] if variant.proxy else [])],
+                env=variant.environ(), capture_output=True, text=True, check=False)
+            if child.returncode != 0:
+                print(f"{variant.name:>10}  failed:\n{child.stderr[-2000:]}", flush=True)
+                return 1
+            result = json.loads(child.stdout.strip().splitlines()[-1])
+            print(summary_line(variant.name, result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

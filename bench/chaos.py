@@ -1,0 +1,496 @@
+"""``tidegate chaos``: streaming load against a local fleet while SIGKILLing its processes.
+
+The fleet (:class:`Fleet`): a 3-node JetStream cluster (``streams.replicas =
+3``, every tier given all three URLs), one Redis, 2 dispatchers, 2 workers
+serving the simulator and 2 edges sharing one port (``SO_REUSEPORT``).
+
+The load (:func:`stream_once`): clients in a loop, each request a streaming
+chat with its own prompt. The simulator is deterministic, so the exact text
+every request must produce is known in-process (:func:`expected_text`), and
+every request is classified (:class:`Outcome`):
+
+* ``complete``: HTTP 200, ``[DONE]``, and the text is exactly the expected one;
+* ``clean_error``: an HTTP error status with an OpenAI error body, or a final
+  ``data: {"error": ...}`` event (its ``code`` is kept: ``stream_gap``,
+  ``worker_lost``, ``quota_store_unavailable``...);
+* ``connection_lost``: the connection broke (its edge was killed): visible to
+  the client as a transport error, never as a normal end;
+* ``truncated``: the stream ended normally (chunked terminator) without
+  ``[DONE]`` or an error event, or with ``[DONE]`` but not the expected text:
+  silent data loss, the one outcome a client cannot detect;
+* ``hang``: no end within ``hang_after`` seconds.
+
+The killer (:func:`chaos`): at random times (seeded), one process of a
+random kind (edge, dispatcher, worker, nats, redis) is SIGKILLed and started
+again, as ``tidegate up``'s supervisor or Kubernetes would: a
+:class:`~tidegate.run.supervisor.Supervisor` restarts it, and also restarts
+(and counts) any process that exits without being killed.
+Targets: 0 truncated, 0 hang; clean errors only where a worker or the NATS
+node carrying a session died mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tidegate import config as tgconfig
+from tidegate.config import Config
+from tidegate.run.clusters import NatsCluster
+from tidegate.run.servers import ManagedProcess, RedisServer, free_port, http_ok, stop_all
+from tidegate.run.supervisor import RestartPolicy, Supervisor
+
+DEV_KEY = "sk-tg-chaos-key"
+MODEL = "tidegate-sim"
+KINDS = ("edge", "dispatcher", "worker", "nats", "redis")
+
+
+# --------------------------------------------------------------------------
+# One request, classified
+# --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one request ended as (see the module docstring)."""
+
+    kind: str
+    code: str = ""
+    ttft: float | None = None  # seconds to the first content chunk
+    max_stall: float = 0.0  # longest gap between chunks
+    started: float = 0.0  # monotonic
+    duration: float = 0.0
+    accepted: bool = False  # HTTP 200 came: the stream had begun when it ended
+    resumes: int = 0  # reconnections of a resumable stream (GET /v1/streams/{id})
+
+
+async def expected_text(config: Config, prompt: str, max_tokens: int) -> str:
+    """What the deterministic simulator answers ``prompt`` (computed in-process)."""
+    from tidegate.wire.protocol import Api, Request
+    from workers.backends.simulator import SimulatorBackend
+
+    model = config.models[0]
+    fast = type(model.simulator)(ttft=0.0, tokens_per_second=1e6, length=model.simulator.length)
+    backend = SimulatorBackend(type(model)(name=model.name, simulator=fast))
+    request = Request(id="expected", reply="-", model=model.name, api=Api.CHAT, stream=False,
+                      body={"model": model.name, "max_tokens": max_tokens,
+                            "messages": [{"role": "user", "content": prompt}]},
+                      created_ms=0, deadline_ms=0, window_bytes=1 << 20, window_msgs=1024)
+    stream = await backend.open(request)
+    body = b""
+    while chunk := await stream.read(1 << 20):
+        body += chunk
+    await stream.aclose()
+    content: str = json.loads(body)["choices"][0]["message"]["content"]
+    return content
+
+
+def _error_code(body: Any) -> str | None:
+    """The ``code`` of an OpenAI error body, or None if it is not one."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        error = body["error"]
+        if isinstance(error.get("message"), str):
+            return str(error.get("code") or error.get("type") or "error")
+    return None
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int,
+                      expected: str, hang_after: float, key: str = DEV_KEY, *,
+                      resume: bool = False) -> Outcome:
+    """One streaming chat completion against ``url`` (the edge origin), classified.
+
+    With ``resume``, the request asks for a resumable stream, and a
+    connection lost after the response began is not the end: the client
+    reconnects (any edge behind the port) with ``GET /v1/streams/{id}`` and
+    ``Last-Event-ID`` (docs/resume.md) until the stream ends or
+    ``hang_after`` runs out. The text must still be exactly the expected
+    one: a duplicated or skipped event shows as ``truncated``.
+    """
+    started = time.monotonic()
+    out = Outcome("hang", started=started)
+    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": prompt}]}
+    auth = {"Authorization": f"Bearer {key}"}
+    content: list[str] = []
+    last = started
+    last_id = 0  # the id of the last event taken in (resumable streams)
+    request_id = ""
+
+    async def consume(resp: aiohttp.ClientResponse) -> bool:
+        """Read events into ``content``; True at [DONE], False at a clean
+        error (``out`` says which) or a normal end without either."""
+        nonlocal last, last_id
+        event_id = 0
+        async for line in resp.content:
+            if not line.endswith(b"\n"):  # cut short: the connection was lost
+                raise ConnectionResetError("the body ended inside a line")
+            if line.startswith(b"id:"):
+                event_id = int(line[3:].strip() or 0)
+                continue
+            if not line.startswith(b"data: "):
+                continue
+            if event_id:
+                last_id = event_id
+            now = time.monotonic()
+            out.max_stall = max(out.max_stall, now - last)
+            last = now
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                return True
+            event = json.loads(data)
+            code = _error_code(event)
+            if code is not None:
+                out.kind, out.code = "clean_error", code
+                return False
+            for choice in event.get("choices", ()):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and out.ttft is None:
+                    out.ttft = now - started
+                content.append(piece)
+        # The body ended properly (its chunked terminator) without [DONE] or
+        # an error: a silent truncation. A vanished peer raises instead.
+        raise _Ended
+
+    def finish(done: bool) -> Outcome:
+        if out.kind == "clean_error":
+            return out
+        text = "".join(content)
+        if done and text == expected:
+            out.kind = "complete"
+        elif done:
+            out.kind, out.code = "truncated", f"[DONE] after {len(text)}/{len(expected)}"
+        else:
+            out.kind, out.code = "truncated", "ended without [DONE] or an error"
+        return out
+
+    try:
+        async with asyncio.timeout(hang_after):
+            headers = {**auth, "X-Tidegate-Resumable": "true"} if resume else auth
+            try:
+                async with session.post(f"{url}/v1/chat/completions", json=body,
+                                        headers=headers) as resp:
+                    if resp.status != 200:
+                        raw = await resp.read()
+                        try:
+                            code = _error_code(json.loads(raw))
+                        except ValueError:
+                            code = None
+                        out.kind, out.code = ("clean_error", code) if code else (
+                            "truncated", f"HTTP {resp.status} without an OpenAI error body")
+                        return out
+                    out.accepted = True
+                    request_id = resp.headers.get("x-request-id", "")
+                    return finish(await consume(resp))
+            except _Ended:
+                return finish(False)  # a proper end without [DONE]: never resumed over
+            except (aiohttp.ClientError, ConnectionError):
+                if not (resume and out.accepted and request_id):
+                    raise
+            # Resume: the stream goes on in the log; any edge serves it.
+            while True:
+                out.resumes += 1
+                try:
+                    async with session.get(f"{url}/v1/streams/{request_id}",
+                                           headers={**auth, "Last-Event-ID": str(last_id)}
+                                           ) as resp:
+                        if resp.status == 200:
+                            try:
+                                return finish(await consume(resp))
+                            except _Ended:
+                                return finish(False)
+                        await resp.read()
+                        if resp.status == 404:  # the log lost it: a real failure
+                            out.kind, out.code = "clean_error", "stream_not_found"
+                            return out
+                except (aiohttp.ClientError, ConnectionError):
+                    pass
+                await asyncio.sleep(0.2)  # the edge restarting, or none up yet
+    except TimeoutError:
+        out.kind, out.code = "hang", f"no end within {hang_after:g}s"
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        out.kind, out.code = "connection_lost", type(exc).__name__
+    finally:
+        out.duration = time.monotonic() - started
+    return out
+
+
+class _Ended(Exception):
+    """A response body ended without [DONE] or an error event."""
+
+
+@dataclass(slots=True)
+class Load:
+    """Closed-loop streaming clients; every outcome kept."""
+
+    url: str
+    config: Config
+    concurrency: int = 8
+    max_tokens: int = 32
+    hang_after: float = 45.0
+    key: str = DEV_KEY
+    resume: bool = True  # resumable streams, resumed after a lost connection
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``; then the requests in flight finish (or count as hangs)."""
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # new conn: any edge
+        async with aiohttp.ClientSession(connector=connector) as session:
+            await asyncio.gather(*(self._client(session, i, stop)
+                                   for i in range(self.concurrency)))
+
+    async def _client(self, session: aiohttp.ClientSession, i: int,
+                      stop: asyncio.Event) -> None:
+        n = 0
+        while not stop.is_set():
+            prompt = f"chaos client {i} request {n}"
+            n += 1
+            expected = await expected_text(self.config, prompt, self.max_tokens)
+            outcome = await stream_once(session, self.url, prompt, self.max_tokens, expected,
+                                        self.hang_after, self.key, resume=self.resume)
+            self.outcomes.append(outcome)
+            if outcome.kind != "complete":
+                # A client backs off after an error (as Retry-After asks);
+                # without it one outage would be counted thousands of times.
+                await asyncio.sleep(0.5)
+
+
+def summarize(outcomes: list[Outcome], since: float = 0.0) -> dict[str, Any]:
+    """Counts by kind and error code, TTFT and stall percentiles."""
+    chosen = [o for o in outcomes if o.started >= since]
+    ttfts = sorted(o.ttft for o in chosen if o.ttft is not None)
+    stalls = sorted(o.max_stall for o in chosen if o.kind == "complete")
+
+    def pct(values: list[float], p: float) -> float | None:
+        return round(values[min(len(values) - 1, int(p * len(values)))], 4) if values else None
+
+    return {
+        "requests": len(chosen),
+        "kinds": dict(Counter(o.kind for o in chosen)),
+        "codes": dict(Counter(f"{o.kind}:{o.code}" for o in chosen if o.code)),
+        # Streams that had begun (HTTP 200) and did not complete: what a
+        # client reading a stream saw go wrong.
+        "accepted_not_complete": dict(Counter(
+            f"{o.kind}:{o.code}" for o in chosen if o.accepted and o.kind != "complete")),
+        "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99),
+        "ttft_max": ttfts[-1] if ttfts else None,
+        "stall_p99": pct(stalls, 0.99), "stall_max": stalls[-1] if stalls else None,
+        "ttft_mean": round(statistics.fmean(ttfts), 4) if ttfts else None,
+        # Resumable streams carried over a lost connection (any edge).
+        "resumed_streams": sum(1 for o in chosen if o.resumes),
+        "resumed_complete": sum(1 for o in chosen if o.resumes and o.kind == "complete"),
+    }
+
+
+# --------------------------------------------------------------------------
+# The fleet
+# --------------------------------------------------------------------------
+
+
+class Fleet:
+    """3 NATS nodes, Redis, and N edges / dispatchers / workers as processes."""
+
+    def __init__(self, workdir: Path, edges: int = 2, dispatchers: int = 2, workers: int = 2,
+                 overrides: dict[str, Any] | None = None) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.nats = NatsCluster(workdir / "nats")
+        self.redis = RedisServer(workdir / "redis")
+        self.redis.name = "redis"
+        self.port = free_port()
+        raw: dict[str, Any] = {
+            "nats": {"url": self.nats.url},
+            "redis": {"url": self.redis.url},
+            "streams": {"replicas": 3},
+            # Several edges on one port: no shared metrics port (none scraped here).
+            "edge": {"port": self.port, "reuse_port": True, "metrics_port": 0,
+                     "admission_timeout": 20.0,
+                     "queue_timeout": 30.0},
+            "auth": {"dev_key": DEV_KEY},
+            "session": {"heartbeat_interval": 2.0},
+            "dispatcher": {"ack_wait": 2.0},
+            "worker": {"ack_wait": 3.0, "shutdown_timeout": 5.0},
+            "models": [{"name": MODEL, "max_streams": 64,
+                        "simulator": {"ttft": 0.02, "tokens_per_second": 200.0,
+                                      "length": 32}}],
+        }
+        for section, values in (overrides or {}).items():
+            raw.setdefault(section, {}).update(values)
+        self.config = tgconfig.from_dict(raw)
+        self.config_path = workdir / "tidegate.toml"
+        self.config_path.write_text(tgconfig.dump_toml(self.config))
+        # Restarts whatever dies, the killed processes and any other: as
+        # `tidegate up` or Kubernetes would. Exits beyond the kills are crashes.
+        self.supervisor = Supervisor(
+            RestartPolicy(backoff_initial=0.5, backoff_max=2.0, crash_limit=1000),
+            workdir / "processes.json", lambda p: p.wait_ready(60.0))
+        self.tiers: dict[str, list[ManagedProcess]] = {
+            "dispatcher": [self._tier("dispatcher", i) for i in range(dispatchers)],
+            "worker": [self._tier("worker", i) for i in range(workers)],
+            "edge": [self._tier("edge", i) for i in range(edges)],
+        }
+
+    def _tier(self, tier: str, i: int) -> ManagedProcess:
+        name = f"{tier}-{i + 1}"
+        return ManagedProcess(name, [sys.executable, "-m", "tidegate", tier, "--config",
+                                     str(self.config_path)],
+                              self.workdir / "logs" / f"{name}.log", start_timeout=60.0)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def processes(self, kind: str) -> list[ManagedProcess]:
+        if kind == "nats":
+            return list(self.nats.nodes)
+        if kind == "redis":
+            return [self.redis]
+        return self.tiers[kind]
+
+    def start(self, timeout: float = 90.0) -> None:
+        try:
+            self.nats.start()
+            self.redis.start()
+            for procs in self.tiers.values():
+                for p in procs:
+                    p.spawn()
+            deadline = time.monotonic() + timeout
+            while not http_ok(f"{self.url}/readyz"):
+                for p in self.all():
+                    if p.poll() is not None:
+                        raise RuntimeError(p.describe_failure(f"{p.name} exited"))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fleet not ready within {timeout:g}s")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+        for p in self.all():
+            self.supervisor.add(p, server=p in self.nats.nodes or p is self.redis)
+
+    def supervise(self, stop: threading.Event) -> None:
+        """Restart dead processes until ``stop`` (run in a thread)."""
+        while not stop.wait(0.1):
+            failure = self.supervisor.tick()
+            if failure is not None:
+                raise RuntimeError(failure)
+
+    def restarts(self) -> dict[str, int]:
+        return {name: s.restarts for name, s in self.supervisor.states.items() if s.restarts}
+
+    def all(self) -> list[ManagedProcess]:
+        return [*self.nats.nodes, self.redis, *(p for ps in self.tiers.values() for p in ps)]
+
+    def stop(self) -> None:
+        stop_all([p for ps in reversed(list(self.tiers.values())) for p in ps], 15.0)
+        stop_all([self.redis], 10.0)
+        self.nats.stop()
+
+
+# --------------------------------------------------------------------------
+# Chaos
+# --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Kill:
+    at: float  # seconds since the load started
+    kind: str
+    name: str
+    down_for: float  # until the supervisor had it running again
+
+
+async def killer(fleet: Fleet, stop: asyncio.Event, rng: random.Random, t0: float,
+                 interval: tuple[float, float], kinds: tuple[str, ...],
+                 kills: list[Kill]) -> None:
+    """SIGKILL a random process every ``interval`` s and restart it.
+
+    Kinds come in shuffled rounds, so every kind is hit once per
+    ``len(kinds)`` kills; the process of that kind is picked at random.
+    """
+    order: list[str] = []
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), rng.uniform(*interval))
+            return
+        except TimeoutError:
+            pass
+        if not order:
+            order = list(kinds)
+            rng.shuffle(order)
+        kind = order.pop()
+        victim = rng.choice(fleet.processes(kind))
+        state = fleet.supervisor.states[victim.name]
+        before = state.restarts
+        kills.append(Kill(round(time.monotonic() - t0, 2), kind, victim.name, 0.0))
+        await asyncio.to_thread(victim.kill)
+        # The supervisor (another thread) restarts it; poll its state.
+        while state.restarts == before or not victim.running:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        kills[-1].down_for = round(time.monotonic() - t0 - kills[-1].at, 2)
+        if kind == "nats":
+            # Back in the cluster before the next kill: killing a second node
+            # while the first is still down loses the R3 quorum by design.
+            await asyncio.to_thread(fleet.nats.wait_healthy, 60.0)
+
+
+async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, seed: int = 1,
+                interval: tuple[float, float] = (3.0, 6.0),
+                kinds: tuple[str, ...] = KINDS, resume: bool = True) -> dict[str, Any]:
+    """Run the fleet, the load and the killer; the report."""
+    fleet = Fleet(workdir)
+    await asyncio.to_thread(fleet.start)
+    stop_supervisor = threading.Event()
+    supervisor = asyncio.create_task(asyncio.to_thread(fleet.supervise, stop_supervisor))
+    try:
+        rng = random.Random(seed)
+        load = Load(fleet.url, fleet.config, concurrency=concurrency, resume=resume)
+        stop_load, stop_killer = asyncio.Event(), asyncio.Event()
+        kills: list[Kill] = []
+        t0 = time.monotonic()
+        load_task = asyncio.create_task(load.run(stop_load))
+        kill_task = asyncio.create_task(killer(fleet, stop_killer, rng, t0, interval, kinds,
+                                               kills))
+        await asyncio.sleep(duration)
+        stop_killer.set()
+        await kill_task
+        stop_load.set()
+        await load_task
+    finally:
+        stop_supervisor.set()
+        await supervisor
+        await asyncio.to_thread(fleet.stop)
+    report = summarize(load.outcomes)
+    restarts = fleet.restarts()
+    report.update(duration_s=duration, concurrency=concurrency, seed=seed, resume=resume,
+                  kills=[asdict(k) for k in kills],
+                  kills_by_kind=dict(Counter(k.kind for k in kills)),
+                  restarts=restarts,
+                  # Exits nobody caused: a tier that crashed on its own.
+                  unexpected_exits=sum(restarts.values()) - len(kills))
+    return report
+
+
+def run(duration: float, concurrency: int, seed: int, out: Path | None,
+        workdir: Path | None = None, resume: bool = True) -> int:
+    """``tidegate chaos``: print (and write) the report; exit 1 on a silent loss or hang."""
+    with tempfile.TemporaryDirectory(prefix="tidegate-chaos-") as tmp:
+        report = asyncio.run(chaos(workdir or Path(tmp), duration, concurrency, seed,
+                                   resume=resume))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    bad = report["kinds"].get("truncated", 0) + report["kinds"].get("hang", 0)
+    return 1 if bad else 0

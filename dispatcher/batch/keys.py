@@ -1,0 +1,77 @@
+"""The per-key rules a batch line is held to, as the edge holds a request.
+
+A batch is created with one API key (``BatchRecord.key_id``) but its lines run
+long after the edge checked that key, so the runner checks each line again,
+at validation and again at release (the key may change in between):
+
+* the key must still exist: a revoked key (deleted from ``<P>_KEYS``, or a
+  record nobody can read, which the edge also treats as revoked) ends every
+  line not yet released with a ``revoked_api_key`` 401 in the error file; lines
+  already running finish (their backend work is paid for, and cancelling
+  them would lose answers the key was entitled to when they started);
+* it must not have expired (``expired_api_key``, likewise);
+* it must allow the line's model (``model_not_allowed``, 403), with the same
+  rule as the edge's ``build_request``: the model's name or an alias is in
+  the key's list, or the list is empty.
+
+:class:`BatchKeys` follows the keys bucket live (``tidegate.control.keys.
+watch_keys``, the edge's reader), so a revoke applies to the next release
+round. Keys from the config file (``auth.keys``, ``auth.dev_key``) are not in
+KV: they allow every model and never expire. Until the bucket's replay is
+done, :meth:`BatchKeys.check` answers ``None`` for *unknown* (release waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tidegate.config import Config, ModelConfig
+from tidegate.control.keys import KEY_ID_LENGTH, KeyRecord, key_digest
+from tidegate.errors import ApiError
+
+
+def _revoked(key_id: str) -> ApiError:
+    return ApiError(401, f"The API key that created this batch ({key_id}) was revoked; the "
+                         "request was not run.", type="authentication_error",
+                    code="revoked_api_key")
+
+
+class BatchKeys:
+    """Key id -> record, followed live from the keys bucket (sans-I/O: the
+    runner feeds it ``on_put`` / ``on_delete`` / ``on_synced``)."""
+
+    def __init__(self, config: Config) -> None:
+        self._static = {key_digest(k)[:KEY_ID_LENGTH] for k in config.api_keys()}
+        self._records: dict[str, KeyRecord] = {}
+        self.synced = asyncio.Event()
+
+    def on_put(self, digest: str, record: KeyRecord) -> None:
+        self._records[digest[:KEY_ID_LENGTH]] = record
+
+    def on_delete(self, digest: str) -> None:
+        self._records.pop(digest[:KEY_ID_LENGTH], None)
+
+    def on_synced(self) -> None:
+        self.synced.set()
+
+    def known(self) -> bool:
+        """Whether the bucket was read: before that, no line may be judged."""
+        return self.synced.is_set()
+
+    def check(self, key_id: str, model: ModelConfig, now: float | None = None) -> None:
+        """Raise the :class:`ApiError` the edge would answer for this key and
+        model now; return if the line may run. Call only once :meth:`known`."""
+        if not key_id or key_id in self._static:
+            return  # a config-file key (or a batch from before keys were recorded)
+        record = self._records.get(key_id)
+        if record is None:
+            raise _revoked(key_id)
+        if record.expired(time.time() if now is None else now):
+            raise ApiError(401, f"The API key that created this batch ({key_id}) has expired; "
+                                "the request was not run.", type="authentication_error",
+                           code="expired_api_key")
+        if record.models and not {model.name, *model.aliases} & set(record.models):
+            raise ApiError(403, f"This API key may not use model '{model.name}'. Allowed: "
+                                f"{', '.join(record.models)}.", type="permission_error",
+                           code="model_not_allowed", param="model")

@@ -1,0 +1,199 @@
+"""One attempt at one batch line, seen from the runner: sans-I/O.
+
+The batch runner is a client of the pipeline like an edge: it publishes the
+line's :class:`~tidegate.wire.protocol.Request` and reads the session
+messages on its own inbox. :class:`LineSession` turns those messages (and the
+clock) into what the runner must send (acks to the worker) and, at the end,
+one :class:`Outcome`. No I/O here; ``dispatcher.batch.release`` and
+``dispatcher.batch.collect`` move the bytes.
+
+How it differs from the edge's relay, and why:
+
+* The body is collected whole (a batch line is a non-streaming request), and
+  a job redelivered after its worker died (``Head.attempt > 1``) is simply
+  restarted: nothing reached a client, so the partial body is dropped and
+  the worker gets the go-ahead (``Ack seq 0``). The edge cannot do that once
+  it wrote output; the runner always can.
+* Every failure is classified for the retry policy: ``RETRY`` (5xx, worker
+  lost, a sequence gap, nobody answered), ``WAIT`` (a retryable rejection
+  such as a rate limit: tried again after ``retry_after``, without counting
+  as a failure), ``ERROR`` (a 4xx answer: final, into the error file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from tidegate.config import Config
+from tidegate.wire.protocol import (
+    Ack,
+    Admission,
+    Chunk,
+    Done,
+    Error,
+    ErrorInfo,
+    Head,
+    Heartbeat,
+    SessionMessage,
+    Status,
+)
+
+
+class Phase(IntEnum):
+    PUBLISHED = 0  # no dispatcher has answered yet
+    ADMITTED = 1  # admitted (or queued); no worker has started it
+    RUNNING = 2  # a worker's Head arrived
+
+
+class Verdict(IntEnum):
+    OK = 0  # the answer: body holds the response JSON
+    ERROR = 1  # a final error answer (4xx)
+    RETRY = 2  # transient: try again, counting against batch.max_retries
+    WAIT = 3  # rejected for now (rate limit, overload): try again after retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    verdict: Verdict
+    status: int = 200
+    body: bytes = b""
+    error: ErrorInfo | None = None
+    retry_after: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    admission_timeout: float
+    queue_timeout: float
+    lost_after: float  # worker silence that means it is gone
+    ack_every: float  # a keepalive ack at least this often while running
+    max_body: int
+
+    @classmethod
+    def of(cls, config: Config) -> Limits:
+        s = config.session
+        return cls(admission_timeout=config.edge.admission_timeout,
+                   queue_timeout=config.edge.queue_timeout,
+                   lost_after=s.heartbeat_interval * s.worker_lost_after,
+                   ack_every=s.ack_timeout / 4, max_body=config.edge.max_response_bytes)
+
+
+def _transient(error: ErrorInfo) -> bool:
+    return error.status >= 500 or error.status == 408
+
+
+class LineSession:
+    """Feed it session messages and clock ticks; it answers with the acks to
+    send (``(control subject, Ack)``) and, once, the :class:`Outcome`."""
+
+    __slots__ = ("_parts", "_size", "control", "expected_seq", "last_ack", "last_msg", "limits",
+                 "outcome", "phase", "request_id", "started")
+
+    def __init__(self, request_id: str, limits: Limits, now: float) -> None:
+        self.request_id = request_id
+        self.limits = limits
+        self.phase = Phase.PUBLISHED
+        self.control = ""
+        self.expected_seq = 1
+        self.started = self.last_msg = self.last_ack = now
+        self._parts: list[bytes] = []
+        self._size = 0
+        self.outcome: Outcome | None = None
+
+    def _end(self, outcome: Outcome) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+        self._parts = []
+
+    def feed(self, message: SessionMessage, now: float) -> list[tuple[str, Ack]]:
+        if self.outcome is not None:
+            return []
+        kind = type(message)
+        if kind is Status:
+            assert isinstance(message, Status)
+            if message.admission is Admission.REJECTED:
+                error = message.error or ErrorInfo(503, "service_unavailable", "rejected",
+                                                   "Rejected.", True, 1.0)
+                if error.retryable:
+                    self._end(Outcome(Verdict.WAIT, error.status, error=error,
+                                      retry_after=max(error.retry_after, 0.1)))
+                else:
+                    self._end(Outcome(Verdict.ERROR, error.status, error=error))
+            elif self.phase is Phase.PUBLISHED:
+                self.phase = Phase.ADMITTED
+            return []
+        if kind is Head:
+            assert isinstance(message, Head)
+            return self._on_head(message, now)
+        if self.phase is not Phase.RUNNING:
+            self._end(Outcome(Verdict.RETRY, 502, error=ErrorInfo(
+                502, "server_error", "protocol_error", "Worker output before its start.")))
+            return []
+        self.last_msg = now
+        seq = getattr(message, "seq", 0)
+        if seq != self.expected_seq:
+            self._end(Outcome(Verdict.RETRY, 502, error=ErrorInfo(
+                502, "server_error", "stream_gap",
+                f"Lost part of the response (expected {self.expected_seq}, got {seq}).")))
+            return []
+        self.expected_seq = seq + 1
+        if kind is Chunk:
+            assert isinstance(message, Chunk)
+            self._size += len(message.data)
+            if self._size > self.limits.max_body:
+                self._end(Outcome(Verdict.ERROR, 502, error=ErrorInfo(
+                    502, "server_error", "response_too_large",
+                    f"The response exceeded {self.limits.max_body} bytes.")))
+                return []
+            self._parts.append(message.data)
+            self.last_ack = now
+            return [(self.control, Ack(self.request_id, seq))]
+        if kind is Done:
+            body = b"".join(self._parts)
+            self._end(Outcome(Verdict.OK, 200, body=body))
+        elif kind is Error:
+            assert isinstance(message, Error)
+            error = message.error
+            self._end(Outcome(Verdict.RETRY if _transient(error) else Verdict.ERROR,
+                              error.status, error=error))
+        else:
+            assert kind is Heartbeat
+        return []
+
+    def _on_head(self, head: Head, now: float) -> list[tuple[str, Ack]]:
+        self.control = head.control
+        self.last_msg = self.last_ack = now
+        acks: list[tuple[str, Ack]] = []
+        if head.attempt > 1 or self.phase is Phase.RUNNING:
+            # Redelivered after its worker died: start over, and tell the new
+            # worker to go ahead (it waits for this before calling the backend).
+            self._parts, self._size = [], 0
+            acks.append((head.control, Ack(self.request_id, 0)))
+        self.phase = Phase.RUNNING
+        self.expected_seq = head.seq + 1
+        return acks
+
+    def tick(self, now: float) -> list[tuple[str, Ack]]:
+        """The clock checks: timeouts end the attempt (RETRY); a running one
+        gets a keepalive ack so its worker knows this runner is alive."""
+        if self.outcome is not None:
+            return []
+        lim = self.limits
+        if self.phase is Phase.PUBLISHED and now - self.started >= lim.admission_timeout:
+            self._end(_lost("dispatcher_unavailable",
+                            f"No dispatcher answered within {lim.admission_timeout:g}s."))
+        elif self.phase is Phase.ADMITTED and now - self.started >= lim.queue_timeout:
+            self._end(_lost("no_worker_available",
+                            f"No worker started the request within {lim.queue_timeout:g}s."))
+        elif self.phase is Phase.RUNNING and now - self.last_msg >= lim.lost_after:
+            self._end(_lost("worker_lost", f"The worker went silent for {lim.lost_after:g}s."))
+        elif self.phase is Phase.RUNNING and now - self.last_ack >= lim.ack_every:
+            self.last_ack = now
+            return [(self.control, Ack(self.request_id, self.expected_seq - 1))]
+        return []
+
+
+def _lost(code: str, message: str) -> Outcome:
+    return Outcome(Verdict.RETRY, 503, error=ErrorInfo(503, "server_error", code, message,
+                                                       True, 1.0))

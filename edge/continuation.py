@@ -1,0 +1,213 @@
+"""What an edge keeps of a stream so another worker can continue it when the
+first one dies after output (docs/resume.md, "Continuation").
+
+The delivered text has to live somewhere the dead worker is not. The edge
+already holds every chunk it writes, for the length of one write; with
+``failover = "continue"`` it keeps a reference to each chunk's bytes instead
+of dropping it (:meth:`Delivered.add`: one list append per chunk, no copy,
+no parse). Only when a worker dies are those bytes read: the SSE events are
+parsed once, their text joined (:meth:`Delivered.text`), and the edge hands
+that (with a Responses stream's seam: its next sequence_number, its ids)
+to the worker that runs the redelivered job (``Continue``), which asks
+the backend to continue it.
+
+What cannot be continued keeps today's ending (a retryable ``worker_lost``),
+decided per request up front (:func:`continuable`) or from the delivered
+events (a tool call started, more than one choice).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from edge.endings import worker_lost
+from edge.session import Session
+from tidegate.config import ModelConfig
+from tidegate.wire.delivered import joined_text, sse_events, text_continuable
+from tidegate.wire.protocol import Api, Request
+
+log = logging.getLogger("tidegate.edge")
+
+MODES = ("continue", "restart", "off")
+
+
+def continuable(request: Request, model: ModelConfig | None) -> bool:
+    """Whether ``request`` can be continued from its delivered text: a model
+    with ``failover = "continue"``, a streamed chat, completions or Responses
+    request for one choice, without logprobs and without tools (a
+    half-written tool call's arguments cannot be continued as text), not
+    resumable (a background response is)."""
+    if model is None or model.failover != "continue" or not request.stream:
+        return False
+    if request.resumable:
+        return False  # its log's readers cannot splice a second Head yet (wire/streamlog.py)
+    body = request.body
+    if request.api is Api.RESPONSES:
+        include = body.get("include")
+        return (not body.get("tools") and not body.get("top_logprobs")
+                and body.get("background") is not True
+                and not (isinstance(include, list) and any("logprobs" in str(i) for i in include)))
+    return text_continuable(request)
+
+
+_DECIDING = ("n", "logprobs", "top_logprobs", "tools", "functions", "echo", "background",
+             "include")
+
+
+def deciding_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What :func:`continuable` reads of a body, for the relay's copy of the
+    request (the edge drops the prompt once published): flags, not tools."""
+    return {k: (True if k in ("tools", "functions") else body[k])
+            for k in _DECIDING if body.get(k) is not None and body.get(k) != []}
+
+
+# What a continuation hands the next worker: the text and the events that
+# carried it, and for a Responses stream its seam (tidegate.wire.protocol.Continue).
+# (Chat and completions: the text, its events and the response id.)
+Seam = tuple[str, int] | tuple[str, int, int, str] | tuple[str, int, int, str, str, int]
+
+
+class Delivered:
+    """The chunks written to one client, kept for a continuation."""
+
+    __slots__ = ("parts", "pending")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.pending = False  # its worker died; waiting for the next one's Head
+
+    def add(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def text(self, api: Api) -> Seam | None:
+        """The text the client received and how many events carried it (and,
+        for Responses, the seam: :func:`_responses`); None when it cannot be
+        continued (a tool call, several choices, an event that is not what a
+        chat, completions or Responses stream of text sends)."""
+        events = sse_events(self.parts)
+        if events is None:
+            return None
+        if api is Api.RESPONSES:
+            return _responses(events)
+        got = joined_text(api, events)
+        if got is None:
+            return None
+        # The response id the client saw, which the continuing worker keeps.
+        first = events[0].get("id") if events else None
+        return (*got, 0, first) if isinstance(first, str) and first else got
+
+
+# The events that open a Responses stream of text, in OpenAI's order; a
+# continuation's new stream opens the same way and the worker drops as many
+# of them as the client got.
+_OPENING = ("response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added")
+_DELTA = "response.output_text.delta"
+
+
+def _responses(events: list[Any]) -> tuple[str, int, int, str, str, int] | None:
+    """A Responses stream's seam: (text, delta events, next sequence_number,
+    response id, message item id, opening events received). Only one message
+    item of ``output_text`` is continued: any other event (a reasoning item,
+    a function call, a refusal, a closing event) makes it None."""
+    out: list[str] = []
+    next_seq = opened = 0
+    response_id = item_id = ""
+    for index, event in enumerate(events):
+        if not isinstance(event, Mapping):
+            return None
+        kind = event.get("type")
+        seq = event.get("sequence_number")
+        next_seq = seq + 1 if isinstance(seq, int) and not isinstance(seq, bool) else index + 1
+        if kind == _DELTA:
+            delta = event.get("delta")
+            if (not isinstance(delta, str) or event.get("output_index", 0) != 0
+                    or event.get("content_index", 0) != 0):
+                return None
+            out.append(delta)
+            continue
+        if out or kind not in _OPENING or _OPENING.index(kind) < opened:
+            return None  # not an opening event, or one out of its place
+        opened = _OPENING.index(kind) + 1
+        if kind == "response.output_item.added":
+            item = event.get("item")
+            if (not isinstance(item, Mapping) or item.get("type") != "message"
+                    or event.get("output_index", 0) != 0):
+                return None
+            item_id = str(item.get("id") or "")
+        elif kind == "response.content_part.added":
+            part = event.get("part")
+            if not isinstance(part, Mapping) or part.get("type") != "output_text":
+                return None
+        else:
+            response = event.get("response")
+            if isinstance(response, Mapping) and isinstance(response.get("id"), str):
+                response_id = response["id"]
+    return "".join(out), len(out), next_seq, response_id, item_id, opened
+
+
+class _Publisher(Protocol):
+    async def publish(self, subject: str, payload: bytes) -> None: ...
+
+
+class _Context(Protocol):
+    @property
+    def publisher(self) -> _Publisher: ...
+
+
+class Relaying(Protocol):
+    """What :func:`worker_gone` reads and sets of an ``edge.relay.Relay``
+    (a protocol, so this module need not import the relay that imports it)."""
+
+    last_worker_msg: float
+
+    @property
+    def session(self) -> Session: ...
+    @property
+    def phase(self) -> int: ...
+    @property
+    def control(self) -> str: ...
+    @property
+    def upstream_done(self) -> bool: ...
+    @property
+    def wrote_chunks(self) -> bool: ...
+    @property
+    def failover(self) -> str: ...
+    @property
+    def delivered(self) -> Delivered | None: ...
+    @property
+    def job_ack(self) -> str: ...
+    @property
+    def request(self) -> Request: ...
+    @property
+    def ctx(self) -> _Context: ...
+
+
+async def worker_gone(relay: Relaying, control: str, now: float) -> None:
+    """The edge's WorkerWatch found ``relay``'s worker gone (edge.liveness).
+
+    ``-NAK`` the job so another worker runs it at once: with no output sent
+    to the client yet (a non-streaming body is only collected so far, and is
+    dropped), its Head gets the go-ahead (``failover`` "restart" or
+    "continue"); after
+    output, a continuable stream's next Head gets a ``Continue`` with the
+    delivered text. Anything else ends with ``worker_lost`` now rather than
+    at the heartbeat limit (and ``failover = "off"`` always does)."""
+    relay.session.lost = ""
+    if relay.phase != 2 or control != relay.control or relay.upstream_done:
+        return  # not streaming (Phase.STREAMING), another worker's, or over
+    output = relay.wrote_chunks  # a non-streaming body is collected: the client has none
+    if relay.failover == "off" or (output and (relay.delivered is None or not relay.job_ack)):
+        raise worker_lost()
+    if relay.delivered is not None:
+        relay.delivered.pending = True  # the next worker's Head gets a Continue
+    relay.last_worker_msg = now  # the lost-worker limit now waits for the next worker
+    log.info("request %s: worker %s died %s; job handed back", relay.request.id, control,
+             "mid-stream" if output else "before output")
+    if relay.job_ack:
+        try:
+            await relay.ctx.publisher.publish(relay.job_ack, b"-NAK")
+        except Exception as exc:  # redelivery after worker.ack_wait remains
+            log.warning("could not hand back the job of %s: %s", relay.request.id, exc)

@@ -1,0 +1,255 @@
+"""What both gRPC methods share: metadata and auth, the error -> status
+mapping, the flow-controlled message sink, and one generation from a
+``GenerateRequest`` to its end (validated, published and relayed by the
+same code as the SSE route: ``edge.publish``, :class:`edge.grpc_relay.GrpcRelay`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+from multidict import CIMultiDict
+
+from edge import instrument, resume
+from edge.auth import Principal
+from edge.continuation import deciding_fields
+from edge.endings import SlowClient
+from edge.grpc_relay import GrpcRelay, MessageSink
+from edge.publish import build_request, publish_request
+from edge.state import EdgeState, session_tick
+from tidegate.errors import ApiError, invalid_request
+from tidegate.telemetry import logs
+from tidegate.validation.jsonbody import parse_object
+from tidegate.validation.responses import validate_request
+from tidegate.wire import gateway_pb2 as pb
+from tidegate.wire.protocol import Api
+
+ROUTES: dict[int, Api] = {
+    pb.ROUTE_CHAT_COMPLETIONS: Api.CHAT,
+    pb.ROUTE_COMPLETIONS: Api.COMPLETIONS,
+    pb.ROUTE_RESPONSES: Api.RESPONSES,
+    pb.ROUTE_EMBEDDINGS: Api.EMBEDDINGS,
+}
+
+# HTTP status -> gRPC status (docs/grpc.md). A retryable error (broker down,
+# worker lost, edge draining) is UNAVAILABLE whatever its HTTP status, except
+# 429, which keeps RESOURCE_EXHAUSTED.
+_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    409: grpc.StatusCode.ABORTED,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_of(error: ApiError) -> grpc.StatusCode:
+    if error.status == 429:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if error.retryable:
+        return grpc.StatusCode.UNAVAILABLE
+    return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+def error_details(error: ApiError) -> str:
+    """The status details: the OpenAI error JSON, as the HTTP body would be."""
+    return json.dumps(error.payload(), separators=(",", ":"))
+
+
+def error_trailers(error: ApiError, headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of a failed call: the request id and rate-limit
+    headers, as HTTP sends them, and ``retry-after`` (seconds) when the
+    client should wait before retrying (429, 503)."""
+    out = [(k, v) for k, v in headers.items()
+           if k == "x-request-id" or k.startswith("x-ratelimit-")]
+    if error.retry_after:
+        out.append(("retry-after", f"{error.retry_after:g}"))
+    return tuple(out)
+
+
+def error_message(gen_id: str, error: ApiError) -> pb.GenerateResponse:
+    return pb.GenerateResponse(id=gen_id, error=pb.Error(
+        code=status_of(error).value[0], http_status=error.status,
+        error=error_details(error).encode()))
+
+
+# Metadata the edge acts on: sent twice, it is refused (two ``authorization``
+# values must not mean whichever one a layer happens to read). Any other key
+# keeps its first value: proxies may repeat headers of their own.
+_SINGLE = frozenset({"authorization", "traceparent", "tracestate"})
+
+
+def metadata_of(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, str]:
+    """The call's text metadata, keys lower case, first value of each."""
+    out: dict[str, str] = {}
+    for key, value in context.invocation_metadata() or ():
+        if key.endswith("-bin") or not isinstance(value, str):
+            continue
+        key = key.lower()
+        if key in out:
+            if key in _SINGLE:
+                raise invalid_request(f"Metadata '{key}' was sent more than once.",
+                                      code="duplicate_metadata")
+            continue
+        out[key] = value
+    return out
+
+
+def authenticate(state: EdgeState, metadata: Mapping[str, str]) -> Principal:
+    return state.keys.authenticate(metadata.get("authorization"))
+
+
+class CallSink:
+    """Writes one call's messages. ``context.write`` completes when HTTP/2
+    flow control has room for the message: that wait is the backpressure.
+    Several generations of a Session share the call, so writes take turns
+    (a lock, uncontended on Generate). A write pending longer than
+    edge.slow_client_timeout is ended by :class:`SlowWriters`."""
+
+    __slots__ = ("__weakref__", "_context", "_lock", "slow", "task", "writing_since")
+
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self._context = context
+        self._lock = asyncio.Lock()
+        self.writing_since = 0.0
+        self.task: asyncio.Task[Any] | None = None
+        self.slow = False
+
+    async def send(self, message: pb.GenerateResponse) -> None:
+        if self.slow:
+            raise SlowClient()
+        async with self._lock:
+            self.task = asyncio.current_task()
+            self.writing_since = time.monotonic()
+            try:
+                await self._context.write(message)
+            except asyncio.CancelledError:
+                task = self.task
+                if self.slow and task is not None and task.cancelling():
+                    task.uncancel()
+                    raise SlowClient() from None
+                raise
+            finally:
+                self.writing_since = 0.0
+                self.task = None
+
+
+class SlowWriters:
+    """One task per edge that ends writes pending past the timeout: no timer
+    per message on the chunk path."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.sinks: weakref.WeakSet[CallSink] = weakref.WeakSet()
+
+    async def run(self) -> None:
+        interval = min(max(self.timeout / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for sink in list(self.sinks):
+                since, task = sink.writing_since, sink.task
+                if since and task is not None and now - since >= self.timeout and not sink.slow:
+                    sink.slow = True
+                    task.cancel()
+
+
+@dataclasses.dataclass(slots=True)
+class Generation:
+    """What the caller needs while a generation runs: its relay (for cancel
+    and drain), once published."""
+
+    id: str
+    relay: GrpcRelay | None = None
+    cancel_requested: bool = False
+    resumed: str = ""
+    task: asyncio.Task[None] | None = None
+
+
+def _body(req: pb.GenerateRequest, max_depth: int) -> bytes:
+    """The body bytes, with the typed ``model`` checked against (or put into) it."""
+    if not req.model:
+        return req.body
+    body = parse_object(req.body, max_depth)
+    named = body.get("model")
+    if named is not None and named != req.model:
+        raise invalid_request("The request's model and the body's model differ.",
+                              code="model_mismatch", param="model")
+    body["model"] = req.model
+    return json.dumps(body).encode()
+
+
+def api_of(req: pb.GenerateRequest) -> Api:
+    api = ROUTES.get(req.route)
+    if api is None:
+        raise invalid_request("Unknown route: set route to one of ROUTE_CHAT_COMPLETIONS, "
+                              "ROUTE_COMPLETIONS, ROUTE_RESPONSES, ROUTE_EMBEDDINGS.",
+                              code="unknown_route", param="route")
+    return api
+
+
+async def run_generation(state: EdgeState, principal: Principal, req: pb.GenerateRequest,
+                         metadata: Mapping[str, str], sink: MessageSink, gen: Generation,
+                         rt: instrument.RequestTelemetry, deadline: float | None,
+                         on_relay: Callable[[GrpcRelay], Awaitable[None]] | None = None,
+                         ) -> GrpcRelay:
+    """One generation from its request to its end. Raises ApiError for what
+    fails before the relay runs; the relay's own failures are in its
+    ``failure``. ``deadline``: the client's, seconds from now (None: none)."""
+    config = state.config
+    api = api_of(req)
+    if len(req.body) > config.edge.max_body_bytes:
+        raise ApiError(413, f"The request body exceeds the limit of "
+                            f"{config.edge.max_body_bytes} bytes.",
+                       type="invalid_request_error", code="request_too_large")
+    valid = validate_request(_body(req, config.edge.max_json_depth), api, state.models,
+                             max_depth=config.edge.max_json_depth)
+    if valid.api is Api.RESPONSES and valid.body.get("background") is True:
+        raise invalid_request("Background responses are not served over gRPC; use POST "
+                              "/v1/responses.", code="unsupported_parameter",
+                              param="background")
+    headers: CIMultiDict[str] = CIMultiDict(metadata)
+    if req.HasField("resumable"):
+        headers[resume.RESUMABLE_HEADER] = "true" if req.resumable else "false"
+    if req.HasField("resume_grace"):
+        headers[resume.GRACE_HEADER] = repr(req.resume_grace)
+    grace = resume.resume_grace(headers, state.tenants, principal.tenant, valid.model, config)
+    request = build_request(state, principal, valid, rt.carrier, grace)
+    if deadline is not None:
+        # The client's deadline bounds the queue wait too: a request still
+        # queued when its caller has given up is not started.
+        request = dataclasses.replace(request, deadline_ms=min(
+            request.deadline_ms, int((time.time() + deadline) * 1000)))
+    rt.started_request(request)
+    del valid
+    session = state.sessions.open(request.id, session_tick(config), principal.tenant)
+    log_token = logs.bind(request.id, request.tenant, rt.trace_id)
+    try:
+        seq = await publish_request(state, request, rt.carrier)
+        relay_headers = {"x-request-id": request.id, "x-tidegate-request-seq": str(seq)}
+        relay = GrpcRelay(sink, gen.id, session,
+                          dataclasses.replace(request, body=deciding_fields(request.body)),
+                          state.relay, relay_headers)
+        gen.relay = relay
+        if on_relay is not None:
+            await on_relay(relay)
+        await relay.run()
+        return relay
+    finally:
+        state.sessions.close(session)
+        logs.unbind(log_token)

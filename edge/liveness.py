@@ -1,0 +1,162 @@
+"""Which workers this edge follows, and whether they are still connected.
+
+A worker's streams reach an edge as core NATS messages; when the worker dies,
+nothing arrives any more, and silence alone cannot tell a dead worker from a
+long prefill. The heartbeat rule (``session.worker_lost_after`` heartbeats,
+45 s by default) was the only judge before this module.
+
+The broker knows better: a worker killed outright (SIGKILL, OOM, node loss)
+loses its NATS connection, and the server drops its subscriptions, among them
+its control subject ``<p>.ctl.<worker>``. A request to a subject nobody
+subscribes to is answered at once by the server with a "no responders"
+status. So the edge, for each *worker* (not each stream) its open streams
+follow, sends an empty request to that worker's control subject every
+``session.liveness_interval`` (0.25 s by default):
+
+* no responders: the subscription is gone, the worker is dead once every
+  probe for :data:`CONFIRM_AFTER` (1.5 s) says so (a subscription dropped
+  and made again in between, as a reconnect does, is not a death), then
+  every stream following it is told
+  (:meth:`edge.session.Session.worker_lost`) and acts at once (see
+  ``edge.relay``: a job with no output yet is handed back to JetStream with a
+  ``nak`` so another worker runs it now, not after ``worker.ack_wait``).
+* the request times out: the worker is subscribed and its connection alive.
+  It sends no reply (workers ignore an empty control message; their
+  credentials cannot publish to an edge inbox anyway), so a timeout is the
+  normal answer of a live worker, and a *slow* worker (a long prefill, a GC
+  pause, a stopped process, a saturated box) is the same: it is never
+  declared dead by this rule. The server itself drops a stopped client only
+  after its ping limit (minutes); the heartbeat rule still applies to it.
+
+Why this and not the alternatives (docs/lifecycle.md, "Fast death
+detection"): a short-TTL KV entry per worker costs a replicated JetStream
+write per worker per fraction of a second, and judges a worker paused for
+longer than its TTL dead though its connection is fine; the server's
+disconnect advisories live in the system account, which tiers should not be
+given, and come per connection, not per subscription. A probe costs one core
+NATS message (and a "no responders" status only once) per followed worker per
+interval, nothing per stream and nothing per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+import nats.errors
+from nats.aio.client import Client as NATS
+
+log = logging.getLogger("tidegate.edge")
+
+# How long every probe must find no responders before the worker is taken
+# for dead. A worker whose NATS node died reconnects to another and
+# subscribes again (tidegate.broker.broker retries every 0.5 s); taking that
+# gap for a death hands its jobs to a second worker while it still runs them
+# and ends its streams that already had output. 0.5 s was too short on a
+# loaded machine (a NATS node kill under 30 streams ended 2 of them with
+# worker_lost); 1.5 s covers three reconnect attempts. Detection: at most the
+# interval (0.25 s) plus this.
+CONFIRM_AFTER = 1.5
+
+
+class Follower(Protocol):
+    """What the watch tells: a session (``edge.session.Session``)."""
+
+    def worker_lost(self, control: str) -> None: ...
+
+
+class WorkerWatch:
+    """Probes every worker control subject some open stream follows."""
+
+    def __init__(self, nc: NATS, interval: float) -> None:
+        self._nc = nc
+        self.interval = interval
+        self._followers: dict[str, set[Follower]] = {}
+        self._probes: dict[str, asyncio.Task[None]] = {}
+        self.lost_total = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    def following(self) -> list[str]:
+        return list(self._followers)
+
+    def follow(self, follower: Follower, control: str) -> None:
+        """``follower`` now streams from the worker at ``control``."""
+        if not self.enabled or not control:
+            return
+        followers = self._followers.get(control)
+        if followers is None:
+            followers = self._followers[control] = set()
+            task = asyncio.get_running_loop().create_task(self._probe(control),
+                                                          name=f"tidegate-probe-{control}")
+            task.add_done_callback(self._probe_ended)
+            self._probes[control] = task
+        followers.add(follower)
+
+    def unfollow(self, follower: Follower, control: str) -> None:
+        followers = self._followers.get(control)
+        if followers is None:
+            return
+        followers.discard(follower)
+        if not followers:
+            del self._followers[control]
+            task = self._probes.pop(control, None)
+            if task is not None:
+                task.cancel()
+
+    def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()
+        self._probes.clear()
+        self._followers.clear()
+
+    async def _absent(self, control: str) -> bool | None:
+        """True: nobody subscribes to ``control``; False: somebody does (the
+        request timed out unanswered, or was answered); None: this edge could
+        not ask (its own NATS connection is down: that says nothing)."""
+        try:
+            await self._nc.request(control, b"", timeout=self.interval)
+        except nats.errors.NoRespondersError:
+            return True
+        except nats.errors.TimeoutError:
+            return False
+        except (TimeoutError, nats.errors.Error, OSError):
+            return None
+        return False
+
+    async def _probe(self, control: str) -> None:
+        alive_at = time.monotonic()
+        absent_since: float | None = None  # the first of the probes that found nobody
+        while control in self._followers:
+            started = time.monotonic()
+            absent = await self._absent(control)
+            if absent is False:
+                alive_at, absent_since = started, None
+            elif absent:
+                if absent_since is None:
+                    absent_since = started
+                elif started - absent_since >= CONFIRM_AFTER:
+                    self._declare_lost(control, time.monotonic() - alive_at)
+                    return
+            # A timed-out probe already took the interval; an answered or
+            # failed one waits out the rest of it.
+            rest = self.interval - (time.monotonic() - started)
+            if rest > 0:
+                await asyncio.sleep(rest)
+
+    def _declare_lost(self, control: str, silent: float) -> None:
+        followers = self._followers.pop(control, set())
+        self._probes.pop(control, None)
+        self.lost_total += 1
+        log.warning("worker %s is gone (no subscriber on its control subject; last seen "
+                    "alive %.2fs ago); %d streams follow it", control, silent, len(followers))
+        for follower in followers:
+            follower.worker_lost(control)
+
+    def _probe_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker liveness probe failed", exc_info=task.exception())

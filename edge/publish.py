@@ -1,0 +1,152 @@
+"""Turning one validated generation into a published request: the envelope
+(:func:`build_request`), the model check (:func:`may_use`), the stream
+log's first entry and the patient JetStream publish. Shared by the HTTP
+routes, the WebSocket adapter and background responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import PubAck
+
+from edge.auth import Principal
+from edge.state import EdgeState
+from tidegate.config import ModelConfig
+from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
+from tidegate.validation.generation import Validated
+from tidegate.wire import streamlog
+from tidegate.wire.protocol import Request
+
+log = logging.getLogger("tidegate.edge")
+
+
+def may_use(principal: Principal, model: ModelConfig) -> bool:
+    """Whether the key may use the model: any of its names is on the key's
+    list, or the key has no list."""
+    return not principal.models or not {model.name, *model.aliases}.isdisjoint(principal.models)
+
+
+def build_request(state: EdgeState, principal: Principal, valid: Validated,
+                  carrier: dict[str, str], grace: float | None = None) -> Request:
+    """The envelope for one validated generation, with a fresh request id
+    (96 random bits); 403 if the key may not use the model. Shared by the
+    HTTP routes and the WebSocket adapter (``edge/ws.py``). ``grace``: a
+    resumable stream's grace (``edge.resume.resume_grace``); None = not
+    resumable."""
+    if not may_use(principal, valid.model):
+        raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
+                            f"{', '.join(principal.models)}.", type="permission_error",
+                       code="model_not_allowed", param="model")
+    config = state.config
+    request_id = secrets.token_hex(12)
+    subjects = config.nats.subjects
+    now_ms = int(time.time() * 1000)
+    return Request(
+        id=request_id,
+        reply=subjects.out(state.edge_id, request_id),
+        model=valid.model.name,
+        api=valid.api,
+        stream=valid.stream,
+        body=valid.body,
+        created_ms=now_ms,
+        deadline_ms=now_ms + int(config.edge.queue_timeout * 1000),
+        window_bytes=config.session.window_bytes,
+        window_msgs=config.session.window_msgs,
+        include_usage=valid.include_usage,
+        tenant=principal.tenant,
+        user=principal.user,
+        key_id=principal.key_id,
+        edge=state.edge_id,
+        mux=subjects.edge_mux(state.edge_id),
+        extra=dict(carrier),
+        resumable=grace is not None,
+        grace=grace or 0.0,
+    )
+
+
+async def publish_request(state: EdgeState, request: Request,
+                          trace_headers: dict[str, str]) -> int:
+    """Publish to the requests stream; returns its JetStream sequence number.
+    A resumable request's stream log is opened first."""
+    if request.resumable:
+        await _open_log(state, request)
+    subject = state.config.nats.subjects.request(request.klass, request.tenant)
+    try:
+        payload = request.encode()
+    except ProtocolError:
+        raise invalid_request("The request contains a number outside the 64-bit integer "
+                              "range.", code="invalid_value") from None
+    if len(payload) > state.nc.max_payload:
+        raise ApiError(413, "The request is too large for the broker's message size limit.",
+                       type="invalid_request_error", code="request_too_large")
+    try:
+        ack = await publish_patiently(state, subject, payload,
+                                      {"Nats-Msg-Id": request.id, **trace_headers})
+    except nats.js.errors.APIError as exc:
+        description = (exc.description or "").lower()
+        if "maximum" in description or exc.code == 503:
+            raise unavailable("The gateway's request queue is full; retry later.",
+                              code="overloaded", retry_after=2) from None
+        raise unavailable(f"The broker refused the request: {exc.description}",
+                          code="broker_error") from None
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise unavailable(f"The broker is unavailable ({type(exc).__name__}); retry later.",
+                          code="broker_unavailable", retry_after=2) from None
+    return int(ack.seq)
+
+
+def _transient(exc: Exception) -> bool:
+    """A publish that may succeed if tried again soon: no PubAck (the node
+    died, the connection is reconnecting, the stream has no leader: "no
+    responders"), or JetStream's 503 "temporarily unavailable" during an
+    election. A full stream ("maximum ...") and other refusals are answers."""
+    if isinstance(exc, nats.js.errors.APIError):
+        return exc.code == 503 and "maximum" not in (exc.description or "").lower()
+    return isinstance(exc, nats.errors.Error | TimeoutError)
+
+
+async def publish_patiently(state: EdgeState, subject: str, payload: bytes,
+                            headers: dict[str, str]) -> PubAck:
+    """``js.publish``, retried for up to ``edge.publish_patience`` seconds
+    (at most half of ``edge.admission_timeout``)
+    while the broker is briefly unreachable (a NATS node's death, a leader
+    election), instead of answering 503 at once. Safe because every caller
+    sets ``Nats-Msg-Id``: a retry of a publish that did land (its PubAck
+    lost) is dropped by the stream's duplicate window, so a request is
+    never queued twice. The client waits meanwhile; the last error is
+    raised when patience runs out or the connection is closed for good."""
+    loop = asyncio.get_running_loop()
+    edge = state.config.edge
+    deadline = loop.time() + min(edge.publish_patience, edge.admission_timeout / 2)
+    while True:
+        try:
+            return await state.js.publish(subject, payload, headers=headers)
+        except Exception as exc:
+            if (not _transient(exc) or state.nc.is_closed
+                    or loop.time() + _PUBLISH_RETRY_DELAY >= deadline):
+                raise
+            log.info("publish to %s: %s; retrying", subject, type(exc).__name__)
+        await asyncio.sleep(_PUBLISH_RETRY_DELAY)
+
+
+_PUBLISH_RETRY_DELAY = 0.25
+
+
+async def _open_log(state: EdgeState, request: Request) -> None:
+    """The stream log's first entry (its tenant), stored before the request is
+    published: a resume can then never find a stream without its owner."""
+    entry = streamlog.LogOpen(request.tenant, request.stream, int(request.api),
+                              request.created_ms, request.grace)
+    try:
+        # Its own message id: a retried open is stored once.
+        await publish_patiently(state, streamlog.subject(state.config.nats.subjects, request.id),
+                                entry.encode(), {"Nats-Msg-Id": f"{request.id}.open"})
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise unavailable(f"The stream log is unavailable ({type(exc).__name__}); retry "
+                          "later.", code="broker_unavailable", retry_after=2) from None

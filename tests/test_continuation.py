@@ -1,0 +1,249 @@
+"""Continuation (issue 25, items 3 and 5): a stream whose worker is SIGKILLed
+mid-stream goes on on another worker from the text already delivered, and
+is byte-exact against an uninterrupted run (the simulator's deterministic
+mode: token i = f(prompt, i), a trailing assistant prefix continued).
+
+Unit: the edge's extraction of the delivered text, the worker's continued
+request and its stream that drops the repeated opening."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import signal
+import statistics
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from edge.continuation import Delivered, continuable, deciding_fields
+from tests.pipeline import DEV_KEY, Pipeline
+from tidegate.config import ModelConfig
+from tidegate.wire.protocol import Api, Continue, Request, decode_control
+from workers.continuation import ContinuedStream, continued
+
+LENGTH = 300  # tokens of each answer, at 100 tokens/s: 3 s streams
+
+
+def request(api: Api = Api.CHAT, **body: Any) -> Request:
+    base: dict[str, Any] = ({"messages": [{"role": "user", "content": "hi"}]} if api is Api.CHAT
+                            else {"prompt": "once"})
+    return Request(id="r1", reply="tg.out.e.r1", model="m", api=api, stream=True,
+                   body={**base, **body}, created_ms=0, deadline_ms=0, window_bytes=1024,
+                   window_msgs=8)
+
+
+def test_what_can_be_continued() -> None:
+    on = ModelConfig(name="m", failover="continue")
+    assert continuable(request(), on)
+    assert continuable(request(Api.COMPLETIONS), on)
+    assert not continuable(request(), ModelConfig(name="m"))  # failover = "restart"
+    for body in ({"n": 2}, {"logprobs": True}, {"tools": [{"type": "function"}]},
+                 {"top_logprobs": 2}):
+        assert not continuable(request(**body), on), body
+    # The relay's copy of the request keeps only the deciding flags.
+    for body in ({"n": 2}, {"logprobs": True}, {"tools": [{"type": "function"}]}):
+        kept = dataclasses.replace(request(**body), body=deciding_fields(request(**body).body))
+        assert not continuable(kept, on), kept.body
+    assert continuable(dataclasses.replace(request(), body=deciding_fields(request().body)), on)
+    assert continuable(request(Api.RESPONSES), on)  # tests/test_continuation_apis.py
+    assert not continuable(dataclasses.replace(request(), resumable=True), on)
+    assert not continuable(dataclasses.replace(request(), stream=False), on)
+
+
+def test_the_edge_reads_the_delivered_text_once_at_failover() -> None:
+    d = Delivered()
+    d.add(b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+          b'\n\ndata: {"id":"x","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n')
+    d.add(b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"lo \\u00e9"}}]}\n\n')
+    assert d.text(Api.CHAT) == ("Hello \u00e9", 2, 0, "x"), "with the response id seen"
+    tool = Delivered()
+    tool.add(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}\n\n')
+    assert tool.text(Api.CHAT) is None, "a half-written tool call is not continued"
+    two = Delivered()
+    two.add(b'data: {"choices":[{"index":0,"delta":{}},{"index":1,"delta":{}}]}\n\n')
+    assert two.text(Api.CHAT) is None
+
+
+def test_the_continued_request_and_the_control_message() -> None:
+    r = continued(request(max_tokens=50, stop=["\n"]), "Hello", 3)
+    assert r.body["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert (r.body["continue_final_message"], r.body["add_generation_prompt"]) == (True, False)
+    assert (r.body["max_tokens"], r.body["stop"]) == (47, ["\n"])
+    c = continued(request(Api.COMPLETIONS, max_tokens=2), "Hello", 3)
+    assert (c.body["prompt"], c.body["max_tokens"]) == ("onceHello", 1)
+    assert decode_control(Continue("r1", "Hé", 2).encode()) == Continue("r1", "Hé", 2)
+
+
+class Chunks:
+    def __init__(self, *parts: bytes) -> None:
+        self.parts = list(parts)
+        self.usage: Any = None
+
+    async def read(self, max_bytes: int) -> bytes:
+        return self.parts.pop(0) if self.parts else b""
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_the_continued_stream_drops_the_repeated_opening() -> None:
+    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    word = b'data: {"choices":[{"delta":{"content":" on"}}]}\n\n'
+    s = ContinuedStream(Chunks(role + word, word), chat=True)  # type: ignore[arg-type]
+    assert [await s.read(100), await s.read(100), await s.read(100)] == [word, word, b""]
+    alone = ContinuedStream(Chunks(role, word), chat=True)  # type: ignore[arg-type]
+    assert await alone.read(100) == word
+
+
+# -- the pipeline ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path, nats_server: Any, redis_server: Any) -> Iterator[Pipeline]:
+    p = Pipeline(tmp_path, nats_server.url, redis_server.url, workers=2, overrides={
+        "session": {"heartbeat_interval": 1.0, "worker_lost_after": 40, "ack_timeout": 60.0},
+        "worker": {"ack_wait": 30.0, "resume_timeout": 5.0},
+        "edge": {"request_timeout": 300.0},
+        "models": [{"name": "tidegate-sim", "failover": "continue", "max_streams": 64,
+                    "simulator": {"ttft": 0.05, "tokens_per_second": 100.0, "length": LENGTH,
+                                  "deterministic": True}}]})
+    try:
+        p.start()
+        yield p
+    finally:
+        p.stop()
+
+
+_IDS = re.compile(rb'"id":"[^"]*","object":"([^"]*)","created":\d+')
+
+
+def normalized(raw: bytes) -> bytes:
+    """The stream with its per-request id and timestamp blanked (two runs of
+    one prompt are two requests) and its ``: ping`` comments left out (the
+    edge writes one when the pause at the seam outlasts a heartbeat, as on
+    any silent stream; they are not events)."""
+    return _IDS.sub(rb'"id":"-","object":"\1","created":0', raw.replace(b": ping\n\n", b""))
+
+
+async def run(session: aiohttp.ClientSession, url: str, text: str,
+              out: dict[str, Any]) -> None:
+    gaps: list[float] = []
+    raw = b""
+    async with session.post(f"{url}/v1/chat/completions", headers={
+            "Authorization": f"Bearer {DEV_KEY}"}, json={
+            "model": "tidegate-sim", "stream": True,
+            "messages": [{"role": "user", "content": text}]}) as resp:
+        assert resp.status == 200, await resp.text()
+        last = time.monotonic()
+        async for chunk in resp.content.iter_any():
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            raw += chunk
+    out[text] = (raw, max(gaps[1:], default=0.0))
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_worker_killed_mid_stream_costs_30_streams_a_pause_not_the_answer(
+        pipeline: Pipeline) -> None:
+    texts = [f"continue-{i}-{uuid.uuid4().hex}" for i in range(30)]
+    got: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.ensure_future(run(session, pipeline.url, t, got)) for t in texts]
+        await asyncio.sleep(1.0)  # a third of every stream delivered
+        assert not any(t.done() for t in tasks)
+        pipeline.workers[0].kill()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        # The same prompts again, nothing killed: what each stream should be.
+        await asyncio.wait_for(asyncio.gather(*(run(session, pipeline.url, t, whole)
+                                                for t in texts)), 120)
+    logs = pipeline.logs()
+    continued = logs.count("continued on another worker")
+    assert continued, "no stream ran on the killed worker"
+    for t in texts:
+        raw, _ = got[t]
+        assert raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+        ids = set(re.findall(rb'"id":"([^"]*)"', raw))
+        assert len(ids) == 1, ids  # one response id across the seam
+        assert normalized(raw) == normalized(whole[t][0]), t
+    pauses = sorted(got[t][1] for t in texts)
+    print(f"{continued} streams continued; longest pause per stream: p50 "
+          f"{statistics.median(pauses):.3f}s, p99 {pauses[-1]:.3f}s")
+    assert pauses[-1] < 10.0, pauses
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_non_streaming_request_whose_worker_dies_is_answered_whole(
+        pipeline: Pipeline) -> None:
+    """The client of a non-streaming request has received nothing when its
+    worker dies: the job runs again on the other worker and the answer is
+    the whole text (the same one, in deterministic mode)."""
+    texts = [f"whole-{i}-{uuid.uuid4().hex}" for i in range(8)]
+
+    async def ask(session: aiohttp.ClientSession, text: str) -> tuple[int, Any]:
+        async with session.post(f"{pipeline.url}/v1/chat/completions", headers={
+                "Authorization": f"Bearer {DEV_KEY}"}, json={
+                "model": "tidegate-sim", "messages": [{"role": "user", "content": text}]}) as r:
+            return r.status, await r.json()
+
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.ensure_future(ask(session, t)) for t in texts]
+        await asyncio.sleep(1.0)
+        pipeline.workers[0].kill()
+        answers = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        again = await asyncio.wait_for(asyncio.gather(*(ask(session, t) for t in texts)), 120)
+    assert "restarted on another worker" in pipeline.logs()
+    for (status, body), (_, whole) in zip(answers, again, strict=True):
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == \
+            whole["choices"][0]["message"]["content"]
+        assert body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_stream_that_cannot_be_continued_ends_with_worker_lost(
+        pipeline: Pipeline) -> None:
+    """logprobs cannot be rebuilt from the text: such a stream on the killed
+    worker ends with the documented retryable worker_lost, at once."""
+    texts = [f"logprobs-{i}-{uuid.uuid4().hex}" for i in range(10)]
+    ends: dict[str, bytes] = {}
+
+    async def ask(session: aiohttp.ClientSession, text: str) -> None:
+        async with session.post(f"{pipeline.url}/v1/chat/completions", headers={
+                "Authorization": f"Bearer {DEV_KEY}"}, json={
+                "model": "tidegate-sim", "stream": True, "logprobs": True,
+                "messages": [{"role": "user", "content": text}]}) as resp:
+            assert resp.status == 200, await resp.text()
+            ends[text] = (await resp.read()).rstrip().rsplit(b"\n", 1)[-1]
+
+    other = pipeline.workers[1].pid
+    assert other is not None
+    async with aiohttp.ClientSession() as session:
+        os.kill(other, signal.SIGSTOP)  # every stream starts on worker 0
+        try:
+            await asyncio.sleep(3.0)  # its pull requests expire (worker.fetch_timeout 1 s)
+            tasks = [asyncio.ensure_future(ask(session, t)) for t in texts]
+            await asyncio.sleep(1.0)
+        finally:
+            os.kill(other, signal.SIGCONT)
+        pipeline.workers[0].kill()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    lost = [e for e in ends.values() if e != b"data: [DONE]"]
+    assert len(lost) == len(texts), pipeline.logs()[-6000:]
+    for end in lost:
+        error = json.loads(end.removeprefix(b"data: "))["error"]
+        assert (error["code"], error["retryable"]) == ("worker_lost", True), error
+    assert "continued on another worker" not in pipeline.logs()

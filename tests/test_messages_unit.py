@@ -1,0 +1,327 @@
+"""Anthropic Messages API, sans-I/O: validation (hostile bodies), the
+request translation, the chat-stream translator and the passthrough parser,
+fed at every byte boundary."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tidegate.config import ModelConfig
+from tidegate.errors import ApiError, BackendError
+from tidegate.validation.messages import quota_user, validate_messages
+from tidegate.wire import anthropic
+from workers.backends.messages_sse import MessagesPassthrough, MessagesTranslator
+from workers.backends.messages_translate import to_chat, to_message
+
+MODELS = {"m": ModelConfig(name="m", max_output_tokens=4096)}
+OK: dict[str, Any] = {"model": "m", "max_tokens": 10,
+                      "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _with(**fields: Any) -> bytes:
+    return json.dumps({**OK, **fields}).encode()
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b"[]", None),
+    (b'"x"', None),
+    (b"{" * 200 + b"}" * 200, None),
+    (_with(max_tokens=None), "max_tokens"),
+    (_with(max_tokens="10"), "max_tokens"),
+    (_with(max_tokens=0), "max_tokens"),
+    (_with(max_tokens=1 << 70), "max_tokens"),
+    (_with(messages="hi"), "messages"),
+    (_with(messages=[]), "messages"),
+    (_with(messages=[1]), "messages[0]"),
+    (_with(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+    (_with(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    (_with(messages=[{"role": "user", "content": [{"text": "x"}]}]), "messages[0].content[0]"),
+    (_with(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),
+     "messages[0].content[0].text"),
+    (_with(messages=[{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "a", "name": "f", "input": "x"}]}]),
+     "messages[0].content[0].input"),
+    (_with(messages=[{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "a", "content": 7}]}]),
+     "messages[0].content[0].content"),
+    (_with(messages=[{"role": "user", "content": [{"type": "image", "source": "x"}]}]),
+     "messages[0].content[0].source"),
+    (_with(system=5), "system"),
+    (_with(system=[{"type": "image"}]), "system"),
+    (_with(stop_sequences=[""]), "stop_sequences"),
+    (_with(stop_sequences="x"), "stop_sequences"),
+    (_with(temperature=5), "temperature"),
+    (_with(top_p="x"), "top_p"),
+    (_with(top_k=-1), "top_k"),
+    (_with(tools={}), "tools"),
+    (_with(tools=[{"name": "f"}]), "tools[0].input_schema"),
+    (_with(tools=[{"input_schema": {}}]), "tools[0]"),
+    (_with(tool_choice="auto"), "tool_choice"),
+    (_with(tool_choice={"type": "tool"}), "tool_choice.name"),
+    (_with(metadata="x"), "metadata"),
+    (_with(metadata={"user_id": 5}), "metadata.user_id"),
+    (_with(stream="yes"), "stream"),
+    (_with(model=5), "model"),
+])
+def test_hostile_bodies_are_400(raw: bytes, param: str | None) -> None:
+    with pytest.raises(ApiError) as caught:
+        validate_messages(raw, MODELS)
+    assert caught.value.status == 400
+    if param is not None:
+        assert caught.value.param == param
+
+
+def test_unknown_model_is_404_and_count_tokens_needs_no_max_tokens() -> None:
+    with pytest.raises(ApiError) as caught:
+        validate_messages(_with(model="other"), MODELS)
+    assert caught.value.status == 404
+    body = json.dumps({"model": "m", "messages": OK["messages"], "stream": True}).encode()
+    valid = validate_messages(body, MODELS, count_tokens=True)
+    assert not valid.stream
+
+
+@pytest.mark.parametrize(("user", "quota"), [
+    ("user_ab12-x", "user_ab12-x"), ("a.b", ""), ("a b", ""), ("*", ""), (">", ""),
+    ("", ""), ("x" * 129, ""), (None, ""), ("ü", ""),
+])
+def test_quota_user_is_a_safe_token_or_none(user: Any, quota: str) -> None:
+    assert quota_user({"metadata": {"user_id": user}}) == quota
+
+
+def test_errors_in_anthropic_shape() -> None:
+    status, body = anthropic.error_body(503, "busy")
+    assert status == 529
+    assert json.loads(body) == {"type": "error", "error": {"type": "overloaded_error",
+                                                           "message": "busy"}}
+    assert anthropic.error_body(429, "x")[0] == 429
+    assert json.loads(anthropic.error_body(502, "x")[1])["error"]["type"] == "api_error"
+    assert anthropic.error_event(401, "no").startswith(b"event: error\ndata: ")
+
+
+def test_to_chat_translates_every_block() -> None:
+    body = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "be kind"}],
+            "stop_sequences": ["END"], "temperature": 0.5, "top_k": 3,
+            "metadata": {"user_id": "u1"}, "thinking": {"type": "enabled"},
+            "vendor_extra": 1,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": "AAAA"}}]},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hmm"},
+                    {"type": "text", "text": "calling"},
+                    {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                     "content": [{"type": "text", "text": "bad"}]},
+                    {"type": "text", "text": "again"}]}]}
+    chat = to_chat(body, "up", stream=True)
+    assert chat["messages"] == [
+        {"role": "system", "content": "be kind"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+        {"role": "assistant", "content": "calling", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: bad"},
+        {"role": "user", "content": "again"}]
+    assert chat["model"] == "up"
+    assert chat["stop"] == ["END"]
+    assert chat["tool_choice"] == "required"
+    assert chat["parallel_tool_calls"] is False
+    assert chat["user"] == "u1"
+    assert chat["top_k"] == 3
+    assert chat["vendor_extra"] == 1
+    assert "thinking" not in chat
+    assert chat["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("block", [
+    {"type": "document", "source": {}},
+    {"type": "search_result"},
+])
+def test_untranslatable_blocks_are_400(block: dict[str, Any]) -> None:
+    body = {**OK, "messages": [{"role": "user", "content": [block]}]}
+    with pytest.raises(BackendError) as caught:
+        to_chat(body, "up", stream=False)
+    assert caught.value.status == 400
+
+
+def test_server_tools_are_400_in_translation() -> None:
+    body = {**OK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+    with pytest.raises(BackendError) as caught:
+        to_chat(body, "up", stream=False)
+    assert caught.value.param == "tools[0]"
+
+
+def _chunk(delta: dict[str, Any] | None = None, finish: str | None = None,
+           usage: dict[str, int] | None = None, **choice: Any) -> bytes:
+    obj: dict[str, Any] = {"id": "c", "choices": [] if delta is None else [
+        {"index": 0, "delta": delta, "finish_reason": finish, **choice}]}
+    if usage is not None:
+        obj["usage"] = usage
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+CHAT_STREAM = b"".join([
+    b": keepalive\n\n",
+    _chunk({"role": "assistant", "content": ""}),
+    _chunk({"content": "Hel"}),
+    _chunk({"content": "lo"}),
+    _chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                            "function": {"name": "f", "arguments": ""}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ':1}'}}]}),
+    _chunk({}, "tool_calls"),
+    _chunk(usage={"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}),
+    b"data: [DONE]\n\n",
+])
+
+
+def _events(out: bytes) -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for raw in out.split(b"\n\n"):
+        if raw:
+            name, data = raw.split(b"\n")
+            found.append((name.removeprefix(b"event: ").decode(),
+                          json.loads(data.removeprefix(b"data: "))))
+    return found
+
+
+def test_translator_writes_anthropic_events_at_any_split() -> None:
+    whole = MessagesTranslator(prompt_tokens=3, model="m", message_id="msg_1",
+                               client_model="alias")
+    out = whole.feed(CHAT_STREAM)
+    assert whole.done
+    events = _events(out)
+    assert [name for name, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta",
+        "content_block_delta", "content_block_stop", "content_block_start",
+        "content_block_delta", "content_block_delta", "content_block_stop", "message_delta",
+        "message_stop"]
+    assert all(data["type"] == name for name, data in events)
+    assert events[0][1]["message"]["model"] == "alias"
+    assert events[0][1]["message"]["id"] == "msg_1"
+    assert events[6][1]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "f",
+                                             "input": {}}
+    assert events[7][1] == {"type": "content_block_delta", "index": 1,
+                            "delta": {"type": "input_json_delta", "partial_json": '{"a"'}}
+    assert events[10][1] == {"type": "message_delta",
+                             "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                             "usage": {"input_tokens": 7, "output_tokens": 4}}
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (7, 4)  # once
+    for cut in range(1, len(CHAT_STREAM)):
+        split = MessagesTranslator(prompt_tokens=3, model="m", message_id="msg_1",
+                                   client_model="alias")
+        got = split.feed(CHAT_STREAM[:cut]) + split.feed(CHAT_STREAM[cut:]) + split.flush()
+        assert got == out, cut
+
+
+def test_translator_error_chunk_raises_and_no_done_still_closes() -> None:
+    t = MessagesTranslator(prompt_tokens=1, model="m", message_id="x", client_model="m")
+    with pytest.raises(BackendError):
+        t.feed(b'data: {"error": {"message": "boom"}}\n\n')
+    t = MessagesTranslator(prompt_tokens=1, model="m", message_id="x", client_model="m")
+    t.feed(_chunk({"content": "a"}) + _chunk({}, "stop", stop_reason="END"))
+    events = _events(t.flush())
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert t.done
+
+
+def test_to_message_from_a_chat_body() -> None:
+    body = {"choices": [{"index": 0, "finish_reason": "length", "message": {
+        "role": "assistant", "content": "hi", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "nope"}}]}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+    message = to_message(body, "msg_x", "alias")
+    assert message["content"] == [{"type": "text", "text": "hi"}, {
+        "type": "tool_use", "id": "c1", "name": "f", "input": {"_raw_arguments": "nope"}}]
+    assert message["stop_reason"] == "max_tokens"
+    assert message["usage"] == {"input_tokens": 5, "output_tokens": 2}
+
+
+NATIVE = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1",'
+          b'"usage":{"input_tokens":10,"cache_read_input_tokens":5,"output_tokens":1}}}\n\n'
+          b": comment\n\n"
+          b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+          b'"content_block":{"type":"text","text":""}}\n\n'
+          b'event: ping\ndata: {"type": "ping"}\n\n'
+          b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+          b'"delta":{"type":"text_delta","text":"\\"type\\":\\"message_stop\\""}}\n\n'
+          b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+          b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+          b'"end_turn","stop_sequence":null},"usage":{"output_tokens":9}}\n\n'
+          b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+          b"event: late\ndata: {}\n\n")
+
+
+def test_passthrough_relays_bytes_and_counts_usage_once_at_any_split() -> None:
+    expected = NATIVE.replace(b": comment\n\n", b"").replace(b"event: late\ndata: {}\n\n", b"")
+    for cut in range(1, len(NATIVE)):
+        p = MessagesPassthrough(prompt_tokens=1, model="m")
+        got = p.feed(NATIVE[:cut]) + p.feed(NATIVE[cut:]) + p.flush()
+        assert got == expected, cut
+        assert p.done
+        assert (p.usage.prompt_tokens, p.usage.completion_tokens) == (15, 9)
+        assert p.finish_reason == "stop"
+
+
+def test_passthrough_error_event_raises() -> None:
+    p = MessagesPassthrough(prompt_tokens=1, model="m")
+    with pytest.raises(BackendError):
+        p.feed(b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+               b'"message":"Overloaded"}}\n\n')
+
+
+def test_edge_writes_tidegate_503s_as_529_overloaded() -> None:
+    """Queue mode's refusals, no worker, a full queue, a draining edge: every
+    503 of tidegate reaches a Messages client as 529 overloaded_error with
+    retry-after, before the stream and inside it; other routes keep 503."""
+    from edge.errors import error_response, sse_error_event
+    from tidegate.errors import unavailable
+    from tidegate.wire.protocol import Api
+
+    error = unavailable("The model is in queue mode and its queue is full.", code="queue_full",
+                        retry_after=5)
+    response = error_response(error, Api.MESSAGES)
+    assert response.status == 529
+    assert response.headers["Retry-After"] == "5"
+    assert response.body is not None
+    assert json.loads(bytes(response.body)) == {"type": "error", "error": {
+        "type": "overloaded_error", "message": error.message}}
+    assert error_response(error).status == 503
+    event = sse_error_event(error, Api.MESSAGES)
+    assert event.startswith(b"event: error\ndata: ")
+    assert json.loads(event.split(b"data: ", 1)[1])["error"]["type"] == "overloaded_error"
+    assert sse_error_event(error).startswith(b"data: {\"error\"")
+
+
+def test_a_stream_without_message_start_gets_one_spliced_in() -> None:
+    """llama-server's /v1/messages (build 11434) opens with content_block_start:
+    the passthrough writes the message_start the SDK needs in front, once;
+    a stream that has its own passes unchanged."""
+    bare = (b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+            b'"content_block":{"type":"text","text":""}}\n\n'
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+            b'"delta":{"type":"text_delta","text":"hi"}}\n\n')
+    p = MessagesPassthrough(prompt_tokens=3, model="m", message_id="msg_x", client_model="c")
+    out = p.feed(bare)
+    head, rest = out.split(b"\n\n", 1)
+    assert head.startswith(b"event: message_start\ndata: ")
+    start = json.loads(head.split(b"data: ", 1)[1])
+    assert start["message"]["id"] == "msg_x"
+    assert start["message"]["model"] == "c"
+    assert start["message"]["usage"]["input_tokens"] == 3
+    assert rest == bare
+    assert p.feed(bare).count(b"message_start") == 0  # once, at the start
+    whole = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"m1",'
+             b'"type":"message","role":"assistant","content":[],"model":"b",'
+             b'"usage":{"input_tokens":2,"output_tokens":0}}}\n\n') + bare
+    q = MessagesPassthrough(prompt_tokens=3, model="m", message_id="msg_x", client_model="c")
+    assert q.feed(whole) == whole

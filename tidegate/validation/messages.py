@@ -1,0 +1,189 @@
+"""Validation of Anthropic Messages bodies (``POST /v1/messages`` and
+``/v1/messages/count_tokens``), sans-I/O, beside ``tidegate.validation.generation``.
+
+As there, only what tidegate depends on, or whose wrong type would make a
+worker's translation or a backend fail confusingly, is checked, with a 400
+naming the field (``param``; the edge writes it in Anthropic's error shape).
+``max_tokens`` is required, as Anthropic requires it, and bounded by the
+model's ``max_output_tokens``. Unknown fields pass on untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tidegate.config import ModelConfig
+from tidegate.errors import invalid_request
+from tidegate.validation.generation import (
+    DEFAULT_MAX_DEPTH,
+    Validated,
+    _json_type,
+    _model,
+    _optional_bool,
+    _optional_int,
+    _optional_number,
+    _token_limit,
+    parse_json,
+)
+from tidegate.wire.protocol import Api
+
+__all__ = ["quota_user", "validate_messages", "validate_messages_body"]
+
+_ROLES = ("user", "assistant")
+_CHOICES = ("auto", "any", "tool", "none")
+# Block types and the string fields each must carry.
+_BLOCK_STRINGS = {"text": ("text",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}
+_USER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def validate_messages(raw: bytes, models: Mapping[str, ModelConfig], *,
+                      max_depth: int = DEFAULT_MAX_DEPTH,
+                      count_tokens: bool = False) -> Validated:
+    return validate_messages_body(parse_json(raw, max_depth), models,
+                                  count_tokens=count_tokens)
+
+
+def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfig], *,
+                           count_tokens: bool = False) -> Validated:
+    """:func:`validate_messages` for a body already parsed (a WebSocket
+    request frame's, parsed with the same strict, depth-bounded parser)."""
+    model = _model(body, models)
+    if not count_tokens:
+        if body.get("max_tokens") is None:
+            raise invalid_request("max_tokens: Field required.", param="max_tokens",
+                                  code="missing_required_parameter")
+        _token_limit(body, "max_tokens", model)
+    _turns(body)
+    _system(body)
+    stops = body.get("stop_sequences")
+    if stops is not None and not (isinstance(stops, list)
+                                  and all(isinstance(s, str) and s for s in stops)):
+        raise invalid_request("'stop_sequences' must be an array of non-empty strings.",
+                              param="stop_sequences", code="invalid_type")
+    _optional_number(body, "temperature", 0.0, 1.0)
+    _optional_number(body, "top_p", 0.0, 1.0)
+    _optional_int(body, "top_k", minimum=0)
+    _tools(body)
+    _tool_choice(body)
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise invalid_request(f"'metadata' must be an object, got {_json_type(metadata)}.",
+                                  param="metadata", code="invalid_type")
+        user = metadata.get("user_id")
+        if user is not None and not isinstance(user, str):
+            raise invalid_request("'metadata.user_id' must be a string.",
+                                  param="metadata.user_id", code="invalid_type")
+    stream = bool(_optional_bool(body, "stream")) and not count_tokens
+    return Validated(api=Api.MESSAGES, model=model, body=body, stream=stream,
+                     include_usage=False)
+
+
+def quota_user(body: Mapping[str, Any]) -> str:
+    """``metadata.user_id`` as a quota user (docs/anthropic.md), or "" when
+    there is none or it is not usable as one: a quota scope's user is a NATS
+    subject token and part of Redis keys, so only letters, digits, ``_`` and
+    ``-``, at most 128 of them (Claude Code's ids are)."""
+    metadata = body.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if isinstance(user, str) and 0 < len(user) <= 128 and _USER_CHARS.issuperset(user):
+        return user
+    return ""
+
+
+def _turns(body: dict[str, Any]) -> None:
+    turns = body.get("messages")
+    if turns is None:
+        raise invalid_request("messages: Field required.", param="messages",
+                              code="missing_required_parameter")
+    if not isinstance(turns, list) or not turns:
+        raise invalid_request("'messages' must be a non-empty array.", param="messages",
+                              code="invalid_type")
+    for i, turn in enumerate(turns):
+        where = f"messages[{i}]"
+        if not isinstance(turn, dict):
+            raise invalid_request(f"'{where}' must be an object, got {_json_type(turn)}.",
+                                  param=where, code="invalid_type")
+        if turn.get("role") not in _ROLES:
+            raise invalid_request(f"'{where}.role' must be 'user' or 'assistant'.",
+                                  param=f"{where}.role", code="invalid_value")
+        content = turn.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise invalid_request(f"'{where}.content' must be a string or an array of content "
+                                  f"blocks, got {_json_type(content)}.",
+                                  param=f"{where}.content", code="invalid_type")
+        _blocks(content, f"{where}.content", turn["role"])
+
+
+def _blocks(blocks: list[Any], where: str, role: str) -> None:
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise invalid_request(f"'{at}' must be a content block object with a string "
+                                  "'type'.", param=at, code="invalid_type")
+        kind = block["type"]
+        for name in _BLOCK_STRINGS.get(kind, ()):
+            if not isinstance(block.get(name), str):
+                raise invalid_request(f"'{at}.{name}' must be a string.", param=f"{at}.{name}",
+                                      code="invalid_type")
+        if kind == "tool_use" and not isinstance(block.get("input", {}), dict):
+            raise invalid_request(f"'{at}.input' must be an object.", param=f"{at}.input",
+                                  code="invalid_type")
+        if kind == "image" and not isinstance(block.get("source"), dict):
+            raise invalid_request(f"'{at}.source' must be an object.", param=f"{at}.source",
+                                  code="invalid_type")
+        if kind == "tool_result":
+            content = block.get("content")
+            if isinstance(content, list):
+                _blocks(content, f"{at}.content", role)
+            elif content is not None and not isinstance(content, str):
+                raise invalid_request(f"'{at}.content' must be a string or an array.",
+                                      param=f"{at}.content", code="invalid_type")
+
+
+def _system(body: dict[str, Any]) -> None:
+    system = body.get("system")
+    if system is None or isinstance(system, str):
+        return
+    if not isinstance(system, list) or not all(
+            isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+            for b in system):
+        raise invalid_request("'system' must be a string or an array of text blocks.",
+                              param="system", code="invalid_type")
+
+
+def _tools(body: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise invalid_request(f"'tools' must be an array, got {_json_type(tools)}.",
+                              param="tools", code="invalid_type")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise invalid_request(f"'{where}' must be an object with a string 'name'.",
+                                  param=where, code="invalid_type")
+        kind = tool.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise invalid_request(f"'{where}.type' must be a string.", param=f"{where}.type",
+                                  code="invalid_type")
+        if kind in (None, "custom") and not isinstance(tool.get("input_schema"), dict):
+            raise invalid_request(f"'{where}.input_schema' must be an object.",
+                                  param=f"{where}.input_schema", code="invalid_type")
+
+
+def _tool_choice(body: dict[str, Any]) -> None:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    if not isinstance(choice, dict) or choice.get("type") not in _CHOICES:
+        raise invalid_request("'tool_choice' must be an object whose 'type' is one of "
+                              f"{', '.join(_CHOICES)}.", param="tool_choice",
+                              code="invalid_value")
+    if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+        raise invalid_request("'tool_choice.name' must be a string for type 'tool'.",
+                              param="tool_choice.name", code="invalid_type")

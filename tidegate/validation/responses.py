@@ -1,0 +1,232 @@
+"""Validation of Responses (``/v1/responses``) and Embeddings (``/v1/embeddings``)
+bodies (sans-I/O), beside ``tidegate.validation.generation``'s chat and completions.
+
+:func:`validate_request` is the edge's one entry point for every generation
+endpoint: it hands chat and completions to :func:`tidegate.validation.generation.validate`
+and checks the two newer bodies here, with the same OpenAI-style 400s
+(``param`` names the field). As there, only the fields tidegate depends on, or
+whose wrong type would make a backend fail confusingly, are checked; unknown
+fields (``reasoning``, ``text``, ``truncation``, vendor extensions) pass
+through to the backend untouched.
+
+Responses: ``background: true`` is tidegate's own (``edge.background``): it is
+kept in the body for the record but the backend never runs a background job
+of its own (``workers.backends.openai`` drops the field).
+Embeddings: ``stream`` must not be true (embeddings have no stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tidegate.config import ModelConfig
+from tidegate.errors import invalid_request
+from tidegate.validation.generation import (
+    DEFAULT_MAX_DEPTH,
+    Validated,
+    _content_parts,
+    _json_type,
+    _model,
+    _optional_bool,
+    _optional_int,
+    _optional_number,
+    _token_limit,
+    parse_json,
+    validate,
+)
+from tidegate.validation.messages import validate_messages
+from tidegate.wire.protocol import Api
+
+__all__ = ["validate_embeddings", "validate_request", "validate_responses"]
+
+# OpenAI's own bound on one embeddings request's inputs.
+MAX_EMBEDDING_INPUTS = 2048
+_ENCODINGS = ("float", "base64")
+_TRUNCATION = ("auto", "disabled")
+
+
+def validate_request(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
+                     max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+    """Parse and check a generation request body of any endpoint."""
+    if api is Api.RESPONSES:
+        return validate_responses(raw, models, max_depth=max_depth)
+    if api is Api.EMBEDDINGS:
+        return validate_embeddings(raw, models, max_depth=max_depth)
+    if api is Api.MESSAGES:
+        return validate_messages(raw, models, max_depth=max_depth)
+    return validate(raw, api, models, max_depth=max_depth)
+
+
+def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
+                       max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+    body = parse_json(raw, max_depth)
+    model = _model(body, models)
+    _input(body)
+    _optional_str(body, "instructions")
+    _token_limit(body, "max_output_tokens", model)
+    _optional_int(body, "max_tool_calls", minimum=1)
+    _optional_number(body, "temperature", 0.0, 2.0)
+    _optional_number(body, "top_p", 0.0, 1.0)
+    top_logprobs = _optional_int(body, "top_logprobs", minimum=0)
+    if top_logprobs is not None and top_logprobs > 20:
+        raise invalid_request(f"'top_logprobs' must be <= 20, got {top_logprobs}.",
+                              param="top_logprobs", code="invalid_value")
+    _tools(body)
+    _tool_choice(body)
+    for key in ("parallel_tool_calls", "store"):
+        _optional_bool(body, key)
+    for key in ("previous_response_id", "user", "prompt_cache_key", "safety_identifier",
+                "service_tier"):
+        _optional_str(body, key)
+    for key in ("metadata", "text", "reasoning", "prompt", "conversation"):
+        _optional_object(body, key, allow_str=key == "conversation")
+    truncation = body.get("truncation")
+    if truncation is not None and truncation not in _TRUNCATION:
+        raise invalid_request(f"'truncation' must be one of {', '.join(_TRUNCATION)}, got "
+                              f"{truncation!r}.", param="truncation", code="invalid_value")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list)
+                                    and all(isinstance(i, str) for i in include)):
+        raise invalid_request("'include' must be an array of strings.", param="include",
+                              code="invalid_type")
+    stream = _optional_bool(body, "stream") or False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise invalid_request(f"'stream_options' must be an object, got "
+                                  f"{_json_type(options)}.", param="stream_options",
+                                  code="invalid_type")
+        if not stream:
+            raise invalid_request("The 'stream_options' parameter is only allowed when "
+                                  "'stream' is true.", param="stream_options",
+                                  code="invalid_value")
+    _optional_bool(body, "background")
+    # Usage always arrives with response.completed: nothing to ask the backend for.
+    return Validated(api=Api.RESPONSES, model=model, body=body, stream=stream,
+                     include_usage=False)
+
+
+def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
+                        max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+    body = parse_json(raw, max_depth)
+    model = _model(body, models)
+    _embedding_input(body)
+    encoding = body.get("encoding_format")
+    if encoding is not None and encoding not in _ENCODINGS:
+        raise invalid_request(f"'encoding_format' must be one of {', '.join(_ENCODINGS)}, got "
+                              f"{encoding!r}.", param="encoding_format", code="invalid_value")
+    _optional_int(body, "dimensions", minimum=1)
+    _optional_str(body, "user")
+    if _optional_bool(body, "stream"):
+        raise invalid_request("Embeddings cannot be streamed; send the request without "
+                              "'stream'.", param="stream", code="unsupported_value")
+    return Validated(api=Api.EMBEDDINGS, model=model, body=body, stream=False,
+                     include_usage=False)
+
+
+def _input(body: dict[str, Any]) -> None:
+    if "input" not in body or body["input"] is None:
+        if isinstance(body.get("previous_response_id"), str) or body.get("prompt") is not None:
+            return  # the input lives on the backend (a stored response or prompt template)
+        raise invalid_request("Missing required parameter: 'input'.", param="input",
+                              code="missing_required_parameter")
+    value = body["input"]
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list):
+        raise invalid_request(f"'input' must be a string or an array of input items, got "
+                              f"{_json_type(value)}.", param="input", code="invalid_type")
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid_request(f"'{where}' must be an object, got {_json_type(item)}.",
+                                  param=where, code="invalid_type")
+        kind = item.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise invalid_request(f"'{where}.type' must be a string.", param=f"{where}.type",
+                                  code="invalid_type")
+        if "role" in item and not isinstance(item["role"], str):
+            raise invalid_request(f"'{where}.role' must be a string.", param=f"{where}.role",
+                                  code="invalid_type")
+        if kind is None and "role" not in item:
+            raise invalid_request(f"'{where}' needs a 'type' or a 'role'.", param=where,
+                                  code="missing_required_parameter")
+        content = item.get("content")
+        if (kind in (None, "message") and "role" in item
+                and not isinstance(content, str | list)):
+            raise invalid_request(f"'{where}.content' must be a string or an array of content "
+                                  f"parts, got {_json_type(content)}.",
+                                  param=f"{where}.content", code="invalid_type")
+        if isinstance(content, list):
+            _content_parts(content, f"{where}.content")
+
+
+def _tools(body: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise invalid_request(f"'tools' must be an array, got {_json_type(tools)}.",
+                              param="tools", code="invalid_type")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise invalid_request(f"'tools[{i}]' must be an object with a string 'type'.",
+                                  param=f"tools[{i}]", code="invalid_type")
+
+
+def _tool_choice(body: dict[str, Any]) -> None:
+    choice = body.get("tool_choice")
+    if choice is None or isinstance(choice, dict):
+        return
+    if choice not in ("none", "auto", "required"):
+        raise invalid_request(f"'tool_choice' must be 'none', 'auto', 'required' or an object, "
+                              f"got {choice!r}.", param="tool_choice", code="invalid_value")
+
+
+def _embedding_input(body: dict[str, Any]) -> None:
+    if "input" not in body or body["input"] is None:
+        raise invalid_request("Missing required parameter: 'input'.", param="input",
+                              code="missing_required_parameter")
+    value = body["input"]
+    if isinstance(value, str):
+        if not value:
+            raise invalid_request("'input' must not be an empty string.", param="input",
+                                  code="invalid_value")
+        return
+    message = ("'input' must be a string, an array of strings, an array of token ids or an "
+               "array of token-id arrays.")
+    if not isinstance(value, list) or not value:
+        raise invalid_request(message, param="input", code="invalid_type")
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise invalid_request(f"'input' holds {len(value)} items; at most "
+                              f"{MAX_EMBEDDING_INPUTS} are allowed.", param="input",
+                              code="invalid_value")
+    if all(_is_token(v) for v in value):
+        return
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item:
+                raise invalid_request(f"'input[{i}]' must not be empty.", param=f"input[{i}]",
+                                      code="invalid_value")
+        elif not (isinstance(item, list) and item and all(_is_token(v) for v in item)):
+            raise invalid_request(message, param=f"input[{i}]", code="invalid_type")
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _optional_str(body: dict[str, Any], key: str) -> None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise invalid_request(f"'{key}' must be a string, got {_json_type(value)}.",
+                              param=key, code="invalid_type")
+
+
+def _optional_object(body: dict[str, Any], key: str, *, allow_str: bool = False) -> None:
+    value = body.get(key)
+    if value is None or isinstance(value, dict) or (allow_str and isinstance(value, str)):
+        return
+    raise invalid_request(f"'{key}' must be an object, got {_json_type(value)}.", param=key,
+                          code="invalid_type")

@@ -1,0 +1,336 @@
+"""A redelivered job that continues what its dead first worker delivered
+(docs/resume.md, "Continuation"; the edge's side is edge/continuation.py).
+
+The edge's go-ahead is a ``Continue`` with the text the client received and
+how many content events carried it. The job then runs :func:`continued` of
+its request instead of the request itself:
+
+* chat: the messages plus that text as a trailing assistant message, with
+  ``continue_final_message: true`` and ``add_generation_prompt: false`` so
+  vLLM and SGLang continue the message instead of starting a new one
+  (llama.cpp's llama-server continues a trailing assistant message by itself
+  and ignores both fields; the simulator's deterministic mode continues it);
+* completions: the prompt plus the text;
+* Responses: the input (a text becomes one user message) plus the text as
+  a trailing assistant message; Responses has no ``continue_final_message``,
+  so whether the backend continues the message or starts a new one is its
+  own (docs/backends.md); the simulator's deterministic mode continues it;
+* ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` reduced
+  by the delivered events (at least 1); stop sequences and every other field
+  kept.
+
+The backend's new stream opens like any chat stream, with a role chunk the
+client already has: :class:`ContinuedStream` drops it, so the seam shows no
+repeated event. A Responses stream's new opening and numbering are the
+client's old ones again: :class:`ContinuedResponses` splices it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from tidegate.control.prices import PRICE_EXTRA, cost_member
+from tidegate.wire.protocol import Api, Continue, Request
+from workers.backends import BackendStream, Usage
+
+_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def continued(request: Request, text: str, tokens: int) -> Request:
+    """``request`` as it continues ``text`` (see the module docstring)."""
+    body = dict(request.body)
+    if request.api is Api.CHAT:
+        body["messages"] = [*body.get("messages", ()), {"role": "assistant", "content": text}]
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    elif request.api is Api.RESPONSES:
+        given = body.get("input")
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else list(
+            given if isinstance(given, list) else ())
+        body["input"] = [*items, {"role": "assistant", "content": text}]
+    elif isinstance(body.get("prompt"), str):
+        body["prompt"] = body["prompt"] + text
+    for key in _LIMITS:
+        limit = body.get(key)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            body[key] = max(1, limit - tokens)
+    return dataclasses.replace(request, body=body)
+
+
+_ID_RE = re.compile(rb'"id"\s*:\s*"([^"\\]*)"')
+
+
+class ContinuedStream:
+    """A backend stream whose opening role chunk (chat) is dropped, and whose
+    events carry the response id the client saw (``response_id``): a real
+    backend names each call's response anew (vLLM's ``chatcmpl-<uuid>``), so
+    the new call's id, read from its first event, is replaced in every
+    later read by a byte substitution (continued streams only)."""
+
+    __slots__ = ("_opening", "_rename", "_response_id", "_stream")
+
+    def __init__(self, stream: BackendStream, chat: bool, response_id: str = "") -> None:
+        self._stream = stream
+        self._opening = chat
+        self._response_id = response_id  # "" until the new call's id is known, or none to keep
+        self._rename: tuple[bytes, bytes] | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return self._stream.usage
+
+    async def read(self, max_bytes: int) -> bytes:
+        data = await self._stream.read(max_bytes)
+        if self._response_id and data:
+            found = _ID_RE.search(data)
+            if found is not None:
+                if found.group(1).decode(errors="replace") != self._response_id:
+                    self._rename = (found.group(0),
+                                    b'"id":' + json.dumps(self._response_id).encode())
+                self._response_id = ""
+        while self._opening and data:
+            self._opening = False
+            end = data.find(b"\n\n")
+            if end >= 0 and b'"role"' in data[:end]:
+                data = data[end + 2:]
+                if not data:
+                    data = await self._stream.read(max_bytes)
+        if self._rename is not None:
+            data = data.replace(*self._rename)
+        return data
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def continued_stream(stream: BackendStream, request: Request,
+                     go: Continue) -> BackendStream:
+    """The continuing backend stream as the client's goes on (see the module
+    docstring). Chat and completions: its usage (the final ``include_usage``
+    chunk, ``Done`` and the usage record) counts the dead worker's delivered
+    events too, so the client, the quota and the usage log see one response."""
+    if request.api is Api.RESPONSES:
+        return ContinuedResponses(stream, go, request.body.get("max_output_tokens"))
+    return JoinedStream(stream, request, Usage(completion_tokens=go.tokens), go.response_id)
+
+
+_USAGE_RE = re.compile(rb'"usage"\s*:\s*\{')
+
+
+class JoinedStream:
+    """The continuation's stream as the rest of one response: its opening
+    role chunk dropped (:class:`ContinuedStream`), its usage added to what
+    came before (``before``: the failed calls' prompt tokens, the completion
+    events sent), and its usage event rewritten to say so; its events carry
+    ``response_id``, the id the client saw, when given.
+
+    Pull only (no ``start``): the job relays it with ``read``, a cost paid
+    by continued streams alone. The usage event is found by a byte search
+    per read and parsed once."""
+
+    __slots__ = ("_before", "_cost", "_stream")
+
+    def __init__(self, stream: BackendStream, request: Request, before: Usage,
+                 response_id: str = "") -> None:
+        self._stream = ContinuedStream(stream, request.api is Api.CHAT, response_id)
+        self._before = before
+        self._cost = request.extra.get(PRICE_EXTRA)
+
+    @property
+    def usage(self) -> Usage:
+        return joined(self._before, self._stream.usage)
+
+    @property
+    def call_usage(self) -> Usage:
+        """The continuation call's own usage."""
+        return self._stream.usage
+
+    async def read(self, max_bytes: int) -> bytes:
+        data = await self._stream.read(max_bytes)
+        if _USAGE_RE.search(data) is None:
+            return data
+        return b"\n\n".join(self._rewrite(e) for e in data.split(b"\n\n"))
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:") or _USAGE_RE.search(event) is None:
+            return event
+        try:
+            obj = json.loads(event[5:])
+        except ValueError:
+            return event
+        if not isinstance(obj, dict) or not isinstance(obj.get("usage"), dict):
+            return event
+        u = self.usage
+        obj["usage"].update(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                            total_tokens=u.prompt_tokens + u.completion_tokens)
+        if "x_tidegate" in obj:  # the price extension: the cost of the whole response
+            member = cost_member(self._cost, u.prompt_tokens, u.completion_tokens,
+                                 u.cached_tokens)
+            if member:
+                obj["x_tidegate"] = json.loads(b"{" + member[1:] + b"}")["x_tidegate"]
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def joined(before: Usage, after: Usage) -> Usage:
+    """One response's usage from its calls': tokens added, the last finish."""
+    return Usage(prompt_tokens=before.prompt_tokens + after.prompt_tokens,
+                 completion_tokens=before.completion_tokens + after.completion_tokens,
+                 finish_reason=after.finish_reason,
+                 cached_tokens=before.cached_tokens + after.cached_tokens)
+
+
+# The events that open a Responses stream, in OpenAI's order (the edge's
+# edge/continuation.py reads the same list): ``Continue.opened`` says how far
+# into it the client got.
+_OPENING = (b"response.created", b"response.in_progress", b"response.output_item.added",
+            b"response.content_part.added")
+_CLOSING = (b"response.output_text.done", b"response.content_part.done",
+            b"response.output_item.done", b"response.completed", b"response.incomplete",
+            b"response.failed")
+# A nested object's type is "message", "output_text", "text", ...: only the
+# event's own type starts with "response.".
+_TYPE = re.compile(rb'"type"\s*:\s*"(response\.[a-z_.]+)"')
+_SEQ = re.compile(rb'"sequence_number"\s*:\s*\d+')
+_DELTA = b'"response.output_text.delta"'
+_RESPONSE_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]+)"')
+_ITEM_ID = re.compile(rb'"item"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]+)"')
+
+
+class ContinuedResponses:
+    """A continuing backend's Responses stream, spliced onto what the client
+    received (``go``, the edge's :class:`~tidegate.wire.protocol.Continue`):
+
+    * its opening events the client already got (``go.opened`` of them, by
+      type) are dropped, and their ids learnt: the new response and item ids
+      are renamed to the client's in every later event (a byte replace; the
+      simulator keeps its ids, a real backend names new ones);
+    * every event's ``sequence_number`` goes on from ``go.events``, 1 by 1;
+    * the closing events (text done, part done, item done, the terminal
+      response) hold the whole text: the delivered text is put before the
+      new one, the output token count grows by ``go.tokens`` and the echoed
+      ``max_output_tokens`` is the client's again. Only these few events are
+      parsed and encoded again; each delta only gets its number and ids.
+
+    The job's usage (``usage``: ``Done`` and the usage record) is the whole
+    response's as the client saw it: this call's prompt tokens (the
+    delivered text among them: what the continuation cost) and every output
+    token, the dead worker's delivered ones included."""
+
+    __slots__ = ("_buf", "_drop", "_go", "_limit", "_next", "_renames", "_stream")
+
+    def __init__(self, stream: BackendStream, go: Continue, limit: Any) -> None:
+        self._stream = stream
+        self._go = go
+        self._drop = go.opened
+        self._next = go.events
+        # The client's max_output_tokens (the continued request's plus what was delivered).
+        self._limit = limit + go.tokens if isinstance(limit, int) and go.tokens else limit
+        self._renames: list[tuple[bytes, bytes]] = []
+        self._buf = b""
+
+    @property
+    def usage(self) -> Usage:
+        return joined(Usage(completion_tokens=self._go.tokens), self._stream.usage)
+
+    async def read(self, max_bytes: int) -> bytes:
+        while True:
+            data = await self._stream.read(max_bytes)
+            if not data:
+                rest, self._buf = self._buf, b""
+                return rest  # a cut event passes as it came, as it would have
+            buf = self._buf + data if self._buf else data
+            end = buf.rfind(b"\n\n")
+            if end < 0:
+                self._buf = buf
+                continue
+            self._buf = buf[end + 2:]
+            out = [e for e in (self._event(ev) for ev in buf[:end].split(b"\n\n")) if e]
+            if out:
+                return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.strip():
+            return b""
+        if _DELTA not in event:
+            match = _TYPE.search(event)
+            kind = match.group(1) if match is not None else b""
+            if kind in _OPENING:
+                self._learn(kind, event)
+                if _OPENING.index(kind) < self._drop:
+                    return b""
+            elif kind in _CLOSING:
+                event = self._closing(event)
+        event = _SEQ.sub(b'"sequence_number":%d' % self._next, event, count=1)
+        self._next += 1
+        for new, old in self._renames:
+            event = event.replace(new, old)
+        return event + b"\n\n"
+
+    def _learn(self, kind: bytes, event: bytes) -> None:
+        go = self._go
+        pattern, old = ((_ITEM_ID, go.item_id) if kind == b"response.output_item.added"
+                        else (_RESPONSE_ID, go.response_id))
+        match = pattern.search(event)
+        if match is None or not old:
+            return
+        pair = (b'"' + match.group(1) + b'"', b'"' + old.encode() + b'"')
+        if pair[0] != pair[1] and pair not in self._renames:
+            self._renames.append(pair)
+
+    def _closing(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        data = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
+        if len(data) != 1:
+            return event
+        try:
+            obj = json.loads(lines[data[0]][5:])
+        except ValueError:
+            return event
+        if not isinstance(obj, dict):
+            return event
+        text, tokens = self._go.text, self._go.tokens
+        if isinstance(obj.get("text"), str):  # response.output_text.done
+            obj["text"] = text + obj["text"]
+        _prefix_part(obj.get("part"), text)  # response.content_part.done
+        _prefix_item(obj.get("item"), text)  # response.output_item.done
+        response = obj.get("response")  # the terminal event
+        if isinstance(response, dict):
+            output = response.get("output")
+            for item in output if isinstance(output, list) else ():
+                if _prefix_item(item, text):
+                    break
+            usage = response.get("usage")
+            if isinstance(usage, dict):
+                for key in ("output_tokens", "total_tokens"):
+                    if isinstance(usage.get(key), int):
+                        usage[key] += tokens
+            if "max_output_tokens" in response:
+                response["max_output_tokens"] = self._limit
+        lines[data[0]] = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+        return b"\n".join(lines)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def _prefix_part(part: Any, text: str) -> bool:
+    if isinstance(part, dict) and part.get("type") == "output_text" \
+            and isinstance(part.get("text"), str):
+        part["text"] = text + part["text"]
+        return True
+    return False
+
+
+def _prefix_item(item: Any, text: str) -> bool:
+    """The message item's first text part starts with ``text``; False for another item."""
+    if not isinstance(item, dict) or item.get("type") != "message":
+        return False
+    content = item.get("content")
+    return any(_prefix_part(part, text) for part in (content if isinstance(content, list)
+                                                      else ()))

@@ -1,0 +1,172 @@
+"""A stream whose backend replica fails mid-stream, while its worker lives,
+goes on on another replica of the model from the text already sent
+(docs/resume.md, "Continuation", "A replica that fails mid-stream").
+
+The worker-side twin of the edge's continuation after a worker death
+(``edge/continuation.py``), and it reuses the same request rewrite
+(:func:`workers.continuation.continued`) and seam
+(:class:`workers.continuation.ContinuedStream`). Here the worker is alive
+and itself holds what it sent, so no one else is asked:
+
+* **What is kept, and when.** Only for a job that could go on
+  (:func:`continuable`: the model's ``failover = "continue"``, several
+  replicas, a streamed chat or completions request for one choice, no
+  logprobs, no tools, not resumable), the job keeps a reference to every
+  chunk's bytes it sends (one ``list.append`` per chunk, no copy, no parse:
+  :class:`Sent`); other jobs keep ``None`` and pay one ``is not None`` test.
+* **On failure only** are those bytes read (:meth:`Sent.text`): the SSE
+  events parsed once, their text joined, the content events counted.
+* **The continuation** is the request as it was before any continuation,
+  with everything sent so far (an edge's ``Continue`` text, then this
+  job's) as the trailing assistant text, the limit reduced by as many
+  events; it opens on a replica other than the failed one whose breaker
+  allows a job (``workers.replicas.open_on_replicas``). Its opening role
+  chunk is dropped, and :class:`JoinedStream` makes its usage the whole
+  response's: the final ``include_usage`` chunk and ``Done`` count every
+  completion token the client received, and the prompt tokens of both
+  calls (what the backends read, and what the usage record charges).
+* **The seam**: the same job goes on, so the sequence numbers simply
+  continue; the chunks the failed replica's stream held but had not sent
+  are not sent, the continuation regenerates them.
+
+What is not continued keeps the ending it had (the backend's retryable
+error event): one replica only (or every other one's breaker open), a
+request :func:`continuable` refuses, delivered events that cannot be
+continued as text (a tool call, several choices), or an error that is about
+the request rather than the replica (``workers.replicas.replica_failure``;
+an idle timeout of a slow backend is not one).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tidegate.errors import BackendError
+from tidegate.wire.delivered import joined_text, sse_events, text_continuable
+from tidegate.wire.protocol import Api, Request
+from workers.backends import Backend, BackendStream, Usage
+from workers.continuation import JoinedStream, continued
+from workers.replicas import ReplicaSet, open_on_replicas, replica_failed, replica_failure
+
+log = logging.getLogger("tidegate.worker")
+
+# Mid-stream failures one job goes on after. Each continuation sends more
+# text or meets a breaker, so it ends anyway; the bound keeps a response that
+# breaks every replica it reaches from bouncing between them for long.
+MAX_FAILURES = 3
+
+
+def continuable(request: Request, failover: str) -> bool:
+    """Whether ``request``'s stream can go on from its sent text on another
+    replica: a model whose ``failover`` is "continue" and a request of plain
+    text (``tidegate.wire.delivered.text_continuable``, the edge's rules for
+    chat and completions)."""
+    return failover == "continue" and text_continuable(request)
+
+
+class Sent:
+    """The chunks one job sent its edge, kept for a continuation (the
+    worker's ``edge.continuation.Delivered``)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def text(self, api: Api) -> tuple[str, int, str] | None:
+        """The text sent, how many content events carried it and the
+        response id they carried; None when it cannot be continued (a tool
+        call, several choices, an event that is not what a chat or
+        completions stream sends)."""
+        events = sse_events(self.parts)
+        got = None if events is None else joined_text(api, events)
+        if events is None or got is None:
+            return None
+        first = events[0].get("id") if events else None
+        return (*got, first if isinstance(first, str) else "")
+
+
+class Continuation:
+    """One job's state on a model with several replicas: its mid-stream
+    failures and, when it ``keeps`` (:func:`continuable`), what it sent and
+    what the continued request starts from (the request before any
+    continuation, and the text an edge's ``Continue`` already carried, with
+    its event count, and the response id the client sees)."""
+
+    __slots__ = ("base", "failures", "keeps", "prefix", "prefix_tokens", "response_id", "sent",
+                 "spent")
+
+    def __init__(self, request: Request, prefix: str = "", prefix_tokens: int = 0, *,
+                 keeps: bool = True, response_id: str = "") -> None:
+        self.base = request
+        self.keeps = keeps
+        self.prefix, self.prefix_tokens = prefix, prefix_tokens
+        # The id the client's events carry: every later call's is renamed to it.
+        self.response_id = response_id
+        self.sent = Sent()
+        # The failed calls so far: their prompt tokens and the completion
+        # events this job sent from them.
+        self.spent = Usage()
+        self.failures = 0
+
+    def failed(self, stream: BackendStream) -> tuple[str, int] | None:
+        """``stream``'s call broke: the whole text to continue from and its
+        event count (None: not continuable). Counts the call."""
+        if not self.keeps:
+            return None
+        usage = stream.call_usage if isinstance(stream, JoinedStream) else stream.usage
+        got = self.sent.text(self.base.api)
+        if got is None:
+            return None
+        text, tokens, first_id = got
+        self.response_id = self.response_id or first_id
+        # Every completion event the client got before this call: an edge's
+        # Continue's (its dead worker's) and this job's.
+        self.spent = Usage(prompt_tokens=self.spent.prompt_tokens + usage.prompt_tokens,
+                           completion_tokens=self.prefix_tokens + tokens,
+                           cached_tokens=self.spent.cached_tokens + usage.cached_tokens)
+        return self.prefix + text, self.prefix_tokens + tokens
+
+
+async def go_on(replicas: ReplicaSet, first: str, running: str, request: Request,
+                stream: BackendStream, error: BackendError, kept: Continuation, *,
+                sent: bool, resumed: bool) -> tuple[BackendStream, Backend, str] | None:
+    """``stream``, the call of ``request`` on replica ``running`` (the job
+    pulled by replica ``first``), failed mid-stream with ``error``: the
+    replica's breaker counts it, and the stream goes on on another replica
+    when it can. With nothing ``sent`` yet, the request runs again (as a
+    failure to open would: the edge has seen nothing); after output, a job
+    that ``kept`` what it sent is continued from that text (at most
+    :data:`MAX_FAILURES` times either way). Returns the
+    stream that goes on, its backend and replica; None: the job ends with
+    ``error``. ``resumed``: ``request`` is an edge's continuation already,
+    whose rerun drops its opening role chunk too."""
+    replica_failed(replicas, running, error)
+    if not replica_failure(error):
+        return None
+    kept.failures += 1
+    if kept.failures > MAX_FAILURES:
+        log.info("job %s: failed mid-stream %d times; not continued again", request.id,
+                 kept.failures)
+        return None
+    got = None
+    if sent:
+        got = kept.failed(stream)
+        if got is None:
+            return None
+        # Only the role chunk went out: the request itself, its new one dropped.
+        request = continued(kept.base, *got) if got[0] else kept.base
+    try:
+        following, backend, name = await open_on_replicas(replicas, first, request,
+                                                          failed=running, error=error)
+    except BackendError as exc:
+        log.info("job %s: no other replica to go on on: %s", request.id, exc.message)
+        return None
+    log.info("job %s: replica %s failed mid-stream (%s); %s on replica %s", request.id,
+             running, error.message, "continued" if sent else "run again", name)
+    if got is not None:
+        return JoinedStream(following, request, kept.spent, kept.response_id), backend, name
+    if resumed:  # an edge's continuation run again: its role chunk dropped, its text counted
+        following = JoinedStream(following, request, Usage(completion_tokens=kept.prefix_tokens),
+                                 kept.response_id)
+    return following, backend, name
