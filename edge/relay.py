@@ -300,7 +300,11 @@ class Relay:
                                 f"{cfg.edge.request_timeout:g}s.",
                            type="server_error", code="request_timeout")
         if self.ctx.link.lost(now):  # cut from NATS: nothing more can come
-            if self.ids is not None and self.phase is Phase.STREAMING:
+            if self.ids is not None:
+                # In every phase: the log was opened and the request stored
+                # before this loop began (edge/publish.py), so another edge's
+                # resume reads whatever the worker writes, from event 1 if it
+                # had not started, or the clean end if none picks it up.
                 raise Reconnect("lost its message broker")
             raise unavailable("This gateway node lost its connection to the message broker.",
                               code="broker_unavailable", retry_after=1)

@@ -21,11 +21,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from edge.relay import Phase, Relay, RelayContext
 from edge.session import Session
+from tidegate.broker.link import Link
 from tidegate.config import Config, SessionConfig
 from tidegate.errors import ApiError
 from tidegate.wire.flow import SendWindow
 from tidegate.wire.protocol import (
     Ack,
+    Admission,
     Api,
     Cancel,
     Chunk,
@@ -38,6 +40,7 @@ from tidegate.wire.protocol import (
     Heartbeat,
     Request,
     Retransmit,
+    Status,
     decode_control,
 )
 
@@ -92,6 +95,7 @@ class Harness:
     config: Config
     request: Request = field(default_factory=lambda: make_request("r-direct"))
     sndbuf: int = 0  # >0: shrink the server socket's send buffer
+    link: Link = field(default_factory=lambda: Link(None, 0.0))
     opened: asyncio.Queue[Opened] = field(default_factory=asyncio.Queue)
     # (seq, written, socket buffer before, whether an ack was due after it)
     direct_calls: list[tuple[int, bool, int, bool]] = field(default_factory=list)
@@ -113,7 +117,7 @@ async def handler(http: web.Request) -> web.StreamResponse:
     # As edge.app: a third of a heartbeat, within [0.05, 5] seconds.
     tick = min(max(config.session.heartbeat_interval / 3, 0.05), 5.0)
     session = Session(h.request.id, tick)
-    relay = Relay(http, session, h.request, RelayContext(config, h.publisher),
+    relay = Relay(http, session, h.request, RelayContext(config, h.publisher, h.link),
                   {"x-request-id": h.request.id})
     transport = http.transport
     assert isinstance(transport, asyncio.Transport)
@@ -508,3 +512,42 @@ async def test_a_resumable_stream_with_a_gap_not_filled_is_sent_to_resume(
     assert Detach("r-resumable", "") in control  # detached, not cancelled
     assert not [m for m in control if isinstance(m, Cancel)]
     assert harness.publisher.tombstones == []
+
+
+class CutClient:
+    """A NATS client as nats-py shows one cut from every node: reconnecting."""
+    is_connected = False
+    is_closed = False
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+async def test_a_queued_stream_on_an_edge_cut_from_nats_is_released(
+        harness: Harness, resumable: bool) -> None:
+    """A stream the client already has a 200 for (its queue note went out)
+    but whose worker has not started is released when the edge loses NATS,
+    as a streaming one is: a resumable one with the reconnect event from
+    event 0 (its log and request were stored before the relay began, so
+    another edge's resume reads it whole), any other with a retryable
+    broker_unavailable. Before, a resumable one got the error too: a begun
+    stream that never completed (seen in test_partitions under load)."""
+    harness.config = Config(session=SessionConfig(heartbeat_interval=0.15))
+    harness.request = dataclasses.replace(make_request("r-queued"), resumable=resumable,
+                                          grace=5.0 if resumable else 0.0)
+    harness.link = Link(CutClient(), 0.1)  # type: ignore[arg-type]
+    task, opened = await harness.start()
+    opened.session.feed(Status(Admission.QUEUED, position=3))
+    async with asyncio.timeout(5):
+        resp = await task
+        assert resp.status == 200
+        body = await resp.read()
+    blocks = [b for b in body.split(b"\n\n") if b]
+    assert blocks[0].startswith(b":"), blocks  # the queue note: the client had its 200
+    if resumable:
+        assert blocks[-1].startswith(b"event: reconnect\ndata: "), blocks
+        reconnect = json.loads(blocks[-1].split(b"data: ", 1)[1])
+        assert reconnect["resume_url"] == "/v1/streams/r-queued"
+        assert reconnect["last_event_id"] == 0
+        assert harness.publisher.tombstones == []  # detached: the job runs on, into the log
+    else:
+        error = json.loads(blocks[-1].split(b"data: ", 1)[1])["error"]
+        assert error["code"] == "broker_unavailable", error
