@@ -8,8 +8,10 @@ its request instead of the request itself:
 * chat: the messages plus that text as a trailing assistant message, with
   ``continue_final_message: true`` and ``add_generation_prompt: false`` so
   vLLM and SGLang continue the message instead of starting a new one
-  (llama.cpp's llama-server continues a trailing assistant message by itself
-  and ignores both fields; the simulator's deterministic mode continues it);
+  (llama.cpp's llama-server continues a trailing assistant message by
+  itself, but without the two fields its streamed first delta repeats the
+  whole message: tests/test_llama_server.py; the simulator's deterministic
+  mode continues it);
 * completions: the prompt plus the text;
 * Responses: the input (a text becomes one user message) plus the text as
   a trailing assistant message; Responses has no ``continue_final_message``,
