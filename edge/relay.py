@@ -1,10 +1,8 @@
 """One request's response, from session messages to the client socket.
 
-Phases (an enum, not a scatter of flags)::
-
-    WAITING --Status(admitted|queued)--> ADMITTED --Head--> STREAMING --Done--> (end)
-       |                                     |                  |
-       +------ Status(rejected) / Error / timeout / worker lost / client gone --> (end)
+The stream's state without I/O (phases and their transition table,
+sequence numbers, gaps, the clock's rules) is :class:`edge.stream.StreamState`,
+which :class:`Relay` extends with the sockets and publishes its answers ask for.
 
 Headers go out only when they must: with the first chunk, or, for a stream
 that waits long before it (queueing, prefill), with the first ``: ping`` the
@@ -28,18 +26,18 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Protocol
 
 from aiohttp import web
-from aiohttp.http_writer import StreamWriter
 
 from edge import instrument
 from edge.continuation import Delivered, continuable, worker_gone
 from edge.endings import Reconnect, SlowClient, reconnect_event, worker_lost
 from edge.errors import error_response, from_info, sse_error_event, to_info
 from edge.liveness import WorkerWatch
+from edge.raw_http import payload_writer, takes_raw_chunks
 from edge.session import BAD_INPUT, Session
+from edge.stream import Due, Phase, StreamState
 from tidegate.broker.link import Link
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ApiError, unavailable
@@ -77,12 +75,6 @@ _SSE_HEADERS = {
 }
 
 
-class Phase(IntEnum):
-    WAITING = 0  # published; no dispatcher has answered
-    ADMITTED = 1  # admitted or queued; no worker has started it
-    STREAMING = 2  # a worker's Head arrived
-
-
 class Publisher(Protocol):
     """What the relay needs from NATS (a seam: tests can record calls)."""
 
@@ -103,22 +95,21 @@ class RelayContext:
     models: Mapping[str, ModelConfig] = field(default_factory=dict)  # failover per model
 
 
-class Relay:
+class Relay(StreamState):
     """Drives one request. ``run`` returns the response aiohttp should finish."""
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
-    __slots__ = ("acks", "asked_at", "body_parts", "body_size", "control", "ctx", "delivered",
-                 "expected_seq", "failover", "gap_since", "head_key", "headers", "high_water",
-                 "http", "ids", "job_ack", "last_ack", "last_worker_msg", "last_write", "phase",
-                 "request", "response", "session", "started", "upstream_done", "wrote_chunks")
+    __slots__ = ("acks", "body_parts", "body_size", "control", "ctx", "delivered", "failover",
+                 "head_key", "headers", "high_water", "http", "ids", "job_ack", "request",
+                 "response", "session", "upstream_done", "wrote_chunks")
 
     def __init__(self, http: web.Request, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
+        super().__init__(request.id, time.monotonic())
         self.http = http
         self.session = session
         self.request = request
         self.ctx = ctx
         self.headers = headers
-        self.phase = Phase.WAITING
         self.response: web.StreamResponse | None = None
         self.control = ""  # worker control subject, once known
         self.job_ack = ""  # the job message's JetStream ack subject (Head.ack)
@@ -127,19 +118,12 @@ class Relay:
         # failover = "continue": what the client got, for the next worker.
         self.delivered = Delivered() if continuable(request, model) else None
         self.acks = AckPolicy(request.window_bytes, request.window_msgs)
-        self.expected_seq = 1
-        # A lost worker message (see _check_seq): when the gap opened (0 = no
-        # gap) and when this edge last asked for a retransmit.
-        self.gap_since = 0.0
-        self.asked_at = 0.0
         self.head_key: tuple[str, int, int] | None = None
         self.wrote_chunks = False
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.upstream_done = False  # the worker/dispatcher ended it: nothing to cancel
-        self.started = self.last_worker_msg = self.last_write = time.monotonic()
         self.high_water = max(4096, request.window_bytes // 4)
-        self.last_ack = time.monotonic()
         # A resumable stream numbers its SSE events (tidegate.wire.streamlog);
         # None for every other request, whose bytes go out as they came.
         # The first event's block also says how long an EventSource waits to
@@ -293,60 +277,16 @@ class Relay:
                 await self._on_tick(now)
 
     async def _on_tick(self, now: float) -> None:
-        """The clock checks, run about once a second per request (not per chunk)."""
-        cfg = self.ctx.config
-        if now >= self.started + cfg.edge.request_timeout:
-            raise ApiError(504, f"The request exceeded the gateway's limit of "
-                                f"{cfg.edge.request_timeout:g}s.",
-                           type="server_error", code="request_timeout")
-        if self.ctx.link.lost(now):  # cut from NATS: nothing more can come
-            if self.ids is not None:
-                # In every phase: the log was opened and the request stored
-                # before this loop began (edge/publish.py), so another edge's
-                # resume reads whatever the worker writes, from event 1 if it
-                # had not started, or the clean end if none picks it up.
-                raise Reconnect("lost its message broker")
-            raise unavailable("This gateway node lost its connection to the message broker.",
-                              code="broker_unavailable", retry_after=1)
-        if self.phase is Phase.WAITING and now >= self.started + cfg.edge.admission_timeout:
-            raise unavailable(f"No dispatcher answered within {cfg.edge.admission_timeout:g}s.",
-                              code="dispatcher_unavailable", retry_after=5)
-        if self.phase is Phase.ADMITTED and now >= self.started + cfg.edge.queue_timeout:
-            raise unavailable(f"No worker for model '{self.request.model}' started the "
-                              f"request within {cfg.edge.queue_timeout:g}s.",
-                              code="no_worker_available", retry_after=5)
-        heartbeat = cfg.session.heartbeat_interval
-        lost_after = heartbeat * cfg.session.worker_lost_after
-        if self.phase is not Phase.STREAMING and self.gap_since:
-            await self._ask_retransmit(now)  # the Head is missing (see _check_seq)
-        if self.phase is Phase.STREAMING:
-            if self.gap_since and self.ids is not None and now - self.gap_since >= heartbeat:
-                # A resumable stream has its log: rather than wait for a resend
-                # that may not come (a worker that no longer keeps messages for
-                # this connection), send the client to resume from the log.
-                raise Reconnect()
-            if self.gap_since and now - self.gap_since >= lost_after:
-                raise ApiError(502, f"Lost part of the response (message {self.expected_seq}) "
-                                    f"and the worker did not send it again within "
-                                    f"{lost_after:g}s.", type="server_error",
-                               code="stream_gap", retryable=True, retry_after=1)
-            silent = now - self.last_worker_msg
-            if silent >= lost_after:
-                raise ApiError(502, f"The worker running this request went silent for "
-                                    f"{lost_after:g}s.", type="server_error",
-                               code="worker_lost", retryable=True, retry_after=1)
-            if self.gap_since or (silent >= 1.5 * heartbeat and now - self.asked_at >= heartbeat):
-                # A gap still open, or a worker silent past its heartbeat: the
-                # last message(s) may be what was lost (a Done, say), with
-                # nothing behind them to show the gap. Asking costs nothing
-                # when nothing was lost.
-                await self._ask_retransmit(now)
-        if self.request.stream and now - self.last_write >= cfg.session.heartbeat_interval:
+        """The clock's rules (:meth:`edge.stream.StreamState.clock`), run about
+        once a second per request (not per chunk), and the I/O they ask for."""
+        due = self.clock(now, self.ctx.config, model=self.request.model,
+                         link_lost=self.ctx.link.lost(now), resumable=self.ids is not None,
+                         stream=self.request.stream, control=self.control)
+        if due & Due.RETRANSMIT:
+            await self._ask_retransmit(now)
+        if due & Due.PING:
             await self._write(_PING)
-        if self.control and now - self.last_ack >= cfg.session.ack_timeout / 4:
-            # Ack on time as well as on volume, even with nothing new: slow
-            # output never reaches half a window, and a worker in a long
-            # prefill must still learn that this edge is alive.
+        if due & Due.ACK:
             await self._ack(self.acks.ack_now())
 
     async def _handle(self, messages: list[SessionMessage], now: float) -> bool:
@@ -361,20 +301,20 @@ class Relay:
             kind = type(m)
             if kind is Chunk:
                 assert isinstance(m, Chunk)
-                if not self._check_seq(m.seq):
+                if not self.check_seq(m.seq):
                     continue
                 out.append(m.data)
                 nbytes += len(m.data)
                 last_chunk = m.seq
             elif kind is Heartbeat:
-                if self._check_seq(m.seq):
+                if self.check_seq(m.seq):
                     ping = True
             elif kind is Head:
                 assert isinstance(m, Head)
                 await self._on_head(m)
             elif kind is Done:
                 assert isinstance(m, Done)
-                if self._check_seq(m.seq):
+                if self.check_seq(m.seq):
                     done = True
                     self.headers.update(m.cost_headers(self.ctx.config.spend.currency))
                     break
@@ -391,8 +331,7 @@ class Relay:
                 if m.admission is Admission.REJECTED:
                     self.upstream_done = True
                     raise from_info(m.error) if m.error else unavailable("Rejected.")
-                if self.phase is Phase.WAITING:
-                    self.phase = Phase.ADMITTED
+                self.advance(Status)
                 if m.admission is Admission.QUEUED and m.position and self.request.stream:
                     await self._write(self._queue_note(m.position))
 
@@ -423,40 +362,11 @@ class Relay:
 
     # -- message handling --------------------------------------------------------
 
-    def _check_seq(self, seq: int) -> bool:
-        """Whether the message with ``seq`` is the next one (take it). A copy
-        of one already taken (a retransmit overlapping what arrived) is
-        dropped; one past a gap (a core NATS message lost in transit) is
-        dropped too, and the gap is asked to be sent again from its first
-        missing seq (:meth:`_ask_retransmit`): the worker keeps every message
-        not acked yet, so the stream goes on byte-exact. Only a gap that
-        stays open until the worker counts as lost ends it (``stream_gap``)."""
-        if self.phase is not Phase.STREAMING:
-            # Output before its Head: the Head was lost in transit. It names
-            # the worker, so ask every worker (Subjects.retransmit_any) to
-            # send again from seq 1; the request's own deadlines still apply.
-            if not self.gap_since:
-                self.gap_since = time.monotonic()
-                log.info("request %s: worker output before its Head (lost in transit?)",
-                         self.request.id)
-            return False
-        expected = self.expected_seq
-        if seq == expected:
-            self.expected_seq = seq + 1
-            self.gap_since = 0.0
-            return True
-        if seq > expected and not self.gap_since:
-            self.gap_since = time.monotonic()
-            log.info("request %s: message %d lost in transit (got %d); asking for it again",
-                     self.request.id, expected, seq)
-        return False
-
     async def _ask_retransmit(self, now: float) -> None:
         """Ask the worker to send everything from the first missing seq again;
         at most every 0.25 s (a burst of messages past one gap asks once)."""
-        if now - self.asked_at < 0.25:
+        if not self.retransmit_due(now):
             return
-        self.asked_at = now
         subject = self.control or self.ctx.config.nats.subjects.retransmit_any
         try:
             await self.ctx.publisher.publish(
@@ -495,7 +405,7 @@ class Relay:
                      "continued" if self.wrote_chunks else "restarted", head.attempt)
             self.acks = AckPolicy(self.request.window_bytes, self.request.window_msgs)
             await self.ctx.publisher.publish(head.control, go)
-        self.phase = Phase.STREAMING
+        self.advance(Head)
         self.expected_seq = head.seq + 1
         self.gap_since = 0.0
         if head.job_seq:
@@ -547,7 +457,7 @@ class Relay:
         if transport is None or transport.get_write_buffer_size() + len(data) <= self.high_water:
             await send(data)
             return
-        writer = response._payload_writer  # aiohttp has no public drain on responses
+        writer = payload_writer(response)  # aiohttp has no public drain on responses
         try:
             async with asyncio.timeout(self.ctx.config.edge.slow_client_timeout):
                 await send(data)
@@ -560,10 +470,7 @@ class Relay:
     def _direct_writer(self) -> Callable[[Chunk], bool] | None:
         """:meth:`_direct`, when this response can take raw chunked frames:
         headers sent, chunked transfer encoding (HTTP/1.1), no compression."""
-        writer = self.response._payload_writer if self.response is not None else None
-        if (writer is None or self.ids is not None or not isinstance(writer, StreamWriter)
-                or not writer.chunked or not writer._headers_written
-                or writer._compress is not None or writer.length is not None):
+        if self.response is None or self.ids is not None or not takes_raw_chunks(self.response):
             return None
         return self._direct
 

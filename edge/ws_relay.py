@@ -39,8 +39,9 @@ from edge import instrument
 from edge.endings import SlowClient
 from edge.errors import to_info
 from edge.generation_relay import GenerationRelay
-from edge.relay import CLIENT_CANCEL, Phase, RelayContext
+from edge.relay import CLIENT_CANCEL, RelayContext
 from edge.session import Session
+from edge.stream import Phase
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
 from tidegate.wire import ws as wire

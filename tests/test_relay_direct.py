@@ -19,8 +19,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from edge.relay import Phase, Relay, RelayContext
+from edge.relay import Relay, RelayContext
 from edge.session import Session
+from edge.stream import Phase
 from tidegate.broker.link import Link
 from tidegate.config import Config, SessionConfig
 from tidegate.errors import ApiError

@@ -1,0 +1,141 @@
+"""edge.stream.StreamState without a socket: phases, sequence numbers and the
+clock's rules, each fed by hand and read back (the relay does the I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge.endings import Reconnect
+from edge.stream import RETRANSMIT_SPACING, TRANSITIONS, Due, Phase, StreamState
+from tidegate.config import Config, EdgeConfig, SessionConfig
+from tidegate.errors import ApiError
+from tidegate.wire.protocol import Chunk, Done, Head, Status
+
+CFG = Config(edge=EdgeConfig(request_timeout=600.0, admission_timeout=10.0, queue_timeout=60.0),
+             session=SessionConfig(heartbeat_interval=3.0, worker_lost_after=5,
+                                   ack_timeout=20.0))
+HB = 3.0
+LOST = HB * 5
+
+
+def clock(s: StreamState, now: float, *, link_lost: bool = False, resumable: bool = False,
+          stream: bool = True, control: str = "") -> Due:
+    return s.clock(now, CFG, model="m", link_lost=link_lost, resumable=resumable,
+                   stream=stream, control=control)
+
+
+def streaming(now: float = 0.0) -> StreamState:
+    s = StreamState("r", now)
+    s.advance(Status)
+    s.advance(Head)
+    return s
+
+
+def code(excinfo: pytest.ExceptionInfo[ApiError]) -> str:
+    return str(excinfo.value.code)
+
+
+def test_the_transition_table() -> None:
+    s = StreamState("r", 0.0)
+    assert s.phase is Phase.WAITING
+    assert s.advance(Chunk) is Phase.WAITING, "a message not in the table moves nothing"
+    assert s.advance(Status) is Phase.ADMITTED
+    assert s.advance(Status) is Phase.ADMITTED, "a later queue note keeps it admitted"
+    assert s.advance(Head) is Phase.STREAMING
+    assert s.advance(Status) is Phase.STREAMING, "a late Status never takes a stream back"
+    assert s.advance(Head) is Phase.STREAMING, "a new worker's Head after a death"
+    assert s.advance(Done) is Phase.STREAMING
+    lost_status = StreamState("r", 0.0)
+    assert lost_status.advance(Head) is Phase.STREAMING, "its Status lost in transit"
+    assert {after for after in TRANSITIONS.values()} == {Phase.ADMITTED, Phase.STREAMING}
+
+
+def test_sequence_numbers_take_the_next_and_open_a_gap_past_a_lost_one() -> None:
+    early = StreamState("r", 0.0)
+    assert not early.check_seq(2), "output before its Head"
+    assert early.gap_since > 0
+    s = streaming()
+    s.expected_seq = 2
+    assert s.check_seq(2)
+    assert s.expected_seq == 3
+    assert not s.check_seq(2), "a copy of one taken"
+    assert s.gap_since == 0.0
+    assert not s.check_seq(5), "past a gap"
+    assert s.gap_since > 0
+    assert s.expected_seq == 3
+    assert s.check_seq(3), "the resend fills it"
+    assert s.gap_since == 0.0
+
+
+def test_retransmits_are_spaced() -> None:
+    s = streaming()
+    assert s.retransmit_due(10.0)
+    assert not s.retransmit_due(10.0 + RETRANSMIT_SPACING / 2)
+    assert s.retransmit_due(10.0 + RETRANSMIT_SPACING)
+
+
+@pytest.mark.parametrize(("phase", "after", "expected"), [
+    (Phase.WAITING, 10.0, "dispatcher_unavailable"),
+    (Phase.ADMITTED, 60.0, "no_worker_available"),
+])
+def test_a_request_that_waits_too_long_in_a_phase_ends(phase: Phase, after: float,
+                                                       expected: str) -> None:
+    s = StreamState("r", 0.0)
+    if phase is Phase.ADMITTED:
+        s.advance(Status)
+    assert clock(s, after - 0.1, stream=False) is Due.NOTHING
+    with pytest.raises(ApiError) as exc:
+        clock(s, after, stream=False)
+    assert code(exc) == expected
+    assert exc.value.status == 503
+
+
+def test_the_request_timeout_ends_any_phase() -> None:
+    s = streaming()
+    with pytest.raises(ApiError) as exc:
+        clock(s, 600.0)
+    assert (exc.value.status, code(exc)) == (504, "request_timeout")
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_an_edge_cut_from_nats_releases_a_stream_in_every_phase(phase: Phase) -> None:
+    s = StreamState("r", 0.0)
+    s.phase = phase
+    with pytest.raises(Reconnect):
+        clock(s, 1.0, link_lost=True, resumable=True)
+    with pytest.raises(ApiError) as exc:
+        clock(s, 1.0, link_lost=True)
+    assert code(exc) == "broker_unavailable"
+
+
+def test_a_silent_worker_is_asked_to_resend_then_lost() -> None:
+    s = streaming()
+    assert clock(s, HB * 1.5 - 0.1, stream=False) is Due.NOTHING
+    assert clock(s, HB * 1.5, stream=False) is Due.RETRANSMIT, "maybe its Done was lost"
+    s.asked_at = HB * 1.5
+    assert clock(s, HB * 2, stream=False) is Due.NOTHING, "asked a heartbeat ago at most"
+    with pytest.raises(ApiError) as exc:
+        clock(s, LOST, stream=False)
+    assert (code(exc), exc.value.retryable) == ("worker_lost", True)
+
+
+def test_a_gap_not_filled_ends_a_stream_or_sends_a_resumable_one_to_its_log() -> None:
+    s = streaming()
+    s.gap_since = 1.0
+    assert clock(s, 1.5, stream=False) & Due.RETRANSMIT
+    with pytest.raises(Reconnect):
+        clock(s, 1.0 + HB, resumable=True, stream=False)
+    s.last_worker_msg = 1.0 + LOST  # the worker talks, the gap stays
+    with pytest.raises(ApiError) as exc:
+        clock(s, 1.0 + LOST, stream=False)
+    assert code(exc) == "stream_gap"
+
+
+def test_a_quiet_stream_gets_pings_and_its_worker_acks() -> None:
+    s = streaming()
+    assert clock(s, HB - 0.1, control="ctl") is Due.NOTHING
+    assert clock(s, HB, stream=True) is Due.PING
+    assert clock(s, HB, stream=False) is Due.NOTHING, "a JSON body has no comments"
+    s.last_worker_msg = 4.0  # chunks came, too few for a volume ack
+    assert clock(s, 20.0 / 4, stream=False, control="ctl") is Due.ACK
+    assert clock(s, 20.0 / 4, stream=False) is Due.NOTHING, "no worker known: no one to ack"
