@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import nats
 import nats.js.errors
 from aiohttp import web
@@ -372,3 +373,30 @@ async def wait_log(process: ManagedProcess, text: str, within: float = 30.0) -> 
             raise AssertionError(f"{text!r} not in {process.name}'s log within {within}s\n"
                                  + process.log_tail(30))
         await asyncio.sleep(0.05)
+
+
+async def stream(session: aiohttp.ClientSession, url: str, model: str, text: str, *,
+                 usage: bool = False, progress: dict[str, int] | None = None,
+                 **body: Any) -> tuple[bytes, float]:
+    """The stream's raw bytes (``: ping`` comments left out: the edge writes
+    one when a pause outlasts a heartbeat, on any stream) and its longest
+    pause between two reads after the first. ``progress[text]``: the events
+    read so far, as they come."""
+    gaps: list[float] = []
+    raw = b""
+    payload = {"model": model, "stream": True, "messages": [{"role": "user", "content": text}],
+               **body}
+    if usage:
+        payload["stream_options"] = {"include_usage": True}
+    async with session.post(f"{url}/v1/chat/completions", json=payload,
+                            headers={"Authorization": f"Bearer {DEV_KEY}"}) as resp:
+        assert resp.status == 200, await resp.text()
+        last = time.monotonic()
+        async for chunk in resp.content.iter_any():
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            raw += chunk
+            if progress is not None:
+                progress[text] = raw.count(b"\n\n")
+    return raw.replace(b": ping\n\n", b""), max(gaps[1:], default=0.0)

@@ -15,9 +15,8 @@ import os
 import re
 import signal
 import statistics
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import aiohttp
 import pytest
 
 from edge.continuation import Delivered, continuable, deciding_fields
-from tests.pipeline import DEV_KEY, Pipeline
+from tests.pipeline import DEV_KEY, Pipeline, stream
 from tidegate.config import ModelConfig
 from tidegate.wire.protocol import Api, Continue, Request, decode_control
 from workers.continuation import ContinuedStream, continued
@@ -136,20 +135,27 @@ def normalized(raw: bytes) -> bytes:
 
 async def run(session: aiohttp.ClientSession, url: str, text: str,
               out: dict[str, Any]) -> None:
-    gaps: list[float] = []
-    raw = b""
-    async with session.post(f"{url}/v1/chat/completions", headers={
-            "Authorization": f"Bearer {DEV_KEY}"}, json={
-            "model": "tidegate-sim", "stream": True,
-            "messages": [{"role": "user", "content": text}]}) as resp:
-        assert resp.status == 200, await resp.text()
-        last = time.monotonic()
-        async for chunk in resp.content.iter_any():
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-            raw += chunk
-    out[text] = (raw, max(gaps[1:], default=0.0))
+    out[text] = await stream(session, url, "tidegate-sim", text)
+
+
+Runs = Callable[[aiohttp.ClientSession, dict[str, Any]], list[Awaitable[None]]]
+
+
+async def killed_then_whole(pipeline: Pipeline, runs: Runs) -> tuple[dict[str, Any],
+                                                                      dict[str, Any]]:
+    """``runs(session, out)`` started, worker 0 SIGKILLed a second in (a third
+    of every stream delivered), all awaited; then the same again with nothing
+    killed, what each should be. Returns (got, whole), as ``runs`` filled them."""
+    got: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.ensure_future(r) for r in runs(session, got)]
+        await asyncio.sleep(1.0)
+        assert not any(t.done() for t in tasks)
+        pipeline.workers[0].kill()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        await asyncio.wait_for(asyncio.gather(*runs(session, whole)), 120)
+    return got, whole
 
 
 @pytest.mark.slow
@@ -157,17 +163,8 @@ async def run(session: aiohttp.ClientSession, url: str, text: str,
 async def test_a_worker_killed_mid_stream_costs_30_streams_a_pause_not_the_answer(
         pipeline: Pipeline) -> None:
     texts = [f"continue-{i}-{uuid.uuid4().hex}" for i in range(30)]
-    got: dict[str, Any] = {}
-    whole: dict[str, Any] = {}
-    async with aiohttp.ClientSession() as session:
-        tasks = [asyncio.ensure_future(run(session, pipeline.url, t, got)) for t in texts]
-        await asyncio.sleep(1.0)  # a third of every stream delivered
-        assert not any(t.done() for t in tasks)
-        pipeline.workers[0].kill()
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        # The same prompts again, nothing killed: what each stream should be.
-        await asyncio.wait_for(asyncio.gather(*(run(session, pipeline.url, t, whole)
-                                                for t in texts)), 120)
+    got, whole = await killed_then_whole(pipeline, lambda session, out: [
+        run(session, pipeline.url, t, out) for t in texts])
     logs = pipeline.logs()
     continued = logs.count("continued on another worker")
     assert continued, "no stream ran on the killed worker"

@@ -19,21 +19,21 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from edge.continuation import Delivered, continuable, deciding_fields
+from tests import test_continuation
 from tests.pipeline import DEV_KEY, Pipeline
+from tests.test_continuation import killed_then_whole
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.wire.protocol import Api, Continue, Request, decode_control
 from workers.backends.simulator import SimulatorBackend
 from workers.continuation import ContinuedResponses, continued, continued_stream
 
-LENGTH = 300  # tokens of each answer, at 100 tokens/s: 3 s streams
+LENGTH = test_continuation.LENGTH  # tokens of each answer (its pipeline's simulator)
 
 SIM = SimulatorConfig(ttft=0.0, tokens_per_second=1e6, length=12, deterministic=True)
 
@@ -163,20 +163,8 @@ def test_what_a_responses_seam_cannot_continue() -> None:
 # -- the pipeline ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def pipeline(tmp_path: Path, nats_server: Any, redis_server: Any) -> Iterator[Pipeline]:
-    p = Pipeline(tmp_path, nats_server.url, redis_server.url, workers=2, overrides={
-        "session": {"heartbeat_interval": 1.0, "worker_lost_after": 40, "ack_timeout": 60.0},
-        "worker": {"ack_wait": 30.0, "resume_timeout": 5.0},
-        "edge": {"request_timeout": 300.0},
-        "models": [{"name": "tidegate-sim", "failover": "continue", "max_streams": 64,
-                    "simulator": {"ttft": 0.05, "tokens_per_second": 100.0, "length": LENGTH,
-                                  "deterministic": True}}]})
-    try:
-        p.start()
-        yield p
-    finally:
-        p.stop()
+# test_continuation's: two workers, failover = "continue", the deterministic simulator.
+pipeline = test_continuation.pipeline
 
 
 _IDS = re.compile(rb'"id":"[^"]*","object":"([^"]*)","created":\d+')
@@ -228,16 +216,8 @@ async def test_websocket_generations_continue_byte_exact_across_a_worker_kill(
         pipeline: Pipeline) -> None:
     texts = [f"ws-{i}-{uuid.uuid4().hex}" for i in range(24)]
     groups = [texts[i::3] for i in range(3)]  # three sockets of eight generations
-    got: dict[str, Any] = {}
-    whole: dict[str, Any] = {}
-    async with aiohttp.ClientSession() as session:
-        tasks = [asyncio.ensure_future(ws_run(session, pipeline.url, g, got)) for g in groups]
-        await asyncio.sleep(1.0)  # a third of every generation delivered
-        assert not any(t.done() for t in tasks)
-        pipeline.workers[0].kill()
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        await asyncio.wait_for(asyncio.gather(*(ws_run(session, pipeline.url, g, whole)
-                                                for g in groups)), 120)
+    got, whole = await killed_then_whole(pipeline, lambda session, out: [
+        ws_run(session, pipeline.url, g, out) for g in groups])
     for t in texts:
         assert got[t][0][-1]["type"] == "done", got[t][0][-1]
     continued = pipeline.logs().count("continued on another worker")
@@ -279,17 +259,8 @@ def responses_events(raw: bytes) -> list[dict[str, Any]]:
 async def test_responses_streams_continue_byte_exact_across_a_worker_kill(
         pipeline: Pipeline) -> None:
     texts = [f"responses-{i}-{uuid.uuid4().hex}" for i in range(20)]
-    got: dict[str, bytes] = {}
-    whole: dict[str, bytes] = {}
-    async with aiohttp.ClientSession() as session:
-        tasks = [asyncio.ensure_future(responses_run(session, pipeline.url, t, got))
-                 for t in texts]
-        await asyncio.sleep(1.0)
-        assert not any(t.done() for t in tasks)
-        pipeline.workers[0].kill()
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        await asyncio.wait_for(asyncio.gather(*(responses_run(session, pipeline.url, t, whole)
-                                                for t in texts)), 120)
+    got, whole = await killed_then_whole(pipeline, lambda session, out: [
+        responses_run(session, pipeline.url, t, out) for t in texts])
     for t in texts:
         assert responses_events(got[t])[-1].get("type") == "response.completed", got[t][-400:]
     continued = pipeline.logs().count("continued on another worker")

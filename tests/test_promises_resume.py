@@ -10,57 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from bench.fake_backend import FakeBackend
-from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend
+from tests import test_resume
+from tests.pipeline import record_for
 from tests.poll import eventually
-from tests.test_resume import Sse, abort, body, replay
+from tests.test_resume import AUTH, RESUMABLE, Sse, abort, body, replay
 
 pytestmark = pytest.mark.pipeline
 
-AUTH = {"Authorization": f"Bearer {DEV_KEY}"}
-RESUMABLE = {**AUTH, "X-Tidegate-Resumable": "true"}
-
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[FakeBackend]:
-    with threaded_fake_backend(models=["fake"], ttft=0.01, itl=0.01, tokens=10**9,
-                                keep_output=True) as fake:
-        yield fake
-
-
-@pytest.fixture
-def pipelines(tmp_path: Path, module_nats_url: str, module_redis_url: str,
-              backend: FakeBackend) -> Iterator[Any]:
-    started: list[Pipeline] = []
-
-    def start(**sections: dict[str, Any]) -> Pipeline:
-        overrides: dict[str, Any] = {
-            "nats": {"subject_prefix": "q" + uuid.uuid4().hex[:8]},
-            "session": {"heartbeat_interval": 1.0, "worker_lost_after": 4, "ack_timeout": 6.0},
-            "worker": {"ack_wait": 2.0, "shutdown_timeout": 3.0},
-            "resume": {"attach_interval": 0.5},
-            "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
-                        "max_streams": 64}],
-        }
-        for section, values in sections.items():
-            overrides.setdefault(section, {}).update(values)
-        p = Pipeline(tmp_path / f"p{len(started)}", module_nats_url, module_redis_url,
-                     overrides=overrides, edges=2)
-        started.append(p)
-        p.start()
-        return p
-
-    yield start
-    for p in started:
-        p.stop()
-
+# test_resume's fixtures, the same here: its fake backend, and pipelines of
+# two edges with short heartbeats.
+backend = test_resume.backend
+pipelines = test_resume.pipelines
 
 def numbered(sse: Sse) -> list[bytes]:
     """The stream's events, without a final error event (which has no id)."""

@@ -32,7 +32,7 @@ import aiohttp
 import pytest
 
 from bench.fake_backend import FakeBackend, FakeConfig
-from tests.pipeline import DEV_KEY, Pipeline, threaded_fake_backend, wait_for
+from tests.pipeline import Pipeline, stream, threaded_fake_backend, wait_for
 from tidegate.run.servers import free_port, http_ok
 
 MODEL = "two"
@@ -60,33 +60,6 @@ def start_pipeline(tmp_path: Path, nats_url: str, redis_url: str, a_url: str,
         "models": models(a_url, b_url)})
     p.start()
     return p
-
-
-async def stream(session: aiohttp.ClientSession, url: str, model: str, text: str, *,
-                 usage: bool = False, progress: dict[str, int] | None = None,
-                 **body: Any) -> tuple[bytes, float]:
-    """The stream's raw bytes (``: ping`` comments left out: the edge writes
-    one when a pause outlasts a heartbeat, on any stream) and its longest
-    pause between two reads after the first. ``progress[text]``: the events
-    read so far, as they come."""
-    gaps: list[float] = []
-    raw = b""
-    payload = {"model": model, "stream": True, "messages": [{"role": "user", "content": text}],
-               **body}
-    if usage:
-        payload["stream_options"] = {"include_usage": True}
-    async with session.post(f"{url}/v1/chat/completions", json=payload,
-                            headers={"Authorization": f"Bearer {DEV_KEY}"}) as resp:
-        assert resp.status == 200, await resp.text()
-        last = time.monotonic()
-        async for chunk in resp.content.iter_any():
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-            raw += chunk
-            if progress is not None:
-                progress[text] = raw.count(b"\n\n")
-    return raw.replace(b": ping\n\n", b""), max(gaps[1:], default=0.0)
 
 
 def split_usage(raw: bytes) -> tuple[bytes, dict[str, Any] | None]:
