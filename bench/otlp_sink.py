@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gzip
 import signal
 import threading
@@ -51,6 +52,11 @@ class ReceivedSpan:
     attributes: dict[str, Any] = field(default_factory=dict)
     events: tuple[tuple[str, dict[str, Any]], ...] = ()
     status_code: int = 0  # 0 unset, 1 ok, 2 error
+    # Wall clock, ns since the epoch: one machine's processes share the clock
+    # (bench.hops lays a request's waits along its spans with them).
+    start_ns: int = 0
+    end_ns: int = 0
+    event_ns: tuple[int, ...] = ()  # each event's time, in the order of events
 
     def event_names(self) -> list[str]:
         return [name for name, _ in self.events]
@@ -88,6 +94,8 @@ class OtlpSink:
         app.router.add_post("/v1/traces", self._traces)
         app.router.add_post("/v1/metrics", self._metrics)
         app.router.add_get("/stats", self._stats)
+        app.router.add_get("/spans", self._spans)
+        app.router.add_post("/reset", self._reset)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -125,7 +133,9 @@ class OtlpSink:
                         span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(),
                         kind=int(s.kind), attributes=_attributes(s.attributes),
                         events=tuple((e.name, _attributes(e.attributes)) for e in s.events),
-                        status_code=int(s.status.code)))
+                        status_code=int(s.status.code), start_ns=int(s.start_time_unix_nano),
+                        end_ns=int(s.end_time_unix_nano),
+                        event_ns=tuple(int(e.time_unix_nano) for e in s.events)))
         with self._lock:
             self.trace_exports += 1
             self.span_counts.update(s.service for s in spans)
@@ -158,6 +168,15 @@ class OtlpSink:
     async def _stats(self, _request: web.Request) -> web.Response:
         return web.json_response(self.stats())
 
+    async def _spans(self, _request: web.Request) -> web.Response:
+        """The kept spans (``--keep``), as JSON objects of ReceivedSpan's fields."""
+        return web.json_response([dataclasses.asdict(s) for s in self.snapshot()])
+
+    async def _reset(self, _request: web.Request) -> web.Response:
+        with self._lock:
+            self.spans.clear()
+        return web.json_response({})
+
 
 @contextmanager
 def threaded_sink() -> Iterator[OtlpSink]:
@@ -186,8 +205,8 @@ def threaded_sink() -> Iterator[OtlpSink]:
         loop.close()
 
 
-async def _serve(host: str, port: int) -> None:
-    sink = OtlpSink(keep_spans=False)
+async def _serve(host: str, port: int, keep: bool = False) -> None:
+    sink = OtlpSink(keep_spans=keep)
     await sink.start(host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -206,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
                                                  "count them (GET /stats).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4318)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the spans (GET /spans lists them, POST /reset drops them)")
     args = parser.parse_args(argv)
-    asyncio.run(_serve(args.host, args.port))
+    asyncio.run(_serve(args.host, args.port, args.keep))
 
 
 if __name__ == "__main__":

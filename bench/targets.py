@@ -310,12 +310,14 @@ class Targets:
 
     # -- an OTLP receiver (scenario t) -------------------------------------
 
-    def start_otlp_sink(self) -> tuple[ManagedProcess, str]:
-        """``python -m bench.otlp_sink`` on a free port: the process and its URL."""
+    def start_otlp_sink(self, keep: bool = False) -> tuple[ManagedProcess, str]:
+        """``python -m bench.otlp_sink`` on a free port: the process and its
+        URL; ``keep``: it keeps the spans (``bench.hops``)."""
         port = free_port(_HOST)
         url = f"http://{_HOST}:{port}"
         proc = self._proc("otlp-sink", _python("bench.otlp_sink", "--host", _HOST,
-                                               "--port", str(port)),
+                                               "--port", str(port),
+                                               *(["--keep"] if keep else [])),
                           ready=lambda: http_ok(f"{url}/stats"))
         proc.start()
         return proc, url
