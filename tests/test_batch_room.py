@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.batch.room import batch_room
+from dispatcher.batch.room import batch_room, others_wait
 
 
 def room(slots: int, running: int, started: int = 0, unstarted: int = 0,
@@ -16,6 +16,14 @@ def room(slots: int, running: int, started: int = 0, unstarted: int = 0,
 
 def test_a_waiting_job_or_queue_mode_stops_batch() -> None:
     assert room(100, 0, waiting=True) == 0
+
+
+def test_the_runners_own_unpulled_lines_are_not_a_waiting_job() -> None:
+    assert not others_wait(pending=0, unstarted=0)
+    assert not others_wait(pending=3, unstarted=3), "three of its lines, not yet pulled"
+    assert not others_wait(pending=2, unstarted=3), "one of them pulled already"
+    assert others_wait(pending=4, unstarted=3), "a fourth job is somebody else's"
+    assert others_wait(pending=1, unstarted=0)
 
 
 def test_with_no_interactive_job_batch_takes_every_free_slot() -> None:

@@ -13,7 +13,7 @@ import nats.js.errors
 
 from dispatcher.batch import files as bf
 from dispatcher.batch.collect import Collection
-from dispatcher.batch.room import batch_room
+from dispatcher.batch.room import batch_room, others_wait
 from dispatcher.batch.session import LineSession
 from dispatcher.batch.state import INBOX, BatchRun, InFlight, Pending
 from tidegate.control import workers_registry
@@ -48,7 +48,7 @@ class Release(Collection):
         consumers = [self.subjects.worker_consumer(model)]
         if len(config.replicas) > 1:
             consumers += [self.subjects.replica_consumer(model, r) for r in config.replica_names]
-        running, waiting = 0, False
+        running = pending = 0
         for i, consumer in enumerate(consumers):
             try:
                 info = await self.js.consumer_info(self.subjects.jobs_stream, consumer)
@@ -56,8 +56,9 @@ class Release(Collection):
                 if i == 0:
                     return 0  # no worker consumer yet: nothing can run
                 continue  # a replica whose workers have not started
-            waiting = waiting or bool(info.num_pending)
+            pending += int(info.num_pending or 0)
             running += int(info.num_ack_pending or 0)
+        waiting = others_wait(pending, unstarted)
         cfg = config.queue
         if not waiting and self.queue is not None and cfg.ttft_p99 > 0:
             try:

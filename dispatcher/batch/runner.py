@@ -102,6 +102,12 @@ class Runner(Leadership, Release):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), max(0.0, next_lease - now))
                     continue
+                # Cleared before the round, not after: a line that ends while
+                # the round awaits the broker sets it again, and the next
+                # round starts at once instead of a tick later (cleared after
+                # the round, that wake-up was lost: on a busy machine, where
+                # rounds take longest, slots stood idle for up to a tick).
+                self.wake.clear()
                 try:
                     if now >= next_slots:
                         next_slots = now + _SLOTS_EVERY
@@ -121,7 +127,6 @@ class Runner(Leadership, Release):
                     # `tidegate up` would restart it into the same failure).
                     log.exception("batch runner: a round failed; retrying")
                     await asyncio.sleep(0.5)
-                self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), _TICK)
         finally:
