@@ -186,7 +186,7 @@ class Relaying(Protocol):
 
 
 async def worker_gone(relay: Relaying, control: str, now: float) -> None:
-    """The edge's WorkerWatch found ``relay``'s worker gone (edge.liveness).
+    """The edge's WorkerWatch found ``relay``'s worker gone (tidegate.broker.liveness).
 
     ``-NAK`` the job so another worker runs it at once: with no output sent
     to the client yet (a non-streaming body is only collected so far, and is

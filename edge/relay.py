@@ -34,11 +34,11 @@ from edge import instrument
 from edge.continuation import Delivered, continuable, worker_gone
 from edge.endings import Reconnect, SlowClient, reconnect_event, worker_lost
 from edge.errors import error_response, from_info, sse_error_event, to_info
-from edge.liveness import WorkerWatch
 from edge.raw_http import payload_writer, takes_raw_chunks
 from edge.session import BAD_INPUT, Session
 from edge.stream import Due, Phase, StreamState
 from tidegate.broker.link import Link
+from tidegate.broker.liveness import WorkerWatch
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ApiError, unavailable
 from tidegate.wire import streamlog
@@ -91,7 +91,7 @@ class RelayContext:
     config: Config
     publisher: Publisher
     link: Link = field(default_factory=lambda: Link(None, 0.0))  # partitions: broker/link.py
-    watch: WorkerWatch | None = None  # the edge's worker liveness probe (edge.liveness)
+    watch: WorkerWatch | None = None  # the edge's worker liveness probe (tidegate.broker.liveness)
     models: Mapping[str, ModelConfig] = field(default_factory=dict)  # failover per model
 
 

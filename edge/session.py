@@ -28,7 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from edge.liveness import WorkerWatch
+from tidegate.broker.liveness import WorkerWatch
 from tidegate.errors import ApiError, ProtocolError
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.mux import decode_mux
@@ -60,7 +60,7 @@ class Session:
         self._tick_handle = self._loop.call_later(tick_interval, self._on_tick)
         # The worker this session streams from (its control subject), while
         # the edge's WorkerWatch follows it; ``lost``: that worker is known
-        # dead (edge.liveness), for the relay to act on at its next wake-up.
+        # dead (tidegate.broker.liveness), for the relay to act on at its next wake-up.
         self.watch: WorkerWatch | None = None
         self.worker = ""
         self.lost = ""

@@ -20,12 +20,12 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from edge.auth import KeyTable
-from edge.liveness import WorkerWatch
 from edge.logreader import StreamLog
 from edge.relay import Publisher, RelayContext
 from edge.session import SessionTable
 from edge.ws_hub import WsHub
 from tidegate.broker.link import Link, grace
+from tidegate.broker.liveness import WorkerWatch
 from tidegate.config import Config, EdgeConfig, ModelConfig
 from tidegate.control.tenants import TenantTable
 from tidegate.telemetry import telemetry
@@ -74,7 +74,7 @@ class EdgeState:
 
     def __post_init__(self) -> None:
         self.models = self.config.model_index()
-        # One liveness probe per edge, per followed worker (edge.liveness).
+        # One liveness probe per edge, per followed worker (tidegate.broker.liveness).
         watch = WorkerWatch(self.nc, self.config.session.liveness_interval)
         self.relay = RelayContext(self.config, NatsPublisher(self.nc, self.config.nats.subjects),
                                   Link(self.nc, grace(self.config.nats)),

@@ -129,3 +129,54 @@ def test_clean_stop_hands_the_lead_over_at_once(tmp_path_factory: pytest.TempPat
             time.sleep(0.1)
     finally:
         pipeline.stop()
+
+
+async def test_a_line_whose_worker_dies_restarts_on_another_at_once(
+        tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
+        module_redis_url: str) -> None:
+    """Worker 0 SIGKILLed (and not restarted) while it runs batch lines: the
+    runner's liveness probe finds it gone and hands each of its jobs back
+    (``-NAK``), so worker 1 restarts them at once. ``worker.ack_wait`` and the
+    silence limit are 120 s here, the other two ways a line comes back: the
+    batch completing well before them is the probe's doing."""
+    models = [{"name": "tidegate-sim", "max_streams": 4,
+               "simulator": {"ttft": 0.05, "tokens_per_second": 10.0, "length": 20}}]
+    pipeline = Pipeline(tmp_path_factory.mktemp("batchdeath"), module_nats_url,
+                        module_redis_url, workers=2, overrides={
+                            "nats": {"subject_prefix": "bd"},
+                            "models": models,
+                            "session": {"heartbeat_interval": 1.0, "worker_lost_after": 120},
+                            "worker": {"ack_wait": 120.0}})
+    pipeline.start()
+    try:
+        async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=DEV_KEY,
+                                      max_retries=2, timeout=30) as client:
+            lines = 16
+            data = b"".join(json.dumps({
+                "custom_id": f"d-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "tidegate-sim", "max_tokens": 20,
+                         "messages": [{"role": "user", "content": f"line {i}"}]}}).encode()
+                + b"\n" for i in range(lines))
+            file = await client.files.create(file=("in.jsonl", io.BytesIO(data)),
+                                             purpose="batch")
+            batch = await client.batches.create(input_file_id=file.id,
+                                                endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+            # Released into the 8 free slots at once, the first 8 lines run
+            # 2 s each, 4 on each worker: worker 0 dies mid-generation.
+            await until_more(client, batch.id, -1)  # in progress
+            await asyncio.sleep(1.0)
+            assert (await completed(client, batch.id))[1] == 0, "a line ended before the kill"
+            pipeline.workers[0].kill()
+            killed = time.monotonic()
+            while (await completed(client, batch.id))[0] not in (
+                    "completed", "failed", "expired", "cancelled"):
+                assert time.monotonic() - killed < 110, "the lines waited for ack_wait"
+                await asyncio.sleep(0.2)
+            final = await client.batches.retrieve(batch.id)
+    finally:
+        pipeline.stop()
+    assert final.status == "completed", final
+    assert final.request_counts is not None
+    assert (final.request_counts.completed, final.request_counts.failed) == (lines, 0)
+    assert "job handed back" in pipeline.dispatcher.log_path.read_text()

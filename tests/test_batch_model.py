@@ -238,6 +238,29 @@ def test_session_restarts_a_redelivered_job() -> None:
     assert s.outcome.body == b'"whole"'
 
 
+def test_a_dead_workers_job_is_handed_back_once_and_restarts() -> None:
+    ack = "$JS.ACK.TG_JOBS.w.1.9.9.0.0"
+    s = LineSession("r", LIMITS, now=0)
+    assert s.worker_lost("ctl.w1", 0) == "", "not running yet: nothing to hand back"
+    s.feed(Head(1, "ctl.w1", ack=ack), 0)
+    s.feed(Chunk(2, b"partial"), 1)
+    assert s.worker_lost("ctl.w2", 5) == "", "another worker's death"
+    assert s.worker_lost("ctl.w1", 5) == ack  # -NAK it: redelivered now
+    assert s.outcome is None
+    assert s.tick(10) == [("ctl.w1", Ack("r", 2))], "the silence limit counts from 5"
+    assert s.feed(Head(1, "ctl.w2", attempt=2), 11) == [("ctl.w2", Ack("r", 0))]
+    s.feed(Chunk(2, b'"whole"'), 12)
+    s.feed(Done(3, 0, 0, "stop"), 12)
+    assert s.outcome is not None
+    assert s.outcome.body == b'"whole"'
+    core = LineSession("r2", LIMITS, now=0)
+    core.feed(Head(1, "ctl.w1"), 0)  # no JetStream ack subject known
+    assert core.worker_lost("ctl.w1", 1) == ""
+    assert core.outcome is not None
+    assert (core.outcome.verdict, core.outcome.error.code if core.outcome.error else "") == (
+        Verdict.RETRY, "worker_lost")
+
+
 @pytest.mark.parametrize(("message", "verdict"), [
     (Error(2, ErrorInfo(400, "invalid_request_error", "bad", "no")), Verdict.ERROR),
     (Error(2, ErrorInfo(502, "server_error", "backend_error", "boom")), Verdict.RETRY),

@@ -1,6 +1,6 @@
 """Fast death detection (issue 25, item 1) against real servers.
 
-The edge probes each worker its streams follow (edge.liveness): a worker whose
+The edge probes each worker its streams follow (tidegate.broker.liveness): a worker whose
 NATS connection is gone (SIGKILL) is known dead within about
 ``session.liveness_interval``; a job with no output yet is handed back to
 JetStream at once and runs on another worker; a stream with output ends with
@@ -29,7 +29,6 @@ import nats
 import pytest
 
 from bench.fake_backend import FakeBackend
-from edge.liveness import WorkerWatch
 from tests.pipeline import (
     DEV_KEY,
     Pipeline,
@@ -37,6 +36,7 @@ from tests.pipeline import (
     threaded_fake_backend,
 )
 from tests.poll import eventually
+from tidegate.broker.liveness import WorkerWatch
 
 HEARTBEAT = 1.0
 LOST_AFTER = 40  # heartbeats: 40 s, far above anything these tests wait for

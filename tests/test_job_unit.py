@@ -54,7 +54,8 @@ class FakeMsg:
         self.metadata = SimpleNamespace(num_delivered=delivered,
                                         sequence=SimpleNamespace(stream=42))
         self.headers = {RESERVED_HEADER: "1"} if reserved else {}
-        self.reply = "$JS.ACK.TG_JOBS.workers.1.42.1.0.0"  # named in the Head (edge.liveness)
+        # Named in the Head (tidegate.broker.liveness).
+        self.reply = "$JS.ACK.TG_JOBS.workers.1.42.1.0.0"
         self.fate: list[str] = []
 
     async def ack(self) -> None:

@@ -166,7 +166,7 @@ class Pool:
 
     async def on_control(self, msg: Msg) -> None:
         if not msg.data:
-            # An edge's liveness probe (edge.liveness): being subscribed is the
+            # An edge's liveness probe (tidegate.broker.liveness): being subscribed is the
             # whole answer; the server tells the edge when nobody is.
             return
         try:

@@ -11,7 +11,7 @@ from nats.aio.msg import Msg
 
 from dispatcher.batch import files as bf
 from dispatcher.batch.session import Verdict
-from dispatcher.batch.state import BatchRun, InFlight, Pending, RunnerState
+from dispatcher.batch.state import BatchRun, InFlight, LineFollower, Pending, RunnerState
 from tidegate.errors import ProtocolError
 from tidegate.wire.batch import error_line, output_line
 from tidegate.wire.protocol import decode_session
@@ -34,9 +34,42 @@ class Collection(RunnerState):
             return
         for control, ack in flight.session.feed(message, time.monotonic()):
             await self.nc.publish(control, ack.encode())
+        if flight.session.control != flight.watched:
+            self._probe_worker(rid, flight)
         if flight.session.outcome is not None:
             self.ended.append(rid)
             self.wake.set()
+
+    def _probe_worker(self, rid: str, flight: InFlight) -> None:
+        """Probe the worker that now runs ``flight`` (a Head named it)."""
+        self._unprobe_worker(flight)
+        flight.follower = flight.follower or LineFollower(self, rid)
+        flight.watched = flight.session.control
+        self.watch.follow(flight.follower, flight.watched)
+
+    def _unprobe_worker(self, flight: InFlight) -> None:
+        if flight.follower is not None and flight.watched:
+            self.watch.unfollow(flight.follower, flight.watched)
+        flight.watched = ""
+
+    async def _hand_back_lost(self, now: float) -> None:
+        """The lines whose worker the watch found dead: their jobs get a ``-NAK``
+        so another worker restarts them now (``LineSession.worker_lost``)."""
+        while self.lost:
+            rid, control = self.lost.popleft()
+            flight = self.inflight.get(rid)
+            if flight is None:
+                continue
+            flight.watched = ""  # the watch dropped its followers of that worker
+            subject = flight.session.worker_lost(control, now)
+            if subject:
+                log.info("batch line %s: worker %s died; job handed back", rid, control)
+                try:
+                    await self.nc.publish(subject, b"-NAK")
+                except Exception as exc:  # redelivery after worker.ack_wait remains
+                    log.warning("could not hand back batch line %s: %s", rid, exc)
+            if flight.session.outcome is not None:
+                self.ended.append(rid)
 
     def _tick(self, now: float) -> None:
         for rid, flight in self.inflight.items():
@@ -52,6 +85,7 @@ class Collection(RunnerState):
             flight = self.inflight.pop(rid, None)
             if flight is None:
                 continue
+            self._unprobe_worker(flight)
             flight.run.running -= 1
             await self._settle(rid, flight)
 

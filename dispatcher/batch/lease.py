@@ -67,6 +67,8 @@ class Leadership(RunnerState):
         self.runs.clear()
         self.inflight.clear()
         self.ended.clear()
+        self.watch.close()  # it follows no line now; follow() starts probes again
+        self.lost.clear()
 
     async def _resign(self) -> None:
         """A clean stop hands the lead over at once: the lease expires now

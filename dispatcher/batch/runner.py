@@ -115,6 +115,7 @@ class Runner(Leadership, Release):
                     if now >= next_refresh:
                         next_refresh = now + _REFRESH
                         await self._refresh()
+                    await self._hand_back_lost(now)
                     await self._settle_ended()
                     self._tick(now)
                     await self._release(now)
@@ -130,6 +131,7 @@ class Runner(Leadership, Release):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), _TICK)
         finally:
+            self.watch.close()
             follower.cancel()
             keys.cancel()
             await sub.unsubscribe()
@@ -235,6 +237,7 @@ class Runner(Leadership, Release):
         for rid, flight in list(self.inflight.items()):
             if flight.run is run:
                 del self.inflight[rid]
+                self._unprobe_worker(flight)
                 run.running -= 1
                 self._cancel_upstream(rid, flight, f"batch_{why}")
         run.ended.set()

@@ -14,6 +14,10 @@ How it differs from the edge's relay, and why:
   restarted: nothing reached a client, so the partial body is dropped and
   the worker gets the go-ahead (``Ack seq 0``). The edge cannot do that once
   it wrote output; the runner always can.
+* A worker found dead by the runner's liveness probe (its control subject
+  has no subscriber: ``tidegate.broker.liveness``) gets a ``-NAK`` for its job
+  at once (:meth:`LineSession.worker_lost`), so another worker restarts the
+  line in about a second instead of after ``worker.ack_wait``.
 * Every failure is classified for the retry policy: ``RETRY`` (5xx, worker
   lost, a sequence gap, nobody answered), ``WAIT`` (a retryable rejection
   such as a rate limit: tried again after ``retry_after``, without counting
@@ -87,14 +91,15 @@ class LineSession:
     """Feed it session messages and clock ticks; it answers with the acks to
     send (``(control subject, Ack)``) and, once, the :class:`Outcome`."""
 
-    __slots__ = ("_parts", "_size", "control", "expected_seq", "last_ack", "last_msg", "limits",
-                 "outcome", "phase", "request_id", "started")
+    __slots__ = ("_parts", "_size", "control", "expected_seq", "job_ack", "last_ack", "last_msg",
+                 "limits", "outcome", "phase", "request_id", "started")
 
     def __init__(self, request_id: str, limits: Limits, now: float) -> None:
         self.request_id = request_id
         self.limits = limits
         self.phase = Phase.PUBLISHED
         self.control = ""
+        self.job_ack = ""  # the job message's JetStream ack subject (Head.ack)
         self.expected_seq = 1
         self.started = self.last_msg = self.last_ack = now
         self._parts: list[bytes] = []
@@ -163,6 +168,7 @@ class LineSession:
 
     def _on_head(self, head: Head, now: float) -> list[tuple[str, Ack]]:
         self.control = head.control
+        self.job_ack = head.ack if head.ack.startswith("$JS.ACK.") else ""
         self.last_msg = self.last_ack = now
         acks: list[tuple[str, Ack]] = []
         if head.attempt > 1 or self.phase is Phase.RUNNING:
@@ -173,6 +179,22 @@ class LineSession:
         self.phase = Phase.RUNNING
         self.expected_seq = head.seq + 1
         return acks
+
+    def worker_lost(self, control: str, now: float) -> str:
+        """The runner's watch found the worker at ``control`` gone
+        (``tidegate.broker.liveness``): the subject to ``-NAK`` so that
+        JetStream hands the job to another worker now, not after
+        ``worker.ack_wait`` (its Head, ``attempt > 1``, restarts the line:
+        nothing of it reached a client). "" when there is nothing to hand
+        back: another worker's, not running, over, or (no ack subject
+        known) ended here as a retry."""
+        if self.outcome is not None or self.phase is not Phase.RUNNING or control != self.control:
+            return ""
+        if not self.job_ack:
+            self._end(_lost("worker_lost", "The worker running this line died."))
+            return ""
+        self.last_msg = now  # the silence limit now waits for the next worker
+        return self.job_ack
 
     def tick(self, now: float) -> list[tuple[str, Ack]]:
         """The clock checks: timeouts end the attempt (RETRY); a running one

@@ -16,6 +16,7 @@ from nats.js import JetStreamContext
 from dispatcher.batch.keys import BatchKeys
 from dispatcher.batch.session import Limits, LineSession
 from dispatcher.queueing import QueueMode
+from tidegate.broker.liveness import WorkerWatch
 from tidegate.config import Config
 from tidegate.control.batches import Stores
 from tidegate.telemetry import telemetry as tm
@@ -38,6 +39,23 @@ class InFlight:
     run: BatchRun
     pending: Pending
     session: LineSession
+    follower: LineFollower | None = None  # followed in the watch, once its worker is known
+    watched: str = ""  # the worker control subject it follows there
+
+
+class LineFollower:
+    """One running line as the runner's :class:`WorkerWatch` follows it: a
+    death is queued for the runner's next round (``RunnerState.lost``)."""
+
+    __slots__ = ("rid", "state")
+
+    def __init__(self, state: RunnerState, rid: str) -> None:
+        self.state = state
+        self.rid = rid
+
+    def worker_lost(self, control: str) -> None:
+        self.state.lost.append((self.rid, control))
+        self.state.wake.set()
 
 
 @dataclass(slots=True)
@@ -98,6 +116,10 @@ class RunnerState:
         self.inflight: dict[str, InFlight] = {}
         self.ended: deque[str] = deque()  # request ids whose session has an outcome
         self.wake = asyncio.Event()
+        # The workers running lines, probed for death (tidegate.broker.liveness),
+        # and the deaths found, (request id, control subject), for the next round.
+        self.watch = WorkerWatch(nc, config.session.liveness_interval)
+        self.lost: deque[tuple[str, str]] = deque()
         self.slots: dict[str, int] = {}
         self._last_tenant = ""  # the tenant the last released line belonged to
         self.records: dict[str, BatchRecord] = {}  # the batches bucket, followed live

@@ -225,7 +225,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
     edge = (_Grants().bind(*streams)
             .messages(s.requests_wildcard, f"{p}.ctl.*", f"{p}.usage.>",
                       streamlog.wildcard(s), streamlog.edge_cancel_subject(s),
-                      # -NAK of a job whose worker it found dead (edge.liveness):
+                      # -NAK of a job whose worker it found dead (tidegate.broker.liveness):
                       # another worker runs it at once, not after ack_wait.
                       f"$JS.ACK.{jobs}.>")
             .watch(s.keys_bucket).write(keyuse).watch(tenants)
@@ -237,7 +237,10 @@ def access(subjects: Subjects) -> dict[str, Access]:
     dispatcher = (_Grants().bind(*streams)
                   .pull(requests, s.dispatcher_consumer).pull(usage, "reconcilers")
                   .messages(s.jobs_wildcard, f"{p}.out.*.*", f"{p}.usage.>", f"{p}.ctl.*",
-                            s.requests_wildcard, f"{p}.grant.*")
+                            s.requests_wildcard, f"{p}.grant.*",
+                            # -NAK of a batch line's job whose worker the runner
+                            # found dead (tidegate.broker.liveness), as the edge does.
+                            f"$JS.ACK.{jobs}.>")
                   # Queue depth per model (gate, batch release, queue stats).
                   ._add((f"CONSUMER.INFO.{jobs}.*", f"CONSUMER.INFO.{requests}.*",
                          f"STREAM.MSG.GET.{jobs}"))

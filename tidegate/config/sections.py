@@ -275,7 +275,7 @@ class SessionConfig:
     heartbeat_interval: float = 15.0  # worker heartbeat / edge ": ping" while silent
     worker_lost_after: int = 3  # heartbeats missed before the edge gives up
     # How often an edge asks NATS whether each worker its streams follow is
-    # still subscribed (edge.liveness): a killed worker is known dead within
+    # still subscribed (tidegate.broker.liveness): a killed worker is known dead within
     # about this plus a round trip. 0 turns the probe off (heartbeats only).
     liveness_interval: float = 0.25
     # A worker with output unacknowledged for this long takes the edge (or its

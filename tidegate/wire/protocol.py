@@ -328,7 +328,7 @@ class Head(NamedTuple):
     ``Ack`` with ``seq = 0``) before it calls the backend, so output that
     already reached the client is never generated a second time.
     ``ack`` is the job message's JetStream ack subject: an edge that finds the
-    worker dead (edge.liveness) sends ``-NAK`` there, so JetStream hands the
+    worker dead (tidegate.broker.liveness) sends ``-NAK`` there, so JetStream hands the
     job to another worker at once instead of after ``worker.ack_wait``.
     """
 

@@ -1,4 +1,8 @@
-"""Which workers this edge follows, and whether they are still connected.
+"""Which workers a process follows, and whether they are still connected.
+
+Two followers use it: each edge (the workers its open streams come from)
+and the dispatcher's batch runner (the workers running its lines: a dead
+one's jobs are handed back the same way, ``dispatcher.batch.collect``).
 
 A worker's streams reach an edge as core NATS messages; when the worker dies,
 nothing arrives any more, and silence alone cannot tell a dead worker from a
@@ -16,10 +20,11 @@ follow, sends an empty request to that worker's control subject every
 * no responders: the subscription is gone, the worker is dead once every
   probe for :data:`CONFIRM_AFTER` (1.5 s) says so (a subscription dropped
   and made again in between, as a reconnect does, is not a death), then
-  every stream following it is told
-  (:meth:`edge.session.Session.worker_lost`) and acts at once (see
-  ``edge.relay``: a job with no output yet is handed back to JetStream with a
-  ``nak`` so another worker runs it now, not after ``worker.ack_wait``).
+  every follower is told (``worker_lost``: an edge's
+  ``edge.session.Session``, a batch line's ``LineFollower``) and acts at
+  once (see ``edge.continuation.worker_gone``: a job is handed back to
+  JetStream with a ``nak`` so another worker runs it now, not after
+  ``worker.ack_wait``).
 * the request times out: the worker is subscribed and its connection alive.
   It sends no reply (workers ignore an empty control message; their
   credentials cannot publish to an edge inbox anyway), so a timeout is the
@@ -48,7 +53,7 @@ from typing import Protocol
 import nats.errors
 from nats.aio.client import Client as NATS
 
-log = logging.getLogger("tidegate.edge")
+log = logging.getLogger("tidegate.liveness")
 
 # How long every probe must find no responders before the worker is taken
 # for dead. A worker whose NATS node died reconnects to another and
