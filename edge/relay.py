@@ -116,7 +116,7 @@ class Relay(StreamState):
         model = ctx.models.get(request.model)
         self.failover = model.failover if model is not None else "restart"
         # failover = "continue": what the client got, for the next worker.
-        self.delivered = Delivered() if continuable(request, model) else None
+        self.delivered = Delivered(request.api) if continuable(request, model) else None
         self.acks = AckPolicy(request.window_bytes, request.window_msgs)
         self.head_key: tuple[str, int, int] | None = None
         self.wrote_chunks = False

@@ -23,9 +23,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from edge.continuation import Delivered, continuable, deciding_fields
+from edge.continuation import FOLD_AT, Delivered, continuable, deciding_fields
 from tests.pipeline import DEV_KEY, Pipeline, stream
 from tidegate.config import ModelConfig
+from tidegate.wire.delivered import sse_events
 from tidegate.wire.protocol import Api, Continue, Request, decode_control
 from workers.continuation import ContinuedStream, continued
 
@@ -70,6 +71,44 @@ def test_the_edge_reads_the_delivered_text_once_at_failover() -> None:
     two = Delivered()
     two.add(b'data: {"choices":[{"index":0,"delta":{}},{"index":1,"delta":{}}]}\n\n')
     assert two.text(Api.CHAT) is None
+
+
+def test_the_sse_events_of_written_chunks() -> None:
+    assert sse_events([b'data: {"a":1}\n\n: ping\n\ndata: [DONE]\n\n',
+                       b'data:{"b":2}\n\n']) == [{"a": 1}, {"b": 2}]
+    assert sse_events([]) == []
+    assert sse_events([b'data: {"a":\n\n']) is None, "a cut event"
+    assert sse_events([b'data: {"a":1},{"b":2}\n\n']) is None, "two values on one line"
+
+
+def test_a_long_stream_is_kept_as_its_text_not_its_chunks() -> None:
+    """Past FOLD_AT bytes the kept chunks fold into their text: what a
+    failover reads is the same, and the edge holds about the text."""
+    def chunk(i: int) -> bytes:
+        return (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
+                b'"model":"m","choices":[{"index":0,"delta":{"content":"w%d "},'
+                b'"finish_reason":null}]}\n\n' % i)
+
+    n = 3 * FOLD_AT // len(chunk(0))
+    d = Delivered(Api.CHAT)
+    for i in range(n):
+        d.add(chunk(i))
+    expected = "".join(f"w{i} " for i in range(n))
+    assert d.text(Api.CHAT) == (expected, n, 0, "chatcmpl-1")
+    assert d.folded, "it folded"
+    assert d.size <= FOLD_AT
+    kept = d.size + sum(len(t) for t in d.folded)
+    assert kept < len(expected) + FOLD_AT < n * len(chunk(0)) / 2
+    tool = Delivered(Api.CHAT)
+    tool.add(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}\n\n')
+    for i in range(n):
+        tool.add(chunk(i))
+    assert tool.text(Api.CHAT) is None, "a folded tool call is still not continued"
+    assert (tool.parts, tool.size) == ([], 0), "and nothing more is kept for it"
+    responses = Delivered(Api.RESPONSES)
+    for i in range(n):
+        responses.add(chunk(i))
+    assert not responses.folded, "a Responses stream's seam is more than text: kept whole"
 
 
 def test_the_continued_request_and_the_control_message() -> None:
