@@ -196,3 +196,44 @@ async def wait_for_key(session: aiohttp.ClientSession, pipeline: Pipeline,
                 return True
         await asyncio.sleep(0.1)
     return False
+
+
+async def test_a_background_response_whose_worker_dies_before_output_runs_again(
+        tmp_path: Path, module_nats_url: str, module_redis_url: str) -> None:
+    """Worker 0 SIGKILLed during the prefill of a background response (no
+    edge follows it): JetStream redelivers the job after ``worker.ack_wait``,
+    and worker 1, finding no output in the log, runs it again instead of
+    waiting for an edge's go-ahead that never comes: the response completes,
+    whole. Seen failing (``failed`` with ``worker_lost`` after the silence
+    limit) with the redelivered job dropped for want of an edge."""
+    import os
+    import signal
+
+    models = [{"name": "sim", "simulator": {"ttft": 3.0, "tokens_per_second": 200.0,
+                                            "length": LENGTH}}]
+    pipeline = Pipeline(tmp_path, module_nats_url, module_redis_url, workers=2, overrides={
+        "nats": {"subject_prefix": "g" + uuid.uuid4().hex[:6]}, "models": models,
+        "worker": {"ack_wait": 4.0, "fetch_timeout": 1.0}})
+    pipeline.start()
+    other = pipeline.workers[1].pid
+    assert other is not None
+    try:
+        async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=DEV_KEY,
+                                      max_retries=0, timeout=30) as client:
+            os.kill(other, signal.SIGSTOP)  # the job starts on worker 0
+            try:
+                await asyncio.sleep(3.0)  # worker 1's pull requests expire
+                created = await client.responses.create(model="sim", input="bg death",
+                                                        background=True)
+                await asyncio.sleep(1.0)  # in worker 0's prefill
+            finally:
+                os.kill(other, signal.SIGCONT)
+            pipeline.workers[0].kill()
+            done = await _until_done(client, created.id, within=60)
+            foreground = await client.responses.create(model="sim", input="bg death")
+    finally:
+        pipeline.stop()
+    assert done.status == "completed", done
+    assert done.output_text == foreground.output_text
+    assert done.usage is not None
+    assert done.usage.output_tokens == LENGTH

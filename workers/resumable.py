@@ -31,10 +31,14 @@ import asyncio
 import logging
 import time
 
+import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 
+from tidegate.broker import broker
+from tidegate.errors import ProtocolError
 from tidegate.wire import streamlog
-from tidegate.wire.protocol import Error, ErrorInfo, Request
+from tidegate.wire.protocol import Chunk, Done, Error, ErrorInfo, Request
 from workers.backends import Backend
 from workers.job import RESUME_GRACE, Job
 from workers.job_context import JobContext
@@ -105,6 +109,43 @@ class ResumableJob(Job):
         assert self.outbox is not None
         self.outbox.put(self.request.mux, self.request.id, message)
         self._log(message)
+
+    # -- a redelivered job ----------------------------------------------------
+
+    async def _edge_still_waiting(self) -> bool:
+        """A redelivered resumable job runs when its edge confirms, as any job
+        does (``Ack`` seq 0). Without an edge to ask (a background response
+        never has one; a client that left has none either) it runs again when
+        its log holds no output of the dead attempt: every reader then gets
+        the whole stream from this worker (``LogCursor`` follows a second
+        ``Head`` before output). After output it does not: a second run would
+        repeat events readers have, so they end with ``worker_lost`` at this
+        worker's ``Head`` instead."""
+        if not self.request.extra.get("background") and await super()._edge_still_waiting():
+            return True
+        return await self._log_without_output()
+
+    async def _log_without_output(self) -> bool:
+        """Whether this stream's log holds no chunk and no end yet (read
+        entry by entry from its first; False when it cannot be read)."""
+        cfg = self.ctx.config
+        js = broker.jetstream(self.ctx.nc, cfg.nats)
+        stream, seq = streamlog.stream_name(cfg.nats.subjects), 1
+        try:
+            while True:
+                try:
+                    msg = await js.get_msg(stream, seq=seq, subject=self._log_subject,
+                                           next=True)
+                except nats.js.errors.NotFoundError:
+                    return True  # read to its end
+                for entry in streamlog.decode_entry(msg.data or b""):
+                    if isinstance(entry, Chunk | Done | Error):
+                        return False
+                seq = (msg.seq or seq) + 1
+        except (nats.errors.Error, TimeoutError, ProtocolError) as exc:
+            log.warning("job %s: cannot read its log (%s); not run again", self.request.id,
+                        exc)
+            return False
 
     # -- readers -------------------------------------------------------------
 

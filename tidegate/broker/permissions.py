@@ -257,6 +257,9 @@ def access(subjects: Subjects) -> dict[str, Access]:
                          f"{p}.grant.*")))
     worker = (_Grants().bind(*streams)
               .pull(jobs, "*")  # one durable per model (and per replica)
+              # A redelivered resumable job reads its log for output of the
+              # dead attempt (workers.resumable).
+              .get(log)
               .messages(f"{p}.out.>", s.usage_wildcard, s.load_wildcard,
                         streamlog.wildcard(s))
               .watch(s.cancels_bucket).write(s.cancels_bucket)
