@@ -213,7 +213,8 @@ async def test_a_background_response_whose_worker_dies_before_output_runs_again(
                                             "length": LENGTH}}]
     pipeline = Pipeline(tmp_path, module_nats_url, module_redis_url, workers=2, overrides={
         "nats": {"subject_prefix": "g" + uuid.uuid4().hex[:6]}, "models": models,
-        "worker": {"ack_wait": 4.0, "fetch_timeout": 1.0}})
+        "session": {"heartbeat_interval": 1.0, "worker_lost_after": 40},
+        "worker": {"ack_wait": 4.0}})
     pipeline.start()
     other = pipeline.workers[1].pid
     assert other is not None

@@ -145,7 +145,7 @@ async def test_a_line_whose_worker_dies_restarts_on_another_at_once(
                         module_redis_url, workers=2, overrides={
                             "nats": {"subject_prefix": "bd"},
                             "models": models,
-                            "session": {"heartbeat_interval": 1.0, "worker_lost_after": 120},
+                            "session": {"heartbeat_interval": 1.0, "worker_lost_after": 130},
                             "worker": {"ack_wait": 120.0}})
     pipeline.start()
     try:
