@@ -11,9 +11,10 @@ Each variant is ``NAME=tree:PATH`` (a source checkout: its ``tidegate``,
 ``NAME=set:SECTION.KEY=VALUE[,...]`` (tidegate config overrides, as
 ``tidegate bench --set``) or ``NAME=proxy`` (the plain aiohttp proxy of
 scenario e in tidegate's place: the baseline the per-chunk targets are
-ratios against). A round runs every variant once, in the order
-given, each in a process of its own with a fresh stack (fake backend,
-nats-server, redis-server and the three tiers): the direct run and then
+ratios against). A round runs every variant once, in the order given
+on odd rounds and reversed on even ones, each in a process of its own
+with a fresh stack (fake backend, nats-server, redis-server and the three
+tiers): the direct run and then
 tidegate at one concurrency. Single runs on a shared 2-core machine differ
 by a few percent; only a difference that holds in every round means
 something (docs/benchmarks.md reports these pairs).
@@ -144,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name at least one variant")
     for round_ in range(1, args.rounds + 1):
         print(f"round {round_}", flush=True)
-        for variant in variants:
+        # Every other round in reverse: the second run of a round cost 5-15 %
+        # more CPU per chunk than the first, whichever tree it was (two 3-round
+        # runs of the same pair in both orders), so a fixed order biases a pair.
+        for variant in variants if round_ % 2 else variants[::-1]:
             child = subprocess.run(
                 [sys.executable, "-m", "bench.alternate", "--one",
                  "--concurrency", str(args.concurrency), "--window", str(args.window),
