@@ -26,7 +26,7 @@ from edge.endings import worker_lost
 from edge.session import Session
 from tidegate.config import ModelConfig
 from tidegate.wire.delivered import joined_text, sse_events, text_continuable
-from tidegate.wire.protocol import Api, Request
+from tidegate.wire.protocol import DUPLICATE_DELIVERY, Api, Cancel, Request
 
 log = logging.getLogger("tidegate.edge")
 
@@ -246,6 +246,11 @@ async def worker_gone(relay: Relaying, control: str, now: float) -> None:
              "mid-stream" if output else "before output")
     if relay.job_ack:
         try:
+            # Fencing: were the worker only cut off for a while (taken for
+            # dead, yet alive), it drops its copy without a word on hearing
+            # this; the stream is the next worker's now.
+            await relay.ctx.publisher.publish(
+                control, Cancel(relay.request.id, DUPLICATE_DELIVERY).encode())
             await relay.ctx.publisher.publish(relay.job_ack, b"-NAK")
         except Exception as exc:  # redelivery after worker.ack_wait remains
             log.warning("could not hand back the job of %s: %s", relay.request.id, exc)

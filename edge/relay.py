@@ -44,6 +44,7 @@ from tidegate.errors import ApiError, unavailable
 from tidegate.wire import streamlog
 from tidegate.wire.flow import AckPolicy
 from tidegate.wire.protocol import (
+    DUPLICATE_DELIVERY,
     Ack,
     Admission,
     Api,
@@ -379,10 +380,37 @@ class Relay(StreamState):
         if self.control:
             await self.ctx.publisher.publish(self.control, Ack(self.request.id, seq).encode())
 
+    def _worker_lives(self) -> bool:
+        """Whether the worker this stream follows is known alive: the edge's
+        WorkerWatch follows it and has not found it gone. With the probe off
+        nothing tells a live worker from a dead one, and a later Head takes
+        the stream over, as the heartbeat rule alone would have it."""
+        watch = self.ctx.watch
+        return (watch is not None and watch.enabled and bool(self.control)
+                and self.session.worker == self.control)
+
+    async def _cancel_second_delivery(self, head: Head) -> None:
+        """A second worker got this stream's job while the first still runs
+        it (JetStream redelivered it: see ``DUPLICATE_DELIVERY``). The stream
+        stays the first worker's; the second is told to drop its copy, which
+        it does before calling its backend (it waits for this edge's word)."""
+        log.info("request %s: job delivered again (attempt %d) while worker %s still "
+                 "streams it; the copy on %s is cancelled", self.request.id, head.attempt,
+                 self.control, head.control)
+        try:
+            await self.ctx.publisher.publish(
+                head.control, Cancel(self.request.id, DUPLICATE_DELIVERY).encode())
+        except Exception as exc:  # unconfirmed, the copy drops itself at worker.resume_timeout
+            log.warning("could not cancel the second delivery of %s: %s", self.request.id, exc)
+
     async def _on_head(self, head: Head) -> None:
         key = (head.control, head.job_seq, head.attempt)
         if self.phase is Phase.STREAMING and key == self.head_key:
             return  # the same Head again (the worker resent what was not acked)
+        if (self.phase is Phase.STREAMING and head.control != self.control
+                and self._worker_lives()):
+            await self._cancel_second_delivery(head)
+            return
         self.head_key = key
         self.control = head.control  # from now on, cancels go to this worker
         self.job_ack = head.ack if head.ack.startswith("$JS.ACK.") else ""

@@ -37,6 +37,7 @@ from tests.pipeline import (
 )
 from tests.poll import eventually
 from tidegate.broker.liveness import WorkerWatch
+from tidegate.wire.protocol import DUPLICATE_DELIVERY
 
 HEARTBEAT = 1.0
 LOST_AFTER = 40  # heartbeats: 40 s, far above anything these tests wait for
@@ -50,12 +51,12 @@ def backend() -> Iterator[FakeBackend]:
 
 
 def start_pipeline(tmp_path: Path, nats_url: str, redis_url: str, backend: FakeBackend,
-                   workers: int, liveness: float = 0.25) -> Pipeline:
+                   workers: int, liveness: float = 0.25, ack_wait: float = ACK_WAIT) -> Pipeline:
     overrides: dict[str, Any] = {
         "nats": {"subject_prefix": "f" + uuid.uuid4().hex[:8]},
         "session": {"heartbeat_interval": HEARTBEAT, "worker_lost_after": LOST_AFTER,
                     "ack_timeout": 60.0, "liveness_interval": liveness},
-        "worker": {"ack_wait": ACK_WAIT, "shutdown_timeout": 3.0, "resume_timeout": 5.0},
+        "worker": {"ack_wait": ack_wait, "shutdown_timeout": 3.0, "resume_timeout": 5.0},
         "edge": {"shutdown_timeout": 4.0, "slow_client_timeout": 30.0,
                  "request_timeout": 300.0},
         "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
@@ -71,9 +72,9 @@ def pipelines(tmp_path: Path, module_nats_url: str, module_redis_url: str,
               backend: FakeBackend) -> Iterator[Any]:
     started: list[Pipeline] = []
 
-    def start(workers: int = 2, liveness: float = 0.25) -> Pipeline:
+    def start(workers: int = 2, liveness: float = 0.25, ack_wait: float = ACK_WAIT) -> Pipeline:
         p = start_pipeline(tmp_path / f"p{len(started)}", module_nats_url, module_redis_url,
-                           backend, workers, liveness)
+                           backend, workers, liveness, ack_wait)
         started.append(p)
         return p
 
@@ -247,3 +248,115 @@ async def test_a_stopped_worker_is_slow_not_dead(pipelines: Any, backend: FakeBa
     assert events[-1] == "[DONE]", events[-3:]
     assert len(record_for(backend, marker)) == 1
     assert "is gone" not in pipeline.edge.log_path.read_text()
+
+
+def _pid_of_client(peer: str, pids: list[int]) -> int:
+    """Which of ``pids`` holds the TCP client socket whose local end is
+    ``peer`` ("host:port", as the fake backend saw it): from /proc."""
+    port = int(peer.rsplit(":", 1)[1])
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                fields = row.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError(f"no process of {pids} holds the connection from {peer}")
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_stopped_worker_keeps_its_stream_when_its_job_is_delivered_again(
+        pipelines: Any, backend: FakeBackend, workers: int) -> None:
+    """A worker stopped for longer than ``worker.ack_wait`` (a long GC pause,
+    a saturated box; or a NATS node's death, whose JetStream leader change
+    loses the in-progress acks) has its job delivered again while it still
+    holds the stream: to the other worker, whom the edge tells to drop its
+    copy (the probe says the first lives), or to itself once it runs again,
+    which ignores it. Either way the copy runs nothing, and the stream goes on
+    from the first worker, whole, with one backend call. Before, the edge
+    took the second Head for a death and ended the stream with worker_lost."""
+    pipeline = pipelines(workers=workers, ack_wait=2.0)
+    marker = f"dup-{uuid.uuid4().hex}"
+    events: list[str] = []
+    ended: dict[str, float] = {}
+    pids = [w.pid for w in pipeline.workers]
+    assert None not in pids
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.ensure_future(stream(session, pipeline.url,
+                                            body(marker, max_tokens=500, fake_itl=0.01),
+                                            events, ended))
+        await eventually(lambda: len(events) >= 3, 30, "the stream flowing")
+        record = record_for(backend, marker)[0]
+        running = _pid_of_client(record.peer, pids)  # type: ignore[arg-type]
+        first = next(w for w in pipeline.workers if w.pid == running)
+        other = next((w for w in pipeline.workers if w.pid != running), first)
+        told = (f"cancelled: {DUPLICATE_DELIVERY}" if workers == 2
+                else "delivered again (attempt 2) while it runs here")
+        os.kill(running, signal.SIGSTOP)
+        try:
+            if workers == 2:  # the other worker gets the job again once ack_wait passed
+                await eventually(lambda: told in other.log_path.read_text(), 30,
+                                 "the job delivered to the other worker, and cancelled")
+            else:  # past ack_wait: the job is delivered again when it pulls next
+                await asyncio.sleep(3.0)
+            assert not task.done(), events[-1:]
+        finally:
+            os.kill(running, signal.SIGCONT)
+        await eventually(lambda: told in other.log_path.read_text(), 30,
+                         "the job delivered again, and dropped")
+        await asyncio.wait_for(task, 60)
+    assert events[-1] == "[DONE]", events[-3:]
+    assert len(record_for(backend, marker)) == 1, "the second delivery called the backend"
+    chunks = [json.loads(e) for e in events[:-1]]
+    tokens = [c for c in chunks if c.get("choices") and c["choices"][0]["delta"].get("content")]
+    assert len(tokens) == 500, len(tokens)  # none lost, none repeated
+    assert "is gone" not in pipeline.edge.log_path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_second_delivery_leaves_a_resumable_streams_log_whole(
+        pipelines: Any, backend: FakeBackend) -> None:
+    """The same second delivery on a resumable stream: the cancelled copy's
+    Head must not reach the stream log either (a reader of the log takes a
+    second Head after output for the end of the stream, ``worker_lost``). A
+    replay of the whole log after the stream ended reads every event once."""
+    pipeline = pipelines(workers=2, ack_wait=2.0)
+    marker = f"dup-log-{uuid.uuid4().hex}"
+    headers = {"Authorization": f"Bearer {DEV_KEY}", "X-Tidegate-Resumable": "true"}
+    pids = [w.pid for w in pipeline.workers]
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{pipeline.url}/v1/chat/completions", headers=headers,
+                                  json=body(marker, max_tokens=500, fake_itl=0.01))
+        assert resp.headers.get("x-tidegate-resumable") == "true"
+        request_id = resp.headers["x-request-id"]
+        live = asyncio.ensure_future(resp.read())
+        await eventually(lambda: record_for(backend, marker), 30, "the stream started")
+        running = _pid_of_client(record_for(backend, marker)[0].peer, pids)  # type: ignore[arg-type]
+        other = next(w for w in pipeline.workers if w.pid != running)
+        os.kill(running, signal.SIGSTOP)
+        try:
+            await eventually(
+                lambda: f"cancelled: {DUPLICATE_DELIVERY}" in other.log_path.read_text(), 30,
+                "the job delivered to the other worker, and cancelled")
+        finally:
+            os.kill(running, signal.SIGCONT)
+        first = await asyncio.wait_for(live, 60)
+        replay = await session.get(f"{pipeline.url}/v1/streams/{request_id}",
+                                   headers={**headers, "Last-Event-ID": "0"})
+        assert replay.status == 200, await replay.text()
+        whole = await asyncio.wait_for(replay.read(), 60)
+    assert first.rstrip().endswith(b"data: [DONE]"), first[-200:]
+    assert whole.rstrip().endswith(b"data: [DONE]"), whole[-300:]
+    assert b"worker_lost" not in whole
+    assert whole.count(b"\nid: ") + whole.startswith(b"id: ") == first.count(b"id: ")
+    assert len(record_for(backend, marker)) == 1

@@ -25,6 +25,7 @@ from tests.poll import eventually
 from tidegate import config as tgconfig
 from tidegate.errors import BackendError
 from tidegate.wire.protocol import (
+    DUPLICATE_DELIVERY,
     RESERVED_HEADER,
     Api,
     Chunk,
@@ -366,3 +367,31 @@ async def test_redelivered_job_its_edge_confirms_runs() -> None:
     assert kinds(nc) == ["Head", "Chunk", "Chunk", "Done"]
     assert backend.opened == 1
     assert [(r.outcome, r.attempt) for r in nc.usage()] == [("done", 3)]
+
+
+async def test_a_copy_another_owns_the_stream_of_ends_without_a_trace() -> None:
+    """DUPLICATE_DELIVERY, mid-stream (a worker the edge took for dead and
+    handed the job on from) and before the go-ahead (a second delivery while
+    the first copy streams): the backend call closes, nothing more goes to the
+    edge, no usage record, and the message is neither acked nor handed back."""
+    stream = FakeStream(events(2), hang=True)
+    job, msg, nc = make_job(FakeBackend(stream))
+    task = await start(job)
+    await eventually(lambda: kinds(nc).count("Chunk") == 2, 2.0, "two chunks out")
+    job.cancel(DUPLICATE_DELIVERY)
+    await asyncio.wait_for(task, 5)
+    assert kinds(nc)[-1] == "Chunk"
+    assert nc.usage() == []
+    assert set(msg.fate) <= {"in_progress"}, msg.fate
+    assert stream.closed
+
+    backend = FakeBackend(FakeStream(events(2)))
+    copy, msg, nc = make_job(backend, FakeMsg(delivered=2))
+    task = await start(copy)
+    await eventually(lambda: kinds(nc) == ["Head"], 2.0, "Head of the second delivery")
+    copy.cancel(DUPLICATE_DELIVERY)
+    await asyncio.wait_for(task, 5)
+    assert kinds(nc) == ["Head"]
+    assert backend.opened == 0
+    assert nc.usage() == []
+    assert set(msg.fate) <= {"in_progress"}, msg.fate

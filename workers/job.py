@@ -59,6 +59,7 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry import tracing
 from tidegate.wire.flow import SendWindow
 from tidegate.wire.protocol import (
+    DUPLICATE_DELIVERY,
     Continue,
     Done,
     Error,
@@ -327,6 +328,9 @@ class Job:
         if self.span is not None:
             self.span.add_event(tracing.CANCEL_EVENT, {tm.CAUSE: reason})
         if reason == FENCED:  # cut from NATS: nothing would arrive (workers/fencing.py)
+            return
+        if reason == DUPLICATE_DELIVERY:  # its first worker still runs it (wire.protocol)
+            self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: "duplicate"})
             return
         if reason == WORKER_SHUTDOWN and not self.chunks_sent:
             self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: "handed_back"})

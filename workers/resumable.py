@@ -62,6 +62,7 @@ class ResumableJob(Job):
         self._grace_timer: asyncio.TimerHandle | None = None
         self._unbound = False
         self._log_put = self._log
+        self._held_head = b""  # a redelivered copy's Head, logged once the copy runs
         if request.extra.get("background"):
             # A Responses API background request (edge.background): no
             # connection ever reads it; it generates to its end into the log.
@@ -90,7 +91,13 @@ class ResumableJob(Job):
 
     async def _send(self, payload: bytes) -> None:
         await super()._send(payload)
-        self._log(payload)
+        if self.seq == 1 and self.msg.metadata.num_delivered > 1:
+            # A redelivered copy's Head reaches the log only if the copy runs
+            # (_edge_still_waiting): a copy delivered while the first worker
+            # still streams (DUPLICATE_DELIVERY) must not end the log's readers.
+            self._held_head = payload
+        else:
+            self._log(payload)
         if self._unbound:
             self.window.on_ack(self.seq)
 
@@ -121,9 +128,13 @@ class ResumableJob(Job):
         ``Head`` before output). After output it does not: a second run would
         repeat events readers have, so they end with ``worker_lost`` at this
         worker's ``Head`` instead."""
-        if not self.request.extra.get("background") and await super()._edge_still_waiting():
-            return True
-        return await self._log_without_output()
+        runs = ((not self.request.extra.get("background")
+                 and await super()._edge_still_waiting())
+                or await self._log_without_output())
+        held, self._held_head = self._held_head, b""
+        if runs and held:
+            self._log(held)
+        return runs
 
     async def _log_without_output(self) -> bool:
         """Whether this stream's log holds no chunk and no end yet (read

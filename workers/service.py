@@ -227,6 +227,14 @@ class Pool:
         logs.bind(request.id, request.tenant, tracing.trace_id(request.extra))
         metrics = self.ctx.telemetry.metrics
         attempt = msg.metadata.num_delivered
+        running = self.jobs.get(request.id)
+        if (attempt > 1 and running is not None
+                and running.msg.metadata.sequence.stream == msg.metadata.sequence.stream):
+            # Delivered again while it runs here (its in-progress acks were
+            # lost: DUPLICATE_DELIVERY): the running copy keeps it, and acks it.
+            log.info("job %s delivered again (attempt %d) while it runs here; ignored",
+                     request.id, attempt)
+            return
         if attempt > 1:
             metrics.redeliveries.add(1, {tm.MODEL: request.model, tm.TIER: "worker"})
         expired = request.deadline_ms < time.time() * 1000

@@ -460,6 +460,18 @@ class Continue(NamedTuple):
         return _pack(head)
 
 
+# Cancel.reason for a copy of a job that another copy owns the stream of:
+# JetStream delivers a job again when its in-progress acks did not arrive for
+# ``worker.ack_wait`` (a worker stopped that long, or a NATS node's death and
+# the JetStream leader change behind it) although its worker lives; the edge
+# tells the second copy so (edge.relay). And a worker the edge took for dead
+# and handed the job on from is told so, should it be alive after all
+# (edge.continuation). The copy ends without a trace: nothing to the edge, no
+# usage record (the owner's counts the whole response), no ack (the message
+# stays the owner's: its death still redelivers it).
+DUPLICATE_DELIVERY = "duplicate_delivery"
+
+
 class Cancel(NamedTuple):
     """Edge -> worker / dispatcher: the client is gone; stop the work."""
 
