@@ -37,12 +37,15 @@ def continuable(request: Request, model: ModelConfig | None) -> bool:
     """Whether ``request`` can be continued from its delivered text: a model
     with ``failover = "continue"``, a streamed chat, completions or Responses
     request for one choice, without logprobs and without tools (a
-    half-written tool call's arguments cannot be continued as text), not
-    resumable (a background response is)."""
+    half-written tool call's arguments cannot be continued as text). A
+    resumable chat or completions stream continues from its stream log (the
+    next worker reads it; its client resumes there, edge.relay); a resumable
+    Responses stream (a background response is one) does not: its seam
+    (sequence numbers, ids) is not rebuilt from the log."""
     if model is None or model.failover != "continue" or not request.stream:
         return False
-    if request.resumable:
-        return False  # its log's readers cannot splice a second Head yet (wire/streamlog.py)
+    if request.resumable and request.api is Api.RESPONSES:
+        return False
     body = request.body
     if request.api is Api.RESPONSES:
         include = body.get("include")
@@ -200,6 +203,7 @@ class Relaying(Protocol):
     (a protocol, so this module need not import the relay that imports it)."""
 
     last_worker_msg: float
+    handed_back: bool
 
     @property
     def session(self) -> Session: ...
@@ -216,6 +220,8 @@ class Relaying(Protocol):
     @property
     def delivered(self) -> Delivered | None: ...
     @property
+    def continues_in_log(self) -> bool: ...
+    @property
     def job_ack(self) -> str: ...
     @property
     def request(self) -> Request: ...
@@ -229,18 +235,21 @@ async def worker_gone(relay: Relaying, control: str, now: float) -> None:
     ``-NAK`` the job so another worker runs it at once: with no output sent
     to the client yet (a non-streaming body is only collected so far, and is
     dropped), its Head gets the go-ahead (``failover`` "restart" or
-    "continue"); after
-    output, a continuable stream's next Head gets a ``Continue`` with the
-    delivered text. Anything else ends with ``worker_lost`` now rather than
+    "continue"); after output, a continuable stream's next Head gets a
+    ``Continue`` with the delivered text (a resumable stream's, an empty one:
+    the worker continues the text in its log, and the client is sent to
+    resume there). Anything else ends with ``worker_lost`` now rather than
     at the heartbeat limit (and ``failover = "off"`` always does)."""
     relay.session.lost = ""
     if relay.phase != 2 or control != relay.control or relay.upstream_done:
         return  # not streaming (Phase.STREAMING), another worker's, or over
     output = relay.wrote_chunks  # a non-streaming body is collected: the client has none
-    if relay.failover == "off" or (output and (relay.delivered is None or not relay.job_ack)):
+    kept = relay.delivered is not None or relay.continues_in_log
+    if relay.failover == "off" or (output and (not kept or not relay.job_ack)):
         raise worker_lost()
     if relay.delivered is not None:
         relay.delivered.pending = True  # the next worker's Head gets a Continue
+    relay.handed_back = True
     relay.last_worker_msg = now  # the lost-worker limit now waits for the next worker
     log.info("request %s: worker %s died %s; job handed back", relay.request.id, control,
              "mid-stream" if output else "before output")

@@ -99,9 +99,10 @@ class RelayContext:
 class Relay(StreamState):
     """Drives one request. ``run`` returns the response aiohttp should finish."""
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
-    __slots__ = ("acks", "body_parts", "body_size", "control", "ctx", "delivered", "failover",
-                 "head_key", "headers", "high_water", "http", "ids", "job_ack", "request",
-                 "response", "session", "upstream_done", "wrote_chunks")
+    __slots__ = ("acks", "body_parts", "body_size", "continues_in_log", "control", "ctx",
+                 "delivered", "failover", "handed_back", "head_key", "headers", "high_water",
+                 "http", "ids", "job_ack", "request", "response", "session", "upstream_done",
+                 "wrote_chunks")
 
     def __init__(self, http: web.Request, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
@@ -116,8 +117,12 @@ class Relay(StreamState):
         self.job_ack = ""  # the job message's JetStream ack subject (Head.ack)
         model = ctx.models.get(request.model)
         self.failover = model.failover if model is not None else "restart"
-        # failover = "continue": what the client got, for the next worker.
-        self.delivered = Delivered(request.api) if continuable(request, model) else None
+        # failover = "continue": what the client got, for the next worker; a
+        # resumable stream's is in its log, where the next worker reads it.
+        can = continuable(request, model)
+        self.delivered = Delivered(request.api) if can and not request.resumable else None
+        self.continues_in_log = can and request.resumable
+        self.handed_back = False  # its worker died: the job is the next worker's
         self.acks = AckPolicy(request.window_bytes, request.window_msgs)
         self.head_key: tuple[str, int, int] | None = None
         self.wrote_chunks = False
@@ -420,6 +425,14 @@ class Relay(StreamState):
             go = Ack(self.request.id, 0).encode()
             if self.body_size and self.failover != "off":
                 self.body_parts, self.body_size = [], 0  # none of it reached the client
+            if self.wrote_chunks and self.continues_in_log and self.handed_back:
+                # The next worker continues the stream in its log; the client
+                # resumes there (from the last event it got), told to now.
+                log.info("request %s continues on another worker (attempt %d); its client "
+                         "resumes from the stream log", self.request.id, head.attempt)
+                await self.ctx.publisher.publish(head.control,
+                                                 Continue(self.request.id, "", 0).encode())
+                raise Reconnect()
             if self.wrote_chunks or self.body_size:
                 # Redelivered after output reached the client: only a
                 # continuation of the delivered text may follow it; otherwise

@@ -55,7 +55,9 @@ def test_what_can_be_continued() -> None:
         assert not continuable(kept, on), kept.body
     assert continuable(dataclasses.replace(request(), body=deciding_fields(request().body)), on)
     assert continuable(request(Api.RESPONSES), on)  # tests/test_continuation_apis.py
-    assert not continuable(dataclasses.replace(request(), resumable=True), on)
+    # A resumable one continues in its stream log; a resumable Responses stream does not.
+    assert continuable(dataclasses.replace(request(), resumable=True), on)
+    assert not continuable(dataclasses.replace(request(Api.RESPONSES), resumable=True), on)
     assert not continuable(dataclasses.replace(request(), stream=False), on)
 
 
@@ -283,3 +285,70 @@ async def test_a_stream_that_cannot_be_continued_ends_with_worker_lost(
         error = json.loads(end.removeprefix(b"data: "))["error"]
         assert (error["code"], error["retryable"]) == ("worker_lost", True), error
     assert "continued on another worker" not in pipeline.logs()
+
+
+RESUMABLE = {"Authorization": f"Bearer {DEV_KEY}", "X-Tidegate-Resumable": "true"}
+
+
+def _blocks(raw: bytes) -> list[bytes]:
+    """The SSE blocks of ``raw``, without ``: ping`` and the ``retry:`` field
+    (each response, a resume's too, opens with one)."""
+    raw = re.sub(rb"(?m)^retry: \d+\n", b"", raw.replace(b": ping\n\n", b""))
+    return [b for b in raw.split(b"\n\n") if b.strip()]
+
+
+async def _resumable(session: aiohttp.ClientSession, url: str, text: str,
+                     out: dict[str, Any]) -> None:
+    """A resumable stream read as a client that follows ``event: reconnect``:
+    its event blocks (``id:`` lines included), in order, every part's, and
+    how many times it resumed."""
+    resp = await session.post(f"{url}/v1/chat/completions", headers=RESUMABLE, json={
+        "model": "tidegate-sim", "stream": True,
+        "messages": [{"role": "user", "content": text}]})
+    assert resp.status == 200, await resp.text()
+    rid = resp.headers["x-request-id"]
+    got, resumes = _blocks(await resp.read()), 0
+    while got[-1].startswith(b"event: reconnect"):
+        last = json.loads(got.pop().split(b"data: ", 1)[1])["last_event_id"]
+        resumes += 1
+        assert resumes < 5, got[-3:]
+        async with session.get(f"{url}/v1/streams/{rid}",
+                               headers={**RESUMABLE, "Last-Event-ID": str(last)}) as again:
+            assert again.status == 200, await again.text()
+            got += _blocks(await again.read())
+    out[text] = (rid, got, resumes)
+
+
+def _data(blocks: list[bytes]) -> bytes:
+    """The events' data lines, normalized (see :func:`normalized`)."""
+    return normalized(b"\n".join(line for b in blocks for line in b.split(b"\n")
+                                 if line.startswith(b"data: ")))
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_resumable_stream_continues_in_its_log_and_its_client_resumes_there(
+        pipeline: Pipeline) -> None:
+    """Resumable streams (their log is where every reader reads) whose worker
+    is SIGKILLed mid-stream: the next worker reads the log and continues its
+    text there; the edge sends its client to resume from the last event it
+    got. What the client reads across the seam is byte-exact against an
+    uninterrupted run, its event ids run 1, 2, 3, ... without a repeat, and a
+    replay of the whole log reads the same."""
+    texts = [f"resumable-{i}-{uuid.uuid4().hex}" for i in range(12)]
+    got, whole = await killed_then_whole(pipeline, lambda session, out: [
+        _resumable(session, pipeline.url, t, out) for t in texts])
+    continued = [t for t in texts if got[t][2]]
+    assert continued, "no stream ran on the killed worker"
+    assert pipeline.logs().count("continues its stream log") >= len(continued)
+    async with aiohttp.ClientSession() as session:
+        for t in texts:
+            rid, blocks, _ = got[t]
+            assert blocks[-1] == b"data: [DONE]", blocks[-3:]
+            assert _data(blocks) == _data(whole[t][1]), t
+            ids = [int(line[4:]) for b in blocks for line in b.split(b"\n")
+                   if line.startswith(b"id: ")]
+            assert ids == list(range(1, len(ids) + 1)), ids
+            async with session.get(f"{pipeline.url}/v1/streams/{rid}",
+                                   headers={**RESUMABLE, "Last-Event-ID": "0"}) as replay:
+                assert _blocks(await replay.read()) == blocks, t

@@ -139,11 +139,12 @@ def test_cursor_gap_redelivery_duplicates_and_errors() -> None:
     assert c.ended
     assert c.feed(Chunk(5, b"x")) == []
 
-    c = LogCursor()
-    feed_all(c, [OPEN, Head(1, "w1"), Chunk(2, b"data: a\n\n")])
-    (end,) = c.feed(Head(1, "w2"))  # redelivered after output: cannot be spliced
-    assert isinstance(end, LogEnd)
-    assert end.error == streamlog.WORKER_LOST
+    c = LogCursor(after=1)  # continued after output: its seqs start again, ids go on
+    assert feed_all(c, [OPEN, Head(1, "w1"), Chunk(2, b"data: a\n\n"), Chunk(3, b"data: b\n\n"),
+                        Head(1, "w2"), Chunk(2, b"data: c\n\n"), Done(3, 1, 3, "stop")]) == [
+        LogEvent(2, b"data: b\n\n"), LogEvent(3, b"data: c\n\n"),
+        LogEnd(done=Done(3, 1, 3, "stop"))]
+    assert (c.control, c.output, c.ended) == ("w2", True, True)
 
     c = LogCursor()
     assert feed_all(c, [OPEN, Head(1, "w1"), Head(1, "w2"), Chunk(2, b"data: a\n\n")]) == [

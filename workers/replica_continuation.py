@@ -60,8 +60,8 @@ def continuable(request: Request, failover: str) -> bool:
     """Whether ``request``'s stream can go on from its sent text on another
     replica: a model whose ``failover`` is "continue" and a request of plain
     text (``tidegate.wire.delivered.text_continuable``, the edge's rules for
-    chat and completions)."""
-    return failover == "continue" and text_continuable(request)
+    chat and completions), not resumable (not tried with its stream log)."""
+    return failover == "continue" and not request.resumable and text_continuable(request)
 
 
 class Sent:

@@ -38,8 +38,11 @@ from nats.aio.msg import Msg
 from tidegate.broker import broker
 from tidegate.errors import ProtocolError
 from tidegate.wire import streamlog
-from tidegate.wire.protocol import Chunk, Done, Error, ErrorInfo, Request
+from tidegate.wire.delivered import joined_text, sse_events, text_continuable
+from tidegate.wire.protocol import Continue, Error, ErrorInfo, Request
+from tidegate.wire.streamlog import LogCursor, LogEvent
 from workers.backends import Backend
+from workers.continuation import continued
 from workers.job import RESUME_GRACE, Job
 from workers.job_context import JobContext
 
@@ -63,6 +66,7 @@ class ResumableJob(Job):
         self._unbound = False
         self._log_put = self._log
         self._held_head = b""  # a redelivered copy's Head, logged once the copy runs
+        self._from_log = False  # the edge's go-ahead to continue the log (a Continue)
         if request.extra.get("background"):
             # A Responses API background request (edge.background): no
             # connection ever reads it; it generates to its end into the log.
@@ -119,44 +123,89 @@ class ResumableJob(Job):
 
     # -- a redelivered job ----------------------------------------------------
 
+    def on_continue(self, go: Continue) -> None:
+        """The edge's go-ahead after output: continue the stream. The text to
+        continue is the log's (:meth:`_edge_still_waiting`), which every reader
+        shares, not the edge's (whose client is sent to resume from the log)."""
+        if not self._edge_confirmed.is_set():
+            self._from_log = True
+        self.on_ack(0)
+
     async def _edge_still_waiting(self) -> bool:
-        """A redelivered resumable job runs when its edge confirms, as any job
-        does (``Ack`` seq 0). Without an edge to ask (a background response
-        never has one; a client that left has none either) it runs again when
-        its log holds no output of the dead attempt: every reader then gets
-        the whole stream from this worker (``LogCursor`` follows a second
-        ``Head`` before output). After output it does not: a second run would
-        repeat events readers have, so they end with ``worker_lost`` at this
-        worker's ``Head`` instead."""
-        runs = ((not self.request.extra.get("background")
-                 and await super()._edge_still_waiting())
-                or await self._log_without_output())
+        """Whether this redelivered copy runs, from its edge's word and its log.
+
+        The edge's word comes first (a background response has no edge): a
+        ``Cancel`` (the first copy lives: ``DUPLICATE_DELIVERY``) ends this
+        task inside the wait; ``Ack`` seq 0 or no word within
+        ``worker.resume_timeout`` (its client left) leave it to the log:
+
+        * no output of the dead attempt: it runs again, and every reader gets
+          the whole stream from this worker (``LogCursor`` follows a second
+          ``Head`` before output);
+        * output, and the edge's ``Continue`` (``failover = "continue"``, a
+          continuable request): it continues the text of the log's events,
+          which every reader has or will read (a second ``Head`` after output
+          is a continuation to ``LogCursor``);
+        * output otherwise, or an end, or a log it cannot read: it does not
+          run (a second run would repeat events readers have); readers end
+          with ``worker_lost`` at their silence limit, the edge's client at
+          once (edge.relay).
+
+        Its ``Head`` reaches the log only if it runs."""
+        if not self.request.extra.get("background"):
+            await super()._edge_still_waiting()
+        read = await self._read_log()
+        runs = False
+        if read is not None and not read[0].ended:
+            cursor, events = read
+            runs = not cursor.output or (self._from_log and self._continue_log(events))
         held, self._held_head = self._held_head, b""
         if runs and held:
             self._log(held)
         return runs
 
-    async def _log_without_output(self) -> bool:
-        """Whether this stream's log holds no chunk and no end yet (read
-        entry by entry from its first; False when it cannot be read)."""
+    def _continue_log(self, events: list[bytes]) -> bool:
+        """Continue the text of ``events`` (the log's, in order) if this
+        request may be (see workers.continuation); False if not."""
+        request = self.request
+        model = self.ctx.config.model_index().get(request.model)
+        if model is None or model.failover != "continue" or not text_continuable(request):
+            return False
+        parsed = sse_events(events)
+        got = None if parsed is None else joined_text(request.api, parsed)
+        if parsed is None or got is None:
+            return False
+        first = parsed[0].get("id") if parsed else None
+        go = Continue(request.id, got[0], got[1], 0, first if isinstance(first, str) else "")
+        self._origin = (request, go.text, go.tokens)
+        self.request, self.continued = continued(request, go.text, go.tokens), go
+        log.info("job %s continues its stream log after %d events", request.id, len(events))
+        self.on_detach("")  # its client resumes from the log, as a reader
+        return True
+
+    async def _read_log(self) -> tuple[LogCursor, list[bytes]] | None:
+        """This stream's log read to its end so far (entry by entry from its
+        first): the cursor over it and its events' bytes; None when it cannot
+        be read."""
         cfg = self.ctx.config
         js = broker.jetstream(self.ctx.nc, cfg.nats)
         stream, seq = streamlog.stream_name(cfg.nats.subjects), 1
+        cursor, events = LogCursor(), []
         try:
-            while True:
+            while not cursor.ended:
                 try:
                     msg = await js.get_msg(stream, seq=seq, subject=self._log_subject,
                                            next=True)
                 except nats.js.errors.NotFoundError:
-                    return True  # read to its end
+                    break  # read to its end
                 for entry in streamlog.decode_entry(msg.data or b""):
-                    if isinstance(entry, Chunk | Done | Error):
-                        return False
+                    events += [i.data for i in cursor.feed(entry) if isinstance(i, LogEvent)]
                 seq = (msg.seq or seq) + 1
         except (nats.errors.Error, TimeoutError, ProtocolError) as exc:
             log.warning("job %s: cannot read its log (%s); not run again", self.request.id,
                         exc)
-            return False
+            return None
+        return cursor, events
 
     # -- readers -------------------------------------------------------------
 

@@ -25,9 +25,9 @@ def text_continuable(request: Request) -> bool:
     """A streamed chat or completions request whose output is one choice of
     plain text: no ``n`` > 1, no logprobs, no tools (a half-written tool
     call's arguments cannot be continued as text), no ``echo`` (the text
-    would hold the prompt), not resumable (its log's readers cannot splice a
-    second worker yet)."""
-    if not request.stream or request.resumable or request.api not in (Api.CHAT, Api.COMPLETIONS):
+    would hold the prompt). A resumable one continues from its stream log
+    (workers/resumable.py), a plain one from what its edge delivered."""
+    if not request.stream or request.api not in (Api.CHAT, Api.COMPLETIONS):
         return False
     body = request.body
     n = body.get("n")

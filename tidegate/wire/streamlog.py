@@ -191,9 +191,12 @@ class LogCursor:
     the events after ``after``, then one :class:`LogEnd`.
 
     It applies the relay's rules to the log: sequence numbers must follow
-    each other (a gap ends the stream with ``stream_gap``), and a second
-    ``Head`` after output (the job redelivered after its worker died) ends it
-    with ``worker_lost``, since two generations cannot be spliced.
+    each other (a gap ends the stream with ``stream_gap``). A second ``Head``
+    is the job redelivered after its worker died: before output it restarts
+    the stream; after output it continues it (``failover = "continue"``: the
+    next worker read this log, asks its backend to continue the text of its
+    events, and logs its ``Head`` only once it does, workers/resumable.py),
+    so its seqs start again and the event ids go on.
     """
 
     __slots__ = ("_after", "_expected", "_output", "control", "ended", "ids", "open")
@@ -217,8 +220,6 @@ class LogCursor:
             return []
         if kind is Head:
             assert isinstance(entry, Head)
-            if self._output:
-                return self._end(LogEnd(error=WORKER_LOST))
             self.control = entry.control
             self._expected = entry.seq + 1
             return []
@@ -246,6 +247,16 @@ class LogCursor:
             assert isinstance(entry, Error)
             return self._end(LogEnd(error=entry.error))
         return []
+
+    @property
+    def output(self) -> bool:
+        """Whether the stream has had an event yet."""
+        return self._output
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the log's next message takes (0: no Head yet)."""
+        return self._expected
 
     def fail(self, error: ErrorInfo) -> list[LogItem]:
         """End the stream from the reader's side (its silence limits)."""
