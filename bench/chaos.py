@@ -82,7 +82,8 @@ async def expected_text(config: Config, prompt: str, max_tokens: int) -> str:
     from workers.backends.simulator import SimulatorBackend
 
     model = config.models[0]
-    fast = type(model.simulator)(ttft=0.0, tokens_per_second=1e6, length=model.simulator.length)
+    fast = type(model.simulator)(ttft=0.0, tokens_per_second=1e6, length=model.simulator.length,
+                                 deterministic=model.simulator.deterministic)
     backend = SimulatorBackend(type(model)(name=model.name, simulator=fast))
     request = Request(id="expected", reply="-", model=model.name, api=Api.CHAT, stream=False,
                       body={"model": model.name, "max_tokens": max_tokens,
@@ -133,14 +134,23 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
         error (``out`` says which) or a normal end without either."""
         nonlocal last, last_id
         event_id = 0
+        reconnect = False
         async for line in resp.content:
             if not line.endswith(b"\n"):  # cut short: the connection was lost
                 raise ConnectionResetError("the body ended inside a line")
             if line.startswith(b"id:"):
                 event_id = int(line[3:].strip() or 0)
                 continue
+            if line.startswith(b"event: reconnect"):
+                # The edge sends its client elsewhere (its worker died and the
+                # stream goes on in its log, or the edge drains): resume.
+                reconnect = True
+                continue
             if not line.startswith(b"data: "):
                 continue
+            if reconnect:
+                last_id = int(json.loads(line[6:])["last_event_id"])
+                raise _Reconnect
             if event_id:
                 last_id = event_id
             now = time.monotonic()
@@ -195,6 +205,8 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
                     return finish(await consume(resp))
             except _Ended:
                 return finish(False)  # a proper end without [DONE]: never resumed over
+            except _Reconnect:
+                pass
             except (aiohttp.ClientError, ConnectionError):
                 if not (resume and out.accepted and request_id):
                     raise
@@ -210,6 +222,8 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
                                 return finish(await consume(resp))
                             except _Ended:
                                 return finish(False)
+                            except _Reconnect:
+                                continue
                         await resp.read()
                         if resp.status == 404:  # the log lost it: a real failure
                             out.kind, out.code = "clean_error", "stream_not_found"
@@ -228,6 +242,10 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
 
 class _Ended(Exception):
     """A response body ended without [DONE] or an error event."""
+
+
+class _Reconnect(Exception):
+    """The response ended with ``event: reconnect``: resume from ``last_id``."""
 
 
 @dataclass(slots=True)
@@ -271,6 +289,9 @@ def summarize(outcomes: list[Outcome], since: float = 0.0) -> dict[str, Any]:
     chosen = [o for o in outcomes if o.started >= since]
     ttfts = sorted(o.ttft for o in chosen if o.ttft is not None)
     stalls = sorted(o.max_stall for o in chosen if o.kind == "complete")
+    # The longest pause of each stream that resumed (an edge's death, or its
+    # worker's: the seam), TTFT included as the pause before the first event.
+    seams = sorted(o.max_stall for o in chosen if o.kind == "complete" and o.resumes)
 
     def pct(values: list[float], p: float) -> float | None:
         return round(values[min(len(values) - 1, int(p * len(values)))], 4) if values else None
@@ -290,6 +311,8 @@ def summarize(outcomes: list[Outcome], since: float = 0.0) -> dict[str, Any]:
         # Resumable streams carried over a lost connection (any edge).
         "resumed_streams": sum(1 for o in chosen if o.resumes),
         "resumed_complete": sum(1 for o in chosen if o.resumes and o.kind == "complete"),
+        "resumed_stall_p50": pct(seams, 0.5), "resumed_stall_p99": pct(seams, 0.99),
+        "resumed_stall_max": seams[-1] if seams else None,
     }
 
 
@@ -302,13 +325,19 @@ class Fleet:
     """3 NATS nodes, Redis, and N edges / dispatchers / workers as processes."""
 
     def __init__(self, workdir: Path, edges: int = 2, dispatchers: int = 2, workers: int = 2,
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None, backends: int = 0) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.nats = NatsCluster(workdir / "nats")
         self.redis = RedisServer(workdir / "redis")
         self.redis.name = "redis"
         self.port = free_port()
+        # With ``backends``: the model is served by that many replicas of the
+        # bench's fake OpenAI server, each a process of its own, in its
+        # deterministic mode (the simulator's text, from the same
+        # workers.backends.greedy), instead of the in-worker simulator.
+        self.backend_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(backends)]
+        self.backends = [self._backend(i, url) for i, url in enumerate(self.backend_urls)]
         raw: dict[str, Any] = {
             "nats": {"url": self.nats.url},
             "redis": {"url": self.redis.url},
@@ -321,10 +350,17 @@ class Fleet:
             "session": {"heartbeat_interval": 2.0},
             "dispatcher": {"ack_wait": 2.0},
             "worker": {"ack_wait": 3.0, "shutdown_timeout": 5.0},
-            "models": [{"name": MODEL, "max_streams": 64,
+            # failover = "continue": a stream whose worker dies goes on on
+            # another one (docs/resume.md, "Continuation"); the deterministic
+            # simulator continues a delivered prefix as a greedy model would,
+            # so the continued text must still be exactly the expected one.
+            "models": [{"name": MODEL, "max_streams": 64, "failover": "continue",
                         "simulator": {"ttft": 0.02, "tokens_per_second": 200.0,
-                                      "length": 32}}],
+                                      "length": 32, "deterministic": True}}],
         }
+        if self.backends:
+            raw["models"][0].update(backend="openai",
+                                    base_urls=[f"{u}/v1" for u in self.backend_urls])
         for section, values in (overrides or {}).items():
             raw.setdefault(section, {}).update(values)
         self.config = tgconfig.from_dict(raw)
@@ -341,6 +377,15 @@ class Fleet:
             "edge": [self._tier("edge", i) for i in range(edges)],
         }
 
+    def _backend(self, i: int, url: str) -> ManagedProcess:
+        return ManagedProcess(
+            f"backend-{i + 1}",
+            [sys.executable, "-m", "bench.fake_backend", "--port", url.rsplit(":", 1)[1],
+             "--deterministic", "--ttft", "0.02", "--itl", "0.005", "--tokens", "32",
+             "--model", MODEL],
+            self.workdir / "logs" / f"backend-{i + 1}.log", start_timeout=60.0,
+            ready=lambda: http_ok(f"{url}/v1/models"))
+
     def _tier(self, tier: str, i: int) -> ManagedProcess:
         name = f"{tier}-{i + 1}"
         return ManagedProcess(name, [sys.executable, "-m", "tidegate", tier, "--config",
@@ -356,12 +401,17 @@ class Fleet:
             return list(self.nats.nodes)
         if kind == "redis":
             return [self.redis]
+        if kind == "backend":
+            return self.backends
         return self.tiers[kind]
 
     def start(self, timeout: float = 90.0) -> None:
         try:
             self.nats.start()
             self.redis.start()
+            for b in self.backends:
+                b.spawn()
+                b.wait_ready(60.0)
             for procs in self.tiers.values():
                 for p in procs:
                     p.spawn()
@@ -377,7 +427,8 @@ class Fleet:
             self.stop()
             raise
         for p in self.all():
-            self.supervisor.add(p, server=p in self.nats.nodes or p is self.redis)
+            self.supervisor.add(p, server=p in self.nats.nodes or p is self.redis
+                                or p in self.backends)
 
     def supervise(self, stop: threading.Event) -> None:
         """Restart dead processes until ``stop`` (run in a thread)."""
@@ -390,11 +441,12 @@ class Fleet:
         return {name: s.restarts for name, s in self.supervisor.states.items() if s.restarts}
 
     def all(self) -> list[ManagedProcess]:
-        return [*self.nats.nodes, self.redis, *(p for ps in self.tiers.values() for p in ps)]
+        return [*self.nats.nodes, self.redis, *self.backends,
+                *(p for ps in self.tiers.values() for p in ps)]
 
     def stop(self) -> None:
         stop_all([p for ps in reversed(list(self.tiers.values())) for p in ps], 15.0)
-        stop_all([self.redis], 10.0)
+        stop_all([self.redis, *self.backends], 10.0)
         self.nats.stop()
 
 
@@ -447,9 +499,13 @@ async def killer(fleet: Fleet, stop: asyncio.Event, rng: random.Random, t0: floa
 
 async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, seed: int = 1,
                 interval: tuple[float, float] = (3.0, 6.0),
-                kinds: tuple[str, ...] = KINDS, resume: bool = True) -> dict[str, Any]:
-    """Run the fleet, the load and the killer; the report."""
-    fleet = Fleet(workdir)
+                kinds: tuple[str, ...] | None = None, resume: bool = True,
+                backends: int = 0) -> dict[str, Any]:
+    """Run the fleet, the load and the killer; the report. ``kinds``: every
+    kind of the fleet by default (``backend`` with ``backends``)."""
+    fleet = Fleet(workdir, backends=backends)
+    if kinds is None:
+        kinds = (*KINDS, "backend") if backends else KINDS
     await asyncio.to_thread(fleet.start)
     stop_supervisor = threading.Event()
     supervisor = asyncio.create_task(asyncio.to_thread(fleet.supervise, stop_supervisor))
@@ -474,6 +530,7 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
     report = summarize(load.outcomes)
     restarts = fleet.restarts()
     report.update(duration_s=duration, concurrency=concurrency, seed=seed, resume=resume,
+                  backends=backends,
                   kills=[asdict(k) for k in kills],
                   kills_by_kind=dict(Counter(k.kind for k in kills)),
                   restarts=restarts,
@@ -483,11 +540,11 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
 
 
 def run(duration: float, concurrency: int, seed: int, out: Path | None,
-        workdir: Path | None = None, resume: bool = True) -> int:
+        workdir: Path | None = None, resume: bool = True, backends: int = 0) -> int:
     """``tidegate chaos``: print (and write) the report; exit 1 on a silent loss or hang."""
     with tempfile.TemporaryDirectory(prefix="tidegate-chaos-") as tmp:
         report = asyncio.run(chaos(workdir or Path(tmp), duration, concurrency, seed,
-                                   resume=resume))
+                                   resume=resume, backends=backends))
     text = json.dumps(report, indent=2)
     print(text)
     if out is not None:

@@ -377,7 +377,7 @@ async def wait_log(process: ManagedProcess, text: str, within: float = 30.0) -> 
 
 async def stream(session: aiohttp.ClientSession, url: str, model: str, text: str, *,
                  usage: bool = False, progress: dict[str, int] | None = None,
-                 **body: Any) -> tuple[bytes, float]:
+                 headers: dict[str, str] | None = None, **body: Any) -> tuple[bytes, float]:
     """The stream's raw bytes (``: ping`` comments left out: the edge writes
     one when a pause outlasts a heartbeat, on any stream) and its longest
     pause between two reads after the first. ``progress[text]``: the events
@@ -389,7 +389,8 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, text: str
     if usage:
         payload["stream_options"] = {"include_usage": True}
     async with session.post(f"{url}/v1/chat/completions", json=payload,
-                            headers={"Authorization": f"Bearer {DEV_KEY}"}) as resp:
+                            headers={"Authorization": f"Bearer {DEV_KEY}",
+                                     **(headers or {})}) as resp:
         assert resp.status == 200, await resp.text()
         last = time.monotonic()
         async for chunk in resp.content.iter_any():

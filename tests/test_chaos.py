@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -78,10 +79,15 @@ async def test_every_outcome_is_told_apart(mode: str, kind: str, code: str | Non
         assert out.max_stall >= 0
 
 
-def _resumable_app(replay_from: int | None = None) -> tuple[web.Application, list[str]]:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _resumable_app(replay_from: int | None = None,
+                   first: Handler | None = None) -> tuple[web.Application, list[str]]:
     """A resumable stream of two events (ids 1, 2) whose connection drops
-    after event 1; ``GET /v1/streams/{id}`` replays from ``Last-Event-ID``
-    (or from ``replay_from``: a server that replays an event twice)."""
+    after event 1 (or ``first`` answers the POST); ``GET /v1/streams/{id}``
+    replays from ``Last-Event-ID`` (or from ``replay_from``: a server that
+    replays an event twice)."""
     events = [_chunk("hello "), _chunk("there")]
     seen: list[str] = []
 
@@ -109,7 +115,7 @@ def _resumable_app(replay_from: int | None = None) -> tuple[web.Application, lis
         return resp
 
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", post)
+    app.router.add_post("/v1/chat/completions", first or post)
     app.router.add_get("/v1/streams/{rid}", get)
     return app, seen
 
@@ -133,6 +139,26 @@ async def test_a_resume_that_repeats_an_event_is_caught_as_truncated() -> None:
                                       resume=True)
     assert out.kind == "truncated", out
     assert out.code.startswith("[DONE] after 17/11"), out
+
+
+async def test_a_reconnect_event_is_followed_from_its_last_event_id() -> None:
+    """The edge sends a resumable client elsewhere with ``event: reconnect``
+    (its worker died and the stream goes on in its log): the client resumes
+    after the ``last_event_id`` the event names, not after the last id read."""
+    async def post(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "x-request-id": "r-2"})
+        await resp.prepare(request)
+        await resp.write(b"id: 1\n" + _chunk("hello ") + b'event: reconnect\ndata: '
+                         b'{"resume_url": "/v1/streams/r-2", "last_event_id": 1}\n\n')
+        return resp
+
+    app, seen = _resumable_app(first=post)
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        out = await chaos.stream_once(session, url, "x", 8, EXPECTED, hang_after=5.0,
+                                      resume=True)
+    assert (out.kind, out.resumes) == ("complete", 1), out
+    assert seen == ["r-2@1"]
 
 
 def test_summary_counts_kinds_codes_and_percentiles() -> None:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -32,7 +33,7 @@ import aiohttp
 import pytest
 
 from bench.fake_backend import FakeBackend, FakeConfig
-from tests.pipeline import Pipeline, stream, threaded_fake_backend, wait_for
+from tests.pipeline import DEV_KEY, Pipeline, stream, threaded_fake_backend, wait_for
 from tidegate.run.servers import free_port, http_ok
 
 MODEL = "two"
@@ -147,6 +148,46 @@ async def test_a_replica_failing_after_5_tokens_costs_no_stream_a_byte(
         raw, _ = await stream(session, pipeline.url, MODEL, f"lp-{uuid.uuid4().hex}",
                               logprobs=True, fake_fail_after=6)
         assert_error_end(raw)
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+@pytest.mark.parametrize("failing", ["drop"], indirect=True)
+async def test_a_resumable_stream_goes_on_on_the_other_replica_and_in_its_log(
+        pipeline: Pipeline, failing: tuple[FakeBackend, FakeBackend]) -> None:
+    """Resumable streams through the replica that breaks after 5 tokens: the
+    same job goes on on the other replica, so the client's stream and its
+    log (a replay from event 0) read as one, byte-exact against an
+    uninterrupted run once the event ids are set aside."""
+    a, _ = failing
+    texts = [f"resumable-{i}-{uuid.uuid4().hex}" for i in range(10)]
+    resumable = {"X-Tidegate-Resumable": "true"}
+    async with aiohttp.ClientSession() as session:
+        rids: dict[str, str] = {}
+
+        async def one(text: str) -> bytes:
+            async with session.post(f"{pipeline.url}/v1/chat/completions", json={
+                    "model": MODEL, "stream": True,
+                    "messages": [{"role": "user", "content": text}]},
+                    headers={"Authorization": f"Bearer {DEV_KEY}", **resumable}) as resp:
+                assert resp.status == 200, await resp.text()
+                rids[text] = resp.headers["x-request-id"]
+                return await resp.read()
+
+        got = await asyncio.wait_for(asyncio.gather(*(one(t) for t in texts)), 120)
+        assert [r for r in a.records if r.dropped], "no stream met the failing replica"
+        whole = await asyncio.wait_for(asyncio.gather(*(
+            stream(session, pipeline.url, "whole", t) for t in texts)), 120)
+        for text, raw, (expected, _) in zip(texts, got, whole, strict=True):
+            async with session.get(f"{pipeline.url}/v1/streams/{rids[text]}", headers={
+                    "Authorization": f"Bearer {DEV_KEY}", "Last-Event-ID": "0"}) as replay:
+                assert await replay.read() == raw, text
+            assert _without_ids(raw) == expected, text
+
+
+def _without_ids(raw: bytes) -> bytes:
+    """A resumable stream as a plain one reads: no ``id:``, ``retry:`` lines."""
+    return re.sub(rb"(?m)^(id|retry): \d+\n", b"", raw.replace(b": ping\n\n", b""))
 
 
 def assert_error_end(raw: bytes) -> None:

@@ -60,8 +60,9 @@ def continuable(request: Request, failover: str) -> bool:
     """Whether ``request``'s stream can go on from its sent text on another
     replica: a model whose ``failover`` is "continue" and a request of plain
     text (``tidegate.wire.delivered.text_continuable``, the edge's rules for
-    chat and completions), not resumable (not tried with its stream log)."""
-    return failover == "continue" and not request.resumable and text_continuable(request)
+    chat and completions). A resumable one too: the same job goes on, its
+    seqs too, so its stream log reads as one stream."""
+    return failover == "continue" and text_continuable(request)
 
 
 class Sent:

@@ -162,14 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Runs 3 NATS nodes (R3 streams), Redis, 2 edges (one port), 2 dispatchers "
                     "and 2 workers on this machine, streams chat completions through them and "
                     "SIGKILLs a random process of a random kind every few seconds (restarting "
-                    "it). Prints every request's class (complete, clean error, connection "
-                    "lost, silent truncation, hang); exit 1 on any truncation or hang.")
+                    "it; with --backends, backend replicas too). Prints every request's class "
+                    "(complete, clean error, connection lost, silent truncation, hang); exit 1 "
+                    "on any truncation or hang.")
     chaos.add_argument("--duration", type=float, default=60.0, metavar="SECONDS",
                        help="how long the load and the kills run (default: 60)")
     chaos.add_argument("--concurrency", type=int, default=8, metavar="N",
                        help="streaming clients (default: 8)")
     chaos.add_argument("--seed", type=int, default=1, help="seed of the kill schedule")
     chaos.add_argument("--out", metavar="FILE", help="also write the JSON report here")
+    chaos.add_argument("--backends", type=int, default=0, metavar="N",
+                       help="serve the model from N replicas of the bench's fake OpenAI "
+                            "server (processes, killed too) instead of the in-worker "
+                            "simulator (default: 0)")
     chaos.add_argument("--no-resume", action="store_true",
                        help="plain streams: a lost connection ends the request (default: "
                             "resumable streams, resumed on any edge after a lost connection)")
