@@ -340,6 +340,11 @@ class Relay(StreamState):
                 self.advance(Status)
                 if m.admission is Admission.QUEUED and m.position and self.request.stream:
                     await self._write(self._queue_note(m.position))
+                elif self.ids is not None and self.response is None and self.request.stream:
+                    # A resumable stream's 200 and request id go out once it
+                    # is admitted (quota passed): a client whose edge dies
+                    # before the first token can then resume it elsewhere.
+                    await self._start_stream()
 
         if self.gap_since:
             await self._ask_retransmit(now)

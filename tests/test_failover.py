@@ -51,10 +51,11 @@ def backend() -> Iterator[FakeBackend]:
 
 
 def start_pipeline(tmp_path: Path, nats_url: str, redis_url: str, backend: FakeBackend,
-                   workers: int, liveness: float = 0.25, ack_wait: float = ACK_WAIT) -> Pipeline:
+                   workers: int, liveness: float = 0.25, ack_wait: float = ACK_WAIT,
+                   heartbeat: float = HEARTBEAT) -> Pipeline:
     overrides: dict[str, Any] = {
         "nats": {"subject_prefix": "f" + uuid.uuid4().hex[:8]},
-        "session": {"heartbeat_interval": HEARTBEAT, "worker_lost_after": LOST_AFTER,
+        "session": {"heartbeat_interval": heartbeat, "worker_lost_after": LOST_AFTER,
                     "ack_timeout": 60.0, "liveness_interval": liveness},
         "worker": {"ack_wait": ack_wait, "shutdown_timeout": 3.0, "resume_timeout": 5.0},
         "edge": {"shutdown_timeout": 4.0, "slow_client_timeout": 30.0,
@@ -72,9 +73,10 @@ def pipelines(tmp_path: Path, module_nats_url: str, module_redis_url: str,
               backend: FakeBackend) -> Iterator[Any]:
     started: list[Pipeline] = []
 
-    def start(workers: int = 2, liveness: float = 0.25, ack_wait: float = ACK_WAIT) -> Pipeline:
+    def start(workers: int = 2, liveness: float = 0.25, ack_wait: float = ACK_WAIT,
+              heartbeat: float = HEARTBEAT) -> Pipeline:
         p = start_pipeline(tmp_path / f"p{len(started)}", module_nats_url, module_redis_url,
-                           backend, workers, liveness, ack_wait)
+                           backend, workers, liveness, ack_wait, heartbeat)
         started.append(p)
         return p
 
@@ -360,3 +362,33 @@ async def test_a_second_delivery_leaves_a_resumable_streams_log_whole(
     assert b"worker_lost" not in whole
     assert whole.count(b"\nid: ") + whole.startswith(b"id: ") == first.count(b"id: ")
     assert len(record_for(backend, marker)) == 1
+
+
+@pytest.mark.pipeline
+async def test_a_resumable_streams_response_starts_once_it_is_admitted(
+        pipelines: Any, backend: FakeBackend) -> None:
+    """A resumable stream's 200 and request id reach the client once the
+    request is admitted, not with the first token: a client whose edge dies
+    during a long prefill knows what to resume. A plain stream's status still
+    waits for the backend (a refusal stays a real HTTP status). The
+    heartbeat is 60 s, so no ``: ping`` starts either response first."""
+    pipeline = pipelines(workers=1, heartbeat=60.0)
+    marker = f"early-{uuid.uuid4().hex}"
+    headers = {"Authorization": f"Bearer {DEV_KEY}", "X-Tidegate-Resumable": "true"}
+    async with aiohttp.ClientSession() as session:
+        resp = await asyncio.wait_for(session.post(
+            f"{pipeline.url}/v1/chat/completions", headers=headers,
+            json=body(marker, max_tokens=4, fake_ttft=60.0)), 30)
+        assert resp.status == 200
+        assert resp.headers["x-request-id"]
+        assert resp.headers["x-tidegate-resumable"] == "true"
+        # Answered while the backend is still in its 60 s prefill.
+        assert all(r.events_written == 0 for r in record_for(backend, marker))
+        resp.close()
+        plain = asyncio.ensure_future(session.post(
+            f"{pipeline.url}/v1/chat/completions", headers={"Authorization": f"Bearer {DEV_KEY}"},
+            json=body(f"plain-{marker}", max_tokens=4, fake_ttft=60.0)))
+        await eventually(lambda: record_for(backend, f"plain-{marker}"), 30, "plain in prefill")
+        await asyncio.sleep(0.5)
+        assert not plain.done(), "a plain stream's status waits for the first token"
+        plain.cancel()
