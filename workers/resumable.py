@@ -136,8 +136,10 @@ class ResumableJob(Job):
 
         The edge's word comes first (a background response has no edge): a
         ``Cancel`` (the first copy lives: ``DUPLICATE_DELIVERY``) ends this
-        task inside the wait; ``Ack`` seq 0 or no word within
-        ``worker.resume_timeout`` (its client left) leave it to the log:
+        task inside the wait; ``Ack`` seq 0 (its client has nothing yet) runs
+        it again, without reading the log (which a NATS node's death may make
+        unreadable for seconds); a ``Continue``, or no word within
+        ``worker.resume_timeout`` (its client left), leave it to the log:
 
         * no output of the dead attempt: it runs again, and every reader gets
           the whole stream from this worker (``LogCursor`` follows a second
@@ -152,13 +154,16 @@ class ResumableJob(Job):
           once (edge.relay).
 
         Its ``Head`` reaches the log only if it runs."""
-        if not self.request.extra.get("background"):
-            await super()._edge_still_waiting()
-        read = await self._read_log()
-        runs = False
-        if read is not None and not read[0].ended:
-            cursor, events = read
-            runs = not cursor.output or (self._from_log and self._continue_log(events))
+        confirmed = (not self.request.extra.get("background")
+                     and await super()._edge_still_waiting())
+        if confirmed and not self._from_log:
+            runs = True  # its client got nothing: the edge's word, the log unread
+        else:
+            read = await self._read_log()
+            runs = False
+            if read is not None and not read[0].ended:
+                cursor, events = read
+                runs = not cursor.output or (self._from_log and self._continue_log(events))
         held, self._held_head = self._held_head, b""
         if runs and held:
             self._log(held)

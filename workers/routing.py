@@ -44,6 +44,10 @@ from workers.replicas import Breaker
 log = logging.getLogger("tidegate.worker")
 
 
+# How often a worker asks the claims bucket again while it does not answer.
+CLAIM_RETRY = 0.25
+
+
 class Claim:
     RUN = "run"          # claimed (or our own claim, on a redelivery): run it
     DROP = "drop"        # the other copy has it: ack and drop this one
@@ -147,6 +151,24 @@ class WorkerRouting:
         self.homes = homes
         self.claims = claims
         self._homes_subject = f"$KV.{homes_bucket}."
+
+    async def claim_within(self, msg: Msg, request_id: str, within: float) -> str:
+        """:meth:`claim`, asked again every :data:`CLAIM_RETRY` s while the
+        claims bucket does not answer (its JetStream leader being elected
+        after a NATS node's death: seconds), for up to ``within`` s, the job
+        kept in progress meanwhile. Handing it back at once (a ``nak``)
+        would cost a second per try, and a delivery each: a long enough
+        outage would spend all of ``worker.max_deliver`` and lose the job."""
+        deadline = time.monotonic() + within
+        while True:
+            verdict = await self.claim(msg, request_id)
+            if verdict != Claim.RETRY or time.monotonic() >= deadline:
+                return verdict
+            try:
+                await msg.in_progress()
+            except nats.errors.Error:
+                return verdict
+            await asyncio.sleep(CLAIM_RETRY)
 
     async def claim(self, msg: Msg, request_id: str) -> str:
         copy = (msg.headers or {}).get(CLAIM_HEADER)

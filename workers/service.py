@@ -259,7 +259,8 @@ class Pool:
             await msg.term()
             return
         if group is not None and self.routing is not None:
-            verdict = await self.routing.claim(msg, request.id)
+            verdict = await self.routing.claim_within(msg, request.id,
+                                                      self.config.worker.ack_wait)
             if verdict == Claim.DROP:
                 log.info("dropping job %s: its other copy runs elsewhere", request.id)
                 await msg.ack()
