@@ -28,7 +28,7 @@ from tests.pipeline import DEV_KEY, Pipeline, stream
 from tidegate.config import ModelConfig
 from tidegate.wire.delivered import sse_events
 from tidegate.wire.protocol import Api, Continue, Request, decode_control
-from workers.continuation import ContinuedStream, continued
+from workers.continuation import ContinuedStream, closing, continued, continued_stream, spent
 
 LENGTH = 300  # tokens of each answer, at 100 tokens/s: 3 s streams
 
@@ -142,6 +142,32 @@ async def test_the_continued_stream_drops_the_repeated_opening() -> None:
     assert [await s.read(100), await s.read(100), await s.read(100)] == [word, word, b""]
     alone = ContinuedStream(Chunks(role, word), chat=True)  # type: ignore[arg-type]
     assert await alone.read(100) == word
+
+
+async def test_a_continuation_past_its_limit_writes_only_the_end() -> None:
+    """The dead worker sent every token its limit allows and died before the
+    last chunk: the next one asks the backend for nothing (its minimum of one
+    token would be one too many) and writes the end: the finish chunk with
+    the client's id, and the usage chunk counting every token."""
+    r = dataclasses.replace(request(max_tokens=3), include_usage=True)
+    assert not spent((r, "abc", 2))
+    assert spent((r, "abc", 3))
+    assert spent((request(max_completion_tokens=2, max_tokens=9), "ab", 2))
+    assert not spent((request(), "abc", 50)), "no limit: the backend's own end"
+    assert not spent((request(Api.RESPONSES, max_output_tokens=1), "a", 5))
+    go = Continue("r1", "abc", 3, 0, "chatcmpl-1")
+    assert closing((r, "abc", 2), go) is None
+    end = closing((r, "abc", 3), go)
+    assert end is not None
+    joined = continued_stream(end, continued(r, "abc", 3), go)
+    events = sse_events([await joined.read(1 << 16)])
+    assert events is not None
+    assert [e["id"] for e in events] == ["chatcmpl-1", "chatcmpl-1"]
+    assert events[0]["choices"] == [{"index": 0, "delta": {}, "logprobs": None,
+                                     "finish_reason": "length"}]
+    assert events[1]["usage"]["completion_tokens"] == 3
+    assert (joined.usage.completion_tokens, joined.usage.finish_reason) == (3, "length")
+    assert await joined.read(1 << 16) == b""
 
 
 # -- the pipeline ---------------------------------------------------------------------

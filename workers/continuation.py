@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from typing import Any
 
 from tidegate.control.prices import PRICE_EXTRA, cost_member
@@ -60,6 +61,61 @@ def continued(request: Request, text: str, tokens: int) -> Request:
         if isinstance(limit, int) and not isinstance(limit, bool):
             body[key] = max(1, limit - tokens)
     return dataclasses.replace(request, body=body)
+
+
+def spent(origin: tuple[Request, str, int] | None) -> bool:
+    """Whether the delivered tokens of a chat or completions stream (``origin``:
+    the request before its continuation, the text, the tokens) already reach
+    its own limit (``max_completion_tokens`` / ``max_tokens``): the dead
+    worker sent every token and died before the last chunk. Asking the
+    backend for the minimum of one token would add one past the limit;
+    :class:`Closing` writes the end instead."""
+    if origin is None or origin[0].api not in (Api.CHAT, Api.COMPLETIONS):
+        return False
+    request, _, tokens = origin
+    body = request.body
+    limit = body.get("max_completion_tokens") if request.api is Api.CHAT else None
+    if limit is None:
+        limit = body.get("max_tokens")
+    return isinstance(limit, int) and not isinstance(limit, bool) and tokens >= limit
+
+
+def closing(origin: tuple[Request, str, int] | None, go: Continue | None) -> BackendStream | None:
+    """A continuation's stream when its limit is reached (:func:`spent`), else None."""
+    if go is None or origin is None or not spent(origin):
+        return None
+    return Closing(origin[0], go.response_id)
+
+
+class Closing:
+    """The end of a stream whose limit its delivered tokens reached
+    (:func:`spent`), without a backend call: its last chunk
+    (``finish_reason: "length"``, the client's response id) and, when the
+    client asked ``include_usage``, the usage chunk (its counts written by
+    :class:`JoinedStream`, which wraps this as any continued stream)."""
+
+    __slots__ = ("_data", "usage")
+
+    def __init__(self, request: Request, response_id: str) -> None:
+        chat = request.api is Api.CHAT
+        head = {"id": response_id, "object": "chat.completion.chunk" if chat else
+                "text_completion", "created": int(time.time()), "model": request.model}
+        end = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"} if chat
+               else {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"})
+        events: list[dict[str, Any]] = [{**head, "choices": [end]}]
+        if request.include_usage:
+            events.append({**head, "choices": [], "usage": {
+                "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
+        self._data = b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode()
+                              + b"\n\n" for e in events)
+        self.usage = Usage(finish_reason="length")
+
+    async def read(self, max_bytes: int) -> bytes:
+        data, self._data = self._data, b""
+        return data
+
+    async def aclose(self) -> None:
+        return None
 
 
 _ID_RE = re.compile(rb'"id"\s*:\s*"([^"\\]*)"')

@@ -71,7 +71,7 @@ from tidegate.wire.protocol import (
     encode_chunk,
 )
 from workers.backends import Backend, BackendStream, PushStream, Usage
-from workers.continuation import continued, continued_stream
+from workers.continuation import closing, continued, continued_stream
 from workers.fencing import FENCED
 from workers.job_context import JobContext, resend, reserved
 from workers.limiter import AdaptiveLimit
@@ -327,10 +327,9 @@ class Job:
         self.ctx.telemetry.metrics.cancellations.add(1, {tm.CAUSE: reason, tm.TIER: "worker"})
         if self.span is not None:
             self.span.add_event(tracing.CANCEL_EVENT, {tm.CAUSE: reason})
-        if reason == FENCED:  # cut from NATS: nothing would arrive (workers/fencing.py)
-            return
-        if reason == DUPLICATE_DELIVERY:  # its first worker still runs it (wire.protocol)
-            self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: "duplicate"})
+        if reason in (FENCED, DUPLICATE_DELIVERY):  # nothing more, not even an ack: cut from
+            # NATS (workers/fencing.py), or another copy owns the stream (wire.protocol)
+            self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: reason})
             return
         if reason == WORKER_SHUTDOWN and not self.chunks_sent:
             self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: "handed_back"})
@@ -391,7 +390,9 @@ class Job:
             now = self._backend_at = time.monotonic()
             self._mark = limit.mark(now)
         try:
-            if self.replicas is None:
+            if (ending := closing(self._origin, self.continued)) is not None:  # limit reached
+                stream = self.stream = ending
+            elif self.replicas is None:
                 stream = self.stream = await self.backend.open(self.request)
             else:
                 stream, self.backend, self.running = await open_on_replicas(

@@ -45,7 +45,7 @@ from tidegate.errors import BackendError
 from tidegate.wire.delivered import joined_text, sse_events, text_continuable
 from tidegate.wire.protocol import Api, Request
 from workers.backends import Backend, BackendStream, Usage
-from workers.continuation import JoinedStream, continued
+from workers.continuation import Closing, JoinedStream, continued, spent
 from workers.replicas import ReplicaSet, open_on_replicas, replica_failed, replica_failure
 
 log = logging.getLogger("tidegate.worker")
@@ -155,6 +155,11 @@ async def go_on(replicas: ReplicaSet, first: str, running: str, request: Request
         got = kept.failed(stream)
         if got is None:
             return None
+        if got[0] and spent((kept.base, *got)):  # every token sent: only the end is left
+            log.info("job %s: replica %s failed before its last chunk; ended here",
+                     request.id, running)
+            return (JoinedStream(Closing(kept.base, kept.response_id), request, kept.spent,
+                                 kept.response_id), replicas.backends[running], running)
         # Only the role chunk went out: the request itself, its new one dropped.
         request = continued(kept.base, *got) if got[0] else kept.base
     try:
