@@ -528,6 +528,11 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
         await supervisor
         await asyncio.to_thread(fleet.stop)
     report = summarize(load.outcomes)
+    # When the long pauses happened, to set beside the kills: [start of the
+    # request (s since the load began), its longest pause], pauses over 1 s.
+    report["slow_streams"] = [[round(o.started - t0, 2), round(o.max_stall, 2)]
+                              for o in load.outcomes if o.kind == "complete"
+                              and o.max_stall > 1.0]
     restarts = fleet.restarts()
     report.update(duration_s=duration, concurrency=concurrency, seed=seed, resume=resume,
                   backends=backends,

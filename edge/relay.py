@@ -123,6 +123,7 @@ class Relay(StreamState):
         self.delivered = Delivered(request.api) if can and not request.resumable else None
         self.continues_in_log = can and request.resumable
         self.handed_back = False  # its worker died: the job is the next worker's
+        self.link_epoch = ctx.link.epoch
         self.acks = AckPolicy(request.window_bytes, request.window_msgs)
         self.head_key: tuple[str, int, int] | None = None
         self.wrote_chunks = False
@@ -285,9 +286,11 @@ class Relay(StreamState):
     async def _on_tick(self, now: float) -> None:
         """The clock's rules (:meth:`edge.stream.StreamState.clock`), run about
         once a second per request (not per chunk), and the I/O they ask for."""
+        link = self.ctx.link
         due = self.clock(now, self.ctx.config, model=self.request.model,
-                         link_lost=self.ctx.link.lost(now), resumable=self.ids is not None,
-                         stream=self.request.stream, control=self.control)
+                         link_lost=link.lost(now), resumable=self.ids is not None,
+                         stream=self.request.stream, control=self.control,
+                         link_epoch=link.epoch)
         if due & Due.RETRANSMIT:
             await self._ask_retransmit(now)
         if due & Due.PING:
@@ -348,6 +351,10 @@ class Relay(StreamState):
 
         if self.gap_since:
             await self._ask_retransmit(now)
+        elif self.copies:
+            self.copies = False
+            if self.acks.acked_seq:
+                await self._ack(self.acks.acked_seq)
         if out:
             data = out[0] if len(out) == 1 else b"".join(out)
             if self.request.stream:

@@ -75,8 +75,9 @@ class StreamState:
     """The sans-I/O part of one response (see the module docstring)."""
 
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
-    __slots__ = ("asked_at", "expected_seq", "gap_since", "last_ack", "last_worker_msg",
-                 "last_write", "phase", "request_id", "started")
+    __slots__ = ("asked_at", "copies", "expected_seq", "gap_since", "last_ack",
+                 "last_worker_msg", "last_write", "link_epoch", "phase", "request_id",
+                 "started")
 
     def __init__(self, request_id: str, now: float) -> None:
         self.request_id = request_id
@@ -86,6 +87,10 @@ class StreamState:
         # gap) and when this edge last asked for a retransmit.
         self.gap_since = 0.0
         self.asked_at = 0.0
+        # A copy of a message already taken came (a worker resent what it
+        # holds unacked: this edge's acks may have been lost): ack again.
+        self.copies = False
+        self.link_epoch = 0  # this edge's NATS reconnects, as last seen (Link.epoch)
         self.started = self.last_worker_msg = self.last_write = self.last_ack = now
 
     def advance(self, kind: type) -> Phase:
@@ -115,7 +120,9 @@ class StreamState:
             self.expected_seq = seq + 1
             self.gap_since = 0.0
             return True
-        if seq > expected and not self.gap_since:
+        if seq < expected:
+            self.copies = True
+        elif not self.gap_since:
             self.gap_since = time.monotonic()
             log.info("request %s: message %d lost in transit (got %d); asking for it again",
                      self.request_id, expected, seq)
@@ -130,11 +137,12 @@ class StreamState:
         return True
 
     def clock(self, now: float, cfg: Config, *, model: str, link_lost: bool,
-              resumable: bool, stream: bool, control: str) -> Due:
+              resumable: bool, stream: bool, control: str, link_epoch: int = 0) -> Due:
         """The clock's rules, run about once a second per request (not per
         chunk): raises the ending they reach, else says what is due.
         ``resumable``: the stream numbers its events and has a log to resume
-        from; ``control``: the worker's control subject, once known."""
+        from; ``control``: the worker's control subject, once known;
+        ``link_epoch``: this edge's NATS reconnects so far."""
         if now >= self.started + cfg.edge.request_timeout:
             raise ApiError(504, f"The request exceeded the gateway's limit of "
                                 f"{cfg.edge.request_timeout:g}s.",
@@ -185,6 +193,13 @@ class StreamState:
                 due |= Due.RETRANSMIT
         if stream and now - self.last_write >= heartbeat:
             due |= Due.PING
+        if phase is Phase.STREAMING and link_epoch != self.link_epoch:
+            # This edge reconnected (to another node, after one's death): what
+            # was in flight through the lost connection, the worker's output
+            # and this edge's acks, may be gone. Ask, and ack, at once rather
+            # than at the silence rule (1.5 heartbeats) or the ack timer.
+            self.link_epoch = link_epoch
+            due |= Due.RETRANSMIT | Due.ACK
         if control and now - self.last_ack >= cfg.session.ack_timeout / 4:
             # Ack on time as well as on volume, even with nothing new: slow
             # output never reaches half a window, and a worker in a long

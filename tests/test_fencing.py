@@ -41,12 +41,15 @@ def test_a_reconnect_within_the_grace_keeps_the_jobs() -> None:
     """A worker whose NATS node died reconnects to another in milliseconds:
     its jobs go on (the edges ask for what was lost in transit)."""
     calls: list[str] = []
-    fence = Fence(calls.append)
+    backs: list[bool] = []
+    fence = Fence(calls.append, lambda: backs.append(True))
     fence.on_link(False)
     fence.on_link(True)
     fence.check(time.monotonic() + 10 * GRACE)
     assert not fence.fenced
     assert calls == []
+    # And every reconnect is told (the pool resends what its jobs hold unacked).
+    assert backs == [True]
 
 
 async def test_watch_fences_a_client_that_is_not_connected_without_a_callback() -> None:

@@ -519,6 +519,7 @@ class CutClient:
     """A NATS client as nats-py shows one cut from every node: reconnecting."""
     is_connected = False
     is_closed = False
+    stats = {"reconnects": 0}
 
 
 @pytest.mark.parametrize("resumable", [True, False])

@@ -139,3 +139,23 @@ def test_a_quiet_stream_gets_pings_and_its_worker_acks() -> None:
     s.last_worker_msg = 4.0  # chunks came, too few for a volume ack
     assert clock(s, 20.0 / 4, stream=False, control="ctl") is Due.ACK
     assert clock(s, 20.0 / 4, stream=False) is Due.NOTHING, "no worker known: no one to ack"
+
+
+def test_a_reconnect_asks_again_and_acks_and_a_copy_is_noted() -> None:
+    """After this edge's NATS reconnect (to another node, after one's death)
+    the next tick asks for a retransmit and acks at once (what was in flight
+    through the lost connection may be gone), once per reconnect; a copy of
+    a message already taken is noted, for the relay to ack again (the
+    worker resent it: the edge's ack may have been lost)."""
+    s = streaming()
+    assert clock(s, 0.1) == Due.NOTHING
+    due = s.clock(0.2, CFG, model="m", link_lost=False, resumable=False, stream=True,
+                  control="", link_epoch=1)
+    assert due == Due.RETRANSMIT | Due.ACK
+    assert s.clock(0.3, CFG, model="m", link_lost=False, resumable=False, stream=True,
+                   control="", link_epoch=1) == Due.NOTHING
+    assert s.check_seq(1)
+    assert not s.copies
+    assert not s.check_seq(1)  # the worker sent it again
+    assert s.copies
+    assert not s.gap_since, "a copy is no gap"

@@ -66,8 +66,10 @@ class Fence:
     :attr:`fenced` is what a job about to start checks.
     """
 
-    def __init__(self, on_fence: Callable[[str], None]) -> None:
+    def __init__(self, on_fence: Callable[[str], None],
+                 on_back: Callable[[], None] | None = None) -> None:
         self.on_fence = on_fence
+        self.on_back = on_back  # called at every reconnect (the pool resends unacked output)
         self.fenced = False
         self.since = 0.0  # monotonic time of the last fencing
         self.fencings = 0
@@ -78,6 +80,8 @@ class Fence:
         if up:
             self.down_since = None
             self.lift()
+            if self.on_back is not None:
+                self.on_back()
         elif self.down_since is None:
             self.down_since = time.monotonic()
 

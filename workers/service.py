@@ -436,7 +436,20 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         for job in [j for p in pools for j in p.jobs.values()]:
             job.cancel(FENCED)
 
-    fence = Fence(stop_jobs)
+    def resend_all() -> None:
+        # Back on NATS (a reconnect, to another node after one's death):
+        # whatever was in flight through the lost connection, output to edges
+        # and their acks back, may be gone. Every job sends its unacked
+        # messages again (edges drop what they have, and ack again on seeing
+        # a copy), so no stream waits for an edge's silence rule to ask.
+        for job in [j for p in pools for j in p.jobs.values()]:
+            task = asyncio.get_running_loop().create_task(job.on_retransmit(0))
+            resends.add(task)  # held until done: the loop keeps only a weak reference
+            task.add_done_callback(resends.discard)
+
+    resends: set[asyncio.Task[None]] = set()
+
+    fence = Fence(stop_jobs, resend_all)
     nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop,
                               on_link=fence.on_link)
     js = broker.jetstream(nc, config.nats)

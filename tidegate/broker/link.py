@@ -46,6 +46,13 @@ class Link:
         self.grace = grace  # see grace()
         self.down_since = 0.0
 
+    @property
+    def epoch(self) -> int:
+        """How many times the client reconnected (a change: something in
+        flight through the old connection may be lost)."""
+        nc = self.nc
+        return int(nc.stats["reconnects"]) if nc is not None else 0
+
     def down_for(self, now: float) -> float:
         """Seconds the link has been down at ``now`` (0 while it is up)."""
         nc = self.nc
