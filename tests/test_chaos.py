@@ -177,13 +177,14 @@ def test_summary_counts_kinds_codes_and_percentiles() -> None:
 @pytest.mark.pipeline
 @pytest.mark.slow
 async def test_short_chaos_run_loses_nothing_silently(tmp_path: Path) -> None:
-    # 5 kinds, one kill every 2-3.5 s, plus up to ~8 s for a NATS node to
-    # rejoin before the next kill: every kind is killed once within 32 s.
+    # 6 kinds (the model on two fake backend replicas, killed too), one kill
+    # every 2-3.5 s, plus up to ~8 s for a NATS node to rejoin before the
+    # next kill: every kind is killed once within 32 s.
     report = await chaos.chaos(tmp_path, duration=32.0, concurrency=6, seed=7,
-                               interval=(2.0, 3.5))
+                               interval=(2.0, 3.5), backends=2)
     print(json.dumps(report, indent=1))
     kinds = report["kinds"]
-    assert set(report["kills_by_kind"]) == set(chaos.KINDS), report["kills"]
+    assert set(report["kills_by_kind"]) == {*chaos.KINDS, "backend"}, report["kills"]
     assert kinds.get("truncated", 0) == 0, report["codes"]
     assert kinds.get("hang", 0) == 0, report["codes"]
     assert kinds.get("complete", 0) >= 0.8 * report["requests"], report
