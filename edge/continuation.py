@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 from edge.endings import worker_lost
 from edge.session import Session
-from tidegate.config import ModelConfig
+from tidegate.config import Config, ModelConfig
+from tidegate.wire import streamlog
 from tidegate.wire.delivered import joined_text, sse_events, text_continuable
 from tidegate.wire.protocol import DUPLICATE_DELIVERY, Api, Cancel, Request
 
@@ -195,6 +196,8 @@ class _Publisher(Protocol):
 
 class _Context(Protocol):
     @property
+    def config(self) -> Config: ...
+    @property
     def publisher(self) -> _Publisher: ...
 
 
@@ -255,6 +258,12 @@ async def worker_gone(relay: Relaying, control: str, now: float) -> None:
              "mid-stream" if output else "before output")
     if relay.job_ack:
         try:
+            if output and relay.continues_in_log:
+                # Written first: the next worker may continue on this word if
+                # this edge is gone by its Head (tidegate.wire.streamlog).
+                await relay.ctx.publisher.publish(
+                    streamlog.subject(relay.ctx.config.nats.subjects, relay.request.id),
+                    streamlog.LogHandBack(control).encode())
             # Fencing: were the worker only cut off for a while (taken for
             # dead, yet alive), it drops its copy without a word on hearing
             # this; the stream is the next worker's now.

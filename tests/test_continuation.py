@@ -21,13 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats
+import nats.errors
+import nats.js.errors
 import pytest
 
 from edge.continuation import FOLD_AT, Delivered, continuable, deciding_fields
 from tests.pipeline import DEV_KEY, Pipeline, stream
+from tests.poll import eventually
 from tidegate.config import ModelConfig
+from tidegate.wire import streamlog
 from tidegate.wire.delivered import sse_events
-from tidegate.wire.protocol import Api, Continue, Request, decode_control
+from tidegate.wire.protocol import Api, Continue, Head, Request, decode_control
 from workers.continuation import ContinuedStream, closing, continued, continued_stream, spent
 
 LENGTH = 300  # tokens of each answer, at 100 tokens/s: 3 s streams
@@ -173,15 +178,21 @@ async def test_a_continuation_past_its_limit_writes_only_the_end() -> None:
 # -- the pipeline ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def pipeline(tmp_path: Path, nats_server: Any, redis_server: Any) -> Iterator[Pipeline]:
-    p = Pipeline(tmp_path, nats_server.url, redis_server.url, workers=2, overrides={
+def overrides(ack_wait: float = 30.0, resume_timeout: float = 5.0) -> dict[str, Any]:
+    """Two workers' worth of the deterministic simulator, failover continue;
+    the heartbeat limit (40 s) far above what a test waits for."""
+    return {
         "session": {"heartbeat_interval": 1.0, "worker_lost_after": 40, "ack_timeout": 60.0},
-        "worker": {"ack_wait": 30.0, "resume_timeout": 5.0},
+        "worker": {"ack_wait": ack_wait, "resume_timeout": resume_timeout},
         "edge": {"request_timeout": 300.0},
         "models": [{"name": "tidegate-sim", "failover": "continue", "max_streams": 64,
                     "simulator": {"ttft": 0.05, "tokens_per_second": 100.0, "length": LENGTH,
-                                  "deterministic": True}}]})
+                                  "deterministic": True}}]}
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path, nats_server: Any, redis_server: Any) -> Iterator[Pipeline]:
+    p = Pipeline(tmp_path, nats_server.url, redis_server.url, workers=2, overrides=overrides())
     try:
         p.start()
         yield p
@@ -378,3 +389,107 @@ async def test_a_resumable_stream_continues_in_its_log_and_its_client_resumes_th
             async with session.get(f"{pipeline.url}/v1/streams/{rid}",
                                    headers={**RESUMABLE, "Last-Event-ID": "0"}) as replay:
                 assert _blocks(await replay.read()) == blocks, t
+
+
+async def _last_head(js: Any, config: Any, request_id: str) -> str:
+    """The control subject of the last Head in ``request_id``'s stream log."""
+    stream = streamlog.stream_name(config.nats.subjects)
+    subject = streamlog.subject(config.nats.subjects, request_id)
+    control, seq = "", 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return control
+        for entry in streamlog.decode_entry(msg.data or b""):
+            if isinstance(entry, Head):
+                control = entry.control
+        seq = (msg.seq or seq) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_stream_goes_on_when_its_edge_is_gone_after_handing_its_job_back(
+        tmp_path: Path, nats_server: Any, redis_server: Any) -> None:
+    """A worker SIGKILLed and the edge that found it dead gone before the
+    next worker's Head reached it (a double fault: stopped here with
+    SIGSTOP, and its hand-back written into each stream log as it would
+    have): the hand-back is the edge's word, the next worker continues the
+    log's text without waiting for an edge that cannot answer, and each
+    client, resuming on the other edge, reads its whole text byte-exact.
+    Before, the next worker waited worker.resume_timeout for the dead edge,
+    then did not run, and the readers ended with worker_lost."""
+    p = Pipeline(tmp_path / "tiers", nats_server.url, redis_server.url, workers=2, edges=2,
+                 overrides=overrides(ack_wait=4.0, resume_timeout=30.0))
+    p.start()
+    a, b = p.edge_urls
+    texts = [f"handback-{i}-{uuid.uuid4().hex}" for i in range(6)]
+    stopped = p.edges[0].pid
+    assert stopped is not None
+    try:
+        async with aiohttp.ClientSession() as session:
+            got: dict[str, list[bytes]] = {t: [] for t in texts}
+            rids: dict[str, str] = {}
+
+            async def read(text: str) -> None:
+                resp = await session.post(f"{a}/v1/chat/completions", headers=RESUMABLE, json={
+                    "model": "tidegate-sim", "stream": True,
+                    "messages": [{"role": "user", "content": text}]})
+                rids[text] = resp.headers["x-request-id"]
+                raw = b""
+                async for chunk in resp.content.iter_any():
+                    raw += chunk
+                    blocks = raw.split(b"\n\n")
+                    got[text], raw = [*got[text], *blocks[:-1]], blocks[-1]
+
+            readers = [asyncio.ensure_future(read(t)) for t in texts]
+            await eventually(lambda: all(len(got[t]) >= 5 for t in texts), 60,
+                             "every stream under way")
+            os.kill(stopped, signal.SIGSTOP)  # edge A: gone for its clients and workers
+            p.workers[0].kill()
+            nc = await nats.connect(nats_server.url)
+            handed = []
+            try:
+                js = nc.jetstream()
+
+                async def hand_back(text: str) -> None:
+                    """What edge A would have written, had it lived on: its
+                    probe (tidegate.broker.liveness) found the worker gone."""
+                    control = await _last_head(js, p.config, rids[text])
+                    for _ in range(2):
+                        try:
+                            await nc.request(control, b"", timeout=0.5)
+                        except nats.errors.NoRespondersError:
+                            handed.append(text)
+                            await nc.publish(
+                                streamlog.subject(p.config.nats.subjects, rids[text]),
+                                streamlog.LogHandBack(control).encode())
+                            return
+                        except nats.errors.TimeoutError:
+                            pass
+
+                await asyncio.gather(*(hand_back(t) for t in texts))
+                await nc.flush()
+            finally:
+                await nc.close()
+            assert handed, "no stream ran on the killed worker"
+            for r in readers:
+                r.cancel()
+            whole: dict[str, Any] = {}
+            for t in texts:  # each client resumes on edge B after its last event
+                blocks = _blocks(b"\n\n".join(got[t]) + b"\n\n")
+                ids = [int(line[4:]) for bl in blocks for line in bl.split(b"\n")
+                       if line.startswith(b"id: ")]
+                async with session.get(f"{b}/v1/streams/{rids[t]}", headers={
+                        **RESUMABLE, "Last-Event-ID": str(ids[-1])}) as rest:
+                    assert rest.status == 200, await rest.text()
+                    blocks += _blocks(await asyncio.wait_for(rest.read(), 120))
+                got[t] = blocks
+            for t in texts:
+                await _resumable(session, b, t, whole)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        p.stop()
+    for t in texts:
+        assert got[t][-1] == b"data: [DONE]", (t in handed, got[t][-3:])
+        assert _data(got[t]) == _data(whole[t][1]), t

@@ -151,6 +151,13 @@ def test_cursor_gap_redelivery_duplicates_and_errors() -> None:
         LogEvent(1, b"data: a\n\n")]  # redelivered before output: follows the new worker
     assert c.control == "w2"
 
+    c = LogCursor()  # an edge's hand-back: no event, noted for the next worker
+    hand = streamlog.LogHandBack("w1")
+    assert streamlog.decode_entry(hand.encode()) == [hand]
+    assert feed_all(c, [OPEN, Head(1, "w1"), Chunk(2, b"data: a\n\n"), hand]) == [
+        LogEvent(1, b"data: a\n\n")]
+    assert (c.handed_back, c.control, c.ended) == ("w1", "w1", False)
+
     c = LogCursor()  # an edge ended it before any worker started
     assert feed_all(c, [OPEN, Error(0, ERR)]) == [LogEnd(error=ERR)]
     c = LogCursor()  # after a Head, an edge's Error(0) is ignored; the worker's ends it

@@ -51,6 +51,11 @@ log = logging.getLogger("tidegate.worker")
 LOG_FULL = "resume_log_full"
 
 
+def _handed_back(cursor: LogCursor) -> bool:
+    """An edge found the worker of the log's last Head dead after output."""
+    return bool(cursor.output and cursor.control and cursor.handed_back == cursor.control)
+
+
 class ResumableJob(Job):
     def __init__(self, msg: Msg, request: Request, backend: Backend, ctx: JobContext) -> None:
         super().__init__(msg, request, backend, ctx)
@@ -134,36 +139,43 @@ class ResumableJob(Job):
     async def _edge_still_waiting(self) -> bool:
         """Whether this redelivered copy runs, from its edge's word and its log.
 
-        The edge's word comes first (a background response has no edge): a
-        ``Cancel`` (the first copy lives: ``DUPLICATE_DELIVERY``) ends this
-        task inside the wait; ``Ack`` seq 0 (its client has nothing yet) runs
-        it again, without reading the log (which a NATS node's death may make
-        unreadable for seconds); a ``Continue``, or no word within
-        ``worker.resume_timeout`` (its client left), leave it to the log:
+        An edge's hand-back in the log (``LogHandBack``: it found the
+        worker of the log's last ``Head`` dead, after output) is that edge's
+        word, and the copy continues at once. Otherwise the edge's word comes
+        first (a background response has no edge): a ``Cancel`` (the first
+        copy lives: ``DUPLICATE_DELIVERY``) ends this task inside the wait;
+        ``Ack`` seq 0 (its client has nothing yet) runs it again, without
+        reading the log again (which a NATS node's death may make unreadable
+        for seconds); a ``Continue``, or no word within
+        ``worker.resume_timeout`` (its client left, or its edge died), leave
+        it to the log:
 
         * no output of the dead attempt: it runs again, and every reader gets
           the whole stream from this worker (``LogCursor`` follows a second
           ``Head`` before output);
-        * output, and the edge's ``Continue`` (``failover = "continue"``, a
-          continuable request): it continues the text of the log's events,
-          which every reader has or will read (a second ``Head`` after output
-          is a continuation to ``LogCursor``);
+        * output, and the edge's ``Continue`` or hand-back (``failover =
+          "continue"``, a continuable request): it continues the text of the
+          log's events, which every reader has or will read (a second
+          ``Head`` after output is a continuation to ``LogCursor``);
         * output otherwise, or an end, or a log it cannot read: it does not
           run (a second run would repeat events readers have); readers end
           with ``worker_lost`` at their silence limit, the edge's client at
           once (edge.relay).
 
         Its ``Head`` reaches the log only if it runs."""
-        confirmed = (not self.request.extra.get("background")
-                     and await super()._edge_still_waiting())
-        if confirmed and not self._from_log:
-            runs = True  # its client got nothing: the edge's word, the log unread
+        read = await self._read_log()
+        if read is None or not _handed_back(read[0]):
+            confirmed = (not self.request.extra.get("background")
+                         and await super()._edge_still_waiting())
+            read = None if confirmed and not self._from_log else await self._read_log()
         else:
-            read = await self._read_log()
-            runs = False
-            if read is not None and not read[0].ended:
-                cursor, events = read
-                runs = not cursor.output or (self._from_log and self._continue_log(events))
+            confirmed = False  # the edge's hand-back is its word
+        if read is None:
+            runs = confirmed  # its client got nothing: the edge's word, the log unread
+        else:
+            cursor, events = read
+            runs = not cursor.ended and (not cursor.output or (
+                (self._from_log or _handed_back(cursor)) and self._continue_log(events)))
         held, self._held_head = self._held_head, b""
         if runs and held:
             self._log(held)

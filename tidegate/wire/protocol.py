@@ -54,6 +54,7 @@ class Kind(IntEnum):
     DETACH = 11  # edge -> worker: that reader left
     LOG_OPEN = 12  # first entry of a resumable stream's log (tidegate.wire.streamlog)
     CONTINUE = 13  # edge -> worker: go ahead, continuing from the delivered text
+    LOG_HANDBACK = 14  # edge -> a stream log: its worker died, the job was handed on
 
 
 _CHUNK = int(Kind.CHUNK)  # a plain int packs faster than the enum member (per chunk)

@@ -82,7 +82,20 @@ class LogOpen(NamedTuple):
                       self.created_ms, self.grace])
 
 
-LogEntry = LogOpen | SessionMessage
+class LogHandBack(NamedTuple):
+    """An edge's entry: the worker at ``control`` was found dead (the edge's
+    liveness probe) and its job handed back to JetStream to be continued
+    elsewhere. The next worker, reading the log, may continue at once on this
+    word, which outlives the edge (an edge that dies right after the hand-back
+    can no longer answer the next worker's ``Head``)."""
+
+    control: str
+
+    def encode(self) -> bytes:
+        return _pack([VERSION, Kind.LOG_HANDBACK, 0, self.control])
+
+
+LogEntry = LogOpen | LogHandBack | SessionMessage
 
 
 def decode_entry(data: bytes) -> list[LogEntry]:
@@ -99,6 +112,10 @@ def decode_entry(data: bytes) -> list[LogEntry]:
             return [LogOpen(str(t[3]), bool(t[4]), int(t[5]), int(t[6]), float(t[7]))]
         except (IndexError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed log open entry: {exc!r}") from exc
+    if kind == Kind.LOG_HANDBACK:
+        if len(t) < 4 or not isinstance(t[3], str):
+            raise ProtocolError("malformed log hand-back entry")
+        return [LogHandBack(t[3])]
     if kind == Kind.MUX:
         if len(t) % 2:
             raise ProtocolError("malformed mux batch in the log")
@@ -199,7 +216,8 @@ class LogCursor:
     so its seqs start again and the event ids go on.
     """
 
-    __slots__ = ("_after", "_expected", "_output", "control", "ended", "ids", "open")
+    __slots__ = ("_after", "_expected", "_output", "control", "ended", "handed_back", "ids",
+                 "open")
 
     def __init__(self, after: int = 0) -> None:
         self._after = after
@@ -207,6 +225,7 @@ class LogCursor:
         self._output = False
         self.ids = EventIds()
         self.control = ""  # the worker's control subject, from the last Head
+        self.handed_back = ""  # the worker an edge last found dead (LogHandBack)
         self.open: LogOpen | None = None
         self.ended = False
 
@@ -217,6 +236,10 @@ class LogCursor:
         if kind is LogOpen:
             assert isinstance(entry, LogOpen)
             self.open = entry
+            return []
+        if kind is LogHandBack:
+            assert isinstance(entry, LogHandBack)
+            self.handed_back = entry.control
             return []
         if kind is Head:
             assert isinstance(entry, Head)
