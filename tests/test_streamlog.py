@@ -48,7 +48,9 @@ def test_entries_round_trip_single_and_batched() -> None:
                            "r", Done(3, 1, 2, "stop").encode()])
     assert streamlog.decode_entry(batch) == [Chunk(2, b"data: a\n\n"), Done(3, 1, 2, "stop")]
     for bad in (b"\xc1", msgpack.packb([2, 0]), msgpack.packb({"v": 1}),
-                msgpack.packb([VERSION, Kind.LOG_OPEN, 0])):
+                msgpack.packb([VERSION, Kind.LOG_OPEN, 0]),
+                msgpack.packb([VERSION, Kind.LOG_HANDBACK, 0]),
+                msgpack.packb([VERSION, Kind.LOG_HANDBACK, 0, 5])):
         with pytest.raises(ProtocolError):
             streamlog.decode_entry(bad)
 
