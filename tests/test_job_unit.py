@@ -14,6 +14,7 @@ test_drain.py; these fail in seconds when a branch breaks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -40,6 +41,7 @@ from tidegate.wire.protocol import (
 from workers.backends import Usage
 from workers.job import ACK_TIMEOUT, WORKER_SHUTDOWN, Job
 from workers.job_context import JobContext
+from workers.resumable import ResumableJob
 
 CONFIG = tgconfig.from_dict({
     "session": {"heartbeat_interval": 0.1, "ack_timeout": 0.6, "worker_lost_after": 6},
@@ -395,3 +397,45 @@ async def test_a_copy_another_owns_the_stream_of_ends_without_a_trace() -> None:
     assert backend.opened == 0
     assert nc.usage() == []
     assert set(msg.fate) <= {"in_progress"}, msg.fate
+
+
+class LogOutbox:
+    def __init__(self) -> None:
+        self.put_count = 0
+
+    def put(self, subject: str, request_id: str, message: bytes) -> None:
+        self.put_count += 1
+
+
+async def test_a_resumable_copy_cancelled_during_its_log_read_still_ends_as_cancelled() -> None:
+    """The edge's DUPLICATE_DELIVERY reaches a resumable copy while it reads
+    its stream log, and the NATS client's request swallows the task's
+    cancellation (seen once under load): the copy still ends without a
+    trace, not dropped with a usage record and an ack, and its Head never
+    reaches the log."""
+    now_ms = int(time.time() * 1000)
+    request = Request(id="r1", reply=REPLY, model="m", api=Api.CHAT, stream=True, body={},
+                      created_ms=now_ms, deadline_ms=now_ms + 60_000, window_bytes=1 << 20,
+                      window_msgs=128, resumable=True)
+    msg, nc, outbox = FakeMsg(delivered=2), FakeNats(), LogOutbox()
+    ctx = JobContext(config=CONFIG, nc=nc, control_subject="tg.ctl.w1",  # type: ignore[arg-type]
+                     log_outbox=outbox)  # type: ignore[arg-type]
+    backend = FakeBackend(FakeStream(events(2)))
+    job = ResumableJob(msg, request, backend, ctx)  # type: ignore[arg-type]
+    reading = asyncio.Event()
+
+    async def swallowing_read() -> None:
+        reading.set()
+        with contextlib.suppress(asyncio.CancelledError):  # as the client's request did
+            await asyncio.sleep(5)
+        return None
+
+    job._read_log = swallowing_read  # type: ignore[method-assign]
+    task = await start(job)
+    await asyncio.wait_for(reading.wait(), 2)
+    job.cancel(DUPLICATE_DELIVERY)
+    await asyncio.wait_for(task, 5)
+    assert backend.opened == 0
+    assert nc.usage() == []
+    assert set(msg.fate) <= {"in_progress"}, msg.fate
+    assert outbox.put_count == 0, "the copy's Head reached the log"

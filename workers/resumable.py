@@ -165,6 +165,8 @@ class ResumableJob(Job):
         Its ``Head`` reaches the log only if it runs."""
         read = await self._read_log()
         if read is None or not _handed_back(read[0]):
+            if self.cancel_reason:  # see below: not a wait for a word that came
+                raise asyncio.CancelledError
             confirmed = (not self.request.extra.get("background")
                          and await super()._edge_still_waiting())
             read = None if confirmed and not self._from_log else await self._read_log()
@@ -176,6 +178,12 @@ class ResumableJob(Job):
             cursor, events = read
             runs = not cursor.ended and (not cursor.output or (
                 (self._from_log or _handed_back(cursor)) and self._continue_log(events)))
+        if self.cancel_reason:
+            # Its edge's cancel (DUPLICATE_DELIVERY) came during a log read,
+            # and the NATS client's request swallowed the task's cancellation
+            # (seen once under load): the copy must still end as cancelled,
+            # not be dropped with a usage record and an ack.
+            raise asyncio.CancelledError
         held, self._held_head = self._held_head, b""
         if runs and held:
             self._log(held)
