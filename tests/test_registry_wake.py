@@ -58,3 +58,18 @@ async def test_without_wake_the_interval_holds() -> None:
     await asyncio.sleep(0.7)
     assert len(kv.puts) == 1
     task.cancel()
+
+
+async def test_a_cancel_as_the_wake_is_set_ends_the_heartbeat() -> None:
+    """A worker stopping sets the wake and cancels its heartbeat in one loop
+    iteration: the heartbeat must end (Python 3.11's wait_for dropped such a
+    cancel, and the worker's shutdown hung until it was killed)."""
+    kv, wake = _Kv(), asyncio.Event()
+    task = await _beat(kv, wake)
+    await asyncio.sleep(registry.EARLY_SPACING + 0.1)  # waiting on the wake now
+    wake.set()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5.0)
+    if not done:
+        task.cancel()  # the failure: do not leave it running
+    assert done, "the heartbeat went on after its cancel"

@@ -129,7 +129,10 @@ class Runner(Leadership, Release):
                     log.exception("batch runner: a round failed; retrying")
                     await asyncio.sleep(0.5)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), _TICK)
+                    # Not wait_for: Python 3.11's drops a cancel that lands as
+                    # the wake is set (tidegate.control.registry.heartbeat).
+                    async with asyncio.timeout(_TICK):
+                        await self.wake.wait()
         finally:
             self.watch.close()
             follower.cancel()

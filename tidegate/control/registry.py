@@ -90,8 +90,13 @@ async def heartbeat(kv: KeyValue, snapshot: Callable[[], E], key_of: Callable[[E
                 continue
             await asyncio.sleep(EARLY_SPACING)
             if not wake.is_set():
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a
+                # cancel that lands as the wake is set (the pool sets it as it
+                # stops), and this loop then never ends: a worker stuck in its
+                # shutdown for 65 s until `tidegate up` killed it.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), max(0.0, interval - EARLY_SPACING))
+                    async with asyncio.timeout(max(0.0, interval - EARLY_SPACING)):
+                        await wake.wait()
     finally:
         if key:
             with contextlib.suppress(Exception):
