@@ -26,7 +26,13 @@ from edge.endings import worker_lost
 from edge.session import Session
 from tidegate.config import Config, ModelConfig
 from tidegate.wire import streamlog
-from tidegate.wire.delivered import joined_text, sse_events, text_continuable
+from tidegate.wire.delivered import (
+    joined_text,
+    responses_continuable,
+    responses_seam,
+    sse_events,
+    text_continuable,
+)
 from tidegate.wire.protocol import DUPLICATE_DELIVERY, Api, Cancel, Request
 
 log = logging.getLogger("tidegate.edge")
@@ -39,20 +45,14 @@ def continuable(request: Request, model: ModelConfig | None) -> bool:
     with ``failover = "continue"``, a streamed chat, completions or Responses
     request for one choice, without logprobs and without tools (a
     half-written tool call's arguments cannot be continued as text). A
-    resumable chat or completions stream continues from its stream log (the
-    next worker reads it; its client resumes there, edge.relay); a resumable
-    Responses stream (a background response is one) does not: its seam
-    (sequence numbers, ids) is not rebuilt from the log."""
+    resumable stream (a background response's too) continues from its stream
+    log: the next worker reads it and rebuilds the seam there (a Responses
+    stream's sequence numbers and ids too), and its client resumes there
+    (edge.relay)."""
     if model is None or model.failover != "continue" or not request.stream:
         return False
-    if request.resumable and request.api is Api.RESPONSES:
-        return False
-    body = request.body
     if request.api is Api.RESPONSES:
-        include = body.get("include")
-        return (not body.get("tools") and not body.get("top_logprobs")
-                and body.get("background") is not True
-                and not (isinstance(include, list) and any("logprobs" in str(i) for i in include)))
+        return responses_continuable(request)
     return text_continuable(request)
 
 
@@ -123,14 +123,14 @@ class Delivered:
 
     def text(self, api: Api) -> Seam | None:
         """The text the client received and how many events carried it (and,
-        for Responses, the seam: :func:`_responses`); None when it cannot be
-        continued (a tool call, several choices, an event that is not what a
+        for Responses, the seam: ``tidegate.wire.delivered.responses_seam``);
+        None when it cannot be continued (a tool call, several choices, an event that is not what a
         chat, completions or Responses stream of text sends)."""
         events = sse_events(self.parts) if self.whole else None
         if events is None:
             return None
         if api is Api.RESPONSES:
-            return _responses(events)
+            return responses_seam(events)
         got = joined_text(api, events)
         if got is None:
             return None
@@ -139,55 +139,6 @@ class Delivered:
         first = self.first_id if self.first_id is not None else (
             events[0].get("id") if events else None)
         return (text, tokens, 0, first) if isinstance(first, str) and first else (text, tokens)
-
-
-# The events that open a Responses stream of text, in OpenAI's order; a
-# continuation's new stream opens the same way and the worker drops as many
-# of them as the client got.
-_OPENING = ("response.created", "response.in_progress", "response.output_item.added",
-            "response.content_part.added")
-_DELTA = "response.output_text.delta"
-
-
-def _responses(events: list[Any]) -> tuple[str, int, int, str, str, int] | None:
-    """A Responses stream's seam: (text, delta events, next sequence_number,
-    response id, message item id, opening events received). Only one message
-    item of ``output_text`` is continued: any other event (a reasoning item,
-    a function call, a refusal, a closing event) makes it None."""
-    out: list[str] = []
-    next_seq = opened = 0
-    response_id = item_id = ""
-    for index, event in enumerate(events):
-        if not isinstance(event, Mapping):
-            return None
-        kind = event.get("type")
-        seq = event.get("sequence_number")
-        next_seq = seq + 1 if isinstance(seq, int) and not isinstance(seq, bool) else index + 1
-        if kind == _DELTA:
-            delta = event.get("delta")
-            if (not isinstance(delta, str) or event.get("output_index", 0) != 0
-                    or event.get("content_index", 0) != 0):
-                return None
-            out.append(delta)
-            continue
-        if out or kind not in _OPENING or _OPENING.index(kind) < opened:
-            return None  # not an opening event, or one out of its place
-        opened = _OPENING.index(kind) + 1
-        if kind == "response.output_item.added":
-            item = event.get("item")
-            if (not isinstance(item, Mapping) or item.get("type") != "message"
-                    or event.get("output_index", 0) != 0):
-                return None
-            item_id = str(item.get("id") or "")
-        elif kind == "response.content_part.added":
-            part = event.get("part")
-            if not isinstance(part, Mapping) or part.get("type") != "output_text":
-                return None
-        else:
-            response = event.get("response")
-            if isinstance(response, Mapping) and isinstance(response.get("id"), str):
-                response_id = response["id"]
-    return "".join(out), len(out), next_seq, response_id, item_id, opened
 
 
 class _Publisher(Protocol):

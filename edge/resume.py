@@ -33,7 +33,7 @@ from tidegate.config import Config, ModelConfig
 from tidegate.control.tenants import TenantTable
 from tidegate.errors import ApiError, invalid_request
 from tidegate.wire import streamlog
-from tidegate.wire.protocol import Error, ErrorInfo
+from tidegate.wire.protocol import Api, Error, ErrorInfo
 from tidegate.wire.streamlog import LogEnd, LogEvent
 
 log = logging.getLogger("tidegate.edge")
@@ -117,19 +117,26 @@ async def stream_events(http: web.Request, streamlog_: StreamLog, config: Config
             "X-Accel-Buffering": "no", **headers})
         await response.prepare(http)
         await _follow(http, response, reader, config.session.heartbeat_interval,
-                      config.edge.slow_client_timeout, config.resume.retry_ms)
+                      config.edge.slow_client_timeout, config.resume.retry_ms,
+                      Api(reader.open.api) if reader.open.api in set(Api) else Api.CHAT)
         return response
 
 
 async def _follow(http: web.Request, response: web.StreamResponse, reader: LogReader,
-                  ping_every: float, slow: float, retry_ms: int) -> None:
+                  ping_every: float, slow: float, retry_ms: int, api: Api) -> None:
     """Write the reader's items until the end, or the reconnect event at drain.
+
+    As the live stream did (edge.relay): a Responses or Messages stream ends
+    with its own terminal event, never ``[DONE]``, its first event carries
+    no ``retry:`` field (its events are numbered), and an error is its API's
+    error event.
 
     The reconnect event names ``reader.last_id``: the reader hands out no
     item once the edge drains (``next_unless_draining``), and every item it
     handed out was written before the next read, so that id is the last
     event this client got, and resuming after it loses none."""
-    retry = streamlog.retry_field(retry_ms)  # in the first event's block
+    own_end = api >= Api.RESPONSES
+    retry = b"" if own_end else streamlog.retry_field(retry_ms)  # in the first event's block
     while True:
         try:
             item = await reader.next_unless_draining(ping_every)
@@ -148,10 +155,10 @@ async def _follow(http: web.Request, response: web.StreamResponse, reader: LogRe
                     await response.write(b"%bid: %d\n%b" % (retry, item.id, item.data))
                     retry = b""
                 elif item.error is None:
-                    await response.write_eof(_DONE)
+                    await response.write_eof(b"" if own_end else _DONE)
                     return
                 else:
-                    await response.write(sse_error_event(_api_error(item.error)))
+                    await response.write(sse_error_event(_api_error(item.error), api))
                     await response.write_eof()
                     return
         except TimeoutError:

@@ -60,9 +60,9 @@ def test_what_can_be_continued() -> None:
         assert not continuable(kept, on), kept.body
     assert continuable(dataclasses.replace(request(), body=deciding_fields(request().body)), on)
     assert continuable(request(Api.RESPONSES), on)  # tests/test_continuation_apis.py
-    # A resumable one continues in its stream log; a resumable Responses stream does not.
+    # A resumable one continues in its stream log, a Responses stream's too.
     assert continuable(dataclasses.replace(request(), resumable=True), on)
-    assert not continuable(dataclasses.replace(request(Api.RESPONSES), resumable=True), on)
+    assert continuable(dataclasses.replace(request(Api.RESPONSES), resumable=True), on)
     assert not continuable(dataclasses.replace(request(), stream=False), on)
 
 

@@ -67,13 +67,16 @@ def test_what_can_be_continued_of_responses() -> None:
     on = ModelConfig(name="m", failover="continue")
     assert continuable(responses_request(), on)
     for body in ({"tools": [{"type": "function", "name": "f"}]}, {"top_logprobs": 2},
-                 {"include": ["message.output_text.logprobs"]}, {"background": True}):
+                 {"include": ["message.output_text.logprobs"]}):
         assert not continuable(responses_request(**body), on), body
         kept = dataclasses.replace(responses_request(**body),
                                    body=deciding_fields(responses_request(**body).body))
         assert not continuable(kept, on), kept.body
     assert continuable(dataclasses.replace(responses_request(),
                                            body=deciding_fields(responses_request().body)), on)
+    # A background response (always resumable) continues in its stream log.
+    assert continuable(dataclasses.replace(responses_request(background=True),
+                                           resumable=True), on)
 
 
 def test_the_continued_responses_request() -> None:

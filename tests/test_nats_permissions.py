@@ -305,6 +305,21 @@ async def test_worker_credentials_cannot_publish_requests_or_touch_keys(
 
 
 @pytest.mark.asyncio
+async def test_a_worker_may_ask_another_whether_it_runs_a_job_but_not_command_it(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    """A redelivered job no edge speaks for asks its first worker, on that
+    worker's presence subject, whether it still runs it (workers.resumable);
+    the answer goes to the asking worker's inbox. Workers still cannot
+    publish to each other's control subjects (a cancel, an ack)."""
+    s = Subjects()
+    await _allowed(auth_server, "worker", _subscribe(s.presence("w1")))
+    await _allowed(auth_server, "worker", _publish(s.presence("w1"), b"request-id"))
+    await _allowed(auth_server, "worker", _publish("_INBOX_worker.reply", b"1"))
+    await _denied(auth_server, "worker", _publish(s.control("w1")))
+    await _denied(auth_server, "edge", _publish("_INBOX_worker.reply", b"1"))
+
+
+@pytest.mark.asyncio
 async def test_dispatcher_cannot_write_keys_and_admin_can(
         pipeline: Pipeline, auth_server: AuthServer) -> None:
     s = Subjects()

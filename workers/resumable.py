@@ -35,11 +35,17 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from tidegate.broker import broker
+from tidegate.broker import broker, liveness
 from tidegate.errors import ProtocolError
 from tidegate.wire import streamlog
-from tidegate.wire.delivered import joined_text, sse_events, text_continuable
-from tidegate.wire.protocol import Continue, Error, ErrorInfo, Request
+from tidegate.wire.delivered import (
+    joined_text,
+    responses_continuable,
+    responses_seam,
+    sse_events,
+    text_continuable,
+)
+from tidegate.wire.protocol import DUPLICATE_DELIVERY, Api, Continue, Error, ErrorInfo, Request
 from tidegate.wire.streamlog import LogCursor, LogEvent
 from workers.backends import Backend
 from workers.continuation import continued
@@ -176,6 +182,9 @@ class ResumableJob(Job):
             runs = confirmed  # its client got nothing: the edge's word, the log unread
         else:
             cursor, events = read
+            if (not confirmed and not self._from_log and not _handed_back(cursor)
+                    and not cursor.ended and cursor.control):
+                await self._judge_first(cursor.control)
             runs = not cursor.ended and (not cursor.output or (
                 (self._from_log or _handed_back(cursor)) and self._continue_log(events)))
         if self.cancel_reason:
@@ -189,19 +198,58 @@ class ResumableJob(Job):
             self._log(held)
         return runs
 
+    async def _judge_first(self, control: str) -> None:
+        """No edge spoke for this copy (its client left, its edge died, a
+        background response has none): it asks the worker of the log's last
+        Head (at ``control``) itself whether that worker still runs the job
+        (``tidegate.broker.liveness.runs``, on the worker's presence subject).
+        Yes: this is a second delivery, and the copy ends without a trace
+        (``DUPLICATE_DELIVERY``: no record, no ack, nothing logged; the next
+        delivery asks again). No (the worker is gone, or lives without the
+        job): that is the word an edge's hand-back would have been, and the
+        copy continues the log. Unknown (this worker cannot ask): as before,
+        the log alone decides."""
+        if control == self.ctx.control_subject:
+            self._from_log = True  # this worker's own earlier attempt, no longer running
+            return
+        presence = self.ctx.config.nats.subjects.presence_of(control)
+        interval = self.ctx.config.session.liveness_interval
+        running = (await liveness.runs(self.ctx.nc, presence, self.request.id, interval)
+                   if presence and interval > 0 else None)
+        if running:
+            log.info("job %s: its first worker %s still runs it; this copy is a second "
+                     "delivery", self.request.id, control)
+            self.cancel_reason = DUPLICATE_DELIVERY
+            raise asyncio.CancelledError
+        if running is False:
+            log.info("job %s: no edge spoke and its first worker %s no longer runs it",
+                     self.request.id, control)
+            self._from_log = True
+
     def _continue_log(self, events: list[bytes]) -> bool:
         """Continue the text of ``events`` (the log's, in order) if this
         request may be (see workers.continuation); False if not."""
         request = self.request
         model = self.ctx.config.model_index().get(request.model)
-        if model is None or model.failover != "continue" or not text_continuable(request):
+        if model is None or model.failover != "continue" or not (
+                text_continuable(request) or responses_continuable(request)):
             return False
         parsed = sse_events(events)
-        got = None if parsed is None else joined_text(request.api, parsed)
-        if parsed is None or got is None:
+        if parsed is None:
             return False
-        first = parsed[0].get("id") if parsed else None
-        go = Continue(request.id, got[0], got[1], 0, first if isinstance(first, str) else "")
+        if request.api is Api.RESPONSES:
+            # Its seam, as an edge builds it from what it delivered: the
+            # continuation numbers its events on and keeps the client's ids.
+            seam = responses_seam(parsed)
+            if seam is None:
+                return False
+            go = Continue(request.id, *seam)
+        else:
+            got = joined_text(request.api, parsed)
+            if got is None:
+                return False
+            first = parsed[0].get("id") if parsed else None
+            go = Continue(request.id, got[0], got[1], 0, first if isinstance(first, str) else "")
         self._origin = (request, go.text, go.tokens)
         self.request, self.continued = continued(request, go.text, go.tokens), go
         log.info("job %s continues its stream log after %d events", request.id, len(events))

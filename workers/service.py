@@ -164,6 +164,13 @@ class Pool:
             out.append((float(info.free), {tm.MODEL: model, tm.SLOT_STATE: "free"}))
         return out
 
+    async def on_presence(self, msg: Msg) -> None:
+        """A presence probe (tidegate.broker.liveness). An empty one gets no
+        answer (the requester's timeout says "alive"); another worker's names
+        a request id and learns whether this worker runs its job."""
+        if msg.data and msg.reply:
+            await msg.respond(b"1" if msg.data.decode(errors="replace") in self.jobs else b"0")
+
     async def on_control(self, msg: Msg) -> None:
         if not msg.data:
             # An edge's liveness probe (tidegate.broker.liveness): being subscribed is the
@@ -473,6 +480,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     pool.fence = fence
     pools.append(pool)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
+    # Presence (tidegate.broker.liveness): while this connection lives, "no
+    # responders" never comes back.
+    await nc.subscribe(subjects.presence(worker_id), cb=pool.on_presence)
     # Retransmits from an edge that lost a Head (it cannot know the worker).
     await nc.subscribe(subjects.retransmit_any, cb=pool.on_control)
     cancels = await broker.ensure_cancels_bucket(js, config)

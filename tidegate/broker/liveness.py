@@ -65,6 +65,62 @@ log = logging.getLogger("tidegate.liveness")
 # interval (0.25 s) plus this.
 CONFIRM_AFTER = 1.5
 
+# How long a worker asked whether it runs a job (:func:`runs`) has to say so
+# before its silence is taken for "alive, maybe running it" (a busy box).
+ANSWER_WITHIN = 2.0
+
+
+async def nobody_at(nc: NATS, subject: str, wait: float) -> bool | None:
+    """One probe, waiting ``wait`` seconds at most. True: nobody subscribes
+    to ``subject``; False: somebody does (the request timed out unanswered,
+    or was answered); None: this
+    process could not ask (its own NATS connection is down: that says
+    nothing)."""
+    try:
+        await nc.request(subject, b"", timeout=wait)
+    except nats.errors.NoRespondersError:
+        return True
+    except nats.errors.TimeoutError:
+        return False
+    except (TimeoutError, nats.errors.Error, OSError):
+        return None
+    return False
+
+
+async def runs(nc: NATS, presence: str, request_id: str, interval: float) -> bool | None:
+    """Whether the worker whose presence subject is ``presence`` still runs
+    the job of ``request_id``, asked once: a redelivered job no edge speaks
+    for asks it of its first worker (workers.resumable). The worker answers
+    ``b"1"`` (it runs it) or ``b"0"`` (it lives, but the job is not running
+    there: it ended it, or dropped it when cut from NATS, workers.fencing).
+
+    False once every probe for :data:`CONFIRM_AFTER` found no subscriber (the
+    rule of :class:`WorkerWatch`) or the worker says ``0``; True when it says
+    ``1`` or does not answer (subscribed, so alive: a stopped or saturated
+    worker may still run it, and is never taken for gone); None when this
+    process could not ask for ``4 * CONFIRM_AFTER``."""
+    start = time.monotonic()
+    absent_since: float | None = None
+    while time.monotonic() - start < 4 * CONFIRM_AFTER:
+        started = time.monotonic()
+        try:
+            reply = await nc.request(presence, request_id.encode(), timeout=ANSWER_WITHIN)
+        except nats.errors.NoRespondersError:
+            if absent_since is None:
+                absent_since = started
+            elif started - absent_since >= CONFIRM_AFTER:
+                return False
+        except nats.errors.TimeoutError:
+            return True
+        except (TimeoutError, nats.errors.Error, OSError):
+            absent_since = None  # no probe is no evidence: the confirmation starts again
+        else:
+            return reply.data != b"0"
+        rest = interval - (time.monotonic() - started)
+        if rest > 0:
+            await asyncio.sleep(rest)
+    return None
+
 
 class Follower(Protocol):
     """What the watch tells: a session (``edge.session.Session``)."""
@@ -119,26 +175,12 @@ class WorkerWatch:
         self._probes.clear()
         self._followers.clear()
 
-    async def _absent(self, control: str) -> bool | None:
-        """True: nobody subscribes to ``control``; False: somebody does (the
-        request timed out unanswered, or was answered); None: this edge could
-        not ask (its own NATS connection is down: that says nothing)."""
-        try:
-            await self._nc.request(control, b"", timeout=self.interval)
-        except nats.errors.NoRespondersError:
-            return True
-        except nats.errors.TimeoutError:
-            return False
-        except (TimeoutError, nats.errors.Error, OSError):
-            return None
-        return False
-
     async def _probe(self, control: str) -> None:
         alive_at = time.monotonic()
         absent_since: float | None = None  # the first of the probes that found nobody
         while control in self._followers:
             started = time.monotonic()
-            absent = await self._absent(control)
+            absent = await nobody_at(self._nc, control, self.interval)
             if absent is False:
                 alive_at, absent_since = started, None
             elif absent:

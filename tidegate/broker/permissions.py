@@ -261,13 +261,18 @@ def access(subjects: Subjects) -> dict[str, Access]:
               # dead attempt (workers.resumable).
               .get(log)
               .messages(f"{p}.out.>", s.usage_wildcard, s.load_wildcard,
-                        streamlog.wildcard(s))
+                        streamlog.wildcard(s),
+                        # A redelivered job no edge spoke for asks its first
+                        # worker whether it still runs it (workers.resumable):
+                        # presence, which commands nothing; the answer goes to
+                        # the asking worker's inbox.
+                        f"{p}.live.*", inbox("worker"))
               .watch(s.cancels_bucket).write(s.cancels_bucket)
               .write(s.workers_bucket)
               .watch(prices)  # each job is costed at its model's price
               .watch(s.affinity_bucket).write(s.affinity_bucket)
               .watch(s.claims_bucket).write(s.claims_bucket)
-              .done((inbox("worker"), f"{p}.ctl.*")))
+              .done((inbox("worker"), f"{p}.ctl.*", f"{p}.live.*")))
     return {"edge": edge, "dispatcher": dispatcher, "worker": worker}
 
 

@@ -173,6 +173,21 @@ class Subjects:
     def control(self, worker_id: str) -> str:
         return f"{self.prefix}.ctl.{worker_id}"
 
+    def presence(self, worker_id: str) -> str:
+        """A worker's presence: it subscribes here and never answers, so a
+        request answered "no responders" says its NATS connection is gone
+        (tidegate.broker.liveness). Unlike its control subject, asking here
+        tells the worker nothing, so other workers may ask too."""
+        return f"{self.prefix}.live.{worker_id}"
+
+    def presence_of(self, control: str) -> str:
+        """The presence subject of the worker at ``control`` (a Head's), or
+        "" if ``control`` is not a worker's control subject."""
+        head, _, worker_id = control.rpartition(".")
+        if head != f"{self.prefix}.ctl" or not worker_id or worker_id == "any":
+            return ""
+        return self.presence(worker_id)
+
     @property
     def retransmit_any(self) -> str:
         """Every worker listens here for a ``Retransmit`` from an edge that
