@@ -86,6 +86,16 @@ def decode_token(token: str) -> str:
     return out.decode("utf-8")
 
 
+def presence_of(control: str) -> str:
+    """The presence subject (``<p>.live.<worker>``) of the worker whose
+    control subject is ``control`` (``<p>.ctl.<worker>``), whatever the
+    prefix; "" if ``control`` is not one."""
+    head, ctl, worker_id = ["", "", "", *control.rsplit(".", 2)][-3:]
+    if not head or ctl != "ctl" or not worker_id or worker_id == "any":
+        return ""
+    return f"{head}.live.{worker_id}"
+
+
 @dataclass(frozen=True, slots=True)
 class Subjects:
     """Subject and stream names for one prefix."""
@@ -182,11 +192,8 @@ class Subjects:
 
     def presence_of(self, control: str) -> str:
         """The presence subject of the worker at ``control`` (a Head's), or
-        "" if ``control`` is not a worker's control subject."""
-        head, _, worker_id = control.rpartition(".")
-        if head != f"{self.prefix}.ctl" or not worker_id or worker_id == "any":
-            return ""
-        return self.presence(worker_id)
+        "" if ``control`` is not a worker's control subject of this prefix."""
+        return presence_of(control) if control.startswith(f"{self.prefix}.ctl.") else ""
 
     @property
     def retransmit_any(self) -> str:
