@@ -21,8 +21,9 @@ nobody is there, to its control subject ``<p>.ctl.<worker>`` (an older
 worker holds only that one):
 
 * no responders at either: the subscriptions are gone, the worker is dead
-  once every probe for the confirmation says so, then every follower is told (``worker_lost``: an edge's
-  ``edge.session.Session``, a batch line's ``LineFollower``) and acts at
+  once every probe for the confirmation says so, then every follower is
+  told (``worker_lost``: an edge's ``edge.session.Session``, a batch line's
+  ``LineFollower``) and acts at
   once (see ``edge.continuation.worker_gone``: a job is handed back to
   JetStream with a ``nak`` so another worker runs it now, not after
   ``worker.ack_wait``). The confirmation rides out a subscription dropped
