@@ -74,6 +74,7 @@ class Outcome:
     duration: float = 0.0
     accepted: bool = False  # HTTP 200 came: the stream had begun when it ended
     resumes: int = 0  # reconnections of a resumable stream (GET /v1/streams/{id})
+    request_id: str = ""  # x-request-id, once the stream began (the tiers' logs name it)
 
 
 async def expected_text(config: Config, prompt: str, max_tokens: int) -> str:
@@ -201,7 +202,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
                             "truncated", f"HTTP {resp.status} without an OpenAI error body")
                         return out
                     out.accepted = True
-                    request_id = resp.headers.get("x-request-id", "")
+                    request_id = out.request_id = resp.headers.get("x-request-id", "")
                     return finish(await consume(resp))
             except _Ended:
                 return finish(False)  # a proper end without [DONE]: never resumed over
@@ -497,6 +498,24 @@ async def killer(fleet: Fleet, stop: asyncio.Event, rng: random.Random, t0: floa
             await asyncio.to_thread(fleet.nats.wait_healthy, 60.0)
 
 
+async def served(url: str, config: Config, within: float = 90.0) -> None:
+    """Until one stream has gone through every tier: the edge's ``/readyz``
+    says the edge is up, not that a worker pulls yet (its JetStream calls
+    wait for the new cluster's leaders), and the first requests of the
+    load would wait for it, a stall nobody's kill caused."""
+    deadline = time.monotonic() + within
+    async with aiohttp.ClientSession() as session:
+        while True:
+            expected = await expected_text(config, "warm up", 4)
+            out = await stream_once(session, url, "warm up", 4, expected, 30.0)
+            if out.kind == "complete":
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no stream through the fleet within {within:g}s: "
+                                   f"{out.kind} {out.code}")
+            await asyncio.sleep(0.5)
+
+
 async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, seed: int = 1,
                 interval: tuple[float, float] = (3.0, 6.0),
                 kinds: tuple[str, ...] | None = None, resume: bool = True,
@@ -507,6 +526,11 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
     if kinds is None:
         kinds = (*KINDS, "backend") if backends else KINDS
     await asyncio.to_thread(fleet.start)
+    try:
+        await served(fleet.url, fleet.config)
+    except BaseException:
+        await asyncio.to_thread(fleet.stop)
+        raise
     stop_supervisor = threading.Event()
     supervisor = asyncio.create_task(asyncio.to_thread(fleet.supervise, stop_supervisor))
     try:
@@ -533,6 +557,11 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
     report["slow_streams"] = [[round(o.started - t0, 2), round(o.max_stall, 2)]
                               for o in load.outcomes if o.kind == "complete"
                               and o.max_stall > 1.0]
+    # The streams that began and did not complete, to look up in the tiers'
+    # logs (--workdir keeps them): [start, kind:code, request id].
+    report["failed_streams"] = [[round(o.started - t0, 2), f"{o.kind}:{o.code}", o.request_id]
+                                for o in load.outcomes
+                                if o.accepted and o.kind != "complete"]
     restarts = fleet.restarts()
     report.update(duration_s=duration, concurrency=concurrency, seed=seed, resume=resume,
                   backends=backends,

@@ -75,7 +75,8 @@ class EdgeState:
     def __post_init__(self) -> None:
         self.models = self.config.model_index()
         # One liveness probe per edge, per followed worker (tidegate.broker.liveness).
-        watch = WorkerWatch(self.nc, self.config.session.liveness_interval)
+        watch = WorkerWatch(self.nc, self.config.session.liveness_interval,
+                            self.config.worker.fetch_timeout)
         self.relay = RelayContext(self.config, NatsPublisher(self.nc, self.config.nats.subjects),
                                   Link(self.nc, grace(self.config.nats)),
                                   watch if watch.enabled else None, self.models)

@@ -56,6 +56,12 @@ def test_the_short_confirmation_needs_presence_and_a_settled_link() -> None:
         CONFIRM_AFTER
     assert watch.confirmation(True, 200.0 + liveness.SETTLE_AFTER_RECONNECT) == \
         CONFIRM_PRESENT
+    # Never before the dead worker's pull requests expired (worker.fetch_timeout):
+    # a job handed back earlier would go to one of them and wait out ack_wait.
+    slow_pulls = WorkerWatch(_Client(), 0.25, pull_expiry=1.0)  # type: ignore[arg-type]
+    assert slow_pulls.confirmation(True, 100.0) == 1.0 + liveness.PULL_MARGIN
+    assert WorkerWatch(_Client(), 0.25, pull_expiry=0.4).confirmation(  # type: ignore[arg-type]
+        True, 100.0) == CONFIRM_PRESENT
 
 
 async def _ignore(msg: Msg) -> None:

@@ -118,7 +118,8 @@ class RunnerState:
         self.wake = asyncio.Event()
         # The workers running lines, probed for death (tidegate.broker.liveness),
         # and the deaths found, (request id, control subject), for the next round.
-        self.watch = WorkerWatch(nc, config.session.liveness_interval)
+        self.watch = WorkerWatch(nc, config.session.liveness_interval,
+                                 config.worker.fetch_timeout)
         self.lost: deque[tuple[str, str]] = deque()
         self.slots: dict[str, int] = {}
         self._last_tenant = ""  # the tenant the last released line belonged to

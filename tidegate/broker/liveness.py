@@ -86,6 +86,14 @@ CONFIRM_AFTER = 1.5
 # reconnecting. Detection: the interval (0.25 s) plus this, about 0.75 s.
 CONFIRM_PRESENT = 0.5
 
+# A job handed back (-NAK) while the dead worker's last pull requests are
+# still registered on the server goes to one of them, nobody reads it, and it
+# waits out worker.ack_wait (nats-server keeps a pull request until it
+# expires, whoever sent it). A death is confirmed only once those have
+# expired: never sooner than the pull expiry (worker.fetch_timeout) plus this,
+# after the first probe that found nobody, which is after the death.
+PULL_MARGIN = 0.1
+
 # After the probing process's own reconnect (one node served it and, maybe,
 # every worker), workers may still be reconnecting: the long confirmation,
 # for this long.
@@ -157,9 +165,11 @@ class Follower(Protocol):
 class WorkerWatch:
     """Probes every worker control subject some open stream follows."""
 
-    def __init__(self, nc: NATS, interval: float) -> None:
+    def __init__(self, nc: NATS, interval: float, pull_expiry: float = 0.0) -> None:
         self._nc = nc
         self.interval = interval
+        # The shortest confirmation: the followed workers' pull expiry (see PULL_MARGIN).
+        self._floor = pull_expiry + PULL_MARGIN if pull_expiry > 0 else 0.0
         self._followers: dict[str, set[Follower]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.lost_total = 0
@@ -208,13 +218,14 @@ class WorkerWatch:
         dead: :data:`CONFIRM_PRESENT` for one seen holding its presence
         subject (``present``), unless this process reconnected within
         :data:`SETTLE_AFTER_RECONNECT`; :data:`CONFIRM_AFTER` otherwise
-        (an older worker holds only its control subject, on one connection)."""
+        (an older worker holds only its control subject, on one connection);
+        never less than the workers' pull expiry plus :data:`PULL_MARGIN`."""
         reconnects = self._nc.stats.get("reconnects", 0)
         if reconnects != self._reconnects:
             self._reconnects, self._reconnected_at = reconnects, now
         if present and now - self._reconnected_at >= SETTLE_AFTER_RECONNECT:
-            return CONFIRM_PRESENT
-        return CONFIRM_AFTER
+            return max(CONFIRM_PRESENT, self._floor)
+        return max(CONFIRM_AFTER, self._floor)
 
     async def _probe(self, control: str) -> None:
         presence = presence_of(control)
@@ -223,6 +234,7 @@ class WorkerWatch:
         present = False  # its presence subject answered once: held on two connections
         while control in self._followers:
             started = time.monotonic()
+            confirm = self.confirmation(present, started)  # every round: it notes reconnects
             absent = await nobody_at(self._nc, presence, self.interval) if presence else True
             if absent is False:
                 present = True
@@ -235,7 +247,7 @@ class WorkerWatch:
             elif absent:
                 if absent_since is None:
                     absent_since = started
-                elif started - absent_since >= self.confirmation(present, started):
+                elif started - absent_since >= confirm:
                     self._declare_lost(control, time.monotonic() - alive_at)
                     return
             # A timed-out probe already took the interval; an answered or

@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the model from N replicas of the bench's fake OpenAI "
                             "server (processes, killed too) instead of the in-worker "
                             "simulator (default: 0)")
+    chaos.add_argument("--workdir", metavar="DIR",
+                       help="keep the fleet's state and logs here (logs/<process>.log) "
+                            "instead of a temporary directory removed at the end")
     chaos.add_argument("--no-resume", action="store_true",
                        help="plain streams: a lost connection ends the request (default: "
                             "resumable streams, resumed on any edge after a lost connection)")

@@ -54,8 +54,9 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.concurrency < 1 or args.backends < 0:
         raise ConfigError("--duration must be > 0, --concurrency >= 1 and --backends >= 0")
     return chaos.run(args.duration, args.concurrency, args.seed,
-                     Path(args.out) if args.out else None, resume=not args.no_resume,
-                     backends=args.backends)
+                     Path(args.out) if args.out else None,
+                     workdir=Path(args.workdir) if args.workdir else None,
+                     resume=not args.no_resume, backends=args.backends)
 
 
 def _data_dir(args: argparse.Namespace) -> Path | None:
