@@ -452,6 +452,11 @@ class Relay(StreamState):
                 # gets a cancel).
                 got = self.delivered.text(self.request.api) if self.delivered else None
                 if got is None or not self.delivered.pending:  # type: ignore[union-attr]
+                    log.info("request %s: attempt %d on %s after output (worker %s, %s); "
+                             "ends with worker_lost", self.request.id, head.attempt,
+                             head.control, self.control,
+                             "handed back" if self.handed_back else
+                             "alive" if self._worker_lives() else "not followed")
                     raise worker_lost()
                 go = Continue(self.request.id, *got).encode()
             log.info("request %s %s on another worker (attempt %d)", self.request.id,

@@ -335,13 +335,15 @@ def _blocks(raw: bytes) -> list[bytes]:
 
 
 async def _resumable(session: aiohttp.ClientSession, url: str, text: str,
-                     out: dict[str, Any]) -> None:
+                     out: dict[str, Any], path: str = "/v1/chat/completions") -> None:
     """A resumable stream read as a client that follows ``event: reconnect``:
-    its event blocks (``id:`` lines included), in order, every part's, and
-    how many times it resumed."""
-    resp = await session.post(f"{url}/v1/chat/completions", headers=RESUMABLE, json={
+    (its request id, its event blocks, ``id:`` lines included, in order,
+    every part's, how many times it resumed). ``path``: a chat completion,
+    or a Responses stream (``/v1/responses``, ``text`` its input)."""
+    resp = await session.post(f"{url}{path}", headers=RESUMABLE, json={
         "model": "tidegate-sim", "stream": True,
-        "messages": [{"role": "user", "content": text}]})
+        **({"input": text} if path == "/v1/responses"
+           else {"messages": [{"role": "user", "content": text}]})})
     assert resp.status == 200, await resp.text()
     rid = resp.headers["x-request-id"]
     got, resumes = _blocks(await resp.read()), 0

@@ -81,20 +81,7 @@ async def _responses(session: aiohttp.ClientSession, url: str, text: str,
                      out: dict[str, Any]) -> None:
     """A resumable Responses stream read as a client that follows ``event:
     reconnect``: (its request id, its event blocks, how often it resumed)."""
-    resp = await session.post(f"{url}/v1/responses", headers=RESUMABLE, json={
-        "model": "tidegate-sim", "stream": True, "input": text})
-    assert resp.status == 200, await resp.text()
-    rid = resp.headers["x-request-id"]
-    got, resumes = _blocks(await resp.read()), 0
-    while got[-1].startswith(b"event: reconnect"):
-        last = json.loads(got.pop().split(b"data: ", 1)[1])["last_event_id"]
-        resumes += 1
-        assert resumes < 5, got[-3:]
-        async with session.get(f"{url}/v1/streams/{rid}",
-                               headers={**RESUMABLE, "Last-Event-ID": str(last)}) as again:
-            assert again.status == 200, await again.text()
-            got += _blocks(await again.read())
-    out[text] = (rid, got, resumes)
+    await _resumable(session, url, text, out, path="/v1/responses")
 
 
 def _events(blocks: list[bytes]) -> list[dict[str, Any]]:

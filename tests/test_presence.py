@@ -13,6 +13,7 @@ another node than the main one and moves off it when both meet there."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
+from tests.pipeline import Pipeline
 from tests.poll import eventually
 from tests.servers import ServerHandle, start_nats_cluster
+from tests.test_continuation import killed_then_whole, normalized, overrides, run
 from tidegate.broker import liveness
 from tidegate.broker.liveness import CONFIRM_AFTER, CONFIRM_PRESENT, Presence, WorkerWatch
 from tidegate.config import NatsConfig
@@ -158,3 +161,44 @@ async def test_presence_goes_to_another_node_and_leaves_one_it_comes_to_share(
         await presence.close()
         await main.close()
         await edge.close()
+
+
+@pytest.fixture
+def slow_pulls(tmp_path: Path, nats_server: ServerHandle,
+               redis_server: ServerHandle) -> Iterator[Pipeline]:
+    """Two workers whose pull requests live 3 s (worker.fetch_timeout) and a
+    redelivery only after 60 s (worker.ack_wait; the lost-worker limit
+    above it): a job handed back to a dead worker's still registered pull
+    request would pause its stream for a minute."""
+    cfg = overrides(ack_wait=60.0)
+    cfg["worker"]["fetch_timeout"] = 3.0
+    cfg["session"]["worker_lost_after"] = 70
+    p = Pipeline(tmp_path, nats_server.url, redis_server.url, workers=2, overrides=cfg)
+    try:
+        p.start()
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_death_is_acted_on_after_the_dead_workers_pull_requests_expired(
+        slow_pulls: Pipeline) -> None:
+    """A worker SIGKILLed mid-stream under 12 streams, its pull requests
+    still registered on the server for up to 3 s: the edges hand its jobs
+    back only once those expired, so each goes to the live worker and every
+    stream completes byte-exact, its pause seconds long. Handed back at once
+    (0.75 s), a job could go to a dead request and wait for the 60 s of
+    worker.ack_wait (the bound below is two thirds of that: a loaded box's
+    few seconds are far from it)."""
+    texts = [f"pulls-{i}-{uuid.uuid4().hex}" for i in range(12)]
+    got, whole = await killed_then_whole(slow_pulls, lambda session, out: [
+        run(session, slow_pulls.url, t, out) for t in texts])
+    assert "continued on another worker" in slow_pulls.logs()
+    for t in texts:
+        raw, _ = got[t]
+        assert raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+        assert normalized(raw) == normalized(whole[t][0]), t
+    pauses = sorted(got[t][1] for t in texts)
+    assert pauses[-1] < 40.0, pauses
