@@ -317,9 +317,6 @@ async def test_a_worker_may_ask_another_whether_it_runs_a_job_but_not_command_it
     await _allowed(auth_server, "worker", _publish("_INBOX_worker.reply", b"1"))
     await _denied(auth_server, "worker", _publish(s.control("w1")))
     await _denied(auth_server, "edge", _publish("_INBOX_worker.reply", b"1"))
-    # Edges and the dispatcher's batch runner probe presence (liveness).
-    await _allowed(auth_server, "edge", _publish(s.presence("w1")))
-    await _allowed(auth_server, "dispatcher", _publish(s.presence("w1")))
 
 
 @pytest.mark.asyncio

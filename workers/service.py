@@ -40,7 +40,7 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate.broker import broker, liveness, poison
+from tidegate.broker import broker, poison
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.broker.pull import Credit, Puller
 from tidegate.config import Config, ModelConfig
@@ -457,15 +457,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     resends: set[asyncio.Task[None]] = set()
 
     fence = Fence(stop_jobs, resend_all)
-    presence: liveness.Presence | None = None
-
-    def on_link(up: bool) -> None:
-        fence.on_link(up)
-        if presence is not None:
-            presence.on_link(up)  # back on the presence connection's node? it moves
-
     nc = await broker.connect(config.nats, f"tidegate-worker-{worker_id}", stop,
-                              on_link=on_link)
+                              on_link=fence.on_link)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
     outbox = None
@@ -487,12 +480,9 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     pool.fence = fence
     pools.append(pool)
     await nc.subscribe(ctx.control_subject, cb=pool.on_control)
-    # Presence (tidegate.broker.liveness), on this connection and a second
-    # one to another node: "no responders" there means this process is gone.
+    # Presence (tidegate.broker.liveness): while this connection lives, "no
+    # responders" never comes back.
     await nc.subscribe(subjects.presence(worker_id), cb=pool.on_presence)
-    presence = liveness.Presence(config.nats, f"tidegate-worker-{worker_id}-presence",
-                                 subjects.presence(worker_id), pool.on_presence)
-    await presence.start(nc, stop)
     # Retransmits from an edge that lost a Head (it cannot know the worker).
     await nc.subscribe(subjects.retransmit_any, cb=pool.on_control)
     cancels = await broker.ensure_cancels_bucket(js, config)
@@ -559,8 +549,6 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     finally:
         for backend in [*backends.values(), *replica_backends.values()]:
             await backend.aclose()
-        if presence is not None:
-            await presence.close()
         await log_outbox.close()  # the last jobs' Done and Error messages (and log entries)
         if outbox is not None and outbox is not log_outbox:
             await outbox.close()

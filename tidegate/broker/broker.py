@@ -43,8 +43,7 @@ log = logging.getLogger("tidegate.broker")
 
 
 async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
-                  on_link: Callable[[bool], None] | None = None,
-                  servers: list[str] | None = None) -> NATS:
+                  on_link: Callable[[bool], None] | None = None) -> NATS:
     """Connect to NATS, retrying until it answers or ``stop`` is set.
 
     Once connected the client reconnects forever on its own: a NATS restart
@@ -53,10 +52,6 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
     unanswered, ``nats.ping_interval`` apart, and it drops the connection and
     reconnects. ``on_link(False)`` is called at every disconnect,
     ``on_link(True)`` at every reconnect (workers.fencing).
-
-    ``servers``: these, tried in this order (a worker's presence connection
-    asks for another node than its main one's: tidegate.broker.liveness),
-    instead of ``nats.url``'s list in a random order.
     """
 
     async def on_error(exc: Exception) -> None:
@@ -75,16 +70,13 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
         if on_link is not None:
             on_link(True)
 
-    ordered = servers is not None
-    if servers is None:
-        servers = [s.strip() for s in cfg.url.split(",") if s.strip()]
+    servers = [s.strip() for s in cfg.url.split(",") if s.strip()]
     login = connect_options(cfg, name)  # a bad credentials file fails here, once
     delay = 0.2
     while True:
         try:
             nc = await nats.connect(
                 servers=servers,
-                dont_randomize=ordered,
                 name=name,
                 **login,
                 connect_timeout=max(1, int(cfg.connect_timeout)),

@@ -10,32 +10,24 @@ long prefill. The heartbeat rule (``session.worker_lost_after`` heartbeats,
 45 s by default) was the only judge before this module.
 
 The broker knows better: a worker killed outright (SIGKILL, OOM, node loss)
-loses its NATS connections, and the server drops their subscriptions, among
-them its presence subject ``<p>.live.<worker>`` (:class:`Presence`: held on
-its main connection and on a second one, to another node). A request to a
-subject nobody subscribes to is answered at once by the server with a "no
-responders" status. So the edge, for each *worker* (not each stream) its
-open streams follow, sends an empty request to that worker's presence
-subject every ``session.liveness_interval`` (0.25 s by default), and, when
-nobody is there, to its control subject ``<p>.ctl.<worker>`` (an older
-worker holds only that one):
+loses its NATS connection, and the server drops its subscriptions, among them
+its control subject ``<p>.ctl.<worker>``. A request to a subject nobody
+subscribes to is answered at once by the server with a "no responders"
+status. So the edge, for each *worker* (not each stream) its open streams
+follow, sends an empty request to that worker's control subject every
+``session.liveness_interval`` (0.25 s by default):
 
-* no responders at either: the subscriptions are gone, the worker is dead
-  once every probe for the confirmation says so, then every follower is
-  told (``worker_lost``: an edge's ``edge.session.Session``, a batch line's
-  ``LineFollower``) and acts at
+* no responders: the subscription is gone, the worker is dead once every
+  probe for :data:`CONFIRM_AFTER` (1.5 s) says so (a subscription dropped
+  and made again in between, as a reconnect does, is not a death), then
+  every follower is told (``worker_lost``: an edge's
+  ``edge.session.Session``, a batch line's ``LineFollower``) and acts at
   once (see ``edge.continuation.worker_gone``: a job is handed back to
   JetStream with a ``nak`` so another worker runs it now, not after
-  ``worker.ack_wait``). The confirmation rides out a subscription dropped
-  and made again, as a reconnect does: :data:`CONFIRM_PRESENT` (0.5 s:
-  detection in about 0.75 s) for a worker seen holding its presence, whose
-  two connections do not both reconnect when one node dies;
-  :data:`CONFIRM_AFTER` (1.5 s) for one that holds only its control
-  subject, and for every worker for a while after the prober's own
-  reconnect (a single node's restart: all reconnect at once).
+  ``worker.ack_wait``).
 * the request times out: the worker is subscribed and its connection alive.
-  It sends no reply (workers ignore an empty probe; their credentials
-  cannot publish to an edge inbox anyway), so a timeout is the
+  It sends no reply (workers ignore an empty control message; their
+  credentials cannot publish to an edge inbox anyway), so a timeout is the
   normal answer of a live worker, and a *slow* worker (a long prefill, a GC
   pause, a stopped process, a saturated box) is the same: it is never
   declared dead by this rule. The server itself drops a stopped client only
@@ -56,16 +48,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-
-from tidegate.broker import broker
-from tidegate.config import NatsConfig
-from tidegate.wire.subjects import presence_of
 
 log = logging.getLogger("tidegate.liveness")
 
@@ -79,13 +65,6 @@ log = logging.getLogger("tidegate.liveness")
 # interval (0.25 s) plus this.
 CONFIRM_AFTER = 1.5
 
-# The confirmation for a worker seen holding its presence subject
-# (:class:`Presence`): it holds it on two connections, to two NATS nodes
-# where it knows two, so one node's death leaves it a subscriber, and "no
-# responders" for this long (three probes) means the process is gone, not
-# reconnecting. Detection: the interval (0.25 s) plus this, about 0.75 s.
-CONFIRM_PRESENT = 0.5
-
 # A job handed back (-NAK) while the dead worker's last pull requests are
 # still registered on the server goes to one of them, nobody reads it, and it
 # waits out worker.ack_wait (nats-server keeps a pull request until it
@@ -93,11 +72,6 @@ CONFIRM_PRESENT = 0.5
 # expired: never sooner than the pull expiry (worker.fetch_timeout) plus this,
 # after the first probe that found nobody, which is after the death.
 PULL_MARGIN = 0.1
-
-# After the probing process's own reconnect (one node served it and, maybe,
-# every worker), workers may still be reconnecting: the long confirmation,
-# for this long.
-SETTLE_AFTER_RECONNECT = 5.0
 
 # How long a worker asked whether it runs a job (:func:`runs`) has to say so
 # before its silence is taken for "alive, maybe running it" (a busy box).
@@ -168,13 +142,13 @@ class WorkerWatch:
     def __init__(self, nc: NATS, interval: float, pull_expiry: float = 0.0) -> None:
         self._nc = nc
         self.interval = interval
-        # The shortest confirmation: the followed workers' pull expiry (see PULL_MARGIN).
-        self._floor = pull_expiry + PULL_MARGIN if pull_expiry > 0 else 0.0
+        # How long "no responders" must last: CONFIRM_AFTER, or the followed
+        # workers' pull expiry plus PULL_MARGIN when that is longer.
+        self.confirmation = max(CONFIRM_AFTER, pull_expiry + PULL_MARGIN if pull_expiry > 0
+                                else 0.0)
         self._followers: dict[str, set[Follower]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.lost_total = 0
-        self._reconnects = 0  # the client's reconnect count at the last look
-        self._reconnected_at = -SETTLE_AFTER_RECONNECT  # monotonic, when it changed
 
     @property
     def enabled(self) -> bool:
@@ -213,41 +187,18 @@ class WorkerWatch:
         self._probes.clear()
         self._followers.clear()
 
-    def confirmation(self, present: bool, now: float) -> float:
-        """How long "no responders" must last before a worker is taken for
-        dead: :data:`CONFIRM_PRESENT` for one seen holding its presence
-        subject (``present``), unless this process reconnected within
-        :data:`SETTLE_AFTER_RECONNECT`; :data:`CONFIRM_AFTER` otherwise
-        (an older worker holds only its control subject, on one connection);
-        never less than the workers' pull expiry plus :data:`PULL_MARGIN`."""
-        reconnects = self._nc.stats.get("reconnects", 0)
-        if reconnects != self._reconnects:
-            self._reconnects, self._reconnected_at = reconnects, now
-        if present and now - self._reconnected_at >= SETTLE_AFTER_RECONNECT:
-            return max(CONFIRM_PRESENT, self._floor)
-        return max(CONFIRM_AFTER, self._floor)
-
     async def _probe(self, control: str) -> None:
-        presence = presence_of(control)
         alive_at = time.monotonic()
         absent_since: float | None = None  # the first of the probes that found nobody
-        present = False  # its presence subject answered once: held on two connections
         while control in self._followers:
             started = time.monotonic()
-            confirm = self.confirmation(present, started)  # every round: it notes reconnects
-            absent = await nobody_at(self._nc, presence, self.interval) if presence else True
-            if absent is False:
-                present = True
-            elif absent:
-                # Nobody at its presence (gone, or an older worker without
-                # one): its control subject decides.
-                absent = await nobody_at(self._nc, control, self.interval)
+            absent = await nobody_at(self._nc, control, self.interval)
             if absent is False:
                 alive_at, absent_since = started, None
             elif absent:
                 if absent_since is None:
                     absent_since = started
-                elif started - absent_since >= confirm:
+                elif started - absent_since >= self.confirmation:
                     self._declare_lost(control, time.monotonic() - alive_at)
                     return
             # A timed-out probe already took the interval; an answered or
@@ -268,85 +219,3 @@ class WorkerWatch:
     def _probe_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("worker liveness probe failed", exc_info=task.exception())
-
-
-class Presence:
-    """A worker's presence subject (``<p>.live.<worker>``), held on a second
-    NATS connection of its own as well as on its main one.
-
-    Why: a worker whose NATS node dies loses its main connection for as long
-    as its reconnect to another node takes, and its control subject with it;
-    a prober cannot tell that gap from a death but by waiting it out
-    (:data:`CONFIRM_AFTER`). Held on two connections, to two nodes where the
-    worker knows two (its main connection's server last in this one's list,
-    and moved again whenever both end up on one node), one node's death
-    leaves a subscriber, so "no responders" means the process is gone, and
-    the prober confirms it in :data:`CONFIRM_PRESENT`. The second
-    connection subscribes to nothing else and carries only the probes'
-    replies (``answer``: another worker asking whether a job runs here); on
-    a single node it holds nothing the main one does not, and costs one
-    idle connection."""
-
-    def __init__(self, cfg: NatsConfig, name: str, subject: str,
-                 answer: Callable[[Msg], Awaitable[None]]) -> None:
-        self._cfg = cfg
-        self._name = name
-        self.subject = subject
-        self._answer = answer
-        self.nc: NATS | None = None
-        self._primary: NATS | None = None
-        self._moving: asyncio.Task[None] | None = None
-
-    async def start(self, primary: NATS, stop: asyncio.Event) -> None:
-        """Connect (to another server than ``primary``'s first) and subscribe."""
-        self._primary = primary
-        here = _url(primary)
-        known = [u for u in (_text(s) for s in primary.servers) if u and u != here]
-        self.nc = await broker.connect(self._cfg, self._name, stop, on_link=self.on_link,
-                                       servers=[*known, here] if here else known or None)
-        await self.nc.subscribe(self.subject, cb=self._answer)
-        await self.nc.flush()
-
-    def on_link(self, up: bool) -> None:
-        """Either connection is back (the main one's ``on_link`` too): if
-        both now sit on one node while another is known, move this one."""
-        if not up or self._moving is not None:
-            return
-        self._moving = asyncio.get_running_loop().create_task(self._spread())
-
-    async def _spread(self) -> None:
-        """Move this connection off the main one's node: a reconnect to the
-        next server of its list, at most three times (the other nodes may
-        all be down; the next link event tries again)."""
-        try:
-            for _ in range(3):
-                nc, primary = self.nc, self._primary
-                if (nc is None or primary is None or not nc.is_connected
-                        or _url(nc) != _url(primary)):
-                    return
-                log.info("presence connection shares its node with the main one; moving it")
-                await nc.force_reconnect()
-                for _ in range(100):  # until reconnected: at most 5 s
-                    await asyncio.sleep(0.05)
-                    if nc.is_connected or nc.is_closed:
-                        break
-        except Exception as exc:  # it stays where it is: the long confirmation still holds
-            log.warning("could not move the presence connection: %s", exc)
-        finally:
-            self._moving = None
-
-    async def close(self) -> None:
-        if self._moving is not None:
-            self._moving.cancel()
-        if self.nc is not None:
-            await self.nc.close()
-
-
-def _text(url: object) -> str:
-    geturl = getattr(url, "geturl", None)
-    return str(geturl()) if callable(geturl) else ""
-
-
-def _url(nc: NATS) -> str:
-    """The server ``nc`` is connected to, as a URL ("" when it is not)."""
-    return _text(nc.connected_url)

@@ -223,7 +223,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
 
     streams = (requests, jobs, usage, log)
     edge = (_Grants().bind(*streams)
-            .messages(s.requests_wildcard, f"{p}.ctl.*", f"{p}.live.*", f"{p}.usage.>",
+            .messages(s.requests_wildcard, f"{p}.ctl.*", f"{p}.usage.>",
                       streamlog.wildcard(s), streamlog.edge_cancel_subject(s),
                       # -NAK of a job whose worker it found dead (tidegate.broker.liveness):
                       # another worker runs it at once, not after ack_wait.
@@ -237,7 +237,6 @@ def access(subjects: Subjects) -> dict[str, Access]:
     dispatcher = (_Grants().bind(*streams)
                   .pull(requests, s.dispatcher_consumer).pull(usage, "reconcilers")
                   .messages(s.jobs_wildcard, f"{p}.out.*.*", f"{p}.usage.>", f"{p}.ctl.*",
-                            f"{p}.live.*",  # liveness probes (tidegate.broker.liveness)
                             s.requests_wildcard, f"{p}.grant.*",
                             # -NAK of a batch line's job whose worker the runner
                             # found dead (tidegate.broker.liveness), as the edge does.

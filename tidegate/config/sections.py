@@ -364,12 +364,7 @@ class WorkerConfig:
     # moderate load, for at most this much added latency per chunk (measured:
     # 2 ms cut CPU per chunk by 20 % at 50 streams, docs/benchmarks.md).
     coalesce_delay: float = 0.002
-    # Expiry of each pull request for jobs. A dead worker's pull requests stay
-    # registered on the server until they expire, and a job handed back
-    # (-NAK) before then goes to one and waits out worker.ack_wait: the
-    # liveness probes never confirm a death in less than this plus 0.1 s
-    # (tidegate.broker.liveness), so it bounds how fast a death is acted on.
-    fetch_timeout: float = 0.4
+    fetch_timeout: float = 1.0
     shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
     max_response_bytes: int = 8 << 20  # non-streaming backend body cap
     models: tuple[str, ...] = ()  # serve only these models; empty = every configured model
