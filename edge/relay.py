@@ -428,6 +428,19 @@ class Relay(StreamState):
                 and self._worker_lives()):
             await self._cancel_second_delivery(head)
             return
+        if (self.phase is Phase.STREAMING and head.control == self.control
+                and head.attempt > 1 and self.wrote_chunks and not self.handed_back
+                and self._worker_lives()):
+            # The same live worker got the job again, so it no longer runs the
+            # first copy: that one ended there, and what it sent last (its
+            # last chunks, its Done) was lost in transit with the acks behind
+            # it (a NATS node's death). Its tail still holds them: drop the
+            # copy and ask for them. Were they gone too, the silence limit
+            # ends the stream with worker_lost, as a second Head did at once.
+            await self._cancel_second_delivery(head)
+            self.asked_at = 0.0  # now, whatever the last ask
+            await self._ask_retransmit(time.monotonic())
+            return
         self.head_key = key
         self.control = head.control  # from now on, cancels go to this worker
         self.job_ack = head.ack if head.ack.startswith("$JS.ACK.") else ""

@@ -202,9 +202,11 @@ class Pool:
                 job.on_detach(message.reader)  # type: ignore[union-attr]
 
     async def _retransmit(self, job: Job | None, message: Retransmit) -> None:
-        if job is not None:
+        if job is not None and not job.cancel_reason:
             await job.on_retransmit(message.seq)
             return
+        # No running job, or one being cancelled (a second delivery its edge
+        # dropped: the copy that ended here before it holds what was asked).
         tail = self.tails.since(message.request_id, message.seq)
         if tail is not None and tail[1]:
             log.info("job %s (ended): resending %d messages from seq %d",
