@@ -260,12 +260,13 @@ async def test_a_second_delivery_nobody_speaks_for_leaves_a_stopped_worker_its_j
 async def test_runs_asks_a_worker_and_takes_silence_for_running(
         nats_server: ServerHandle) -> None:
     """``liveness.runs`` against a real server: a worker's answer is taken
-    as given, a subscriber that does not answer runs the job, and a subject
-    nobody subscribes to is gone once the confirmation has passed."""
+    as given (runs it, ended it, neither), a subscriber that does not answer
+    runs the job, and a subject nobody subscribes to is gone once the
+    confirmation has passed."""
     nc = await nats.connect(nats_server.url)
     try:
         async def answer(msg: Any) -> None:
-            await msg.respond(b"1" if msg.data == b"mine" else b"0")
+            await msg.respond({b"mine": b"1", b"done": b"2"}.get(msg.data, b"0"))
 
         await nc.subscribe("tg.live.w1", cb=answer)
 
@@ -274,9 +275,10 @@ async def test_runs_asks_a_worker_and_takes_silence_for_running(
 
         await nc.subscribe("tg.live.w2", cb=silent)
         await nc.flush()
-        assert await liveness.runs(nc, "tg.live.w1", "mine", 0.05) is True
-        assert await liveness.runs(nc, "tg.live.w1", "other", 0.05) is False
-        assert await liveness.runs(nc, "tg.live.w2", "mine", 0.05) is True
-        assert await liveness.runs(nc, "tg.live.w3", "mine", 0.05) is False
+        assert await liveness.runs(nc, "tg.live.w1", "mine", 0.05) == liveness.RUNNING
+        assert await liveness.runs(nc, "tg.live.w1", "done", 0.05) == liveness.ENDED
+        assert await liveness.runs(nc, "tg.live.w1", "other", 0.05) == liveness.GONE
+        assert await liveness.runs(nc, "tg.live.w2", "mine", 0.05) == liveness.RUNNING
+        assert await liveness.runs(nc, "tg.live.w3", "mine", 0.05) == liveness.GONE
     finally:
         await nc.close()

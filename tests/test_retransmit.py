@@ -20,7 +20,7 @@ import pytest
 from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend
 from tidegate.wire.flow import SendWindow
-from tidegate.wire.protocol import Request
+from tidegate.wire.protocol import Chunk, Done, Error, ErrorInfo, Request
 from workers.tails import Tails
 
 
@@ -60,6 +60,23 @@ def test_tails_expire_and_stay_under_their_byte_bound() -> None:
     assert tails.bytes == 0
     tails.keep(request("c"), [(2, b"z" * 101)], now=14.0)  # larger than the bound
     assert len(tails) == 0
+
+
+def test_a_tail_tells_a_job_that_ran_to_its_end_from_one_cut_off() -> None:
+    """What a worker answers when another asks whether it ended a job
+    (workers.service.Pool.on_presence): only a tail whose last message is
+    the job's end (Done or Error) says so; a job fenced mid-stream keeps
+    chunks only."""
+    tails = Tails(ttl=10.0)
+    tails.keep(request("done"), [(5, Chunk(5, b"data: x\n\n").encode()),
+                                 (6, Done(6, 3, 5, "stop").encode())])
+    tails.keep(request("failed"), [(2, Error(2, ErrorInfo(502, "server_error", "backend_error",
+                                                           "boom", True, 1.0)).encode())])
+    tails.keep(request("cut"), [(5, Chunk(5, b"data: x\n\n").encode())])
+    assert tails.ended("done")
+    assert tails.ended("failed")
+    assert not tails.ended("cut")
+    assert not tails.ended("unknown")
 
 
 # ---------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class ResumableJob(Job):
         self._log_put = self._log
         self._held_head = b""  # a redelivered copy's Head, logged once the copy runs
         self._from_log = False  # the edge's go-ahead to continue the log (a Continue)
+        self._first_ended = False  # the log's last worker ran the job to its end (_judge_first)
         if request.extra.get("background"):
             # A Responses API background request (edge.background): no
             # connection ever reads it; it generates to its end into the log.
@@ -185,7 +186,7 @@ class ResumableJob(Job):
             if (not confirmed and not self._from_log and not _handed_back(cursor)
                     and not cursor.ended and cursor.control):
                 await self._judge_first(cursor.control)
-            runs = not cursor.ended and (not cursor.output or (
+            runs = not cursor.ended and not self._first_ended and (not cursor.output or (
                 (self._from_log or _handed_back(cursor)) and self._continue_log(events)))
         if self.cancel_reason:
             # Its edge's cancel (DUPLICATE_DELIVERY) came during a log read,
@@ -205,10 +206,12 @@ class ResumableJob(Job):
         (``tidegate.broker.liveness.runs``, on the worker's presence subject).
         Yes: this is a second delivery, and the copy ends without a trace
         (``DUPLICATE_DELIVERY``: no record, no ack, nothing logged; the next
-        delivery asks again). No (the worker is gone, or lives without the
-        job): that is the word an edge's hand-back would have been, and the
-        copy continues the log. Unknown (this worker cannot ask): as before,
-        the log alone decides."""
+        delivery asks again). Ended there lately: the job is done (a NATS
+        node's death lost its ack, and perhaps its log's last entries), and
+        the copy does not run (a continuation would add text after its end).
+        No (the worker is gone, or lives without the job): that is the word
+        an edge's hand-back would have been, and the copy continues the log.
+        Unknown (this worker cannot ask): as before, the log alone decides."""
         if control == self.ctx.control_subject:
             self._from_log = True  # this worker's own earlier attempt, no longer running
             return
@@ -216,12 +219,16 @@ class ResumableJob(Job):
         interval = self.ctx.config.session.liveness_interval
         running = (await liveness.runs(self.ctx.nc, presence, self.request.id, interval)
                    if presence and interval > 0 else None)
-        if running:
+        if running == liveness.RUNNING:
             log.info("job %s: its first worker %s still runs it; this copy is a second "
                      "delivery", self.request.id, control)
             self.cancel_reason = DUPLICATE_DELIVERY
             raise asyncio.CancelledError
-        if running is False:
+        if running == liveness.ENDED:
+            log.info("job %s: its first worker %s ended it; this copy does not run",
+                     self.request.id, control)
+            self._first_ended = True
+        elif running == liveness.GONE:
             log.info("job %s: no edge spoke and its first worker %s no longer runs it",
                      self.request.id, control)
             self._from_log = True

@@ -167,9 +167,12 @@ class Pool:
     async def on_presence(self, msg: Msg) -> None:
         """A presence probe (tidegate.broker.liveness). An empty one gets no
         answer (the requester's timeout says "alive"); another worker's names
-        a request id and learns whether this worker runs its job."""
+        a request id and learns whether this worker runs its job (1), ended
+        it lately (2: its tail is kept) or neither (0)."""
         if msg.data and msg.reply:
-            await msg.respond(b"1" if msg.data.decode(errors="replace") in self.jobs else b"0")
+            request_id = msg.data.decode(errors="replace")
+            await msg.respond(b"1" if request_id in self.jobs else
+                              b"2" if self.tails.ended(request_id) else b"0")
 
     async def on_control(self, msg: Msg) -> None:
         if not msg.data:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from tidegate.wire.protocol import Request
+from tidegate.errors import ProtocolError
+from tidegate.wire.protocol import Done, Error, Request, decode_session
 
 
 class Tails:
@@ -58,6 +59,18 @@ class Tails:
         if kept is None:
             return None
         return kept[1], [m for s, m in kept[2] if s >= seq]
+
+    def ended(self, request_id: str) -> bool:
+        """Whether ``request_id``'s job ran to its end here lately: its tail's
+        last message is its end (``Done`` or ``Error``). A job cut off (fenced,
+        a copy dropped) keeps no end in its tail."""
+        kept = self.since(request_id, 0)
+        if kept is None or not kept[1]:
+            return False
+        try:
+            return isinstance(decode_session(kept[1][-1]), (Done, Error))
+        except ProtocolError:
+            return False
 
     def _expire(self, now: float) -> None:
         tails = self._tails

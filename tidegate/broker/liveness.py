@@ -95,18 +95,25 @@ async def nobody_at(nc: NATS, subject: str, wait: float) -> bool | None:
     return False
 
 
-async def runs(nc: NATS, presence: str, request_id: str, interval: float) -> bool | None:
-    """Whether the worker whose presence subject is ``presence`` still runs
-    the job of ``request_id``, asked once: a redelivered job no edge speaks
-    for asks it of its first worker (workers.resumable). The worker answers
-    ``b"1"`` (it runs it) or ``b"0"`` (it lives, but the job is not running
-    there: it ended it, or dropped it when cut from NATS, workers.fencing).
+# What a worker says of a job it is asked about (:func:`runs`).
+RUNNING = "running"  # it runs it (or is there and silent: stopped, saturated)
+ENDED = "ended"  # it ran it to its end lately (its tail, workers.tails)
+GONE = "gone"  # the worker is gone, or lives without the job (dropped it, fenced)
 
-    False once every probe for :data:`CONFIRM_AFTER` found no subscriber (the
-    rule of :class:`WorkerWatch`) or the worker says ``0``; True when it says
-    ``1`` or does not answer (subscribed, so alive: a stopped or saturated
-    worker may still run it, and is never taken for gone); None when this
-    process could not ask for ``4 * CONFIRM_AFTER``."""
+
+async def runs(nc: NATS, presence: str, request_id: str, interval: float) -> str | None:
+    """What the worker whose presence subject is ``presence`` says of the job
+    of ``request_id``, asked once: a redelivered job no edge speaks for asks
+    its first worker (workers.resumable). The worker answers ``b"1"`` (it
+    runs it), ``b"2"`` (it ended it lately) or ``b"0"`` (neither: it dropped
+    it, cut from NATS, workers.fencing).
+
+    :data:`GONE` once every probe for :data:`CONFIRM_AFTER` found no
+    subscriber (the rule of :class:`WorkerWatch`) or the worker says ``0``;
+    :data:`ENDED` for ``2``; :data:`RUNNING` for ``1`` or no answer
+    (subscribed, so alive: a stopped or saturated worker may still run it,
+    and is never taken for gone); None when this process could not ask for
+    ``4 * CONFIRM_AFTER``."""
     start = time.monotonic()
     absent_since: float | None = None
     while time.monotonic() - start < 4 * CONFIRM_AFTER:
@@ -117,13 +124,13 @@ async def runs(nc: NATS, presence: str, request_id: str, interval: float) -> boo
             if absent_since is None:
                 absent_since = started
             elif started - absent_since >= CONFIRM_AFTER:
-                return False
+                return GONE
         except nats.errors.TimeoutError:
-            return True
+            return RUNNING
         except (TimeoutError, nats.errors.Error, OSError):
             absent_since = None  # no probe is no evidence: the confirmation starts again
         else:
-            return reply.data != b"0"
+            return GONE if reply.data == b"0" else ENDED if reply.data == b"2" else RUNNING
         rest = interval - (time.monotonic() - started)
         if rest > 0:
             await asyncio.sleep(rest)
