@@ -2,7 +2,7 @@
 
 A worker's presence subject (``<p>.live.<worker>``) is where a redelivered
 job no edge speaks for asks it whether it still runs the job
-(``tidegate.broker.liveness.runs``); ``presence_of`` names it from a Head's
+(``tidegate.broker.liveness.runs``); ``Subjects.presence_of`` names it from a Head's
 control subject. A death is confirmed no sooner than the dead worker's pull
 requests have expired (``worker.fetch_timeout``): a job handed back before
 then goes to one of them and waits out ``worker.ack_wait``.
@@ -22,14 +22,13 @@ from tests.servers import ServerHandle
 from tests.test_continuation import killed_then_whole, normalized, overrides, run
 from tidegate.broker import liveness
 from tidegate.broker.liveness import CONFIRM_AFTER, WorkerWatch
-from tidegate.wire.subjects import Subjects, presence_of
+from tidegate.wire.subjects import Subjects
 
 
 def test_presence_of_a_control_subject() -> None:
-    assert presence_of("tg.ctl.w1") == "tg.live.w1"
-    assert presence_of("acme.prod.ctl.w-2") == "acme.prod.live.w-2"
+    assert Subjects(prefix="acme").presence_of("acme.ctl.w-2") == "acme.live.w-2"
     for control in ("", "tg.ctl.any", "tg.out.w1", "ctl.w1", "tg.ctl."):
-        assert presence_of(control) == "", control
+        assert Subjects(prefix="tg").presence_of(control) == "", control
     s = Subjects(prefix="tg")
     assert s.presence_of(s.control("w1")) == s.presence("w1") == "tg.live.w1"
     assert Subjects(prefix="xy").presence_of("tg.ctl.w1") == ""  # another prefix's

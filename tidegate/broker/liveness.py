@@ -81,9 +81,8 @@ ANSWER_WITHIN = 2.0
 async def nobody_at(nc: NATS, subject: str, wait: float) -> bool | None:
     """One probe, waiting ``wait`` seconds at most. True: nobody subscribes
     to ``subject``; False: somebody does (the request timed out unanswered,
-    or was answered); None: this
-    process could not ask (its own NATS connection is down: that says
-    nothing)."""
+    or was answered); None: this process could not ask (its own NATS
+    connection is down: that says nothing)."""
     try:
         await nc.request(subject, b"", timeout=wait)
     except nats.errors.NoRespondersError:
@@ -151,8 +150,7 @@ class WorkerWatch:
         self.interval = interval
         # How long "no responders" must last: CONFIRM_AFTER, or the followed
         # workers' pull expiry plus PULL_MARGIN when that is longer.
-        self.confirmation = max(CONFIRM_AFTER, pull_expiry + PULL_MARGIN if pull_expiry > 0
-                                else 0.0)
+        self.confirmation = max(CONFIRM_AFTER, pull_expiry + PULL_MARGIN)
         self._followers: dict[str, set[Follower]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.lost_total = 0

@@ -86,16 +86,6 @@ def decode_token(token: str) -> str:
     return out.decode("utf-8")
 
 
-def presence_of(control: str) -> str:
-    """The presence subject (``<p>.live.<worker>``) of the worker whose
-    control subject is ``control`` (``<p>.ctl.<worker>``), whatever the
-    prefix; "" if ``control`` is not one."""
-    head, ctl, worker_id = ["", "", "", *control.rsplit(".", 2)][-3:]
-    if not head or ctl != "ctl" or not worker_id or worker_id == "any":
-        return ""
-    return f"{head}.live.{worker_id}"
-
-
 @dataclass(frozen=True, slots=True)
 class Subjects:
     """Subject and stream names for one prefix."""
@@ -184,16 +174,19 @@ class Subjects:
         return f"{self.prefix}.ctl.{worker_id}"
 
     def presence(self, worker_id: str) -> str:
-        """A worker's presence: it subscribes here and never answers, so a
-        request answered "no responders" says its NATS connection is gone
-        (tidegate.broker.liveness). Unlike its control subject, asking here
-        tells the worker nothing, so other workers may ask too."""
+        """A worker's presence: while its NATS connection lives it subscribes
+        here, and, asked with a request id, says whether it runs that job
+        (tidegate.broker.liveness.runs). Unlike its control subject, asking
+        here commands nothing, so other workers may ask."""
         return f"{self.prefix}.live.{worker_id}"
 
     def presence_of(self, control: str) -> str:
         """The presence subject of the worker at ``control`` (a Head's), or
         "" if ``control`` is not a worker's control subject of this prefix."""
-        return presence_of(control) if control.startswith(f"{self.prefix}.ctl.") else ""
+        head, _, worker_id = control.rpartition(".")
+        if head != f"{self.prefix}.ctl" or not worker_id or worker_id == "any":
+            return ""
+        return self.presence(worker_id)
 
     @property
     def retransmit_any(self) -> str:
