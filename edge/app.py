@@ -22,12 +22,13 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from edge import anthropic, background, batches, files, instrument, resume
+from edge import anthropic, background, batches, files, idempotency, instrument, resume
 from edge.body import deadline as body_deadline
 from edge.continuation import deciding_fields
 from edge.errors import error_response, from_http_exception
 from edge.publish import build_request, may_use, publish_request
 from edge.relay import Relay
+from edge.sse_writer import SseWriter
 from edge.state import STATE, EdgeState, session_tick, set_keepalive
 from edge.ws import websocket
 from tidegate.broker import broker
@@ -230,6 +231,13 @@ async def _generate(http: web.Request, api: Api) -> web.StreamResponse:
         instrument.deactivate(token)
 
 
+async def _replayed(http: web.Request, state: EdgeState, request_id: str,
+                    tenant: str) -> web.StreamResponse:
+    """A request sent again under its Idempotency-Key: its stream, from the log."""
+    return await resume.replay(http, state.streamlog, state.config, request_id, tenant,
+                               extra={idempotency.REPLAYED_HEADER: "true"})
+
+
 async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
                            rt: instrument.RequestTelemetry) -> web.StreamResponse:
     config = state.config
@@ -239,6 +247,8 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
                                         else http.headers.get("Authorization"))
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
+    key = idempotency.key_of(http.headers)
+    keyed_id = idempotency.request_id(principal.tenant, key) if key else None
     raw = await _read_body(http, config.edge.max_body_bytes, config.edge)
     valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth)
     grace = resume.resume_grace(http.headers, state.tenants, principal.tenant, valid.model,
@@ -247,9 +257,9 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         # Served from the stream log (edge.background): resumable, and it
         # generates to its end whether or not anyone reads.
         if not valid.stream:
-            return await background.create(http, state, principal, valid, rt)
+            return await background.create(http, state, principal, valid, rt, keyed_id)
         grace = background.grace(state)
-    request = build_request(state, principal, valid, rt.carrier, grace)
+    request = build_request(state, principal, valid, rt.carrier, grace, keyed_id)
     if api is Api.MESSAGES:
         request = anthropic.prepare(request, http.headers)
     if http.headers.get("x-tidegate-cost", "").strip().lower() == "include":
@@ -259,13 +269,27 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     subjects = config.nats.subjects
     rt.started_request(request)
     del raw, valid  # the prompt lives on in `request` until it is published, no longer
+    window = config.streams.duplicate_window
+    if keyed_id is not None and request.resumable:
+        sent, young = await idempotency.sent_before(state, request_id, principal.tenant)
+        if sent:
+            if young:  # its edge may have died between the log's open and the publish
+                await publish_request(state, request, rt.carrier)
+            return await _replayed(http, state, request_id, principal.tenant)
     # Invariant: subscribed before publishing. The edge's inbox wildcard is
     # subscribed for the life of the process; opening the session makes the
     # dispatch table route this request's subject before anyone can answer.
     session = state.sessions.open(request_id, session_tick(config), principal.tenant)
     log_token = logs.bind(request_id, principal.tenant, rt.trace_id)
     try:
-        seq = await publish_request(state, request, rt.carrier)
+        seq, repeat = await publish_request(state, request, rt.carrier)
+        if repeat:
+            # The stream held it already: its Idempotency-Key was sent before
+            # (for a resumable request, at once on two connections: its log
+            # was not there yet when this edge looked).
+            if not request.resumable:
+                raise idempotency.in_use(window)
+            return await _replayed(http, state, request_id, principal.tenant)
         headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
         if api is Api.MESSAGES:
             headers["request-id"] = request_id  # where Anthropic's SDK looks for it
@@ -276,7 +300,8 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
         # an edge holding 10,000 streams must not hold 10,000 prompts; only
         # the few flags that decide whether it may be continued.
         request = dataclasses.replace(request, body=deciding_fields(request.body))
-        return await Relay(http, session, request, state.relay, headers).run()
+        out = SseWriter(http, request, headers, state.config)
+        return await Relay(out, session, request, state.relay, headers).run()
     finally:
         state.sessions.close(session)
         logs.unbind(log_token)

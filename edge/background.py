@@ -40,7 +40,7 @@ import nats.errors
 import nats.js.errors
 from aiohttp import web
 
-from edge import resume
+from edge import idempotency, resume
 from edge.errors import from_info, sse_error_event
 from edge.logreader import valid_id
 from edge.publish import build_request, publish_request
@@ -103,16 +103,25 @@ def _base(rid: str, created_ms: int, model: str, status: str,
 
 
 async def create(http: web.Request, state: EdgeState, principal: Principal, valid: Validated,
-                 rt: RequestTelemetry) -> web.Response:
+                 rt: RequestTelemetry, request_id: str | None = None) -> web.Response:
     """``background: true`` without ``stream``: publish, wait for admission,
-    answer the queued response object. Nobody relays; the log keeps it."""
+    answer the queued response object. Nobody relays; the log keeps it.
+    ``request_id``: the one its Idempotency-Key names (``edge.idempotency``);
+    one sent before answers the response object as it stands."""
     config = state.config
-    request = build_request(state, principal, valid, rt.carrier, grace(state))
+    request = build_request(state, principal, valid, rt.carrier, grace(state), request_id)
     request = dataclasses.replace(request, extra={**request.extra, BACKGROUND: True})
     rt.started_request(request)
+    if request_id is not None:
+        sent, young = await idempotency.sent_before(state, request.id, principal.tenant)
+        if sent:
+            if young:  # as edge.app: its edge may have died before publishing it
+                await publish_request(state, request, rt.carrier)
+            return await _replayed(state, request.id, principal.tenant)
     session = state.sessions.open(request.id, session_tick(config), principal.tenant)
     try:
-        await publish_request(state, request, rt.carrier)
+        if (await publish_request(state, request, rt.carrier)).repeat:
+            return await _replayed(state, request.id, principal.tenant)
         status = await _admission(session, config.edge.admission_timeout)
     finally:
         state.sessions.close(session)
@@ -120,6 +129,12 @@ async def create(http: web.Request, state: EdgeState, principal: Principal, vali
                  valid.body)
     return web.json_response(body, headers={"x-request-id": request.id,
                                             "x-tidegate-resumable": "true"})
+
+
+async def _replayed(state: EdgeState, request_id: str, tenant: str) -> web.Response:
+    return web.json_response(await snapshot(state, request_id, tenant), headers={
+        "x-request-id": request_id, "x-tidegate-resumable": "true",
+        idempotency.REPLAYED_HEADER: "true"})
 
 
 async def _admission(session: Any, within: float) -> str:

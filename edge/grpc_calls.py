@@ -1,7 +1,8 @@
 """What both gRPC methods share: metadata and auth, the error -> status
 mapping, the flow-controlled message sink, and one generation from a
 ``GenerateRequest`` to its end (validated, published and relayed by the
-same code as the SSE route: ``edge.publish``, :class:`edge.grpc_relay.GrpcRelay`).
+same code as the SSE route: ``edge.publish``, :class:`edge.relay.Relay`,
+writing through :class:`edge.grpc_writer.GrpcWriter`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from edge import instrument, resume
 from edge.auth import Principal
 from edge.continuation import deciding_fields
 from edge.endings import SlowClient
-from edge.grpc_relay import GrpcRelay, MessageSink
+from edge.grpc_writer import GrpcWriter, MessageSink
 from edge.publish import build_request, publish_request
+from edge.relay import Relay
 from edge.state import EdgeState, session_tick
 from tidegate.errors import ApiError, invalid_request
 from tidegate.telemetry import logs
@@ -175,7 +177,7 @@ class Generation:
     and drain), once published."""
 
     id: str
-    relay: GrpcRelay | None = None
+    relay: Relay | None = None
     cancel_requested: bool = False
     resumed: str = ""
     task: asyncio.Task[None] | None = None
@@ -206,11 +208,12 @@ def api_of(req: pb.GenerateRequest) -> Api:
 async def run_generation(state: EdgeState, principal: Principal, req: pb.GenerateRequest,
                          metadata: Mapping[str, str], sink: MessageSink, gen: Generation,
                          rt: instrument.RequestTelemetry, deadline: float | None,
-                         on_relay: Callable[[GrpcRelay], Awaitable[None]] | None = None,
-                         ) -> GrpcRelay:
+                         on_relay: Callable[[Relay], Awaitable[None]] | None = None,
+                         ) -> tuple[ApiError | None, dict[str, str]]:
     """One generation from its request to its end. Raises ApiError for what
-    fails before the relay runs; the relay's own failures are in its
-    ``failure``. ``deadline``: the client's, seconds from now (None: none)."""
+    fails before the relay runs; returns the relay's own failure (None:
+    ``Done`` went out) and the response headers. ``deadline``: the
+    client's, seconds from now (None: none)."""
     config = state.config
     api = api_of(req)
     if len(req.body) > config.edge.max_body_bytes:
@@ -240,16 +243,16 @@ async def run_generation(state: EdgeState, principal: Principal, req: pb.Generat
     session = state.sessions.open(request.id, session_tick(config), principal.tenant)
     log_token = logs.bind(request.id, request.tenant, rt.trace_id)
     try:
-        seq = await publish_request(state, request, rt.carrier)
+        seq = (await publish_request(state, request, rt.carrier)).seq
         relay_headers = {"x-request-id": request.id, "x-tidegate-request-seq": str(seq)}
-        relay = GrpcRelay(sink, gen.id, session,
-                          dataclasses.replace(request, body=deciding_fields(request.body)),
-                          state.relay, relay_headers)
+        request = dataclasses.replace(request, body=deciding_fields(request.body))
+        out = GrpcWriter(sink, gen.id, request)
+        relay = Relay(out, session, request, state.relay, relay_headers)
         gen.relay = relay
         if on_relay is not None:
             await on_relay(relay)
         await relay.run()
-        return relay
+        return out.failure, relay.headers
     finally:
         state.sessions.close(session)
         logs.unbind(log_token)

@@ -215,15 +215,13 @@ class GrpcIngress:
             gen = Generation("")
             try:
                 async with asyncio.timeout(remaining):
-                    relay = await run_generation(state, principal, req, metadata, sink, gen,
-                                                 rt, remaining)
+                    failure, headers = await run_generation(state, principal, req, metadata,
+                                                            sink, gen, rt, remaining)
             except TimeoutError:
                 # The relay was cancelled by the timeout: its work upstream
                 # is cancelled (Relay.run's finally), as for a disconnect.
                 raise ApiError(504, "The call's deadline passed.", type="server_error",
                                code="deadline_exceeded") from None
-            failure = relay.failure
-            headers = relay.headers
             if sink.slow:
                 failure = unavailable(f"The client did not read for "
                                       f"{state.config.edge.slow_client_timeout:g}s.",

@@ -37,9 +37,10 @@ from edge.grpc_calls import (
     metadata_of,
     run_generation,
 )
-from edge.grpc_relay import CANCEL_CODE, GrpcRelay, cancel_error
 from edge.logreader import Draining, LogReader
+from edge.relay import Relay
 from edge.state import EdgeState
+from edge.writer import CANCEL_CODES, cancel_error
 from tidegate.errors import ApiError, invalid_request, unavailable
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire.protocol import Api
@@ -235,7 +236,7 @@ class SessionCall:
         except ApiError as error:
             log.info("gRPC cancel of resumed stream %s: %s", request_id, error.code)
 
-    async def _on_relay(self, gen: Generation, relay: GrpcRelay) -> None:
+    async def _on_relay(self, gen: Generation, relay: Relay) -> None:
         if gen.cancel_requested:
             relay.session.abort(cancel_error())
 
@@ -251,16 +252,15 @@ class SessionCall:
         token = rt.activate()
         status = 200
         try:
-            relay = await run_generation(
+            failure, _ = await run_generation(
                 state, self.principal, req, self.metadata, self.sink, gen, rt,
                 self.context.time_remaining(),
                 on_relay=lambda r: self._on_relay(gen, r))
-            failure = relay.failure
             if self.sink.slow:
                 self._fail(unavailable("The client did not read for "
                                        f"{state.config.edge.slow_client_timeout:g}s.",
                                        code="slow_client"))
-            elif failure is not None and failure.code in (CANCEL_CODE, "stream_cancelled"):
+            elif failure is not None and failure.code in CANCEL_CODES:
                 status = 499
                 await self.sink.send(pb.GenerateResponse(id=gen.id, cancelled=pb.Cancelled()))
             elif failure is not None and failure.code != "edge_reconnect":
@@ -335,7 +335,7 @@ class SessionCall:
                                   finish_reason=d.finish_reason) if d is not None
                          else pb.Usage())
                 await send(pb.GenerateResponse(id=gid, done=pb.Done(usage=usage)))
-            elif item.error.code == "stream_cancelled":
+            elif item.error.code in CANCEL_CODES:
                 await send(pb.GenerateResponse(id=gid, cancelled=pb.Cancelled()))
             else:
                 await send(error_message(gid, from_info(item.error)))

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
+from typing import NamedTuple
 
 import nats.errors
 import nats.js.errors
@@ -17,7 +18,7 @@ from nats.js.api import PubAck
 
 from edge.auth import Principal
 from edge.state import EdgeState
-from tidegate.config import ModelConfig
+from tidegate.config import Config, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
 from tidegate.validation.generation import Validated
 from tidegate.wire import streamlog
@@ -33,18 +34,19 @@ def may_use(principal: Principal, model: ModelConfig) -> bool:
 
 
 def build_request(state: EdgeState, principal: Principal, valid: Validated,
-                  carrier: dict[str, str], grace: float | None = None) -> Request:
+                  carrier: dict[str, str], grace: float | None = None,
+                  request_id: str | None = None) -> Request:
     """The envelope for one validated generation, with a fresh request id
-    (96 random bits); 403 if the key may not use the model. Shared by the
-    HTTP routes and the WebSocket adapter (``edge/ws.py``). ``grace``: a
-    resumable stream's grace (``edge.resume.resume_grace``); None = not
-    resumable."""
+    (96 random bits) unless ``request_id`` names it (``edge.idempotency``);
+    403 if the key may not use the model. Shared by the HTTP routes and the
+    WebSocket adapter (``edge/ws.py``). ``grace``: a resumable stream's grace
+    (``edge.resume.resume_grace``); None = not resumable."""
     if not may_use(principal, valid.model):
         raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
                             f"{', '.join(principal.models)}.", type="permission_error",
                        code="model_not_allowed", param="model")
     config = state.config
-    request_id = secrets.token_hex(12)
+    request_id = request_id or secrets.token_hex(12)
     subjects = config.nats.subjects
     now_ms = int(time.time() * 1000)
     return Request(
@@ -70,10 +72,21 @@ def build_request(state: EdgeState, principal: Principal, valid: Validated,
     )
 
 
+class Published(NamedTuple):
+    """Where the request went: its JetStream sequence number, and whether the
+    stream already held it when this edge's first try landed (the same
+    ``Nats-Msg-Id`` within ``streams.duplicate_window``: the same
+    ``Idempotency-Key`` sent again). A duplicate seen only on a retry of
+    this edge's own publish (its first PubAck lost) is not a repeat."""
+
+    seq: int
+    repeat: bool
+
+
 async def publish_request(state: EdgeState, request: Request,
-                          trace_headers: dict[str, str]) -> int:
-    """Publish to the requests stream; returns its JetStream sequence number.
-    A resumable request's stream log is opened first."""
+                          trace_headers: dict[str, str]) -> Published:
+    """Publish to the requests stream. A resumable request's stream log is
+    opened first."""
     if request.resumable:
         await _open_log(state, request)
     subject = state.config.nats.subjects.request(request.klass, request.tenant)
@@ -86,8 +99,8 @@ async def publish_request(state: EdgeState, request: Request,
         raise ApiError(413, "The request is too large for the broker's message size limit.",
                        type="invalid_request_error", code="request_too_large")
     try:
-        ack = await publish_patiently(state, subject, payload,
-                                      {"Nats-Msg-Id": request.id, **trace_headers})
+        ack, tries = await _publish(state, subject, payload,
+                                    {"Nats-Msg-Id": request.id, **trace_headers})
     except nats.js.errors.APIError as exc:
         description = (exc.description or "").lower()
         if "maximum" in description or exc.code == 503:
@@ -98,7 +111,7 @@ async def publish_request(state: EdgeState, request: Request,
     except (nats.errors.Error, TimeoutError) as exc:
         raise unavailable(f"The broker is unavailable ({type(exc).__name__}); retry later.",
                           code="broker_unavailable", retry_after=2) from None
-    return int(ack.seq)
+    return Published(int(ack.seq), bool(ack.duplicate) and tries == 1)
 
 
 def _transient(exc: Exception) -> bool:
@@ -121,21 +134,36 @@ async def publish_patiently(state: EdgeState, subject: str, payload: bytes,
     lost) is dropped by the stream's duplicate window, so a request is
     never queued twice. The client waits meanwhile; the last error is
     raised when patience runs out or the connection is closed for good."""
+    ack, _ = await _publish(state, subject, payload, headers)
+    return ack
+
+
+async def _publish(state: EdgeState, subject: str, payload: bytes,
+                   headers: dict[str, str]) -> tuple[PubAck, int]:
+    """:func:`publish_patiently`, and how many tries it took."""
     loop = asyncio.get_running_loop()
-    edge = state.config.edge
-    deadline = loop.time() + min(edge.publish_patience, edge.admission_timeout / 2)
+    tries = 0
+    deadline = loop.time() + patience(state.config)
     while True:
+        tries += 1
         try:
-            return await state.js.publish(subject, payload, headers=headers)
+            return await state.js.publish(subject, payload, headers=headers), tries
         except Exception as exc:
             if (not _transient(exc) or state.nc.is_closed
-                    or loop.time() + _PUBLISH_RETRY_DELAY >= deadline):
+                    or loop.time() + PATIENCE_STEP >= deadline):
                 raise
             log.info("publish to %s: %s; retrying", subject, type(exc).__name__)
-        await asyncio.sleep(_PUBLISH_RETRY_DELAY)
+        await asyncio.sleep(PATIENCE_STEP)
 
 
-_PUBLISH_RETRY_DELAY = 0.25
+# How often a patient call tries again while the broker is unreachable.
+PATIENCE_STEP = 0.25
+
+
+def patience(config: Config) -> float:
+    """How long the edge tries to reach JetStream before answering 503:
+    ``edge.publish_patience``, at most half of ``edge.admission_timeout``."""
+    return min(config.edge.publish_patience, config.edge.admission_timeout / 2)
 
 
 async def _open_log(state: EdgeState, request: Request) -> None:

@@ -1,27 +1,23 @@
-"""One request's response, from session messages to the client socket.
+"""One request's response, from session messages to its client.
 
 The stream's state without I/O (phases and their transition table,
 sequence numbers, gaps, the clock's rules) is :class:`edge.stream.StreamState`,
-which :class:`Relay` extends with the sockets and publishes its answers ask for.
+which :class:`Relay` extends with what its answers ask for: publishes to
+NATS (acks, retransmits, cancels, hand-backs) and writes, which go through
+the stream's :class:`edge.writer.Writer` (SSE, a WebSocket generation, a
+gRPC generation). The relay never touches a socket itself. An edge cut from
+NATS releases its streams (``tidegate.broker.link``).
 
-Headers go out only when they must: with the first chunk, or, for a stream
-that waits long before it (queueing, prefill), with the first ``: ping`` the
-edge writes to keep proxies from dropping the connection (one heartbeat in).
-Until then every failure is a real HTTP status with an OpenAI error body;
-afterwards a final SSE error event (``edge.errors``). An edge cut from NATS
-releases its streams (``tidegate.broker.link``).
-
-Hot path: a batch of chunk messages becomes one socket write of their bytes,
-which the edge never parses. Acks go back cumulatively, after the write has
+Hot path: a batch of chunk messages becomes one write of their bytes, which
+the edge never parses. Acks go back cumulatively, after the write has
 drained, at most once per half window (``tidegate.wire.flow.AckPolicy``). Once a
 stream is flowing, most chunks do not even wake the relay: the NATS callback
-writes them straight to the socket (:meth:`Relay._direct`), and the relay
-wakes only for acks, ticks, a full socket buffer and the other messages.
+hands them to the writer's socket at once (:meth:`Relay._direct`), and the
+relay wakes only for acks, ticks, a full socket buffer and the other messages.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -32,11 +28,11 @@ from aiohttp import web
 
 from edge import instrument
 from edge.continuation import Delivered, continuable, worker_gone
-from edge.endings import Reconnect, SlowClient, reconnect_event, worker_lost
-from edge.errors import error_response, from_info, sse_error_event, to_info
-from edge.raw_http import payload_writer, takes_raw_chunks
+from edge.endings import Reconnect, SlowClient, worker_lost
+from edge.errors import from_info, to_info
 from edge.session import BAD_INPUT, Session
 from edge.stream import Due, Phase, StreamState
+from edge.writer import CANCEL_CODES, RawWrite, Writer
 from tidegate.broker.link import Link
 from tidegate.broker.liveness import WorkerWatch
 from tidegate.config import Config, ModelConfig
@@ -67,13 +63,11 @@ log = logging.getLogger("tidegate.edge")
 
 CLIENT_CANCEL = "client_cancel"  # workers.job.CLIENT_CANCEL: readers get a final event
 
-_DONE = b"data: [DONE]\n\n"
 _PING = b": ping\n\n"
-_SSE_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
+
+
+def _no_room(data: bytes, now: float) -> bool:
+    return False
 
 
 class Publisher(Protocol):
@@ -97,22 +91,25 @@ class RelayContext:
 
 
 class Relay(StreamState):
-    """Drives one request. ``run`` returns the response aiohttp should finish."""
+    """Drives one request through ``out``, its writer. ``run`` returns the
+    response aiohttp should finish (a WebSocket or gRPC generation's is its
+    connection's or a placeholder: its messages went out through ``out``).
+    ``headers``: the response's, which admission and the end add to; an
+    SSE writer holds the same dict."""
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
     __slots__ = ("acks", "body_parts", "body_size", "continues_in_log", "control", "ctx",
-                 "delivered", "failover", "handed_back", "head_key", "headers", "high_water",
-                 "http", "ids", "job_ack", "request", "response", "session", "upstream_done",
-                 "wrote_chunks")
+                 "delivered", "failover", "handed_back", "head_key", "headers", "ids",
+                 "job_ack", "out", "raw", "request", "session", "upstream_done", "wrote_chunks")
 
-    def __init__(self, http: web.Request, session: Session, request: Request,
+    def __init__(self, out: Writer, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
         super().__init__(request.id, time.monotonic())
-        self.http = http
+        self.out = out
+        self.raw: RawWrite = _no_room  # the direct path's write (the writer's, once on)
         self.session = session
         self.request = request
         self.ctx = ctx
         self.headers = headers
-        self.response: web.StreamResponse | None = None
         self.control = ""  # worker control subject, once known
         self.job_ack = ""  # the job message's JetStream ack subject (Head.ack)
         model = ctx.models.get(request.model)
@@ -130,17 +127,17 @@ class Relay(StreamState):
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.upstream_done = False  # the worker/dispatcher ended it: nothing to cancel
-        self.high_water = max(4096, request.window_bytes // 4)
         # A resumable stream numbers its SSE events (tidegate.wire.streamlog);
-        # None for every other request, whose bytes go out as they came.
-        # The first event's block also says how long an EventSource waits to
-        # reconnect (not on a Responses stream: its events carry
-        # sequence_number, and the SDK needs none).
+        # None for every other request, whose bytes go out as they came, and
+        # where the transport numbers them itself (gRPC). The first event's
+        # block also says how long an EventSource waits to reconnect (not on
+        # a Responses stream: its events carry sequence_number, and the SDK
+        # needs none).
+        session.resumable = request.resumable and request.stream
         self.ids = (streamlog.EventIds(
             b"" if request.api is Api.RESPONSES
             else streamlog.retry_field(ctx.config.resume.retry_ms))
-            if request.resumable and request.stream else None)
-        session.resumable = self.ids is not None
+            if session.resumable and out.numbers_events else None)
 
     async def run(self) -> web.StreamResponse:
         finished = False
@@ -151,11 +148,10 @@ class Relay(StreamState):
         except Reconnect:
             finished = True
             await self._reconnect()
-            assert self.response is not None
-            return self.response
+            return self.out.response()
         except ApiError as error:
             finished = True
-            await self._cancel_upstream(CLIENT_CANCEL if error.code == "stream_cancelled"
+            await self._cancel_upstream(CLIENT_CANCEL if error.code in CANCEL_CODES
                                         else f"edge:{error.code or error.type}")
             return await self._fail(error)
         except SlowClient:
@@ -163,8 +159,7 @@ class Relay(StreamState):
             log.info("request %s: client did not drain for %.0fs; disconnected", self.request.id,
                      self.ctx.config.edge.slow_client_timeout)
             await self._leave("slow_client")
-            assert self.response is not None
-            return self.response
+            return self.out.response()
         finally:
             if not finished:
                 # Client went away (handler cancelled) or an unexpected error:
@@ -173,12 +168,13 @@ class Relay(StreamState):
                 await self._leave("client_disconnected")
 
     async def _reconnect(self) -> None:
-        """End a resumable stream with the reconnect event, and detach: the
-        worker generates on, and the client resumes on another edge."""
-        cfg = self.ctx.config.resume
-        last = self.ids.last if self.ids is not None else 0
+        """End a resumable stream with the reconnect event (frame, message),
+        and detach: the worker generates on, and the client resumes on
+        another edge."""
+        self.last_write = time.monotonic()
         try:
-            await self._write(reconnect_event(self.request.id, last, cfg.retry_ms), last=True)
+            await self.out.reconnect(self.request.id,
+                                     self.ids.last if self.ids is not None else 0)
         except (ConnectionError, RuntimeError, SlowClient):
             pass
         await self._leave("edge_draining")
@@ -203,7 +199,8 @@ class Relay(StreamState):
                 log.warning("could not publish detach for %s: %s", self.request.id, exc)
 
     async def _fail(self, error: ApiError) -> web.StreamResponse:
-        instrument.failed(error)
+        if error.code not in CANCEL_CODES:  # a client's own cancel is no failure
+            instrument.failed(error)
         if self.request.resumable and self.phase is not Phase.STREAMING:
             # No worker wrote to the log yet: the log's readers learn the end here.
             try:
@@ -212,17 +209,7 @@ class Relay(StreamState):
                     Error(0, to_info(error)).encode())
             except Exception as exc:
                 log.warning("could not log the end of %s: %s", self.request.id, exc)
-        if self.response is None:
-            response = error_response(error, self.request.api)
-            # Request id and rate-limit headers on errors too (a 429 needs x-ratelimit-*).
-            response.headers.update(self.headers)
-            return response
-        try:
-            await self.response.write(sse_error_event(error, self.request.api))
-            await self.response.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass
-        return self.response
+        return await self.out.fail(error)
 
     async def _cancel_upstream(self, reason: str) -> None:
         """Stop whatever still works on this request: the worker directly, when
@@ -275,7 +262,7 @@ class Relay(StreamState):
                 if self.phase is Phase.STREAMING:
                     self.last_worker_msg = now
                 if done:
-                    return await self._finish()
+                    return await self.out.finish(self.body_parts)
                 if self.wrote_chunks:
                     session.direct = self._direct_writer()
             if session.lost:
@@ -300,6 +287,8 @@ class Relay(StreamState):
 
     async def _handle(self, messages: list[SessionMessage], now: float) -> bool:
         """Apply a batch of session messages; True once the response is complete."""
+        if self.out.announces:
+            await self.out.notice(messages, self.headers)
         out: list[bytes] = []
         nbytes = 0
         last_chunk = 0
@@ -342,12 +331,14 @@ class Relay(StreamState):
                     raise from_info(m.error) if m.error else unavailable("Rejected.")
                 self.advance(Status)
                 if m.admission is Admission.QUEUED and m.position and self.request.stream:
-                    await self._write(self._queue_note(m.position))
-                elif self.ids is not None and self.response is None and self.request.stream:
+                    note = self.out.queue_note(m.position)
+                    if note:
+                        await self._write(note)
+                elif self.ids is not None and not self.out.started and self.request.stream:
                     # A resumable stream's 200 and request id go out once it
                     # is admitted (quota passed): a client whose edge dies
                     # before the first token can then resume it elsewhere.
-                    await self._start_stream()
+                    await self.out.start()
 
         if self.gap_since:
             await self._ask_retransmit(now)
@@ -363,7 +354,9 @@ class Relay(StreamState):
                 ids = self.ids
                 if ids is not None:
                     data = ids.frame(data)
-                await self._write(data)
+                # _write inline: one coroutine frame less per batch (hot path)
+                self.last_write = time.monotonic()
+                await self.out.write(data)
                 if not self.wrote_chunks:
                     instrument.first_byte()
                 self.wrote_chunks = True
@@ -482,14 +475,6 @@ class Relay(StreamState):
         if head.job_seq:
             self.headers["x-tidegate-job-seq"] = str(head.job_seq)
 
-    def _queue_note(self, position: int) -> bytes:
-        """The client's place in its model's queue: an SSE comment, which every
-        client ignores, or, when the request asked with the
-        ``x-tidegate-queue-events`` header, an ``event: queue`` event."""
-        if self.http.headers.get("x-tidegate-queue-events", "").lower() in ("1", "true"):
-            return b'event: queue\ndata: {"position": %d}\n\n' % position
-        return b": queued position=%d\n\n" % position
-
     def _collect(self, data: bytes) -> None:
         self.body_size += len(data)
         if self.body_size > self.ctx.config.edge.max_response_bytes:
@@ -499,83 +484,38 @@ class Relay(StreamState):
                            code="response_too_large")
         self.body_parts.append(data)
 
-    # -- socket side ----------------------------------------------------------
-
-    async def _start_stream(self) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self.headers})
-        await response.prepare(self.http)
-        transport = self.http.transport
-        if transport is not None:
-            # Keep what sits in user space per connection small: _write then
-            # waits whenever the client is not reading, and the ack (and so
-            # the worker) waits with it.
-            transport.set_write_buffer_limits(high=self.high_water, low=self.high_water // 2)
-        self.response = response
-        return response
+    # -- the writer's side ------------------------------------------------------
 
     async def _write(self, data: bytes, *, last: bool = False) -> None:
-        """Write and wait until the socket drains below the high-water mark;
-        ``last`` ends the body with the same write (one system call, and one
-        packet for the client, instead of two).
-
-        Only a write that can block (it takes the buffer past high water) pays
-        for a timeout scope; a client that does not drain within
-        edge.slow_client_timeout is disconnected (``SlowClient``)."""
-        response = self.response or await self._start_stream()
         self.last_write = time.monotonic()
-        send = response.write_eof if last else response.write
-        transport = self.http.transport
-        if transport is None or transport.get_write_buffer_size() + len(data) <= self.high_water:
-            await send(data)
-            return
-        writer = payload_writer(response)  # aiohttp has no public drain on responses
-        try:
-            async with asyncio.timeout(self.ctx.config.edge.slow_client_timeout):
-                await send(data)
-                if writer is not None and not last:  # write_eof drains by itself
-                    await writer.drain()
-        except TimeoutError:
-            transport.abort()
-            raise SlowClient() from None
+        await self.out.write(data, last=last)
 
     def _direct_writer(self) -> Callable[[Chunk], bool] | None:
-        """:meth:`_direct`, when this response can take raw chunked frames:
-        headers sent, chunked transfer encoding (HTTP/1.1), no compression."""
-        if self.response is None or self.ids is not None or not takes_raw_chunks(self.response):
+        """:meth:`_direct`, when the writer can take chunks from the NATS
+        callback now (:meth:`edge.writer.Writer.raw`)."""
+        raw = self.out.raw()
+        if raw is None:
             return None
+        self.raw = raw
         return self._direct
 
     def _direct(self, chunk: Chunk) -> bool:
-        """Write one chunk to the client from the NATS callback, bypassing the relay
-        task and aiohttp's write path (one ``transport.write`` of the chunked frame).
-        Only the steady state qualifies: the next chunk in sequence, room under the
-        socket's high-water mark (drained, as in :meth:`_write`) and no ack due after
-        it (acks publish: the task's job). Else False: the relay handles the chunk."""
+        """Write one chunk to the client from the NATS callback, bypassing the
+        relay task. Only the steady state qualifies: the next chunk in
+        sequence, no ack due after it (acks publish: the task's job) and room
+        in the socket's buffer (the writer's check). Else False: the relay
+        handles the chunk."""
         data = chunk.data
         n = len(data)
-        if not n:
-            return False  # an empty chunk frame would end the body: the relay skips it
-        transport = self.http.transport
-        if (chunk.seq != self.expected_seq or transport is None or transport.is_closing()
-                or transport.get_write_buffer_size() + n > self.high_water
-                or not self.acks.quiet_after(n)):
+        if (not n  # an empty chunk frame would end an SSE body: the relay skips it
+                or chunk.seq != self.expected_seq or not self.acks.quiet_after(n)):
             return False
-        # aiohttp's chunked framing, byte for byte; its write_eof ends the body.
-        transport.write(b"%x\r\n%b\r\n" % (n, data))
+        now = time.monotonic()
+        if not self.raw(data, now):
+            return False
         if self.delivered is not None:
             self.delivered.add(data)
         self.expected_seq = chunk.seq + 1
         self.acks.on_written(chunk.seq, n)
-        self.last_worker_msg = self.last_write = time.monotonic()
+        self.last_worker_msg = self.last_write = now
         return True
-
-    async def _finish(self) -> web.StreamResponse:
-        if not self.request.stream:
-            return web.Response(body=b"".join(self.body_parts), content_type="application/json",
-                                headers=self.headers)
-        # A Responses or Messages stream ends with its own terminal event
-        # (response.completed, message_stop), never [DONE]: their APIs send none.
-        await self._write(_DONE if self.request.api < Api.RESPONSES else b"", last=True)
-        assert self.response is not None
-        return self.response
-

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgpack
 from aiohttp import web
@@ -106,10 +106,17 @@ async def stream_events(http: web.Request, streamlog_: StreamLog, config: Config
                         tenant: str) -> web.StreamResponse:
     """``GET /v1/streams/{request_id}``: the events after ``Last-Event-ID``,
     then the live tail, then ``data: [DONE]`` (or a final error event)."""
-    request_id = http.match_info["request_id"]
-    after = _after(http)
+    return await replay(http, streamlog_, config, http.match_info["request_id"], tenant,
+                        _after(http))
+
+
+async def replay(http: web.Request, streamlog_: StreamLog, config: Config, request_id: str,
+                 tenant: str, after: int = 0, extra: Mapping[str, str] | None = None,
+                 ) -> web.StreamResponse:
+    """A stream's events after ``after`` from its log, then its live tail
+    (a non-streaming request's body, once complete); ``extra``: headers."""
     async with streamlog_.read(request_id, tenant, after) as reader:
-        headers = {"x-request-id": request_id, "x-tidegate-resumable": "true"}
+        headers = {"x-request-id": request_id, "x-tidegate-resumable": "true", **(extra or {})}
         if not reader.open.stream:
             return await _body(reader, headers)
         response = web.StreamResponse(status=200, headers={

@@ -3,8 +3,9 @@
 A thin adapter. The frame protocol is sans-I/O in :mod:`tidegate.wire.ws`;
 each generation is an ordinary request of its own (validated, published and
 relayed by the same code as SSE: ``edge.publish.build_request``,
-``edge.publish.publish_request``, :class:`edge.ws_relay.WsRelay`), so quotas,
-queue mode, cancel and flow control are exactly those of SSE.
+``edge.publish.publish_request``, :class:`edge.relay.Relay`, writing
+through :class:`edge.ws_writer.WsWriter`), so quotas, queue mode, cancel
+and flow control are exactly those of SSE.
 
 Tasks (STYLE 6): one ``asyncio.TaskGroup`` per socket owns the keepalive and
 one task per generation; the handler's own task reads frames. When the
@@ -40,8 +41,10 @@ from edge.continuation import deciding_fields
 from edge.endings import Reconnect, SlowClient
 from edge.logreader import LogReader
 from edge.publish import build_request, publish_request
+from edge.relay import Relay
 from edge.state import STATE, EdgeState, session_tick, set_keepalive
-from edge.ws_relay import WsRelay, cancel_error
+from edge.writer import cancel_error
+from edge.ws_writer import WsWriter
 from tidegate.errors import ApiError, unavailable
 from tidegate.telemetry import logs
 from tidegate.validation.generation import validate_body
@@ -84,7 +87,7 @@ async def websocket(http: web.Request) -> web.StreamResponse:
 class _Generation:
     id: str
     task: asyncio.Task[None] | None = None
-    relay: WsRelay | None = None
+    relay: Relay | None = None
     cancel_requested: bool = False
     resumed: str = ""  # request id, for a generation that is a resume of a stream
     reader: LogReader | None = None
@@ -382,11 +385,11 @@ class WsSocket:
                                       self.principal.tenant)
         log_token = logs.bind(request.id, request.tenant, rt.trace_id)
         try:
-            seq = await publish_request(state, request, rt.carrier)
+            seq = (await publish_request(state, request, rt.carrier)).seq
             headers = {"x-request-id": request.id, "x-tidegate-request-seq": str(seq)}
-            relay = WsRelay(self, gen.id, session,
-                            dataclasses.replace(request, body=deciding_fields(request.body)),
-                            state.relay, headers)
+            request = dataclasses.replace(request, body=deciding_fields(request.body))
+            relay = Relay(WsWriter(self, gen.id, request), session, request, state.relay,
+                          headers)
             gen.relay = relay
             if gen.cancel_requested:
                 session.abort(cancel_error())

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from edge.errors import from_info
 from edge.logreader import Draining, LogReader
-from edge.ws_relay import FrameSink
+from edge.writer import CANCEL_CODES
+from edge.ws_writer import FrameSink
 from tidegate.wire import ws as wire
 from tidegate.wire.streamlog import LogEvent
 
@@ -51,7 +52,7 @@ async def replay(sink: FrameSink, gen_id: str, reader: LogReader) -> None:
             await sink.send([wire.done(gen_id, d.prompt_tokens, d.completion_tokens,
                                        d.finish_reason) if d is not None
                              else wire.done(gen_id, 0, 0, "")])
-        elif item.error.code == "stream_cancelled":
+        elif item.error.code in CANCEL_CODES:
             await sink.send([wire.cancelled(gen_id)])
         else:
             await sink.send([wire.error(from_info(item.error), gen_id)])

@@ -96,6 +96,26 @@ async def test_background_create_then_retrieve_on_any_edge(
     assert done.usage.output_tokens == foreground.usage.output_tokens == LENGTH
 
 
+async def test_a_background_create_sent_again_under_its_key_is_the_same_response(
+        clients: list[openai.AsyncOpenAI]) -> None:
+    """Idempotency-Key (docs/resume.md): the second create, on the other edge,
+    answers the first one's response object; nothing runs twice."""
+    a, b = clients
+    key = {"Idempotency-Key": f"bg-{time.monotonic_ns()}"}
+    created = await a.responses.create(model="sim", input="background keyed",
+                                       background=True, extra_headers=key)
+    done = await _until_done(a, created.id)
+    raw = await b.responses.with_raw_response.create(model="sim", input="background keyed",
+                                                     background=True, extra_headers=key)
+    again = raw.parse()
+    assert raw.headers["Idempotent-Replayed"] == "true"
+    assert again.id == created.id
+    assert again.status == "completed"
+    assert again.output_text == done.output_text
+    other = await b.responses.create(model="sim", input="background keyed", background=True)
+    assert other.id != created.id  # no key: a new response
+
+
 async def test_background_against_a_backend_without_background_mode(
         clients: list[openai.AsyncOpenAI], fake: FakeBackend) -> None:
     marker = uuid.uuid4().hex

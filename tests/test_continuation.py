@@ -243,7 +243,7 @@ async def test_a_worker_killed_mid_stream_costs_30_streams_a_pause_not_the_answe
     texts = [f"continue-{i}-{uuid.uuid4().hex}" for i in range(30)]
     got, whole = await killed_then_whole(pipeline, lambda session, out: [
         run(session, pipeline.url, t, out) for t in texts])
-    logs = pipeline.logs()
+    logs = pipeline.log_text()
     continued = logs.count("continued on another worker")
     assert continued, "no stream ran on the killed worker"
     for t in texts:
@@ -279,7 +279,7 @@ async def test_a_non_streaming_request_whose_worker_dies_is_answered_whole(
         pipeline.workers[0].kill()
         answers = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         again = await asyncio.wait_for(asyncio.gather(*(ask(session, t) for t in texts)), 120)
-    assert "restarted on another worker" in pipeline.logs()
+    assert "restarted on another worker" in pipeline.log_text()
     for (status, body), (_, whole) in zip(answers, again, strict=True):
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == \
@@ -321,7 +321,7 @@ async def test_a_stream_that_cannot_be_continued_ends_with_worker_lost(
     for end in lost:
         error = json.loads(end.removeprefix(b"data: "))["error"]
         assert (error["code"], error["retryable"]) == ("worker_lost", True), error
-    assert "continued on another worker" not in pipeline.logs()
+    assert "continued on another worker" not in pipeline.log_text()
 
 
 RESUMABLE = {"Authorization": f"Bearer {DEV_KEY}", "X-Tidegate-Resumable": "true"}
@@ -379,7 +379,7 @@ async def test_a_resumable_stream_continues_in_its_log_and_its_client_resumes_th
         _resumable(session, pipeline.url, t, out) for t in texts])
     continued = [t for t in texts if got[t][2]]
     assert continued, "no stream ran on the killed worker"
-    assert pipeline.logs().count("continues its stream log") >= len(continued)
+    assert pipeline.log_text().count("continues its stream log") >= len(continued)
     async with aiohttp.ClientSession() as session:
         for t in texts:
             rid, blocks, _ = got[t]

@@ -223,7 +223,7 @@ async def test_websocket_generations_continue_byte_exact_across_a_worker_kill(
         ws_run(session, pipeline.url, g, out) for g in groups])
     for t in texts:
         assert got[t][0][-1]["type"] == "done", got[t][0][-1]
-    continued = pipeline.logs().count("continued on another worker")
+    continued = pipeline.log_text().count("continued on another worker")
     assert continued, "no generation ran on the killed worker"
     for t in texts:
         frames, _ = got[t]
@@ -266,7 +266,7 @@ async def test_responses_streams_continue_byte_exact_across_a_worker_kill(
         responses_run(session, pipeline.url, t, out) for t in texts])
     for t in texts:
         assert responses_events(got[t])[-1].get("type") == "response.completed", got[t][-400:]
-    continued = pipeline.logs().count("continued on another worker")
+    continued = pipeline.log_text().count("continued on another worker")
     assert continued, "no stream ran on the killed worker"
     for t in texts:
         raw = got[t].replace(b": ping\n\n", b"")
@@ -321,4 +321,4 @@ async def test_what_cannot_be_continued_still_ends_with_worker_lost(
         error = json.loads(last.removeprefix(b"data: "))
         error = error.get("error", error)
         assert error["code"] == "worker_lost", last
-    assert "continued on another worker" not in pipeline.logs()
+    assert "continued on another worker" not in pipeline.log_text()

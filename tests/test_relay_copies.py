@@ -15,6 +15,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from edge.relay import Relay, RelayContext
 from edge.session import Session
+from edge.sse_writer import SseWriter
 from edge.stream import Phase
 from tests.test_relay_direct import RecordingPublisher, make_request
 from tidegate.config import Config
@@ -36,9 +37,13 @@ class Watch:
 
 
 def streaming(publisher: RecordingPublisher) -> Relay:
-    relay = Relay(make_mocked_request("POST", "/v1/chat/completions"), Session("r1", 0.1),
-                  make_request("r1"), RelayContext(Config(), publisher, watch=Watch()),  # type: ignore[arg-type]
-                  {})
+    request = make_request("r1")
+    headers: dict[str, str] = {}
+    out = SseWriter(make_mocked_request("POST", "/v1/chat/completions"), request, headers,
+                    Config())
+    relay = Relay(out, Session("r1", 0.1), request,
+                  RelayContext(Config(), publisher, watch=Watch()),  # type: ignore[arg-type]
+                  headers)
     return relay
 
 

@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from edge.relay import Relay, RelayContext
 from edge.session import Session
+from edge.sse_writer import SseWriter
 from edge.stream import Phase
 from tidegate.broker.link import Link
 from tidegate.config import Config, SessionConfig
@@ -118,8 +119,9 @@ async def handler(http: web.Request) -> web.StreamResponse:
     # As edge.app: a third of a heartbeat, within [0.05, 5] seconds.
     tick = min(max(config.session.heartbeat_interval / 3, 0.05), 5.0)
     session = Session(h.request.id, tick)
-    relay = Relay(http, session, h.request, RelayContext(config, h.publisher, h.link),
-                  {"x-request-id": h.request.id})
+    headers = {"x-request-id": h.request.id}
+    relay = Relay(SseWriter(http, h.request, headers, config), session, h.request,
+                  RelayContext(config, h.publisher, h.link), headers)
     transport = http.transport
     assert isinstance(transport, asyncio.Transport)
     if h.sndbuf:
@@ -138,7 +140,8 @@ async def harness(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Harness]:
     original = Relay._direct
 
     def spy(self: Relay, chunk: Chunk) -> bool:
-        transport = self.http.transport
+        assert isinstance(self.out, SseWriter)
+        transport = self.out.http.transport
         buffered = transport.get_write_buffer_size() if transport is not None else -1
         quiet = self.acks.quiet_after(len(chunk.data))
         written = original(self, chunk)
@@ -395,7 +398,7 @@ async def test_order_holds_when_a_slow_client_forces_the_fallback(
     harness.sndbuf = 4096
     resp, opened, sent = await start_streaming(harness)
     relay, session = opened.relay, opened.session
-    assert relay.high_water == 4096
+    assert relay.out.high_water == 4096
     # The worker's side of the flow control, fed by the edge's acks.
     window = SendWindow(harness.request.window_bytes, harness.request.window_msgs)
     window.on_send(2, len(sent[0]))  # the first chunk (the Head is not windowed)
@@ -439,14 +442,14 @@ async def test_order_holds_when_a_slow_client_forces_the_fallback(
     written = [seq for seq, ok, *_ in calls if ok]
     # Declined only because the socket buffer was full (in order, no ack due).
     buffer_full = [seq for seq, ok, buffered, quiet in calls
-                   if not ok and quiet and buffered + size > relay.high_water]
+                   if not ok and quiet and buffered + size > relay.out.high_water]
     # Never written past the high-water mark: a direct write counts as drained.
-    assert all(buffered + size <= relay.high_water for _, ok, buffered, _ in calls if ok)
+    assert all(buffered + size <= relay.out.high_water for _, ok, buffered, _ in calls if ok)
     print(f"{len(written)} of {n} chunks written directly; {len(buffer_full)} declined "
           f"for a full socket buffer; {len(harness.publisher.acks())} acks")
     assert written, "the direct path never wrote"
     assert len(written) < len(calls), "the direct path never declined"
-    if 3 * size < relay.high_water:
+    if 3 * size < relay.out.high_water:
         assert buffer_full, "the socket buffer never filled: the fallback was not exercised"
     assert harness.publisher.acks() == sorted(set(harness.publisher.acks()))
     assert harness.publisher.tombstones == []

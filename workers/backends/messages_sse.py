@@ -29,7 +29,7 @@ from typing import Any
 from tidegate.wire.anthropic import dumps, event
 from workers.backends.base import Usage
 from workers.backends.messages_translate import stop_reason
-from workers.backends.sse import loads
+from workers.backends.sse import Tally, lf_only, loads
 from workers.backends.upstream import broken, upstream_message
 
 __all__ = ["MessagesPassthrough", "MessagesTranslator", "events_of"]
@@ -43,8 +43,7 @@ _REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
 def events_of(buf: bytes) -> tuple[list[bytes], bytes]:
     """Complete SSE events of ``buf`` (line ends normalised) and the rest."""
     if b"\r" in buf:
-        tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
-        buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n") + tail
+        buf = lf_only(buf)
     *events, rest = buf.split(b"\n\n")
     return events, rest
 
@@ -55,14 +54,15 @@ def _data(event_: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
-class MessagesTranslator:
+class MessagesTranslator(Tally):
     """Chat/completions SSE bytes in, Anthropic Messages events out."""
 
     __slots__ = ("_block", "_buf", "_id", "_index", "_model", "_name", "_started",
-                 "_text_head", "_tools", "done", "events", "matched", "usage", "usage_reported")
+                 "_text_head", "_tools", "matched")
 
     def __init__(self, *, prompt_tokens: int, model: str, message_id: str,
                  client_model: str) -> None:
+        super().__init__(prompt_tokens)
         self._buf = b""
         self._model = model  # for error messages: tidegate's name
         self._name = client_model  # what the client asked for, echoed in message_start
@@ -73,14 +73,6 @@ class MessagesTranslator:
         self._tools: dict[int, int] = {}  # chat tool_call index -> content block index
         self._text_head = b""
         self.matched: Any = None  # vLLM's choice.stop_reason: the stop string matched
-        self.done = False
-        self.events = 0
-        self.usage = Usage(prompt_tokens=prompt_tokens)
-        self.usage_reported = False
-
-    @property
-    def finish_reason(self) -> str:
-        return self.usage.finish_reason
 
     def feed(self, data: bytes) -> bytes:
         if self.done:
@@ -218,7 +210,7 @@ def message_start(message_id: str, model: str, prompt_tokens: int) -> bytes:
         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}))
 
 
-class MessagesPassthrough:
+class MessagesPassthrough(Tally):
     """A backend's Messages SSE bytes in, the same bytes out, usage noted.
 
     One repair: a stream whose first event is not ``message_start`` gets one
@@ -227,23 +219,15 @@ class MessagesPassthrough:
     a message they never saw begin). ``message_id`` and ``client_model`` are
     what it carries; ``None`` leaves every stream as it comes."""
 
-    __slots__ = ("_buf", "_client_model", "_message_id", "_model", "done", "events", "usage",
-                 "usage_reported")
+    __slots__ = ("_buf", "_client_model", "_message_id", "_model")
 
     def __init__(self, *, prompt_tokens: int, model: str, message_id: str | None = None,
                  client_model: str = "") -> None:
+        super().__init__(prompt_tokens)
         self._buf = b""
         self._model = model
         self._message_id = message_id  # None once the stream's first event passed
         self._client_model = client_model
-        self.done = False  # message_stop passed; later bytes are ignored
-        self.events = 0
-        self.usage = Usage(prompt_tokens=prompt_tokens)
-        self.usage_reported = False
-
-    @property
-    def finish_reason(self) -> str:
-        return self.usage.finish_reason
 
     def feed(self, data: bytes) -> bytes:
         if self.done:

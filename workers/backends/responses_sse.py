@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 from workers.backends.base import Usage
-from workers.backends.sse import EventFramer, cached_tokens, loads
+from workers.backends.sse import EventFramer, cached_tokens, lf_only, loads
 from workers.backends.upstream import broken
 
 __all__ = ["ResponsesPassthrough"]
@@ -53,25 +53,17 @@ _FINISH = {"completed": "stop", "max_output_tokens": "length", "content_filter":
 class ResponsesPassthrough(EventFramer):
     """Upstream Responses SSE bytes in, client-ready SSE bytes out, usage noted."""
 
-    __slots__ = ("_backend_id", "_model", "_rename", "events", "spliced", "usage",
-                 "usage_reported")
+    __slots__ = ("_backend_id", "_model", "_rename", "spliced")
 
     def __init__(self, *, prompt_tokens: int, model: str, rename: bytes | None = None) -> None:
-        self._buf = b""
+        super().__init__(prompt_tokens)
         self._model = model
         # A background response (edge.background): the backend's response id
         # becomes tidegate's in every event, so clients retrieve by it.
         self._rename = rename
         self._backend_id: bytes | None = None
-        self.done = False  # the terminal event passed; later bytes are ignored
-        self.events = 0  # data events seen: also the next missing sequence_number
+        # self.events (data events seen) is also the next missing sequence_number.
         self.spliced = 0  # events that got a sequence_number from us
-        self.usage = Usage(prompt_tokens=prompt_tokens)
-        self.usage_reported = False
-
-    @property
-    def finish_reason(self) -> str:
-        return self.usage.finish_reason
 
     def feed(self, data: bytes) -> bytes:
         """Take upstream bytes; return the complete events to pass on (maybe ``b""``)."""
@@ -79,9 +71,7 @@ class ResponsesPassthrough(EventFramer):
             return b""
         buf = self._buf + data if self._buf else data
         if b"\r" in buf:
-            tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
-            buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            buf += tail
+            buf = lf_only(buf)
         return self._events(buf)
 
     def _event(self, event: bytes) -> bytes | None:

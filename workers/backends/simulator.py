@@ -30,7 +30,6 @@ Only one choice is generated (``n`` is ignored).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import random
@@ -45,6 +44,7 @@ from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import BackendStream, Usage
 from workers.backends.greedy import GreedyPlan, greedy_plan
+from workers.backends.paced import PacedStream
 from workers.backends.prefix_cache import PrefixCache, prompt_text
 from workers.backends.simulator_responses import SimulatorEmbeddings, SimulatorResponsesStream
 
@@ -249,38 +249,27 @@ def _usage_json(usage: Usage) -> bytes:
             % (p, c, p + c))
 
 
-class SimulatorStream:
-    """One simulated response. Implements :class:`workers.backends.BackendStream`.
+class SimulatorStream(PacedStream):
+    """One simulated chat or completions response.
 
-    Streaming responses are a sequence of events indexed from 0: the chat role
-    chunk (chat only), one content chunk per token, the finish chunk, and the
-    usage chunk when the client asked ``include_usage``. Event ``k`` is due
-    when the token it carries (or the last token, for finish/usage; the first,
-    for the role chunk) is due.
+    Streaming responses are a sequence of events indexed from 0 (paced as
+    ``workers.backends.paced`` says): the chat role chunk (chat only), one
+    content chunk per token, the finish chunk, and the usage chunk when the
+    client asked ``include_usage``.
     """
 
-    __slots__ = (
-        "_body", "_closed", "_first_tok", "_head", "_interval", "_n", "_next", "_offset",
-        "_pieces", "_request", "_suffix", "_t_first", "_tail", "_tok_prefix", "_total",
-        "_usage", "_usage_finish",
-    )
+    __slots__ = ("_head", "_suffix", "_tail", "_tok_prefix")
 
     def __init__(self, request: Request, sim: SimulatorConfig, now: float,
                  cap: int = DEFAULT_MAX_OUTPUT_TOKENS) -> None:
-        self._request = request
         pieces = plan(request.api, request.body, sim, cap)
-        finish = pieces.finish
-        self._pieces = pieces
-        self._n = len(pieces)
-        self._usage = Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body))
-        self._usage_finish = finish
-        self._t_first = now + sim.ttft
-        self._interval = 1.0 / sim.tokens_per_second
-        self._next = 0
-        self._closed = False
-        self._body: bytes | None = None
-        self._offset = 0
         chat = request.api == Api.CHAT
+        first_tok = 1 if chat else 0
+        # role (chat) + tokens + finish + usage (when asked)
+        super().__init__(request, pieces, pieces.finish,
+                         Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body)),
+                         now + sim.ttft, 1.0 / sim.tokens_per_second, first_tok,
+                         first_tok + len(pieces) + 1 + (1 if request.include_usage else 0))
         ident = ("chatcmpl-" if chat else "cmpl-") + request.id
         if chat:
             obj = b"chat.completion.chunk" if request.stream else b"chat.completion"
@@ -298,18 +287,6 @@ class SimulatorStream:
             self._tok_prefix = b"data: " + self._head + b'{"text":'
             self._suffix = (b',"index":0,"logprobs":null,"finish_reason":null}]' + self._tail
                             + b"}\n\n")
-        self._first_tok = 1 if chat else 0
-        # role (chat) + tokens + finish + usage (when asked)
-        self._total = (self._first_tok + self._n + 1
-                       + (1 if request.include_usage else 0)) if request.stream else 0
-
-    @property
-    def usage(self) -> Usage:
-        return self._usage
-
-    def _due(self, index: int) -> float:
-        token = min(max(index - self._first_tok, 0), max(self._n - 1, 0))
-        return self._t_first + token * self._interval
 
     def _event(self, index: int) -> bytes:
         """Bytes of streaming event ``index`` (pure; :meth:`_account` counts it once sent)."""
@@ -341,53 +318,6 @@ class SimulatorStream:
         elif token == self._n:
             self._usage.finish_reason = self._usage_finish
 
-    async def read(self, max_bytes: int) -> bytes:
-        if self._closed:
-            return b""
-        if not self._request.stream:
-            return await self._read_body(max_bytes)
-        index = self._next
-        if index >= self._total:
-            return b""
-        due = self._due(index)
-        now = time.monotonic()
-        if due > now:
-            await asyncio.sleep(due - now)
-            # The event we slept for is due even if the loop woke a hair early.
-            now = max(time.monotonic(), due)
-        # Finish and usage events must see the final completion count, so each
-        # event is accounted before the next one is built.
-        self._account(index)
-        parts = [self._event(index)]
-        size = len(parts[0])
-        index += 1
-        while index < self._total and self._due(index) <= now:
-            event = self._event(index)
-            if size + len(event) > max_bytes:
-                break
-            self._account(index)
-            parts.append(event)
-            size += len(event)
-            index += 1
-        self._next = index
-        return b"".join(parts)
-
-    async def _read_body(self, max_bytes: int) -> bytes:
-        if self._body is None:
-            done_at = self._due(self._first_tok + self._n - 1 if self._n else 0)
-            delay = done_at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            self._usage.completion_tokens = self._n
-            self._usage.finish_reason = self._usage_finish
-            self._body = self._final_body()
-        if self._offset >= len(self._body):
-            return b""
-        end = self._offset + max(1, max_bytes)
-        chunk = self._body[self._offset:end]
-        self._offset = end
-        return chunk
-
     def _final_body(self) -> bytes:
         text = json.dumps("".join(self._pieces)).encode()
         reason = self._usage_finish.encode()
@@ -398,24 +328,6 @@ class SimulatorStream:
             choice = (b'{"text":' + text
                       + b',"index":0,"logprobs":null,"finish_reason":"%s"}' % reason)
         return self._head + choice + b'],"usage":' + _usage_json(self._usage) + b"}"
-
-    async def aclose(self) -> None:
-        """End the stream. Idempotent.
-
-        A response closed before its end counts every token the simulated
-        model had generated by now (it runs at its pace whether read or not),
-        which is at least what was read; ``finish_reason`` stays empty.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        finished = (self._body is not None if not self._request.stream
-                    else self._next >= self._total)
-        if finished:
-            return
-        elapsed = time.monotonic() - self._t_first
-        due = 0 if elapsed < 0 else min(self._n, int(elapsed / self._interval) + 1)
-        self._usage.completion_tokens = max(self._usage.completion_tokens, due)
 
 
 class SimulatorBackend:

@@ -43,6 +43,7 @@ from tidegate.errors import BackendError
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import Usage
+from workers.backends.paced import PacedStream
 
 __all__ = ["MAX_DIMENSIONS", "SimulatorEmbeddings", "SimulatorResponsesStream", "embed"]
 
@@ -56,38 +57,26 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
-class SimulatorResponsesStream:
-    """One simulated Responses API answer. Implements ``BackendStream``."""
+class SimulatorResponsesStream(PacedStream):
+    """One simulated Responses API answer: its opening events, one
+    ``response.output_text.delta`` per token, its closing events (paced as
+    ``workers.backends.paced`` says; the first two are due at once)."""
 
-    __slots__ = ("_body", "_closed", "_created", "_delta_prefix", "_interval", "_item_id",
-                 "_n", "_next", "_offset", "_pieces", "_request", "_status", "_t_first",
-                 "_t_open", "_total", "_usage", "_usage_finish")
+    __slots__ = ("_created", "_delta_prefix", "_item_id", "_status", "_t_open")
 
     def __init__(self, request: Request, pieces: Sequence[str], finish: str, sim: SimulatorConfig,
                  now: float) -> None:
-        self._request = request
-        self._pieces = pieces
-        self._n = len(pieces)
-        self._usage = Usage(prompt_tokens=estimate_prompt_tokens(Api.RESPONSES, request.body))
         # plan_text says "length" exactly when max_output_tokens bounded the text.
-        self._usage_finish = finish
+        super().__init__(request, pieces, finish,
+                         Usage(prompt_tokens=estimate_prompt_tokens(Api.RESPONSES, request.body)),
+                         now + sim.ttft, 1.0 / sim.tokens_per_second, _OPENING,
+                         _OPENING + len(pieces) + _CLOSING)
         self._status = "incomplete" if finish == "length" else "completed"
         self._t_open = now
-        self._t_first = now + sim.ttft
-        self._interval = 1.0 / sim.tokens_per_second
-        self._next = 0
-        self._closed = False
-        self._body: bytes | None = None
-        self._offset = 0
         self._item_id = "msg_" + request.id
         self._created = request.created_ms // 1000
         self._delta_prefix = (b',"item_id":"' + self._item_id.encode()
                               + b'","output_index":0,"content_index":0,"delta":')
-        self._total = _OPENING + self._n + _CLOSING if request.stream else 0
-
-    @property
-    def usage(self) -> Usage:
-        return self._usage
 
     # -- the response object -------------------------------------------------------
 
@@ -130,8 +119,7 @@ class SimulatorResponsesStream:
     def _due(self, index: int) -> float:
         if index < 2:
             return self._t_open
-        token = min(max(index - _OPENING, 0), max(self._n - 1, 0))
-        return self._t_first + token * self._interval
+        return super()._due(index)
 
     def _event(self, index: int) -> bytes:
         """Bytes of event ``index`` (pure; ``_account`` counts it once sent)."""
@@ -179,66 +167,10 @@ class SimulatorResponsesStream:
         elif token == self._n + _CLOSING - 1:
             self._usage.finish_reason = self._usage_finish
 
-    async def read(self, max_bytes: int) -> bytes:
-        if self._closed:
-            return b""
-        if not self._request.stream:
-            return await self._read_body(max_bytes)
-        index = self._next
-        if index >= self._total:
-            return b""
-        due = self._due(index)
-        now = time.monotonic()
-        if due > now:
-            await asyncio.sleep(due - now)
-            now = max(time.monotonic(), due)
-        # An event is built before it is accounted; the terminal event reads
-        # the output count, which every delta before it has added to.
-        parts = [self._event(index)]
-        self._account(index)
-        size = len(parts[0])
-        index += 1
-        while index < self._total and self._due(index) <= now:
-            event = self._event(index)
-            if size + len(event) > max_bytes:
-                break
-            self._account(index)
-            parts.append(event)
-            size += len(event)
-            index += 1
-        self._next = index
-        return b"".join(parts)
-
-    async def _read_body(self, max_bytes: int) -> bytes:
-        if self._body is None:
-            delay = self._due(_OPENING + self._n - 1 if self._n else 0) - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            self._usage.completion_tokens = self._n
-            self._usage.finish_reason = self._usage_finish
-            text = "".join(self._pieces)
-            self._body = _json(self._response(self._status, [self._item("completed", text)],
-                                              self._usage))
-        if self._offset >= len(self._body):
-            return b""
-        end = self._offset + max(1, max_bytes)
-        chunk = self._body[self._offset:end]
-        self._offset = end
-        return chunk
-
-    async def aclose(self) -> None:
-        """End the stream (idempotent); a stream closed early counts the
-        tokens the simulated model had generated by now, as chat's does."""
-        if self._closed:
-            return
-        self._closed = True
-        finished = (self._body is not None if not self._request.stream
-                    else self._next >= self._total)
-        if finished:
-            return
-        elapsed = time.monotonic() - self._t_first
-        due = 0 if elapsed < 0 else min(self._n, int(elapsed / self._interval) + 1)
-        self._usage.completion_tokens = max(self._usage.completion_tokens, due)
+    def _final_body(self) -> bytes:
+        text = "".join(self._pieces)
+        return _json(self._response(self._status, [self._item("completed", text)],
+                                    self._usage))
 
 
 def embed(item: str | list[int], model: str, dimensions: int) -> list[float]:

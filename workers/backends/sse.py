@@ -23,17 +23,42 @@ _FINISH_RE = re.compile(rb'"finish_reason"\s*:\s*"')
 _CONTENT_RE = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
 
 
-class EventFramer:
+def lf_only(buf: bytes) -> bytes:
+    """``buf`` with its ``\r\n`` and lone ``\r`` line ends as ``\n``; a
+    last ``\r`` stays as it is (it may be half of a ``\r\n``)."""
+    tail = b"\r" if buf.endswith(b"\r") else b""
+    return buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n") + tail
+
+
+class Tally:
+    """What every parser of a backend's stream tells its job: whether the
+    stream's end passed, how many data events came, the usage (the
+    backend's own report when it sent one, else counted)."""
+
+    __slots__ = ("done", "events", "usage", "usage_reported")
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.done = False  # the stream's end passed; later bytes are ignored
+        self.events = 0  # data events seen (any), to tell "first byte" from "idle"
+        self.usage = Usage(prompt_tokens=prompt_tokens)
+        self.usage_reported = False  # the backend reported usage: no more counting
+
+    @property
+    def finish_reason(self) -> str:
+        return self.usage.finish_reason
+
+
+class EventFramer(Tally):
     """What both passthroughs share: whole SSE events out of a byte stream,
     each handed to ``_event`` (which returns it as it is, a replacement, or
     None to drop it), and the input slice itself when every event passed
     unchanged (no copy on a healthy stream)."""
 
-    __slots__ = ("_buf", "done")
+    __slots__ = ("_buf",)
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_tokens: int) -> None:
+        super().__init__(prompt_tokens)
         self._buf = b""
-        self.done = False  # the stream's end passed; later bytes are ignored
 
     def _event(self, event: bytes) -> bytes | None:
         raise NotImplementedError
@@ -78,26 +103,17 @@ class SSEPassthrough(EventFramer):
     line ends are normalised only when the input holds a ``\\r``.
     """
 
-    __slots__ = ("_cost", "_include_usage", "_model", "_spliced", "events", "usage",
-                 "usage_reported")
+    __slots__ = ("_cost", "_include_usage", "_model", "_spliced")
 
     def __init__(self, *, include_usage: bool, prompt_tokens: int, model: str,
                  cost: Any = None) -> None:
-        self._buf = b""
+        super().__init__(prompt_tokens)
         # A price spec (tidegate.control.prices.price_spec) when the client
         # asked for the cost: the usage event then gets the extension member.
         self._cost = cost
         self._spliced: bytes | None = None
         self._include_usage = include_usage
         self._model = model
-        self.done = False  # data: [DONE] seen; later bytes are ignored
-        self.events = 0  # data events seen (any), to tell "first byte" from "idle"
-        self.usage = Usage(prompt_tokens=prompt_tokens)
-        self.usage_reported = False
-
-    @property
-    def finish_reason(self) -> str:
-        return self.usage.finish_reason
 
     def feed(self, data: bytes) -> bytes:
         """Take upstream bytes; return the complete events to pass on (maybe ``b""``)."""
@@ -116,9 +132,7 @@ class SSEPassthrough(EventFramer):
             return data
         buf = self._buf + data if self._buf else data
         if b"\r" in buf:
-            tail = b"\r" if buf.endswith(b"\r") else b""  # may be half of a \r\n
-            buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            buf += tail
+            buf = lf_only(buf)
         end = buf.rfind(b"\n\n")
         if end < 0:
             self._buf = buf

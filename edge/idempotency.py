@@ -1,0 +1,94 @@
+"""``Idempotency-Key``: a generation a client may send again without it
+running twice (docs/resume.md, "Sending a request again").
+
+A client whose connection broke before the response's headers came (its
+edge died, a proxy reset it) cannot tell whether the request was published:
+without a key, sending it again may run it twice (two generations, two
+charges). With a key, the request id is a function of the tenant and the
+key, so both tries are one request:
+
+* a resumable request whose stream log exists was sent before: the client
+  gets its stream from the log, from its first event (``Idempotent-Replayed:
+  true``), whether it still runs, has ended within its grace, or had not
+  started. The log is opened before the request is published, so a log
+  without its request (the first edge died between the two) gets the
+  request published again while the stream's duplicate window still drops
+  a second copy;
+* any other request sent again while JetStream's duplicate window
+  (``streams.duplicate_window``, 120 s) remembers its id gets 409
+  ``idempotency_key_in_use``: it runs, or ran, once, and its answer went to
+  the first connection;
+* after the window (and, for a resumable request, once its log is gone), the
+  key names a new request.
+
+The key is the client's, up to 255 printable ASCII characters; the tenant
+is part of the id, so two tenants' keys never meet. The WebSocket and gRPC
+transports carry no key (each generation there has its own id, and a
+resumable one resumes by it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Mapping
+
+from edge.publish import PATIENCE_STEP, patience
+from edge.state import EdgeState
+from tidegate.errors import ApiError, invalid_request
+
+HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+MAX_LENGTH = 255
+# A log younger than the duplicate window less this margin may have lost its
+# request (its edge died between the two publishes): publishing it again is
+# then safe, as JetStream still drops a copy of one that landed.
+_MARGIN_S = 10.0
+
+
+def key_of(headers: Mapping[str, str]) -> str | None:
+    """The request's key, or None; 400 for a malformed one."""
+    raw = headers.get(HEADER)
+    if raw is None:
+        return None
+    key = raw.strip()
+    if not 0 < len(key) <= MAX_LENGTH or not all(" " <= c <= "~" for c in key):
+        raise invalid_request(f"{HEADER} must be 1 to {MAX_LENGTH} printable ASCII characters.",
+                              code="invalid_idempotency_key", param=HEADER)
+    return key
+
+
+def request_id(tenant: str, key: str) -> str:
+    """The id of the tenant's request under ``key``: 24 hex characters, as a
+    fresh one (``edge.publish.build_request``)."""
+    named = f"{len(tenant)}:{tenant}{key}".encode()  # the length keeps the two apart
+    return hashlib.blake2b(named, digest_size=12, person=b"tidegate-idem").hexdigest()
+
+
+async def sent_before(state: EdgeState, request_id_: str, tenant: str) -> tuple[bool, bool]:
+    """Whether a resumable request's log exists (it was sent before), and
+    whether it is young enough to publish the request again safely. As
+    patient with an unreachable broker (a NATS node's death) as the publish
+    that follows (``edge.publish.patience``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience(state.config)
+    while True:
+        try:
+            opened = await state.streamlog.lookup(request_id_, tenant)
+            break
+        except ApiError as error:
+            if error.status == 404:
+                return False, False
+            if error.code != "broker_unavailable" or loop.time() + PATIENCE_STEP >= deadline:
+                raise
+        await asyncio.sleep(PATIENCE_STEP)
+    age = time.time() - opened.created_ms / 1000
+    return True, age < state.config.streams.duplicate_window - _MARGIN_S
+
+
+def in_use(window: float) -> ApiError:
+    return ApiError(409, f"A request with this {HEADER} was sent in the last {window:g}s; it "
+                         f"runs once, and its answer went to the first connection (make it "
+                         f"resumable to read it again).", type="invalid_request_error",
+                    code="idempotency_key_in_use", param=HEADER)
