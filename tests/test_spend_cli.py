@@ -17,6 +17,7 @@ import pytest
 from tests.test_cli_admin import Cli
 from tidegate import config as tgconfig
 from tidegate.broker import broker
+from tidegate.broker.kvwatch import snapshot
 from tidegate.cli.spend import UsageReport, parse_since
 from tidegate.control.budgets import BudgetSet, ensure_budgets_bucket
 from tidegate.control.prices import Price, PriceBook, ensure_prices_bucket
@@ -53,10 +54,8 @@ def test_price_set_list_delete(cli: Cli, module_nats_url: str, prefix: str) -> N
             config = config_for(module_nats_url, prefix)
             book = PriceBook(config)
             kv = await ensure_prices_bucket(nc.jetstream(), config)
-            for key in await kv.keys():
-                entry = await kv.get(key)
-                assert entry.value is not None
-                book.apply(key, entry.value)
+            for key, value in (await snapshot(kv)).items():
+                book.apply(key, value)
             return book.get("tidegate-sim")
         finally:
             await nc.close()
@@ -85,10 +84,10 @@ def test_budget_set_list_delete(cli: Cli, module_nats_url: str, prefix: str) -> 
             kv = await ensure_budgets_bucket(nc.jetstream(), config_for(module_nats_url,
                                                                         prefix))
             budgets = BudgetSet()
-            for key in await kv.keys():
-                entry = await kv.get(key)
-                assert entry.value is not None
-                budgets.apply(key, entry.value)
+            # kvwatch.snapshot, not kv.keys(): nats-py's keys() can answer
+            # "no keys" on a loaded machine (a CI-like run met it here).
+            for key, value in (await snapshot(kv)).items():
+                budgets.apply(key, value)
             return len(budgets.applicable("acme", "m", "", "abcdef012345"))
         finally:
             await nc.close()

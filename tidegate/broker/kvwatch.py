@@ -77,6 +77,10 @@ async def wait_synced(synced: asyncio.Event, limit: float, what: str) -> bool:
     return True
 
 
+#: How long a one-off read of a bucket (:func:`snapshot`) may take at most.
+SNAPSHOT_WITHIN = 30.0
+
+
 async def snapshot(kv: KeyValue) -> dict[str, bytes]:
     """Every live key of the bucket with its value (deleted keys left out).
     Callers bound it with ``asyncio.timeout``."""

@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from tidegate.broker import broker, objects
+from tidegate.broker import broker, kvwatch, objects
 from tidegate.config import Config
 from tidegate.wire.batch import BatchRecord, FileRecord
 
@@ -129,16 +129,11 @@ async def _get(kv: KeyValue, key: str) -> bytes | None:
 
 
 async def _values(kv: KeyValue) -> dict[str, bytes]:
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
-    out = {}
-    for key in keys:
-        value = await _get(kv, key)
-        if value is not None:
-            out[key] = value
-    return out
+    """Every live entry. Not ``kv.keys()``: nats-py decides it has seen every
+    key from a count the server may already have sent past, and a loaded
+    machine then gets no keys at all (``kvwatch.current_entries``)."""
+    async with asyncio.timeout(kvwatch.SNAPSHOT_WITHIN):
+        return await kvwatch.snapshot(kv)
 
 
 def bucket_names(config: Config) -> tuple[str, str, str, str]:

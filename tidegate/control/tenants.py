@@ -10,6 +10,7 @@ within about a second, like API keys and policies.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from tidegate.broker.broker import ensure_bucket
-from tidegate.broker.kvwatch import follow_bucket
+from tidegate.broker.kvwatch import SNAPSHOT_WITHIN, follow_bucket, snapshot
 from tidegate.config import Config
 from tidegate.errors import ProtocolError
 from tidegate.wire.subjects import decode_token, encode_token
@@ -95,16 +96,9 @@ async def delete_tenant(kv: KeyValue, tenant: str) -> bool:
 
 
 async def list_tenants(kv: KeyValue) -> list[TenantSettings]:
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    out = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if entry.value:
-            out.append(TenantSettings.decode(decode_token(key), entry.value))
-    return sorted(out, key=lambda s: s.tenant)
+    """Every tenant's settings, by name. Read with ``kvwatch.snapshot``, not
+    ``kv.keys()``, which a loaded machine can answer with no keys at all."""
+    async with asyncio.timeout(SNAPSHOT_WITHIN):
+        entries = await snapshot(kv)
+    return sorted((TenantSettings.decode(decode_token(key), value)
+                   for key, value in entries.items() if value), key=lambda s: s.tenant)
