@@ -20,13 +20,12 @@ every request is classified (:class:`Outcome`):
   silent data loss, the one outcome a client cannot detect;
 * ``hang``: no end within ``hang_after`` seconds.
 
-The killer (:func:`chaos`): at random times (seeded), one process of a
-random kind (edge, dispatcher, worker, nats, redis) is SIGKILLed and started
-again, as ``tidegate up``'s supervisor or Kubernetes would: a
-:class:`~tidegate.run.supervisor.Supervisor` restarts it, and also restarts
-(and counts) any process that exits without being killed.
-Targets: 0 truncated, 0 hang; clean errors only where a worker or the NATS
-node carrying a session died mid-stream.
+The killer (:func:`chaos`): at random times (seeded), one process of a random
+kind (edge, dispatcher, worker, nats, redis) is SIGKILLed and started again by
+a :class:`~tidegate.run.supervisor.Supervisor`, as ``tidegate up`` or
+Kubernetes would, which also restarts (and counts) any process that exits
+unkilled. Targets: 0 truncated, 0 hang; clean errors only where a worker or
+the NATS node carrying a session died mid-stream.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,9 +57,7 @@ MODEL = "tidegate-sim"
 KINDS = ("edge", "dispatcher", "worker", "nats", "redis")
 
 
-# --------------------------------------------------------------------------
-# One request, classified
-# --------------------------------------------------------------------------
+# -- one request, classified -----------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -74,6 +72,7 @@ class Outcome:
     duration: float = 0.0
     accepted: bool = False  # HTTP 200 came: the stream had begun when it ended
     resumes: int = 0  # reconnections of a resumable stream (GET /v1/streams/{id})
+    resent: int = 0  # the request sent again under its Idempotency-Key (cut before its 200)
     request_id: str = ""  # x-request-id, once the stream began (the tiers' logs name it)
 
 
@@ -118,7 +117,10 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
     reconnects (any edge behind the port) with ``GET /v1/streams/{id}`` and
     ``Last-Event-ID`` (docs/resume.md) until the stream ends or
     ``hang_after`` runs out. The text must still be exactly the expected
-    one: a duplicated or skipped event shows as ``truncated``.
+    one: a duplicated or skipped event shows as ``truncated``. A request
+    cut before its response began (its edge died) carries an
+    ``Idempotency-Key`` and is sent again under it until it begins: the same
+    request on any edge, never a second one (docs/resume.md).
     """
     started = time.monotonic()
     out = Outcome("hang", started=started)
@@ -188,29 +190,36 @@ async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max
 
     try:
         async with asyncio.timeout(hang_after):
-            headers = {**auth, "X-Tidegate-Resumable": "true"} if resume else auth
-            try:
-                async with session.post(f"{url}/v1/chat/completions", json=body,
-                                        headers=headers) as resp:
-                    if resp.status != 200:
-                        raw = await resp.read()
-                        try:
-                            code = _error_code(json.loads(raw))
-                        except ValueError:
-                            code = None
-                        out.kind, out.code = ("clean_error", code) if code else (
-                            "truncated", f"HTTP {resp.status} without an OpenAI error body")
-                        return out
-                    out.accepted = True
-                    request_id = out.request_id = resp.headers.get("x-request-id", "")
-                    return finish(await consume(resp))
-            except _Ended:
-                return finish(False)  # a proper end without [DONE]: never resumed over
-            except _Reconnect:
-                pass
-            except (aiohttp.ClientError, ConnectionError):
-                if not (resume and out.accepted and request_id):
-                    raise
+            headers = ({**auth, "X-Tidegate-Resumable": "true",
+                        "Idempotency-Key": uuid.uuid4().hex} if resume else auth)
+            while True:
+                try:
+                    async with session.post(f"{url}/v1/chat/completions", json=body,
+                                            headers=headers) as resp:
+                        if resp.status != 200:
+                            raw = await resp.read()
+                            try:
+                                code = _error_code(json.loads(raw))
+                            except ValueError:
+                                code = None
+                            out.kind, out.code = ("clean_error", code) if code else (
+                                "truncated", f"HTTP {resp.status} without an OpenAI error body")
+                            return out
+                        out.accepted = True
+                        request_id = out.request_id = resp.headers.get("x-request-id", "")
+                        return finish(await consume(resp))
+                except _Ended:
+                    return finish(False)  # a proper end without [DONE]: never resumed over
+                except _Reconnect:
+                    pass
+                except (aiohttp.ClientError, ConnectionError):
+                    if resume and not out.accepted:
+                        out.resent += 1  # the same request again, on whichever edge is up
+                        await asyncio.sleep(0.2)
+                        continue
+                    if not (resume and out.accepted and request_id):
+                        raise
+                break
             # Resume: the stream goes on in the log; any edge serves it.
             while True:
                 out.resumes += 1
@@ -314,12 +323,13 @@ def summarize(outcomes: list[Outcome], since: float = 0.0) -> dict[str, Any]:
         "resumed_complete": sum(1 for o in chosen if o.resumes and o.kind == "complete"),
         "resumed_stall_p50": pct(seams, 0.5), "resumed_stall_p99": pct(seams, 0.99),
         "resumed_stall_max": seams[-1] if seams else None,
+        # Requests cut before their 200 and sent again under their key.
+        "resent_requests": sum(1 for o in chosen if o.resent),
+        "resent_complete": sum(1 for o in chosen if o.resent and o.kind == "complete"),
     }
 
 
-# --------------------------------------------------------------------------
-# The fleet
-# --------------------------------------------------------------------------
+# -- the fleet -----------------------------------------------------------------
 
 
 class Fleet:
@@ -343,10 +353,11 @@ class Fleet:
             "nats": {"url": self.nats.url},
             "redis": {"url": self.redis.url},
             "streams": {"replicas": 3},
-            # Several edges on one port: no shared metrics port (none scraped here).
+            # Several edges on one port: no shared metrics port (none scraped
+            # here). admission_timeout at its default: half of it caps the
+            # publish patience, which must outlast a leader's election (4-9 s).
             "edge": {"port": self.port, "reuse_port": True, "metrics_port": 0,
-                     "admission_timeout": 20.0,
-                     "queue_timeout": 30.0},
+                     "admission_timeout": 30.0, "queue_timeout": 30.0},
             "auth": {"dev_key": DEV_KEY},
             "session": {"heartbeat_interval": 2.0},
             "dispatcher": {"ack_wait": 2.0},
@@ -451,9 +462,7 @@ class Fleet:
         self.nats.stop()
 
 
-# --------------------------------------------------------------------------
-# Chaos
-# --------------------------------------------------------------------------
+# -- chaos ---------------------------------------------------------------------
 
 
 @dataclass(slots=True)

@@ -161,6 +161,35 @@ async def test_a_reconnect_event_is_followed_from_its_last_event_id() -> None:
     assert seen == ["r-2@1"]
 
 
+async def test_a_request_cut_before_its_response_is_sent_again_under_its_key() -> None:
+    """The edge dies before the 200 (no request id to resume by): the client
+    sends the same request again with the same Idempotency-Key, which the
+    gateway answers as one request (docs/resume.md)."""
+    keys: list[str] = []
+
+    async def post(request: web.Request) -> web.StreamResponse:
+        keys.append(request.headers.get("Idempotency-Key", ""))
+        if len(keys) == 1:
+            assert request.transport is not None
+            request.transport.abort()  # before any byte of the response
+            return web.StreamResponse()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "x-request-id": "r-3"})
+        await resp.prepare(request)
+        await resp.write(_chunk("hello ") + _chunk("there") + b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", post)
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        out = await chaos.stream_once(session, url, "x", 8, EXPECTED, hang_after=5.0,
+                                      resume=True)
+    assert (out.kind, out.resent, out.resumes) == ("complete", 1, 0), out
+    assert len(keys) == 2
+    assert keys[0]
+    assert keys[0] == keys[1]
+
+
 def test_summary_counts_kinds_codes_and_percentiles() -> None:
     outcomes = [chaos.Outcome("complete", ttft=0.01 * i, max_stall=0.02, started=i)
                 for i in range(1, 101)]
@@ -190,7 +219,9 @@ async def test_short_chaos_run_loses_nothing_silently(tmp_path: Path) -> None:
     assert kinds.get("complete", 0) >= 0.8 * report["requests"], report
     # Clean errors only of the kinds a SIGKILL mid-stream explains. Not
     # broker_unavailable: one NATS node at a time dies, and the edge retries
-    # a request's publish for edge.publish_patience, longer than a failover.
+    # a request's publish for edge.publish_patience (15 s), longer than a
+    # stream's leader election (4-9 s). At 10 s, 4 requests of a CI run on a
+    # busy machine got it after a node's death.
     allowed = {"stream_gap", "worker_lost", "quota_store_unavailable",
                "service_unavailable", "admission_timeout", "ack_timeout", "overloaded",
                "queue_timeout"}

@@ -37,6 +37,7 @@ from tests.pipeline import (
 )
 from tests.poll import eventually
 from tidegate.broker.liveness import WorkerWatch
+from tidegate.config.sections import SessionConfig
 from tidegate.wire.protocol import DUPLICATE_DELIVERY
 
 HEARTBEAT = 1.0
@@ -51,7 +52,8 @@ def backend() -> Iterator[FakeBackend]:
 
 
 def start_pipeline(tmp_path: Path, nats_url: str, redis_url: str, backend: FakeBackend,
-                   workers: int, liveness: float = 0.25, ack_wait: float = ACK_WAIT,
+                   workers: int, liveness: float = SessionConfig().liveness_interval,
+                   ack_wait: float = ACK_WAIT,
                    heartbeat: float = HEARTBEAT) -> Pipeline:
     overrides: dict[str, Any] = {
         "nats": {"subject_prefix": "f" + uuid.uuid4().hex[:8]},

@@ -38,10 +38,12 @@ from tidegate.wire.protocol import (
     UsageRecord,
     decode_session,
 )
+from tidegate.wire.streamlog import LogCursor, LogOpen
 from workers.backends import Usage
 from workers.job import ACK_TIMEOUT, WORKER_SHUTDOWN, Job
 from workers.job_context import JobContext
 from workers.resumable import ResumableJob
+from workers.tails import Tails
 
 CONFIG = tgconfig.from_dict({
     "session": {"heartbeat_interval": 0.1, "ack_timeout": 0.6, "worker_lost_after": 6},
@@ -439,3 +441,49 @@ async def test_a_resumable_copy_cancelled_during_its_log_read_still_ends_as_canc
     assert nc.usage() == []
     assert set(msg.fate) <= {"in_progress"}, msg.fate
     assert outbox.put_count == 0, "the copy's Head reached the log"
+
+
+CONTINUING = tgconfig.from_dict({
+    "session": {"heartbeat_interval": 0.1, "ack_timeout": 0.6, "worker_lost_after": 6},
+    "worker": {"ack_wait": 0.3, "resume_timeout": 0.3},
+    "models": [{"name": "m", "failover": "continue", "simulator": {}}],
+})
+
+
+@pytest.mark.parametrize("ended_here", [True, False])
+async def test_a_copy_of_a_job_this_worker_ended_lately_does_not_continue_it(
+        ended_here: bool) -> None:
+    """A copy no edge speaks for (a background response) lands on the worker
+    of the log's last Head: that worker no longer runs the job. If its own
+    attempt ran to its end here (its tail ends with Done), the job is done
+    and the copy must not continue the text after its end; if it was cut
+    off, the copy continues the log."""
+    now_ms = int(time.time() * 1000)
+    request = Request(id="r1", reply=REPLY, model="m", api=Api.CHAT, stream=True,
+                      body={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                      created_ms=now_ms, deadline_ms=now_ms + 60_000, window_bytes=1 << 20,
+                      window_msgs=128, resumable=True, extra={"background": True})
+    own = "tg.ctl.w1"
+    chunk = b'data: {"id":"chatcmpl-r1","choices":[{"index":0,"delta":{"content":"Hello"}}]}\n\n'
+    tails = Tails(30.0)
+    kept = [(2, Chunk(2, chunk).encode())]
+    if ended_here:
+        kept.append((3, Done(3, 1, 1, "stop").encode()))
+    tails.keep(request, kept)
+    msg, nc, outbox = FakeMsg(delivered=2), FakeNats(), LogOutbox()
+    ctx = JobContext(config=CONTINUING, nc=nc, control_subject=own,  # type: ignore[arg-type]
+                     log_outbox=outbox, tails=tails)  # type: ignore[arg-type]
+    backend = FakeBackend(FakeStream(events(2)))
+    job = ResumableJob(msg, request, backend, ctx)  # type: ignore[arg-type]
+    cursor = LogCursor()
+    for entry in (LogOpen("t", True, int(Api.CHAT), now_ms, 30.0), Head(1, own, 42, 1),
+                  Chunk(2, chunk)):
+        cursor.feed(entry)
+
+    async def read_log() -> tuple[LogCursor, list[bytes]]:
+        return cursor, [chunk]
+
+    job._read_log = read_log  # type: ignore[method-assign,assignment]
+    task = await start(job)
+    await asyncio.wait_for(task, 5)
+    assert backend.opened == (0 if ended_here else 1)

@@ -279,13 +279,21 @@ async def test_dispatcher_cut_from_redis(fleet: netns.HostFleet, failure: str) -
     unmetered. After the heal, once the load stopped, the store holds no
     reservation and no concurrency slot: quotas exact again."""
     import nats
+    import nats.errors
+    import nats.js.errors
 
+    from tidegate.broker.broker import patiently
     from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
 
     nc = await nats.connect(f"nats://{fleet.net.hosts['nats-1'].ip}:{netns.NATS_PORT}")
     try:
         kv = await ensure_policies_bucket(nc.jetstream(), fleet.config)
-        await set_policy(kv, Policy(model=netns.MODEL, concurrency=10_000, rpm=1_000_000))
+        # The new bucket's stream may still be electing its leader on a busy
+        # box ("no response from stream"): as a tier's setup, wait for it.
+        await patiently(lambda: set_policy(kv, Policy(model=netns.MODEL, concurrency=10_000,
+                                                      rpm=1_000_000)), "the test's policy",
+                        (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                         nats.js.errors.NoStreamResponseError))
     finally:
         await nc.close()
 

@@ -11,10 +11,12 @@ Unit, and a pipeline on a real nats-server and redis-server."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 
 from tests.pipeline import Pipeline
@@ -22,6 +24,7 @@ from tests.servers import ServerHandle
 from tests.test_continuation import killed_then_whole, normalized, overrides, run
 from tidegate.broker import liveness
 from tidegate.broker.liveness import CONFIRM_AFTER, WorkerWatch
+from tidegate.config.sections import WorkerConfig
 from tidegate.wire.subjects import Subjects
 
 
@@ -36,10 +39,54 @@ def test_presence_of_a_control_subject() -> None:
 
 def test_the_confirmation_outlasts_the_workers_pull_requests() -> None:
     assert WorkerWatch(None, 0.25).confirmation == CONFIRM_AFTER  # type: ignore[arg-type]
-    assert WorkerWatch(None, 0.25, pull_expiry=1.0).confirmation == \
+    # The default pull expiry (worker.fetch_timeout, 0.5 s) does not bind.
+    default = WorkerConfig().fetch_timeout
+    assert default + liveness.PULL_MARGIN <= CONFIRM_AFTER
+    assert WorkerWatch(None, 0.25, pull_expiry=default).confirmation == \
         CONFIRM_AFTER  # type: ignore[arg-type]
     long_pulls = WorkerWatch(None, 0.25, pull_expiry=3.0)  # type: ignore[arg-type]
     assert long_pulls.confirmation == 3.0 + liveness.PULL_MARGIN
+
+
+class _Gone:
+    """A NATS client to which every probed worker is gone: "no responders"."""
+
+    async def request(self, subject: str, payload: bytes,
+                      timeout: float) -> None:  # noqa: ASYNC109 (nats.aio.client.Client.request)
+        raise nats.errors.NoRespondersError
+
+
+async def test_a_death_is_declared_when_the_confirmation_ends_on_a_late_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy event loop wakes every probe 40 ms late. The death is still
+    declared when the confirmation ends, not at the first probe after it (a
+    whole interval later: deaths known after 1.0 s instead of 0.8 s at 30
+    streams). A virtual clock: nothing here depends on the machine's speed."""
+    clock = [0.0]
+    real_sleep = asyncio.sleep
+
+    async def late_sleep(seconds: float) -> None:
+        clock[0] += seconds + 0.04
+        await real_sleep(0)
+
+    monkeypatch.setattr(liveness.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(liveness.asyncio, "sleep", late_sleep)
+    declared: list[float] = []
+
+    class Follower:
+        def worker_lost(self, control: str) -> None:
+            declared.append(clock[0])
+
+    watch = WorkerWatch(_Gone(), 0.25)  # type: ignore[arg-type]
+    watch.follow(Follower(), "tg.ctl.w1")
+    for _ in range(100):
+        if declared:
+            break
+        await real_sleep(0)
+    watch.close()
+    # The first probe found nobody at 0; the confirmation ends at 0.6, and
+    # the probe due then wakes 40 ms late (not at 0.87, three late intervals).
+    assert declared == [pytest.approx(CONFIRM_AFTER + 0.04)]
 
 
 @pytest.fixture
@@ -74,7 +121,7 @@ async def test_a_death_is_acted_on_after_the_dead_workers_pull_requests_expired(
     texts = [f"pulls-{i}-{uuid.uuid4().hex}" for i in range(12)]
     got, whole = await killed_then_whole(slow_pulls, lambda session, out: [
         run(session, slow_pulls.url, t, out) for t in texts])
-    assert "continued on another worker" in slow_pulls.logs()
+    assert "continued on another worker" in slow_pulls.log_text()
     for t in texts:
         raw, _ = got[t]
         assert raw.endswith(b"data: [DONE]\n\n"), raw[-300:]

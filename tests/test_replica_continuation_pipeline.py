@@ -96,7 +96,7 @@ async def compare(session: aiohttp.ClientSession, url: str, texts: list[str],
 
 
 def continued_count(pipeline: Pipeline) -> int:
-    return pipeline.logs().count("failed mid-stream (")
+    return pipeline.log_text().count("failed mid-stream (")
 
 
 # -- a replica that breaks every stream after 5 tokens ------------------------------------

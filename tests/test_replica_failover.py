@@ -23,6 +23,7 @@ import pytest
 from bench.fake_backend import FakeBackend
 from tests.pipeline import DEV_KEY, Pipeline, threaded_fake_backend
 from tests.poll import eventually
+from tidegate.broker.kvwatch import snapshot
 from tidegate.control.workers_registry import WorkerInfo
 from tidegate.errors import BackendError
 from tidegate.run.servers import free_port
@@ -156,8 +157,8 @@ async def breaker_of(pipeline: Pipeline, replica: str) -> str:
     nc = await nats.connect(pipeline.config.nats.url)
     try:
         kv = await nc.jetstream().key_value(pipeline.config.nats.subjects.workers_bucket)
-        for key in await kv.keys():
-            info = WorkerInfo.decode((await kv.get(key)).value or b"{}")
+        for value in (await snapshot(kv)).values():
+            info = WorkerInfo.decode(value or b"{}")
             slot = info.replicas.get(MODEL, {}).get(replica)
             if slot is not None:
                 return slot.breaker

@@ -213,7 +213,17 @@ class ResumableJob(Job):
         an edge's hand-back would have been, and the copy continues the log.
         Unknown (this worker cannot ask): as before, the log alone decides."""
         if control == self.ctx.control_subject:
-            self._from_log = True  # this worker's own earlier attempt, no longer running
+            # This worker's own earlier attempt, no longer running (a copy of
+            # a job it runs is dropped before this). Ended here (its tail
+            # ends with its Done or Error), the job is done, as another
+            # worker's "ended" says; cut off (fenced), the copy continues.
+            tails = self.ctx.tails
+            if tails is not None and tails.ended(self.request.id):
+                log.info("job %s: this worker ended it lately; this copy does not run",
+                         self.request.id)
+                self._first_ended = True
+            else:
+                self._from_log = True
             return
         presence = self.ctx.config.nats.subjects.presence_of(control)
         interval = self.ctx.config.session.liveness_interval

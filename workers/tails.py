@@ -17,8 +17,16 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+from tidegate.config import Config
 from tidegate.errors import ProtocolError
 from tidegate.wire.protocol import Done, Error, Request, decode_session
+
+
+def tails_for(config: Config) -> Tails:
+    """A worker's tails, kept as long as an edge waits before it gives up on
+    a silent worker (``session.heartbeat_interval`` x ``worker_lost_after``)."""
+    session = config.session
+    return Tails(session.heartbeat_interval * session.worker_lost_after)
 
 
 class Tails:

@@ -15,10 +15,10 @@ its control subject ``<p>.ctl.<worker>``. A request to a subject nobody
 subscribes to is answered at once by the server with a "no responders"
 status. So the edge, for each *worker* (not each stream) its open streams
 follow, sends an empty request to that worker's control subject every
-``session.liveness_interval`` (0.25 s by default):
+``session.liveness_interval`` (0.2 s by default):
 
 * no responders: the subscription is gone, the worker is dead once every
-  probe for :data:`CONFIRM_AFTER` (1.5 s) says so (a subscription dropped
+  probe for :data:`CONFIRM_AFTER` (0.6 s) says so (a subscription dropped
   and made again in between, as a reconnect does, is not a death), then
   every follower is told (``worker_lost``: an edge's
   ``edge.session.Session``, a batch line's ``LineFollower``) and acts at
@@ -57,13 +57,17 @@ log = logging.getLogger("tidegate.liveness")
 
 # How long every probe must find no responders before the worker is taken
 # for dead. A worker whose NATS node died reconnects to another and
-# subscribes again (tidegate.broker.broker retries every 0.5 s); taking that
-# gap for a death hands its jobs to a second worker while it still runs them
-# and ends its streams that already had output. 0.5 s was too short on a
-# loaded machine (a NATS node kill under 30 streams ended 2 of them with
-# worker_lost); 1.5 s covers three reconnect attempts. Detection: at most the
-# interval (0.25 s) plus this.
-CONFIRM_AFTER = 1.5
+# subscribes again (at once to a node it has not tried lately: the dead one
+# refuses at once); taking that gap for a death hands its jobs to a second
+# worker while it still runs them. 0.5 s once ended 2 streams of 30 with
+# worker_lost at a NATS node's kill on a loaded machine, and 1.5 s was used
+# since; that run predates the fixes for second deliveries and the fencing
+# of a worker taken for dead (docs/lifecycle.md). At 0.6 s, ten chaos runs
+# (28 NATS node kills) completed every stream but one (not explained,
+# docs/reliability.md) and took no worker for dead at a node kill where
+# their logs were kept, with a death known 0.8 s after it. Detection: at
+# most twice the interval (0.2 s) plus this.
+CONFIRM_AFTER = 0.6
 
 # A job handed back (-NAK) while the dead worker's last pull requests are
 # still registered on the server goes to one of them, nobody reads it, and it
@@ -72,6 +76,11 @@ CONFIRM_AFTER = 1.5
 # expired: never sooner than the pull expiry (worker.fetch_timeout) plus this,
 # after the first probe that found nobody, which is after the death.
 PULL_MARGIN = 0.1
+
+# A timer may fire this much early against time.monotonic (the event loop
+# rounds to its clock's resolution): the probe due at the confirmation's end
+# still counts as its end.
+TIMER_SLACK = 0.005
 
 # How long a worker asked whether it runs a job (:func:`runs`) has to say so
 # before its silence is taken for "alive, maybe running it" (a busy box).
@@ -203,12 +212,18 @@ class WorkerWatch:
             elif absent:
                 if absent_since is None:
                     absent_since = started
-                elif started - absent_since >= self.confirmation:
+                elif started - absent_since >= self.confirmation - TIMER_SLACK:
                     self._declare_lost(control, time.monotonic() - alive_at)
                     return
             # A timed-out probe already took the interval; an answered or
-            # failed one waits out the rest of it.
+            # failed one waits out the rest of it. While nobody answers, the
+            # confirmation's end is a probe of its own: on a busy loop the
+            # probes drift late, and the one after the confirmation's end
+            # came up to an interval after it (deaths known after 1.0 s
+            # instead of 0.8 s at 30 streams).
             rest = self.interval - (time.monotonic() - started)
+            if absent_since is not None:
+                rest = min(rest, absent_since + self.confirmation - time.monotonic())
             if rest > 0:
                 await asyncio.sleep(rest)
 

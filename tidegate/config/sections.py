@@ -175,7 +175,10 @@ class EdgeConfig:
     # election) is retried for this long before 503 broker_unavailable; the
     # Nats-Msg-Id dedup makes the retry safe. 0: answer 503 at once. Capped
     # at half of admission_timeout, so the dispatcher still has time after it.
-    publish_patience: float = 10.0
+    # 15 s: a stream's followers wait 4-9 s for a dead leader before they
+    # elect another (nats-server's raft election timeout, not configurable),
+    # plus the client's reconnect; 10 s left too little on a busy machine.
+    publish_patience: float = 15.0
     queue_timeout: float = 300.0  # admitted, but no worker started it within this: 503
     request_timeout: float = 1800.0  # hard cap on one response
     max_response_bytes: int = 8 << 20  # non-streaming response body cap
@@ -277,7 +280,7 @@ class SessionConfig:
     # How often an edge asks NATS whether each worker its streams follow is
     # still subscribed (tidegate.broker.liveness): a killed worker is known dead within
     # about this plus a round trip. 0 turns the probe off (heartbeats only).
-    liveness_interval: float = 0.25
+    liveness_interval: float = 0.2
     # A worker with output unacknowledged for this long takes the edge (or its
     # client) as gone and cancels the backend. Above edge.slow_client_timeout,
     # so a slow client is handled by its edge, with a clear error, first.
@@ -364,7 +367,10 @@ class WorkerConfig:
     # moderate load, for at most this much added latency per chunk (measured:
     # 2 ms cut CPU per chunk by 20 % at 50 streams, docs/benchmarks.md).
     coalesce_delay: float = 0.002
-    fetch_timeout: float = 1.0
+    # Pull request expiry. A dead worker's pull requests stay on the server
+    # until they expire, and the liveness probe confirms its death only after
+    # that (tidegate.broker.liveness.PULL_MARGIN): kept below CONFIRM_AFTER.
+    fetch_timeout: float = 0.5
     shutdown_timeout: float = 60.0  # SIGTERM: in-flight jobs may finish within this
     max_response_bytes: int = 8 << 20  # non-streaming backend body cap
     models: tuple[str, ...] = ()  # serve only these models; empty = every configured model
