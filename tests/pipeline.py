@@ -62,13 +62,18 @@ class Pipeline:
         self.env = dict(env) if env else None
         self.metrics = metrics
         self.metrics_ports: dict[str, int] = {}
+        self._given: set[int] = set()
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.metrics_ports["edge"] = free_port()
+        self.port = self._free_port()
+        self.metrics_ports["edge"] = self._free_port()
         raw: dict[str, Any] = {
             "nats": {"url": nats_url},
             "redis": {"url": redis_url},
-            "edge": {"port": self.port, "admission_timeout": 20.0, "queue_timeout": 60.0,
+            # admission_timeout as the default (30 s): half of it caps the
+            # edge's publish patience, which must outlast a JetStream leader's
+            # election after a NATS node's death (4-9 s) on a busy machine;
+            # at 20 s the cap was 10 s, and a cluster test got 503s.
+            "edge": {"port": self.port, "admission_timeout": 30.0, "queue_timeout": 60.0,
                      "metrics_port": self.metrics_ports["edge"]},
             "auth": {"dev_key": DEV_KEY},
             "session": {"heartbeat_interval": 2.0},
@@ -93,15 +98,26 @@ class Pipeline:
                         for i in range(workers)]
         self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"))
         # More edges (``edges`` > 1), each on a port of its own: edge_urls[i].
-        self.edge_ports = [self.port] + [free_port() for _ in range(edges - 1)]
+        self.edge_ports = [self.port] + [self._free_port() for _ in range(edges - 1)]
         self.extra_edges = [self._edge(i) for i in range(1, edges)]
 
     def _edge(self, i: int) -> ManagedProcess:
         url = f"http://127.0.0.1:{self.edge_ports[i]}"
-        metrics = self.metrics_ports[f"edge{i}"] = free_port()
+        metrics = self.metrics_ports[f"edge{i}"] = self._free_port()
         return self._process("edge", f"edge{i}", ready=lambda: http_ok(f"{url}/readyz"),
                              args=["--port", str(self.edge_ports[i])],
                              extra_env={METRICS_PORT_ENV: str(metrics)})
+
+    def _free_port(self) -> int:
+        """A free port none of this pipeline's processes got yet: the OS may
+        hand out a port released a moment ago again, and a port is only
+        taken once its process starts (an edge's API port and another's
+        metrics port came out equal once)."""
+        while True:
+            port = free_port()
+            if port not in self._given:
+                self._given.add(port)
+                return port
 
     @property
     def edges(self) -> list[ManagedProcess]:
@@ -120,7 +136,7 @@ class Pipeline:
         if self.env or extra_env or (self.metrics and tier != "edge"):
             env = {**os.environ, **(self.env or {}), **(extra_env or {})}
             if self.metrics and tier != "edge":
-                port = self.metrics_ports[name] = free_port()
+                port = self.metrics_ports[name] = self._free_port()
                 env[METRICS_PORT_ENV] = str(port)
         if launcher[0].startswith("tests."):  # importable wherever pytest was started
             env = env or dict(os.environ)
@@ -221,7 +237,14 @@ class Pipeline:
         stop_all(self.processes, timeout=10.0)
 
     def logs(self) -> str:
+        """The last lines of each process's log: for a failed assertion's message."""
         return "\n".join(p.describe_failure(p.name, lines=40) for p in self.processes)
+
+    def log_text(self) -> str:
+        """Every process's whole log, to count or look for lines in: a tail
+        (:meth:`logs`) drops the first of many, so a count on it undercounts."""
+        return "\n".join(p.log_path.read_text(errors="replace") for p in self.processes
+                         if p.log_path.exists())
 
 
 def running_pipeline(workdir: Path, nats_url: str, redis_url: str,

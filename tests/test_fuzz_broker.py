@@ -24,6 +24,7 @@ from nats.aio.client import Client as NATS
 
 from tests.pipeline import Pipeline, running_pipeline
 from tidegate.broker import broker
+from tidegate.broker.kvwatch import snapshot
 from tidegate.wire.protocol import VERSION, Api, Chunk, Done, Heartbeat, Kind, Request
 from tidegate.wire.subjects import encode_token
 
@@ -116,7 +117,7 @@ def _text(sse: bytes) -> str:
 
 async def _worker_ids(js: Any, pipeline: Pipeline) -> list[str]:
     kv = await js.key_value(pipeline.config.nats.subjects.workers_bucket)
-    return list(await kv.keys())
+    return list(await snapshot(kv))
 
 
 def _bad_count(metrics: str) -> float:

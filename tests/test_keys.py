@@ -24,6 +24,7 @@ from edge.auth import KeyTable, Principal
 from tests.servers import ServerHandle
 from tidegate import config as tgconfig
 from tidegate.broker import broker
+from tidegate.broker.kvwatch import snapshot
 from tidegate.control.keys import (
     KeyRecord,
     create_key,
@@ -179,7 +180,7 @@ async def test_create_list_revoke_round_trip(bucket: Bucket) -> None:
     entry = await bucket.kv.get(digest)
     assert KeyRecord.decode(entry.value or b"") == rec
     assert key not in (entry.value or b"").decode()
-    stored = [(await bucket.kv.get(d)).value or b"" for d in await bucket.kv.keys()]
+    stored = list((await snapshot(bucket.kv)).values())
     assert not any(key.encode() in value for value in stored)
 
     assert await list_keys(bucket.kv) == [rec, rec2]

@@ -112,7 +112,7 @@ def test_expiry_rotation_overlap_and_last_use(pipeline: Pipeline) -> None:
     # log record is written (stderr, line-buffered) before the call returns.
     # The workers and dispatcher finished theirs before the responses did.
     scraped = pipeline.scrape("edge")
-    text = scraped + pipeline.logs()
+    text = scraped + pipeline.log_text()
     for logs_file in (pipeline.workdir / "logs").glob("*.log"):
         text += logs_file.read_text(errors="replace")
     for key in (short, old, new, DEV_KEY):

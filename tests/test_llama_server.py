@@ -487,7 +487,7 @@ async def test_a_stream_continues_on_llama_server_after_its_worker_dies(
         finally:
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)
-    assert "continued on another worker" in p.logs(), p.logs()[-4000:]
+    assert "continued on another worker" in p.log_text(), p.logs()[-4000:]
     assert done, events[-3:]
     assert not [e for e in events if "error" in e], events[-3:]
     assert _finish(events) == ["length"]

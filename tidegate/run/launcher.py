@@ -213,6 +213,7 @@ class Launcher:
 
         log.info("setup: creating or updating streams, consumers and buckets")
         provision.setup(self.plan.config)
+        log.info("setup: done")
 
     def _start_server(self, server: ManagedProcess) -> None:
         server.spawn()
