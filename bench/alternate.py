@@ -6,7 +6,10 @@ costs less CPU per chunk, on a machine whose speed drifts by minutes.
         wide=set:dispatcher.batch=256
 
 Each variant is ``NAME=tree:PATH`` (a source checkout: its ``tidegate``,
-``edge``, ``dispatcher`` and ``workers`` come first on ``PYTHONPATH``),
+``edge``, ``dispatcher`` and ``workers`` come first on ``PYTHONPATH``, and
+its processes run in that folder: ``python -m`` puts the working directory
+before ``PYTHONPATH``, so a run started in another checkout measured that
+one's code for every tree),
 ``NAME=env:KEY=VALUE[,KEY=VALUE...]`` (added to the environment) or
 ``NAME=set:SECTION.KEY=VALUE[,...]`` (tidegate config overrides, as
 ``tidegate bench --set``) or ``NAME=proxy`` (the plain aiohttp proxy of
@@ -23,17 +26,22 @@ something (docs/benchmarks.md reports these pairs).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.runner import BenchOptions
 from tidegate.errors import TidegateError
+
+if TYPE_CHECKING:
+    from bench.targets import Target
 
 __all__ = ["Variant", "parse_variant", "summary_line"]
 
@@ -44,6 +52,7 @@ class Variant:
     env: dict[str, str]
     settings: tuple[str, ...] = ()  # SECTION.KEY=VALUE, for the child's --set
     proxy: bool = False  # the plain proxy instead of tidegate
+    cwd: Path | None = None  # a tree's root: where its processes run (see the module docstring)
 
     def environ(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
@@ -67,7 +76,7 @@ def parse_variant(text: str) -> Variant:
         if not (root / "tidegate" / "__init__.py").is_file():
             raise TidegateError(f"{value!r} is not a tidegate source tree "
                                 "(no tidegate/__init__.py)")
-        return Variant(name, {"PYTHONPATH": str(root)})
+        return Variant(name, {"PYTHONPATH": str(root)}, cwd=root)
     pairs = [item.partition("=") for item in value.split(",")]
     if any(not key or not eq for key, eq, _ in pairs):
         raise TidegateError(f"{kind} variant {name!r} takes KEY=VALUE pairs, not {value!r}")
@@ -88,6 +97,32 @@ def summary_line(name: str, result: dict[str, Any]) -> str:
             f"p99 {itl[1]:.1f} ms  vs direct {result['ratio']:.3f}")
 
 
+async def _served(target: Target, profile: Any, within: float = 120.0) -> None:
+    """Until one stream went through ``target``: a fresh stack's first one
+    waits for JetStream's stream leaders (seconds on a busy machine), which
+    the warm-up must not be left to cover, or a short window sees nothing.
+    It is a stream of the load's own shape: a shorter or faster one gives
+    the adaptive limit a baseline the load then misses by its own pace, and
+    it leaves slow start at once (seen: a 2-token stream at 1 ms a token
+    made the first window of 10 ms tokens look 4x congested)."""
+    from bench.loadgen import Recorder, chat_body, new_session, stream_once
+
+    endpoint = target.endpoint
+    deadline = time.monotonic() + within
+    async with new_session(timeout=within) as session:
+        while True:
+            rec = Recorder()
+            await stream_once(session, endpoint, chat_body(
+                endpoint.model, tokens=profile.tokens, itl=profile.itl, ttft=profile.ttft),
+                rec, 0.0)
+            if rec.completed:
+                return
+            if time.monotonic() > deadline:
+                raise TidegateError(f"no stream through {target.name} within {within:g}s: "
+                                    f"{dict(rec.errors)}")
+            await asyncio.sleep(0.2)
+
+
 def _one(concurrency: int, window: float, warmup: float,
          overrides: dict[str, Any], proxy: bool = False) -> dict[str, Any]:
     """One direct run and one tidegate (or ``proxy``) run on fresh stacks
@@ -104,6 +139,7 @@ def _one(concurrency: int, window: float, warmup: float,
         tidegate = env.start_proxy() if proxy else env.start_tidegate()
 
         async def both() -> tuple[dict[str, Any], dict[str, Any]]:
+            await _served(tidegate, profile)
             direct = await overhead_bench._load_run(fake, profile, "closed", concurrency, None)
             ours = await overhead_bench._load_run(tidegate, profile, "closed", concurrency, None)
             return direct, ours
@@ -155,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--warmup", str(args.warmup),
                  *(arg for setting in variant.settings for arg in ("--set", setting)),
                  *(["--proxy"] if variant.proxy else [])],
-                env=variant.environ(), capture_output=True, text=True, check=False)
+                env=variant.environ(), cwd=variant.cwd, capture_output=True, text=True,
+                check=False)
             if child.returncode != 0:
                 print(f"{variant.name:>10}  failed:\n{child.stderr[-2000:]}", flush=True)
                 return 1

@@ -137,8 +137,12 @@ class FakeBackend:
         self._pieces = [json.dumps(t).encode() for t in self._texts]
         self.prefix_cache = PrefixCache(capacity_blocks=self.config.cache_blocks)
         self.kv_usage = 0.0  # what /metrics reports (report_load)
+        # report_load: per chat (the request's `user`), the message count of
+        # each of its turns served here (GET /fake/turns; the affinity bench).
+        self.turns: dict[str, list[int]] = {}
         self.waiting = 0
-        self._served = self._prompt_chars = self._cached_chars = 0  # ... and these totals
+        # ... and these totals (hits: requests that found any of their prompt cached)
+        self._served = self._prompt_chars = self._cached_chars = self._hits = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind and serve; returns the base URL, ending in ``/v1``."""
@@ -146,6 +150,7 @@ class FakeBackend:
         app.router.add_get("/v1/models", self._models)
         if self.config.report_load:
             app.router.add_get("/metrics", self._metrics)
+            app.router.add_get("/fake/turns", self._turns_served)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         if self.config.responses:
@@ -195,7 +200,11 @@ class FakeBackend:
             f'vllm:num_requests_running{{model_name="fake"}} {running}\n'
             f"fake_requests_total {self._served}\n"
             f"fake_prompt_chars_total {self._prompt_chars}\n"
-            f"fake_cached_chars_total {self._cached_chars}\n"))
+            f"fake_cached_chars_total {self._cached_chars}\n"
+            f"fake_cache_hits_total {self._hits}\n"))
+
+    async def _turns_served(self, request: web.Request) -> web.Response:
+        return web.json_response(self.turns)
 
     async def _models(self, request: web.Request) -> web.Response:
         names = self.config.models or ("fake-model",)
@@ -258,6 +267,8 @@ class FakeBackend:
             return await fake_messages.answer_tool_call(self, request, record, body, faults)
         if chat and not isinstance(body.get("messages"), list):
             return self._error(record, 400, "messages: field required")
+        if self.config.report_load and chat and isinstance(body.get("user"), str):
+            self.turns.setdefault(body["user"], []).append(len(body["messages"]))
         if not chat and body.get("prompt") is None:
             return self._error(record, 400, "prompt: field required")
         limit = body.get("max_completion_tokens") if chat else None
@@ -281,6 +292,7 @@ class FakeBackend:
             ttft += self.config.prefill_per_char * (record.prompt_chars - record.cached_chars)
             self._prompt_chars += record.prompt_chars
             self._cached_chars += record.cached_chars
+            self._hits += record.cached_chars > 0
         self._served += 1
         itl = self.config.itl if faults.itl is None else faults.itl
         head = (b'{"id":' + json.dumps(ident).encode() + b',"object":"'

@@ -34,7 +34,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -58,6 +57,7 @@ from tidegate.wire.affinity import (
     affinity_key,
     choose,
     home_key,
+    reusable_chars,
 )
 from tidegate.wire.protocol import Request
 
@@ -132,33 +132,67 @@ class ReplicaView:
         self._routed.setdefault((model, replica), deque()).append(time.monotonic())
 
     def loads(self, model: ModelConfig) -> list[ReplicaLoad]:
-        """Each replica of ``model`` summed over its live workers."""
+        """Each replica of ``model`` summed over its live workers (its
+        measured times: their mean over the workers that measured them)."""
         now = time.monotonic()
-        totals: dict[str, list[Any]] = {r: [0, 0, None, None, 0.0]
-                                        for r in model.replica_names}
+        totals = {r: _Total() for r in model.replica_names}
         for (_worker, m, replica), (slot, received) in list(self.slots.items()):
             t = totals.get(replica)
             if m != model.name or t is None or now - received > TTL:
                 continue
             if slot.breaker == "open":
                 continue  # that worker's breaker took the replica out: no slots there
-            t[0] += slot.in_flight
-            t[1] += slot.slots
-            if slot.kv_usage is not None:  # one backend: its workers see the same
-                t[2] = max(t[2] or 0.0, slot.kv_usage)
-            if slot.waiting is not None:
-                t[3] = max(t[3] or 0, slot.waiting)
-            t[4] = max(t[4], received)
+            t.add(slot, received, now)
         out = []
-        for replica, (in_flight, slots, kv_usage, waiting, reported) in totals.items():
+        for replica, t in totals.items():
+            in_flight = t.in_flight
             recent = self._routed.get((model.name, replica))
             if recent is not None:
                 # Jobs routed after the replica's latest report are not in it.
-                while recent and (recent[0] <= reported or now - recent[0] > TTL):
+                while recent and (recent[0] <= t.reported or now - recent[0] > TTL):
                     recent.popleft()
                 in_flight += len(recent)
-            out.append(ReplicaLoad(replica, in_flight, slots, kv_usage, waiting))
+            out.append(ReplicaLoad(replica, in_flight, t.slots, t.kv_usage, t.waiting,
+                                   _mean(t.service), _mean(t.prefill), t.youngest))
         return out
+
+
+class _Total:
+    """One replica's reports summed over its workers."""
+
+    __slots__ = ("in_flight", "kv_usage", "prefill", "reported", "service", "slots", "waiting",
+                 "youngest")
+
+    def __init__(self) -> None:
+        self.in_flight = self.slots = 0
+        self.kv_usage: float | None = None
+        self.waiting: int | None = None
+        self.reported = 0.0
+        self.service: list[float] = []
+        self.prefill: list[float] = []
+        self.youngest: float | None = None  # over all its workers, aged to now
+
+    def add(self, slot: ReplicaSlot, received: float, now: float) -> None:
+        self.in_flight += slot.in_flight
+        self.slots += slot.slots
+        if slot.kv_usage is not None:  # one backend: its workers see the same
+            self.kv_usage = max(self.kv_usage or 0.0, slot.kv_usage)
+        if slot.waiting is not None:
+            self.waiting = max(self.waiting or 0, slot.waiting)
+        if slot.service_s is not None:
+            self.service.append(slot.service_s)
+        if slot.prefill_s_per_char is not None:
+            self.prefill.append(slot.prefill_s_per_char)
+        if slot.youngest_s is not None:
+            # No job has started there since (that would have been reported):
+            # the youngest has aged by the time since the report.
+            age = slot.youngest_s + (now - received)
+            self.youngest = age if self.youngest is None else min(self.youngest, age)
+        self.reported = max(self.reported, received)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 class HomeCache:
@@ -227,7 +261,9 @@ class Router:
                            prefix_bytes=self.cfg.prefix_bytes)
         home = self.home_cache.get(home_key(model.name, key)) if key is not None else None
         loads = self.view.loads(model)
-        route = choose(key, home, loads)
+        route = choose(key, home, loads,
+                       reusable=reusable_chars(request.body) if home is not None else 0,
+                       max_wait=self.cfg.max_affinity_wait)
         log.debug("routing %s: key %s, home %s, loads %s -> %s", request.id, key, home, loads,
                   route)
         headers: dict[str, str] = {ROUTE_HEADER: str(route.reason)}
@@ -239,7 +275,7 @@ class Router:
             subject = self.subjects.job_replica(model.name, route.replica)
         else:
             subject = self.subjects.job(model.name)
-        hit = "hit" if route.reason is Reason.HOME else "miss"
+        hit = "hit" if route.reason in (Reason.HOME, Reason.HOME_WAIT) else "miss"
         self.metrics.affinity_routes.add(1, {tm.MODEL: model.name, tm.OUTCOME: hit,
                                              tm.ROUTE_REASON: str(route.reason)})
         return Routed(subject, headers, route, key)

@@ -9,7 +9,16 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tidegate.wire.affinity import PREFIX_BYTES, Reason, ReplicaLoad, Route, affinity_key, choose
+from tidegate.wire.affinity import (
+    PREFIX_BYTES,
+    Reason,
+    ReplicaLoad,
+    Route,
+    affinity_key,
+    choose,
+    prompt_chars,
+    reusable_chars,
+)
 from tidegate.wire.protocol import Api
 
 
@@ -162,6 +171,65 @@ def test_busy_home_falls_back_to_the_shared_queue() -> None:
     # A replica whose backend reports waiting requests is busy too.
     assert choose("k", "b", [load("a"), load("b", 1, waiting=3)]) == \
         Route(None, Reason.HOME_BUSY)
+
+
+# A full home whose slots free one every 10 ms (80 ms a job over 8 slots),
+# on a backend that prefills 100 us a character away from its cache.
+TIMED = {"service_s": 0.08, "prefill_s_per_char": 100e-6}
+
+
+def test_a_full_home_is_waited_for_when_its_slot_comes_before_the_prefill_saved() -> None:
+    loads = [load("a"), load("b", 8, **TIMED)]
+    # 2,000 cached characters: 200 ms of prefill saved against a 10 ms wait.
+    assert choose("k", "b", loads, reusable=2000, max_wait=0.5) == Route("b", Reason.HOME_WAIT)
+    # 50 characters save 5 ms: not worth 10 ms.
+    assert choose("k", "b", loads, reusable=50, max_wait=0.5) == Route(None, Reason.HOME_BUSY)
+    # A first turn saves nothing.
+    assert choose("k", "b", loads, reusable=0, max_wait=0.5) == Route(None, Reason.HOME_BUSY)
+
+
+def test_the_jobs_ahead_at_a_full_home_lengthen_its_wait() -> None:
+    # 8 routed past its limit and 12 waiting in the backend: 21 slots' turns
+    # ahead, 210 ms, more than the 200 ms saved.
+    loads = [load("a"), load("b", 16, waiting=12, **TIMED)]
+    assert choose("k", "b", loads, reusable=2000, max_wait=0.5) == Route(None, Reason.HOME_BUSY)
+    loads = [load("a"), load("b", 16, waiting=10, **TIMED)]
+    assert choose("k", "b", loads, reusable=2000, max_wait=0.5) == Route("b", Reason.HOME_WAIT)
+
+
+def test_a_full_home_is_not_waited_for_past_the_fallback_or_without_its_times() -> None:
+    loads = [load("a"), load("b", 8, **TIMED)]
+    # Past routing.max_affinity_wait, the job would be copied anyway.
+    assert choose("k", "b", loads, reusable=100_000, max_wait=0.005) == \
+        Route(None, Reason.HOME_BUSY)
+    # Times not measured yet (a new worker): the shared queue, as before.
+    for missing in ({"service_s": 0.08}, {"prefill_s_per_char": 1e-4}, {}):
+        loads = [load("a"), load("b", 8, **missing)]
+        assert choose("k", "b", loads, reusable=100_000, max_wait=0.5) == \
+            Route(None, Reason.HOME_BUSY)
+
+
+def test_reusable_chars_are_the_turns_before_the_last_user_message() -> None:
+    body = chat(("system", "s" * 10), ("user", "u" * 20), ("assistant", "a" * 30),
+                ("user", "v" * 40))
+    assert reusable_chars(body) == 60
+    assert prompt_chars(body) == 100
+    assert reusable_chars(chat(("user", "hello"))) == 0
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"},
+                                                      {"type": "image_url"}]},
+                          {"role": "assistant", "content": "de"},
+                          {"role": "user", "content": "f"}]}
+    assert reusable_chars(parts) == 5
+    # Anthropic's system field precedes every message.
+    assert reusable_chars({"system": "x" * 7, "messages": [{"role": "user", "content": "y"}]}) \
+        == 7
+    # A prompt has no turns; its length still counts as prompt.
+    assert reusable_chars({"prompt": "p" * 9}) == 0
+    assert prompt_chars({"prompt": ["ab", "c", 3]}) == 3
+    # Hostile shapes count what is text and never raise.
+    for body in ({"messages": "x"}, {"messages": [None, 3, {"role": "user"}]},
+                 {"messages": [{"role": "user", "content": [None, {"text": 5}]}]}):
+        assert reusable_chars(body) == 0
 
 
 def test_gone_home_is_chosen_anew() -> None:

@@ -307,6 +307,7 @@ def test_alternate_variants_parse_and_reject_clearly(tmp_path: Path) -> None:
     tree = alternate.parse_variant(f"base=tree:{repo}")
     assert tree.name == "base"
     assert tree.env == {"PYTHONPATH": str(repo)}
+    assert tree.cwd == repo
     one = alternate.parse_variant("one=env:GOMAXPROCS=1,TG_X=a=b")
     assert one.env == {"GOMAXPROCS": "1", "TG_X": "a=b"}
     assert one.environ()["GOMAXPROCS"] == "1"
@@ -318,6 +319,29 @@ def test_alternate_variants_parse_and_reject_clearly(tmp_path: Path) -> None:
                 f"z=tree:{tmp_path}", "w=set:nodot"):
         with pytest.raises(TidegateError):
             alternate.parse_variant(bad)
+
+
+def test_a_tree_variant_runs_in_its_tree(monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    """``python -m`` puts the working directory before PYTHONPATH: a tree's
+    child run from another checkout measured that checkout's code (every
+    tree A/B run from the repo measured the repo twice). Its processes run
+    in the tree."""
+    tree = tmp_path / "tree"
+    (tree / "tidegate").mkdir(parents=True)
+    (tree / "tidegate" / "__init__.py").write_text("")
+    calls: list[dict[str, Any]] = []
+
+    def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(kwargs)
+        return subprocess.CompletedProcess(argv, 1, "", "stopped here")
+
+    monkeypatch.setattr(alternate.subprocess, "run", run)
+    alternate.main(["--rounds", "1", f"t=tree:{tree}"])
+    alternate.main(["--rounds", "1", "e=env:X=1"])
+    assert calls[0]["cwd"] == tree
+    assert calls[0]["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tree)
+    assert calls[1]["cwd"] is None  # other variants run where the command was started
 
 
 def test_alternate_runs_a_variant_end_to_end() -> None:

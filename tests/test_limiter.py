@@ -359,6 +359,29 @@ def test_a_queueing_backend_is_seen_by_ttfb_alone() -> None:
     assert limit.limit == 8  # halved twice (32 -> 16 -> 8): at most halving per window
 
 
+def test_late_first_bytes_are_no_congestion_while_the_backend_says_nothing_waits() -> None:
+    """The same first bytes two seconds late as in the queueing backend
+    above, from a backend that reports an empty queue (vLLM's waiting
+    requests at 0): long uncached prompts prefilling, not a queue. The limit
+    holds; once the backend reports requests waiting, the same samples count."""
+    def run(idle: bool) -> int:
+        limit = AdaptiveLimit(1, 1000, initial=16, now=0.0)
+        limit.backend_idle = lambda: idle
+        _fill(limit, 16, 0.0)
+        t = 0.0
+        for _ in range(3):  # baseline: 50 ms to first byte
+            limit.ttfb(limit.mark(t), t, t + 0.05)
+        limit.tpot(limit.mark(0.5), 0.5, 51, 1.0)
+        for t in (1.5, 2.0):
+            limit.tpot(limit.mark(t - 0.5), t - 0.5, 51, t)
+            for _ in range(3):
+                limit.ttfb(limit.mark(t - 2.0), t - 2.0, t)
+        return limit.limit
+
+    assert run(idle=False) == 8  # as test_a_queueing_backend_is_seen_by_ttfb_alone
+    assert run(idle=True) >= 32
+
+
 def test_late_first_bytes_at_a_steady_decode_pace_do_not_shrink_the_limit() -> None:
     """A loaded path (a 2-core box, the worker's loop starting a burst of
     jobs) delays first bytes by hundreds of ms while the backend decodes at

@@ -66,3 +66,20 @@ async def test_probe_polls_vllm_and_gives_up_where_nothing_answers() -> None:
 
     async with serve_app(web.Application()) as url:  # 404 everywhere: like Ollama
         await asyncio.wait_for(LoadProbe(f"{url}/v1").run(), timeout=10)
+
+
+def test_idle_only_while_a_fresh_report_says_nothing_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("workers.backends.load_probe.time.monotonic", lambda: now[0])
+    probe = LoadProbe("http://replica:8000/v1")
+    assert not probe.idle()  # nothing reported yet
+    probe._set(BackendLoad(0.4, 0))
+    assert probe.idle()
+    probe._set(BackendLoad(0.4, 2))
+    assert not probe.idle()  # requests wait in it
+    probe._set(BackendLoad(0.4, 0))
+    now[0] += 3.5  # three polls missed: the backend stopped answering
+    assert not probe.idle()
+    probe._set(BackendLoad(0.4, None))  # a backend that reports no queue
+    assert not probe.idle()

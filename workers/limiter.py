@@ -43,7 +43,9 @@ of a window is the worse of two:
   job completed), TTFB's excess beyond 100 ms counts, a third as strictly
   as TPOT: doubling outruns completions (a job past the knee takes longer
   than a doubling), so first bytes are the only timely signal there, and
-  leaving slow start at most halves the limit.
+  leaving slow start at most halves the limit. Where the backend reports its
+  own queue and it is empty (:attr:`AdaptiveLimit.backend_idle`), a first
+  byte is no sample: it is late for its prefill, not for a queue.
 
 **Concurrency per sample.** Each sample also carries the concurrency it was
 measured under: the time average of this worker's in-flight jobs over the
@@ -192,8 +194,8 @@ class AdaptiveLimit:
     """
 
     __slots__ = ("_area", "_limit", "_next_overload", "_t", "_tokens", "_tpot", "_ttfb",
-                 "_window_end", "decisions", "in_flight", "max_limit", "min_limit",
-                 "on_change", "phase", "target", "tolerance")
+                 "_window_end", "backend_idle", "decisions", "in_flight", "max_limit",
+                 "min_limit", "on_change", "phase", "target", "tolerance")
 
     def __init__(self, min_limit: int, max_limit: int, *, initial: int | None = None,
                  tolerance: float = 1.3, now: float = 0.0,
@@ -210,6 +212,12 @@ class AdaptiveLimit:
         start = min_limit if initial is None else initial
         self._limit = float(min(max(start, min_limit), max_limit))
         self.on_change = on_change
+        # Where the backend reports its own queue (vLLM's waiting requests,
+        # llama.cpp's slots: workers/backends/load_probe.py): True while its
+        # latest report says nothing waits in it. A first byte is then late
+        # for its prefill (a long uncached prompt), not for a queue: it is
+        # no congestion sample. TPOT still is.
+        self.backend_idle: Callable[[], bool] | None = None
         self.phase = Phase.SLOW_START
         self.in_flight = 0
         self.decisions = 0  # windows closed (for tests and metrics)
@@ -243,8 +251,11 @@ class AdaptiveLimit:
 
     def ttfb(self, mark: float, started: float, now: float) -> None:
         """A first byte ``now`` of a backend call started at ``started``
-        (``mark``: :meth:`mark` then)."""
-        self._ttfb.add(now - started, self._concurrency(mark, started, now))
+        (``mark``: :meth:`mark` then). Not a sample while the backend says
+        nothing waits in it (:attr:`backend_idle`)."""
+        idle = self.backend_idle
+        if idle is None or not idle():
+            self._ttfb.add(now - started, self._concurrency(mark, started, now))
         self._maybe_decide(now)
 
     def tpot(self, mark: float, first_at: float, tokens: int, now: float,

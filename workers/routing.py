@@ -44,6 +44,9 @@ from workers.replicas import Breaker
 log = logging.getLogger("tidegate.worker")
 
 
+#: The routes that sent a job to its conversation's home replica.
+AT_HOME = frozenset({Reason.HOME.value, Reason.HOME_WAIT.value})
+
 # How often a worker asks the claims bucket again while it does not answer.
 CLAIM_RETRY = 0.25
 
@@ -69,6 +72,18 @@ class ReplicaPullers:
     on_change: Callable[[str], None] | None = None  # called with the model name
     probe: LoadProbe | None = None  # the backend's own load report, where it gives one
     breaker: Breaker | None = None  # the replica's circuit breaker (workers.replicas)
+    # Measured here, for the dispatchers' choice of waiting for a full home
+    # (docs/routing.md): moving means of a job's time in a slot, and of the
+    # time to first token and prompt length of jobs away from their home; a
+    # floor under every job's time to first token (the part no cache saves);
+    # and when each running job started (request id -> monotonic time).
+    service_s: float | None = None
+    cold_ttft_s: float | None = None
+    cold_chars: float | None = None
+    ttft_floor_s: float | None = None
+    samples: int = 0  # jobs in service_s
+    cold_samples: int = 0  # jobs in cold_ttft_s and cold_chars
+    running: dict[str, float] = field(default_factory=dict)
 
     @property
     def busy(self) -> int:
@@ -97,11 +112,64 @@ class ReplicaPullers:
         if self.on_change is not None:
             self.on_change(self.model)
 
+    def started(self, request_id: str) -> None:
+        self.running[request_id] = time.monotonic()
+
+    def observe(self, request_id: str, ttft_s: float | None, chars: int, cold: bool) -> None:
+        """A job ended. One that ended normally (``ttft_s`` given) is a
+        sample: its time in the slot, its first token after ``ttft_s`` for
+        a prompt of ``chars``; ``cold``: it was not routed to its home, so
+        the replica most likely prefilled all of it."""
+        started = self.running.pop(request_id, None)
+        if started is None or ttft_s is None:
+            return
+        self.samples += 1
+        self.service_s = _moving(self.service_s, time.monotonic() - started, self.samples)
+        # Drops at once, rises slowly (slower than the means move): the
+        # fastest first token seen lately.
+        floor = self.ttft_floor_s
+        self.ttft_floor_s = (ttft_s if floor is None or ttft_s < floor
+                             else floor + FLOOR_RISE * (ttft_s - floor))
+        if cold and chars > 0:
+            self.cold_samples += 1
+            self.cold_ttft_s = _moving(self.cold_ttft_s, ttft_s, self.cold_samples)
+            self.cold_chars = _moving(self.cold_chars, float(chars), self.cold_samples)
+
+    @property
+    def prefill_s_per_char(self) -> float | None:
+        """What an uncached first token costs above the floor, per prompt
+        character. A ratio of means, not a mean of ratios, and the fixed
+        latency taken off: a short prompt does not blow it up."""
+        if self.cold_ttft_s is None or not self.cold_chars or self.ttft_floor_s is None:
+            return None
+        return max(0.0, self.cold_ttft_s - self.ttft_floor_s) / self.cold_chars
+
     def slot(self) -> ReplicaSlot:
         load = self.probe.load if self.probe is not None else BackendLoad()
+        prefill = self.prefill_s_per_char
+        now = time.monotonic()
+        youngest = now - max(self.running.values()) if self.running else None
         return ReplicaSlot(self.capacity, self.busy, load.kv_usage, load.waiting, self.jobs,
-                           self.hits, self.breaker.current(time.monotonic()).value if self.breaker
-                           else "closed")
+                           self.hits, self.breaker.current(now).value if self.breaker
+                           else "closed",
+                           None if self.service_s is None else round(self.service_s, 4),
+                           None if prefill is None else float(f"{prefill:.3g}"),
+                           None if youngest is None else round(youngest, 4))
+
+
+#: Weight of one job in a replica's moving means (about the last 20 jobs).
+MOVING_WEIGHT = 0.05
+#: How far one slower first token raises the floor (about the last 100 jobs).
+FLOOR_RISE = 0.01
+
+
+def _moving(mean: float | None, value: float, n: int) -> float:
+    """The mean of the first 20 samples, then a moving mean of weight
+    :data:`MOVING_WEIGHT`: a worker's first job (a warm-up, a cold start)
+    does not stand for the replica for the next hundred."""
+    if mean is None:
+        return value
+    return mean + max(MOVING_WEIGHT, 1.0 / n) * (value - mean)
 
 
 class LoadReporter:
@@ -199,7 +267,7 @@ class WorkerRouting:
         if not key:
             return
         counts.jobs += 1
-        if headers.get(ROUTE_HEADER) == Reason.HOME:
+        if headers.get(ROUTE_HEADER) in AT_HOME:
             counts.hits += 1
         # A plain publish to the KV subject is a put without waiting for the
         # ack: a lost home costs one cache miss, not correctness.

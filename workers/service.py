@@ -52,6 +52,7 @@ from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.untrusted import BadInput
+from tidegate.wire.affinity import ROUTE_HEADER, prompt_chars
 from tidegate.wire.cancels import CancelRegistry
 from tidegate.wire.mux import Outbox, batch_limit
 from tidegate.wire.protocol import (
@@ -74,8 +75,8 @@ from workers.job_context import JobContext, resend, reserved
 from workers.limiter import AdaptiveLimit
 from workers.replicas import Breaker, ReplicaSet
 from workers.resumable import ResumableJob
-from workers.routing import Claim, LoadReporter, ReplicaPullers, WorkerRouting
-from workers.tails import Tails
+from workers.routing import AT_HOME, Claim, LoadReporter, ReplicaPullers, WorkerRouting
+from workers.tails import tails_for
 
 log = logging.getLogger("tidegate.worker")
 BAD_INPUT = BadInput("worker", log)
@@ -98,8 +99,7 @@ class Pool:
         self.jobs: dict[str, Job] = {}
         # Ended jobs' unacked messages, for a retransmit that comes late; kept
         # as long as the edge waits before it gives up on a silent worker.
-        session = config.session
-        self.tails = Tails(session.heartbeat_interval * session.worker_lost_after)
+        self.tails = ctx.tails if ctx.tails is not None else tails_for(config)
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
         self.pullers: list[Puller] = []
         self.by_model: dict[str, Puller] = {}
@@ -293,6 +293,8 @@ class Pool:
         if group is not None:
             job.replicas, job.replica = self.replica_sets.get(group.model), group.replica
         self.jobs[request.id] = job
+        if group is not None:
+            group.started(request.id)
         if limit is not None:
             limit.acquire(time.monotonic())
         try:
@@ -310,6 +312,13 @@ class Pool:
         finally:
             if limit is not None:
                 limit.release(time.monotonic())
+            if group is not None:
+                done = job.outcome == "done" and job.first_chunk_at
+                # The prompt's length counts only away from home (a sample of
+                # the prefill): one pass over its messages, only then.
+                cold = (msg.headers or {}).get(ROUTE_HEADER) not in AT_HOME
+                group.observe(request.id, job.first_chunk_at - job.started if done else None,
+                              prompt_chars(request.body) if done and cold else 0, cold)
             # A second job with the same id (a replay) must not unregister the first.
             if self.jobs.get(request.id) is job:
                 del self.jobs[request.id]
@@ -409,6 +418,8 @@ class Pool:
                  else model.initial_streams,
                  "own queue + shared" if self.routing else "shared queue")
         group.probe = LoadProbe(model.for_replica(replica).base_url, on_change=group.changed)
+        if limit is not None:
+            limit.backend_idle = group.probe.idle
         async with asyncio.TaskGroup() as tg:
             probe = tg.create_task(group.probe.run())
             await asyncio.wait([tg.create_task(p.run(stop)) for p in group.pullers])
@@ -480,7 +491,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     prices = PriceBook(config)
     prices_kv = await ensure_prices_bucket(js, config)
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
-                     outbox=outbox, log_outbox=log_outbox, prices=prices)
+                     outbox=outbox, log_outbox=log_outbox, prices=prices,
+                     tails=tails_for(config))
     pool = Pool(config, ctx)
     pool.fence = fence
     pools.append(pool)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -63,11 +64,19 @@ class ReplicaSlot:
     # The worker's circuit breaker for this replica (workers.replicas):
     # "closed", "open" (failing: no new work) or "half_open" (one probe).
     breaker: str = "closed"
+    # Measured by the worker (None until it has): a job's mean time in a slot,
+    # the time to first token per prompt character of jobs away from their
+    # home, and the age of the youngest job running (None: none runs) when
+    # this was sent (docs/routing.md: when a full home is worth waiting for).
+    service_s: float | None = None
+    prefill_s_per_char: float | None = None
+    youngest_s: float | None = None
 
     def encode(self) -> dict[str, Any]:
         return {"slots": self.slots, "in_flight": self.in_flight, "kv_usage": self.kv_usage,
                 "waiting": self.waiting, "jobs": self.jobs, "hits": self.hits,
-                "breaker": self.breaker}
+                "breaker": self.breaker, "service_s": self.service_s,
+                "prefill_s_per_char": self.prefill_s_per_char, "youngest_s": self.youngest_s}
 
     @classmethod
     def decode(cls, raw: Mapping[str, Any]) -> ReplicaSlot:
@@ -75,7 +84,22 @@ class ReplicaSlot:
         return cls(int(raw["slots"]), int(raw["in_flight"]),
                    None if kv is None else float(kv), None if waiting is None else int(waiting),
                    int(raw.get("jobs", 0)), int(raw.get("hits", 0)),
-                   str(raw.get("breaker", "closed")))
+                   str(raw.get("breaker", "closed")),
+                   _seconds(raw, "service_s"), _seconds(raw, "prefill_s_per_char"),
+                   _seconds(raw, "youngest_s"))
+
+
+def _seconds(raw: Mapping[str, Any], name: str) -> float | None:
+    """A measured time: absent, or finite and >= 0. A negative one would make
+    every full home look worth waiting for (docs/routing.md): ValueError, so
+    the report is dropped as malformed, as any other bad field is."""
+    value = raw.get(name)
+    if value is None:
+        return None
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{name}: expected a finite time >= 0, got {value!r}")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)

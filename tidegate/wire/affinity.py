@@ -25,10 +25,13 @@ No usable text gives no key (``None``): the request goes to the shared queue.
 The decision (:func:`choose`) takes the key's home (the replica that last
 served it, soft state with a TTL, read by the caller) and the replicas' load,
 and answers with a :class:`Route`: a replica's own queue, or the model's shared
-queue, and why. A key with no home goes to the replica with the best
-rendezvous score weighted by its headroom (free slots and, where the backend
-reports it, KV-cache headroom), so new conversations spread evenly, and two
-dispatchers that see the same new key at once pick the same replica.
+queue, and why. A full home is still chosen when the wait for one of its slots
+is expected to be shorter than the prefill its cache saves
+(:meth:`ReplicaLoad.worth_waiting`, from the request's :func:`reusable_chars`).
+A key with no home goes to the replica with the best rendezvous score
+weighted by its headroom (free slots and, where the backend reports it,
+KV-cache headroom), so new conversations spread evenly, and two dispatchers
+that see the same new key at once pick the same replica.
 """
 
 from __future__ import annotations
@@ -155,6 +158,48 @@ def _prompt_prefix(prompt: Any, budget: _Budget) -> None:
                                 if isinstance(t, int)))
 
 
+def reusable_chars(body: Mapping[str, Any]) -> int:
+    """Characters of a conversation's text before its last user message: what
+    its home replica's prefix cache holds from the earlier turns (their
+    prompts and answers), which another replica would prefill again. 0 for a
+    prompt (no turns to tell apart). Text parts only, as the key; a length
+    per message, so the cost is one pass over the list."""
+    return _lengths(body)[1]
+
+
+def prompt_chars(body: Mapping[str, Any]) -> int:
+    """Characters of a request's prompt text (messages, a system field, a
+    prompt string or list of strings): what an uncached replica prefills."""
+    total = _lengths(body)[0]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        total += len(prompt)
+    elif isinstance(prompt, list):
+        total += sum(len(p) for p in prompt if isinstance(p, str))
+    return total
+
+
+def _lengths(body: Mapping[str, Any]) -> tuple[int, int]:
+    """(all the messages' text, the text before the last user message)."""
+    messages = body.get("messages")
+    system = body.get("system")  # Anthropic's Messages: the system prompt is a field
+    total = before_last_user = len(system) if isinstance(system, str) else 0
+    if not isinstance(messages, list):
+        return total, 0
+    for message in messages:
+        if not isinstance(message, Mapping):
+            continue
+        if message.get("role") == "user":
+            before_last_user = total
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, Mapping) and isinstance(part.get("text"), str))
+    return total, before_last_user
+
+
 def home_key(model: str, key: str) -> str:
     """The KV key of a conversation's home: per model, since two models'
     replicas are different machines (KV keys allow the token alphabet)."""
@@ -171,6 +216,7 @@ class Reason(StrEnum):
 
     HOME = "home"              # the key's home replica, which has room
     NEW_HOME = "new_home"      # no home yet: the replica with the best weighted score
+    HOME_WAIT = "home_wait"    # home at its limit, but its slot comes sooner than the prefill saved
     HOME_BUSY = "home_busy"    # home at its limit: shared queue, whoever frees first
     HOME_GONE = "home_gone"    # home no longer alive: chosen anew
     ALL_BUSY = "all_busy"      # no replica has room: shared queue
@@ -190,10 +236,43 @@ class ReplicaLoad:
     # (vLLM's /metrics, llama.cpp's /slots), None where not reported.
     kv_usage: float | None = None
     waiting: int | None = None
+    # What the replica's workers measured (None until they have): a job's
+    # mean time in a slot, and the time to first token per prompt character
+    # of jobs that were not at their home (so mostly uncached: the prefill).
+    service_s: float | None = None
+    prefill_s_per_char: float | None = None
+    # How long the youngest of its running jobs has run (None: none runs).
+    youngest_s: float | None = None
 
     @property
     def free(self) -> int:
         return self.limit - self.in_flight
+
+    def expected_wait(self) -> float | None:
+        """Seconds until a job queued here now gets a slot, or None when the
+        replica's service time is not known yet. The slots free one every
+        ``service_s / limit`` on average, and the job waits for those ahead
+        of it (in-flight past the limit, the backend's own waiting) too.
+        When even the youngest running job has outlived a mean job, the
+        slots are held by long ones, and nothing says when one frees:
+        infinite."""
+        if self.service_s is None or self.limit <= 0:
+            return None
+        if self.youngest_s is not None and self.youngest_s > self.service_s:
+            return math.inf
+        ahead = max(0, self.in_flight - self.limit) + (self.waiting or 0)
+        return (ahead + 1) * self.service_s / self.limit
+
+    def worth_waiting(self, reusable: int, max_wait: float) -> bool:
+        """A full replica still worth a turn of a conversation it holds
+        ``reusable`` characters of: its slot is expected sooner than the
+        prefill those characters cost elsewhere, and within ``max_wait``
+        (past which the dispatcher copies the job to the shared queue
+        anyway). Unknown times: not worth it."""
+        if reusable <= 0 or self.prefill_s_per_char is None:
+            return False
+        wait = self.expected_wait()
+        return wait is not None and wait < min(max_wait, reusable * self.prefill_s_per_char)
 
     @property
     def headroom(self) -> float:
@@ -214,19 +293,28 @@ class Route:
     reason: Reason
 
 
-def choose(key: str | None, home: str | None, replicas: Sequence[ReplicaLoad]) -> Route:
-    """Where one request goes. Pure: same inputs, same answer, on every dispatcher."""
+def choose(key: str | None, home: str | None, replicas: Sequence[ReplicaLoad], *,
+           reusable: int = 0, max_wait: float = 0.0) -> Route:
+    """Where one request goes. Pure: same inputs, same answer, on every
+    dispatcher. ``reusable``: the request's characters its home has cached
+    (:func:`reusable_chars`); ``max_wait``: the longest a routed job waits
+    for its replica before it is copied to the shared queue."""
     if len(replicas) < 2:
         return Route(None, Reason.OFF)
     if key is None:
         return Route(None, Reason.NO_KEY)
     by_name = {r.name: r for r in replicas}
     if home is not None and home in by_name:
-        if by_name[home].headroom > 0:
+        load = by_name[home]
+        if load.headroom > 0:
             return Route(home, Reason.HOME)
-        # The home is warm but full: waiting for it would leave the other
-        # replicas idle while this turn queues. The shared queue lets
-        # whichever replica frees first take it (and become its new home).
+        if load.worth_waiting(reusable, max_wait):
+            # Full, but a slot comes before another replica would have
+            # prefilled what the home holds: the turn queues at its home.
+            return Route(home, Reason.HOME_WAIT)
+        # The home is warm but full, and waiting would cost more than the
+        # cache saves. The shared queue lets whichever replica frees first
+        # take it (and become its new home).
         return Route(None, Reason.HOME_BUSY)
     best = _rendezvous(key, replicas)
     if best is None:

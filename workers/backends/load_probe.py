@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +28,7 @@ import aiohttp
 log = logging.getLogger("tidegate.worker")
 
 PROBE_INTERVAL = 1.0  # seconds between polls of one replica
+FRESH = 3  # a report older than this many polls says nothing (a probe that fails)
 _TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
@@ -75,9 +78,17 @@ class LoadProbe:
         # vLLM serves /metrics at the root, beside /v1; so does llama-server /slots.
         self.root = base_url.rstrip("/").removesuffix("/v1")
         self.load = BackendLoad()
+        self.load_at = -math.inf  # when :attr:`load` was last read (monotonic)
         self._on_change = on_change
 
+    def idle(self) -> bool:
+        """The backend said, within the last few polls, that no request waits
+        in it. False where it reports no queue, or has not answered lately."""
+        return (self.load.waiting == 0
+                and time.monotonic() - self.load_at <= FRESH * PROBE_INTERVAL)
+
     def _set(self, load: BackendLoad) -> None:
+        self.load_at = time.monotonic()
         if load != self.load:
             self.load = load
             if self._on_change is not None:
