@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -201,6 +202,37 @@ def test_summary_counts_kinds_codes_and_percentiles() -> None:
     assert report["ttft_p50"] == pytest.approx(0.51)
     assert report["ttft_max"] == pytest.approx(1.0)
     assert chaos.summarize(outcomes, since=91)["requests"] == 10
+
+
+class _Victim:
+    name, running = "nats-3", False
+
+    def kill(self) -> None:
+        pass
+
+
+class _GivenUpFleet:
+    """A fleet whose supervisor gave up restarting what the killer killed."""
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+        self.supervisor = type("S", (), {"states": {"nats-3": type("St", (), {"restarts": 0})}})
+
+    def processes(self, kind: str) -> list[_Victim]:
+        return [_Victim()]
+
+
+async def test_the_killer_stops_waiting_when_the_supervisor_gave_up() -> None:
+    """A run hung once: a NATS node that never came back made the supervisor
+    give up, and the killer waited for its restart for ever."""
+    fleet, kills = _GivenUpFleet(), []  # type: ignore[var-annotated]
+    killer = asyncio.create_task(chaos.killer(fleet, asyncio.Event(), random.Random(1), 0.0,  # type: ignore[arg-type]
+                                              (0.0, 0.0), ("nats",), kills))
+    await asyncio.sleep(0.3)
+    assert not killer.done()  # waiting for the restart
+    assert len(kills) == 1
+    fleet.failure = "nats-3 could not be restarted"
+    await asyncio.wait_for(killer, 30)
 
 
 @pytest.mark.pipeline

@@ -260,6 +260,38 @@ def test_stop_escalates_to_sigkill(tmp_path: Path) -> None:
     assert time.monotonic() - started < 5
 
 
+class _RestartedAtOnce(ManagedProcess):
+    """A child whose supervisor (another thread) starts the next process as
+    soon as the killed one has exited, before ``kill`` returns."""
+
+    restarts = 1
+
+    def send_signal(self, sig: int) -> None:
+        super().send_signal(sig)
+        if self.restarts:
+            self.restarts -= 1
+            assert self._proc is not None
+            self._proc.wait()
+            self.spawn()
+
+
+def test_kill_leaves_the_next_process_alone(tmp_path: Path) -> None:
+    """``kill`` SIGKILLs the group of the process it killed, not of one a
+    supervisor started meanwhile (tidegate chaos lost a NATS node's restart
+    that way, and the run hung)."""
+    child = _RestartedAtOnce("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"],
+                             tmp_path / "sleeper.log")
+    child.spawn()
+    first = child.pid
+    child.kill()
+    try:
+        assert child.pid != first
+        time.sleep(0.3)  # a SIGKILL is delivered at once; give the check a margin
+        assert child.running, "the restarted process was killed too"
+    finally:
+        child.kill()  # the second process (no restart after it)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
 @pytest.mark.pipeline
 def test_server_dies_with_its_parent(tmp_path: Path) -> None:

@@ -379,12 +379,17 @@ class ManagedProcess:
 
     def kill(self) -> None:
         """SIGKILL the child and reap it (the abrupt death fault tests need)."""
-        if self._proc is None:
+        proc = self._proc
+        if proc is None:
             return
         self.send_signal(SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=10.0)
-        self.kill_group()
+            proc.wait(timeout=10.0)
+        # The group of the process killed here, not self._proc's: a
+        # supervisor in another thread may have started the next one already
+        # (tidegate chaos once killed a NATS node's restart that way, and
+        # its supervisor gave up).
+        self.kill_group(proc)
 
     def restart(self, timeout: float | None = None) -> None:
         """Stop the child if it runs, then start the same command again."""
@@ -398,16 +403,18 @@ class ManagedProcess:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(sig)
 
-    def kill_group(self) -> None:
-        """SIGKILL anything the child left in its process group.
+    def kill_group(self, proc: subprocess.Popen[bytes] | None = None) -> None:
+        """SIGKILL anything the child (or ``proc``, an earlier one) left in
+        its process group.
 
         Safe after the leader is reaped: a pid is not reused while a process
         group of that id still has members.
         """
-        if self._proc is None or os.name != "posix":
+        proc = self._proc if proc is None else proc
+        if proc is None or os.name != "posix":
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, SIGKILL)
+            os.killpg(proc.pid, SIGKILL)
 
     def __enter__(self) -> ManagedProcess:
         if not self.running:
