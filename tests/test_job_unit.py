@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import nats.errors
 import pytest
 
 from tests.poll import eventually
@@ -77,8 +78,24 @@ class FakeMsg:
 
 
 class FakeNats:
-    def __init__(self) -> None:
+    def __init__(self, refusals: int = 0) -> None:
         self.published: list[tuple[str, bytes]] = []
+        # JetStream publishes (requests) stored, after ``refusals`` answered
+        # "no responders" (a stream with no leader); and the order of events.
+        self.stored: list[tuple[str, bytes, str]] = []
+        self.refusals = refusals
+        self.order: list[str] = []
+        self.options: dict[str, Any] = {}
+
+    async def request(self, subject: str, payload: bytes, timeout: float = 1.0,  # noqa: ASYNC109
+                      headers: dict[str, str] | None = None) -> Any:
+        if self.refusals:
+            self.refusals -= 1
+            self.order.append("refused")
+            raise nats.errors.NoRespondersError
+        self.stored.append((subject, payload, (headers or {}).get("Nats-Msg-Id", "")))
+        self.order.append("stored")
+        return SimpleNamespace(data=b'{"stream": "TG_STREAMLOG", "seq": 1}', headers=None)
 
     async def publish(self, subject: str, payload: bytes,
                       headers: dict[str, str] | None = None) -> None:
@@ -402,11 +419,44 @@ async def test_a_copy_another_owns_the_stream_of_ends_without_a_trace() -> None:
 
 
 class LogOutbox:
-    def __init__(self) -> None:
+    def __init__(self, order: list[str] | None = None) -> None:
         self.put_count = 0
+        self.order = [] if order is None else order
 
     def put(self, subject: str, request_id: str, message: bytes) -> None:
         self.put_count += 1
+
+    async def flush(self) -> None:
+        self.order.append("flushed")
+
+
+@pytest.mark.parametrize("refusals", [0, 2])
+async def test_a_resumable_jobs_end_is_stored_again_with_an_ack(refusals: int) -> None:
+    """Log entries are plain publishes, which JetStream drops without a word
+    while the log's stream has no leader (a NATS node's death): a log that
+    lost its end would leave every later reader waiting for its silence
+    limit. The end goes once more as a publish that waits for its ack, after
+    the outbox's flush (the plain entries first), again while "no
+    responders", and deduplicated by its id."""
+    now_ms = int(time.time() * 1000)
+    request = Request(id="r1", reply=REPLY, model="m", api=Api.CHAT, stream=True, body={},
+                      created_ms=now_ms, deadline_ms=now_ms + 60_000, window_bytes=1 << 20,
+                      window_msgs=128, resumable=True)
+    nc = FakeNats(refusals=refusals)
+    outbox = LogOutbox(nc.order)
+    ctx = JobContext(config=CONFIG, nc=nc, control_subject="tg.ctl.w1",  # type: ignore[arg-type]
+                     log_outbox=outbox)  # type: ignore[arg-type]
+    job = ResumableJob(FakeMsg(), request, FakeBackend(FakeStream(events(2))),  # type: ignore[arg-type]
+                       ctx)
+    await asyncio.wait_for(job.run(), 5)
+    await eventually(lambda: nc.stored, 5.0, "the end stored")
+    ((subject, payload, msg_id),) = nc.stored
+    assert subject.endswith(".log.r1")
+    end = decode_session(payload)
+    assert isinstance(end, Done)
+    assert end.seq == 4  # Head, 2 chunks, Done
+    assert msg_id == "r1.1.4"
+    assert nc.order == ["flushed", *["refused"] * refusals, "stored"]
 
 
 async def test_a_resumable_copy_cancelled_during_its_log_read_still_ends_as_cancelled() -> None:

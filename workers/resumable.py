@@ -45,7 +45,16 @@ from tidegate.wire.delivered import (
     sse_events,
     text_continuable,
 )
-from tidegate.wire.protocol import DUPLICATE_DELIVERY, Api, Continue, Error, ErrorInfo, Request
+from tidegate.wire.protocol import (
+    DUPLICATE_DELIVERY,
+    Api,
+    Continue,
+    Done,
+    Error,
+    ErrorInfo,
+    Request,
+    decode_session,
+)
 from tidegate.wire.streamlog import LogCursor, LogEvent
 from workers.backends import Backend
 from workers.continuation import continued
@@ -55,6 +64,22 @@ from workers.job_context import JobContext
 log = logging.getLogger("tidegate.worker")
 
 LOG_FULL = "resume_log_full"
+
+# The logs' ends being stored (ResumableJob._confirm_end): held until done,
+# since the loop keeps only a weak reference to a task.
+_ending: set[asyncio.Task[None]] = set()
+
+
+def _keep(task: asyncio.Task[None]) -> None:
+    _ending.add(task)
+    task.add_done_callback(_ending.discard)
+
+
+async def ends_stored(within: float) -> None:
+    """Wait (at most ``within``) for the logs' ends still being stored: a
+    draining worker closes its NATS connection only after them."""
+    if _ending:
+        await asyncio.wait(set(_ending), timeout=within)
 
 
 def _handed_back(cursor: LogCursor) -> bool:
@@ -114,8 +139,47 @@ class ResumableJob(Job):
             self._held_head = payload
         else:
             self._log(payload)
+            if self._log_budget >= 0 and isinstance(decode_session(payload), (Done, Error)):
+                _keep(asyncio.get_running_loop().create_task(self._confirm_end(payload)))
         if self._unbound:
             self.window.on_ack(self.seq)
+
+    async def _confirm_end(self, end: bytes) -> None:
+        """The log's end once more, as a JetStream publish that waits for its
+        ack, retried while the log's stream has no leader.
+
+        Log entries are plain publishes (nothing waits on them), and
+        JetStream drops, without a word, what reaches a stream whose leader
+        died and whose followers have not elected another yet (seconds). A
+        log that lost its last entries so keeps no end: every later reader
+        would wait for its silence limit, then end with ``worker_lost``.
+        This copy lands after the plain one (the outbox is flushed first,
+        and one connection keeps order): readers skip it as a duplicate
+        (``LogCursor``) when the first landed. Entries lost before the end
+        still end a reader at the gap (``stream_gap``), at once. One acked
+        publish per resumable job, none per chunk."""
+        outbox = self._log_outbox
+        assert outbox is not None
+        await outbox.flush()
+        patience = self.ctx.config.edge.publish_patience
+        js = broker.jetstream(self.ctx.nc, self.ctx.config.nats)
+        msg_id = f"{self.request.id}.{self.msg.metadata.num_delivered}.{self.seq}"
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                await js.publish(self._log_subject, end, timeout=1.0,
+                                 headers={"Nats-Msg-Id": msg_id})
+                return
+            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
+                    nats.js.errors.ServiceUnavailableError) as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("job %s: its log's end was not stored within %.0fs: %s",
+                                self.request.id, patience, exc)
+                    return
+            except nats.errors.Error as exc:  # closed, draining: the worker is going
+                log.warning("job %s: its log's end was not stored: %s", self.request.id, exc)
+                return
+            await asyncio.sleep(0.25)
 
     def _account(self, data: bytes) -> bytes:
         message = super()._account(data)

@@ -74,7 +74,7 @@ from workers.job import WORKER_SHUTDOWN, Job
 from workers.job_context import JobContext, resend, reserved
 from workers.limiter import AdaptiveLimit
 from workers.replicas import Breaker, ReplicaSet
-from workers.resumable import ResumableJob
+from workers.resumable import ResumableJob, ends_stored
 from workers.routing import AT_HOME, Claim, LoadReporter, ReplicaPullers, WorkerRouting
 from workers.tails import tails_for
 
@@ -557,6 +557,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
             for puller in pullers:
                 puller.cancel()
             await pool.drain(config.worker.shutdown_timeout)
+            await ends_stored(config.edge.publish_patience)  # the last logs' ends
             watcher.cancel()
             price_watch.cancel()
             fencing.cancel()

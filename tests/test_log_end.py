@@ -1,0 +1,68 @@
+"""A resumable stream's log keeps its end through a JetStream stream with no
+leader, against a real nats-server (workers.resumable, ``_confirm_end``).
+
+Log entries are plain publishes, and JetStream drops what reaches a stream
+nobody leads (a NATS node's death: seconds until its followers elect
+another). Here the log's stream is deleted, which a server answers the same
+way ("no responders"), and made again while the job's end waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from types import SimpleNamespace
+
+import nats
+import pytest
+
+from tidegate import config as tgconfig
+from tidegate.broker import broker
+from tidegate.wire import streamlog
+from tidegate.wire.mux import Outbox
+from tidegate.wire.protocol import Api, Done, Request, decode_session
+from workers.job_context import JobContext
+from workers.resumable import ResumableJob
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
+        module_nats_url: str) -> None:
+    prefix = "le" + uuid.uuid4().hex[:8]
+    config = tgconfig.from_dict({"nats": {"url": module_nats_url, "subject_prefix": prefix}})
+    nc = await nats.connect(module_nats_url)
+    try:
+        js = nc.jetstream()
+        await broker.ensure_streams(js, config)
+        name = streamlog.stream_name(config.nats.subjects)
+        await js.delete_stream(name)
+        now_ms = int(time.time() * 1000)
+        request = Request(id="r" + uuid.uuid4().hex[:23], reply="tg.out.e.r", model="m",
+                          api=Api.CHAT, stream=True, body={}, created_ms=now_ms,
+                          deadline_ms=now_ms + 60_000, window_bytes=1 << 20,
+                          window_msgs=128, resumable=True)
+        outbox = Outbox(nc.publish)
+        outbox.start()
+        ctx = JobContext(config=config, nc=nc, control_subject=f"{prefix}.ctl.w1",
+                         log_outbox=outbox)
+        msg = SimpleNamespace(metadata=SimpleNamespace(num_delivered=1), headers={})
+        job = ResumableJob(msg, request, None, ctx)  # type: ignore[arg-type]
+        job.seq = 5
+        end = Done(5, 3, 3, "stop").encode()
+        storing = asyncio.create_task(job._confirm_end(end))
+        await asyncio.sleep(1.0)
+        assert not storing.done(), "nobody stored it, yet it gave up"
+        await broker.ensure_streams(js, config)  # a leader again
+        await asyncio.wait_for(storing, 10)
+        subject = streamlog.subject(config.nats.subjects, request.id)
+        last = await js.get_last_msg(name, subject)
+        assert isinstance(decode_session(last.data), Done)
+        # Its id deduplicates a second store (a retry whose ack was lost).
+        await job._confirm_end(end)
+        info = await js.stream_info(name, subjects_filter=subject)
+        assert info.state.messages == 1
+        await outbox.close()
+    finally:
+        await nc.close()
