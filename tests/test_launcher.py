@@ -559,9 +559,9 @@ def test_up_fronts_a_running_openai_compatible_server(
 @pytest.mark.pipeline
 @pytest.mark.slow
 def test_up_runs_setup_again_after_restarting_nats(up: Up) -> None:
-    """The tiers' credentials may not create buckets, and a restarted NATS has
-    lost the memory-stored ones (the worker and edge registries): the
-    launcher runs setup as admin again, and the stack serves."""
+    """A restarted NATS has lost the memory-stored buckets the tiers may not
+    create: the launcher runs setup as admin again (awaited by its "setup:
+    done": its first line is too soon for the lookup), and the stack serves."""
     from tidegate.run.supervisor import read_state
 
     url = up.wait_url()
@@ -570,8 +570,6 @@ def test_up_runs_setup_again_after_restarting_nats(up: Up) -> None:
     assert state is not None
     (nats_pid,) = [p["pid"] for p in state["processes"] if p["name"] == "nats"]
     os.kill(nats_pid, signal.SIGKILL)
-    # "setup: done", not the line setup starts with: the bucket is looked up
-    # at once below, and setup may still be creating it (CI saw that race).
     assert wait_until(lambda: up.stderr_path.read_text().count(
         "setup: done") >= 2, READY_TIMEOUT), up.diagnostics()
 
