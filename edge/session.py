@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 
 from tidegate.broker.liveness import WorkerWatch
@@ -50,7 +49,9 @@ class Session:
         self.tenant = tenant  # who may cancel it (POST /v1/streams/{id}/cancel)
         self.resumable = False  # set by its relay: at drain, told to reconnect
         self._loop = asyncio.get_running_loop()
-        self._pending: deque[SessionMessage] = deque()
+        # A list, not a deque: it is only appended to and taken whole, and an
+        # empty deque is 760 bytes (a list 56), on each of 10,000 idle streams.
+        self._pending: list[SessionMessage] = []
         self._waiter: asyncio.Future[None] | None = None
         self._tick_interval = tick_interval
         self.ticked = False
@@ -132,10 +133,10 @@ class Session:
 
     def take(self) -> list[SessionMessage]:
         """Everything received since the last call, oldest first."""
-        if not self._pending:
+        messages = self._pending
+        if not messages:
             return []
-        messages = list(self._pending)
-        self._pending.clear()
+        self._pending = []
         return messages
 
     def close(self) -> None:
