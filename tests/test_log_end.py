@@ -31,7 +31,10 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
         module_nats_url: str) -> None:
     prefix = "le" + uuid.uuid4().hex[:8]
-    config = tgconfig.from_dict({"nats": {"url": module_nats_url, "subject_prefix": prefix}})
+    # Patience well past anything a loaded machine needs here: the end's own
+    # give-up, not the machine, bounds the test.
+    config = tgconfig.from_dict({"nats": {"url": module_nats_url, "subject_prefix": prefix},
+                                 "edge": {"publish_patience": 60.0}})
     nc = await nats.connect(module_nats_url)
     try:
         js = nc.jetstream()
@@ -55,7 +58,7 @@ async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
         await asyncio.sleep(1.0)
         assert not storing.done(), "nobody stored it, yet it gave up"
         await broker.ensure_streams(js, config)  # a leader again
-        await asyncio.wait_for(storing, 10)
+        await asyncio.wait_for(storing, 90)
         subject = streamlog.subject(config.nats.subjects, request.id)
         last = await js.get_last_msg(name, subject)
         assert isinstance(decode_session(last.data), Done)
