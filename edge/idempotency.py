@@ -34,8 +34,9 @@ import hashlib
 import time
 from collections.abc import Mapping
 
-from edge.publish import PATIENCE_STEP, patience
+from edge.publish import patience
 from edge.state import EdgeState
+from tidegate.broker.patient import PATIENCE_STEP
 from tidegate.errors import ApiError, invalid_request
 
 HEADER = "Idempotency-Key"

@@ -6,7 +6,6 @@ routes, the WebSocket adapter and background responses.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
@@ -18,6 +17,7 @@ from nats.js.api import PubAck
 
 from edge.auth import Principal
 from edge.state import EdgeState
+from tidegate.broker import patient
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
 from tidegate.validation.generation import Validated
@@ -114,26 +114,14 @@ async def publish_request(state: EdgeState, request: Request,
     return Published(int(ack.seq), bool(ack.duplicate) and tries == 1)
 
 
-def _transient(exc: Exception) -> bool:
-    """A publish that may succeed if tried again soon: no PubAck (the node
-    died, the connection is reconnecting, the stream has no leader: "no
-    responders"), or JetStream's 503 "temporarily unavailable" during an
-    election. A full stream ("maximum ...") and other refusals are answers."""
-    if isinstance(exc, nats.js.errors.APIError):
-        return exc.code == 503 and "maximum" not in (exc.description or "").lower()
-    return isinstance(exc, nats.errors.Error | TimeoutError)
-
-
 async def publish_patiently(state: EdgeState, subject: str, payload: bytes,
                             headers: dict[str, str]) -> PubAck:
     """``js.publish``, retried for up to ``edge.publish_patience`` seconds
     (at most half of ``edge.admission_timeout``)
     while the broker is briefly unreachable (a NATS node's death, a leader
-    election), instead of answering 503 at once. Safe because every caller
-    sets ``Nats-Msg-Id``: a retry of a publish that did land (its PubAck
-    lost) is dropped by the stream's duplicate window, so a request is
-    never queued twice. The client waits meanwhile; the last error is
-    raised when patience runs out or the connection is closed for good."""
+    election), instead of answering 503 at once (``tidegate.broker.patient``:
+    every caller sets ``Nats-Msg-Id``, so a retry never queues a request
+    twice). The client waits meanwhile."""
     ack, _ = await _publish(state, subject, payload, headers)
     return ack
 
@@ -141,23 +129,8 @@ async def publish_patiently(state: EdgeState, subject: str, payload: bytes,
 async def _publish(state: EdgeState, subject: str, payload: bytes,
                    headers: dict[str, str]) -> tuple[PubAck, int]:
     """:func:`publish_patiently`, and how many tries it took."""
-    loop = asyncio.get_running_loop()
-    tries = 0
-    deadline = loop.time() + patience(state.config)
-    while True:
-        tries += 1
-        try:
-            return await state.js.publish(subject, payload, headers=headers), tries
-        except Exception as exc:
-            if (not _transient(exc) or state.nc.is_closed
-                    or loop.time() + PATIENCE_STEP >= deadline):
-                raise
-            log.info("publish to %s: %s; retrying", subject, type(exc).__name__)
-        await asyncio.sleep(PATIENCE_STEP)
-
-
-# How often a patient call tries again while the broker is unreachable.
-PATIENCE_STEP = 0.25
+    return await patient.publish(state.js, state.nc, subject, payload, headers,
+                                 patience(state.config))
 
 
 def patience(config: Config) -> float:

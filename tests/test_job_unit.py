@@ -86,6 +86,7 @@ class FakeNats:
         self.refusals = refusals
         self.order: list[str] = []
         self.options: dict[str, Any] = {}
+        self.is_closed = False
 
     async def request(self, subject: str, payload: bytes, timeout: float = 1.0,  # noqa: ASYNC109
                       headers: dict[str, str] | None = None) -> Any:
@@ -449,7 +450,7 @@ async def test_a_resumable_jobs_end_is_stored_again_with_an_ack(refusals: int) -
     job = ResumableJob(FakeMsg(), request, FakeBackend(FakeStream(events(2))),  # type: ignore[arg-type]
                        ctx)
     await asyncio.wait_for(job.run(), 5)
-    await eventually(lambda: nc.stored, 5.0, "the end stored")
+    await eventually(lambda: nc.stored, 30.0, "the end stored")
     ((subject, payload, msg_id),) = nc.stored
     assert subject.endswith(".log.r1")
     end = decode_session(payload)

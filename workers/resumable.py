@@ -35,7 +35,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from tidegate.broker import broker, liveness
+from tidegate.broker import broker, liveness, patient
 from tidegate.errors import ProtocolError
 from tidegate.wire import streamlog
 from tidegate.wire.delivered import (
@@ -146,7 +146,8 @@ class ResumableJob(Job):
 
     async def _confirm_end(self, end: bytes) -> None:
         """The log's end once more, as a JetStream publish that waits for its
-        ack, retried while the log's stream has no leader.
+        ack, retried while the log's stream has no leader
+        (``tidegate.broker.patient``, for ``edge.publish_patience``).
 
         Log entries are plain publishes (nothing waits on them), and
         JetStream drops, without a word, what reaches a stream whose leader
@@ -161,25 +162,14 @@ class ResumableJob(Job):
         outbox = self._log_outbox
         assert outbox is not None
         await outbox.flush()
-        patience = self.ctx.config.edge.publish_patience
-        js = broker.jetstream(self.ctx.nc, self.ctx.config.nats)
+        config = self.ctx.config
         msg_id = f"{self.request.id}.{self.msg.metadata.num_delivered}.{self.seq}"
-        deadline = time.monotonic() + patience
-        while True:
-            try:
-                await js.publish(self._log_subject, end, timeout=1.0,
-                                 headers={"Nats-Msg-Id": msg_id})
-                return
-            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
-                    nats.js.errors.ServiceUnavailableError) as exc:
-                if time.monotonic() >= deadline:
-                    log.warning("job %s: its log's end was not stored within %.0fs: %s",
-                                self.request.id, patience, exc)
-                    return
-            except nats.errors.Error as exc:  # closed, draining: the worker is going
-                log.warning("job %s: its log's end was not stored: %s", self.request.id, exc)
-                return
-            await asyncio.sleep(0.25)
+        try:
+            await patient.publish(broker.jetstream(self.ctx.nc, config.nats), self.ctx.nc,
+                                  self._log_subject, end, {"Nats-Msg-Id": msg_id},
+                                  config.edge.publish_patience)
+        except Exception as exc:  # out of patience, or the worker is going
+            log.warning("job %s: its log's end was not stored: %s", self.request.id, exc)
 
     def _account(self, data: bytes) -> bytes:
         message = super()._account(data)
