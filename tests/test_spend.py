@@ -13,19 +13,24 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dispatcher.admission import QuotaAdmission
 from dispatcher.quota import BudgetCharge, Limits, QuotaStore, Scope, connect
 from tests.servers import ServerHandle
 from tidegate.config import SpendConfig, from_dict
-from tidegate.control.budgets import Budget, BudgetSet, period_window
+from tidegate.control.budgets import MAX_AMOUNT, Budget, BudgetSet, period_window
 from tidegate.control.policies import PolicySet
 from tidegate.control.prices import (
+    MAX_PRICE,
+    NANO,
     Price,
     PriceBook,
     cost_member,
     format_money,
     price_spec,
+    to_nanos,
 )
 from tidegate.errors import ConfigError, ProtocolError
 from tidegate.wire.protocol import Admission, Api, Request, UsageRecord
@@ -379,3 +384,106 @@ def test_reservation_reserves_the_completion_cap_at_the_output_price() -> None:
     tokens = reservation(Api.CHAT, body, 1024)
     prompt = estimate_prompt_tokens(Api.CHAT, body)
     assert tokens - prompt == 100
+
+
+# -- money exact at every magnitude ----------------------------------------------
+# Lua's numbers are doubles: exact to 2^53 nano-units (about 9 million currency
+# units). A budget of 100,001 units (1.00001e14 nano-units) once came back from
+# the reserve script as "1.00001e+14", which int() refused: every request of the
+# scope failed after its reservation was charged.
+
+MAX_NANOS = to_nanos(MAX_AMOUNT)  # the largest budget the CLI accepts
+# The most one request can cost: every price at its maximum, 2^18 prompt and
+# 2^18 output tokens, and the per-request price.
+MAX_COST = Price("m", input=MAX_PRICE, output=MAX_PRICE, request=MAX_PRICE).cost(
+    2**18, 2**18)
+_money = st.one_of(st.integers(1, MAX_NANOS), st.sampled_from(
+    [1, 2**53 - 1, 2**53, 2**53 + 1, 100_001 * NANO, 10**14 + 1, 10**17 + 3, MAX_NANOS]))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(limit=_money, money=_money, actual=st.integers(0, MAX_COST), rolling=st.booleans())
+def test_money_is_exact_at_every_magnitude(module_redis_server: ServerHandle, limit: int,
+                                           money: int, actual: int, rolling: bool) -> None:
+    """A reservation of any amount up to the largest budget, against any
+    budget up to it, calendar or rolling: admitted exactly when it fits, the
+    spend and what is left to the nano-unit, and reconciliation to any cost a
+    request can reach leaves the counter at exactly that cost."""
+    async def main() -> None:
+        client = connect(module_redis_server.url, timeout=5.0)
+        store = QuotaStore(client, prefix=f"x{uuid.uuid4().hex[:8]}")
+        budget = charge(limit, period="" if rolling else "p",
+                        window=3600.0 if rolling else 0.0)
+        try:
+            first = await store.reserve("r1", [], 0, now=0.0, budgets=[budget], money=money)
+            assert first.admitted is (money <= limit)
+            if not first.admitted:
+                assert first.too_large
+                assert first.budget_spent == (0,)
+                return
+            assert first.budget_spent == (money,)
+            assert first.remaining_budget == limit - money
+            await store.reconcile("r1", 0, actual_money=actual)
+            _, _, t = (f"{store.budget_base(budget)}:{k}" for k in "wat")
+            assert int(await client.get(t)) == actual
+            # the next reservation sees exactly what is left
+            room = limit - actual
+            second = await store.reserve("r2", [], 0, now=1.0, budgets=[budget],
+                                         money=money)
+            assert second.admitted is (money <= room)
+            assert second.remaining_budget == max(room - money if second.admitted
+                                                  else room, 0)
+            assert second.budget_spent == ((actual + money,) if second.admitted
+                                           else (actual,))
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(amounts=st.lists(_money, min_size=1, max_size=6))
+def test_a_soft_budget_sums_spend_exactly(module_redis_server: ServerHandle,
+                                          amounts: list[int]) -> None:
+    """A soft budget never refuses, so its spend grows past any limit: the sum
+    of every reservation, exact, and each one reconciled away to the nano-unit."""
+    async def main() -> None:
+        client = connect(module_redis_server.url, timeout=5.0)
+        store = QuotaStore(client, prefix=f"x{uuid.uuid4().hex[:8]}")
+        soft = charge(1, soft=True)
+        try:
+            for i, amount in enumerate(amounts):
+                result = await store.reserve(f"r{i}", [], 0, now=float(i), budgets=[soft],
+                                             money=amount)
+                assert result.budget_spent == (sum(amounts[:i + 1]),)
+            for i in range(len(amounts)):
+                await store.reconcile(f"r{i}", 0, actual_money=0)
+            assert int(await client.get(f"{store.budget_base(soft)}:t")) == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+async def test_a_budget_over_100000_units_admits_through_the_policy(
+        store: QuotaStore) -> None:
+    """The reported case, through the admission policy: a budget of 100,001
+    units and a priced model; the request is admitted, its header exact."""
+    budgets = BudgetSet()
+    budget = Budget("acme", Decimal("100001"), period="month")
+    budgets.put(budget)
+    config = from_dict({"models": [{"name": "m", "price_input": 3.0, "price_output": 15.0}]})
+    admission = QuotaAdmission(store, PolicySet(), config.model_index(), fail_open=False,
+                               budgets=budgets, prices=PriceBook(config),
+                               spend=config.spend, clock=lambda: 1_800_000_000.0)
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    decision = await admission.admit(Request(
+        id="big", reply="x", model="m", api=Api.CHAT, stream=False, body=body,
+        created_ms=0, deadline_ms=0, window_bytes=1, window_msgs=1, tenant="acme"))
+    assert decision.admission is Admission.ADMITTED
+    cost = Price("m", input=Decimal(3), output=Decimal(15)).cost(
+        estimate_prompt_tokens(Api.CHAT, body), 5)
+    assert decision.headers["x-ratelimit-remaining-budget"] == format_money(
+        budget.nanos - cost)

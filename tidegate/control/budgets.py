@@ -51,7 +51,7 @@ ANY = "="
 # A rolling window's bounds: at least a minute, at most a year (its entries
 # are kept in Redis for the window, one per request).
 MIN_WINDOW, MAX_WINDOW = 60.0, 366 * 86400.0
-MAX_AMOUNT = Decimal(1_000_000_000)  # well below 2^53 nano-units
+MAX_AMOUNT = Decimal(1_000_000_000)  # 10^18 nano-units: below Redis's 2^63, not 2^53
 _FIELDS = ("tenant", "model", "user", "key", "amount", "period", "window", "soft")
 
 

@@ -10,9 +10,10 @@ and is watched by every worker and dispatcher, so a price change applies to
 the next request without a restart, like quota policies.
 
 Money is counted in **nano-units** (10^-9 of the currency) as integers: exact
-in Redis (``INCRBY``) and in Lua, whose numbers are doubles exact to 2^53
-nano-units, i.e. about 9 million currency units per budget counter. The cost
-of a request is rounded half up to the nano-unit once, from exact decimals.
+in Redis (``INCRBY``, 64-bit) and in the quota scripts, which never hold it in
+a Lua number (a double, exact only to 2^53 nano-units) but as a decimal string
+and a pair (units, nano-units). The cost of a request is rounded half up to
+the nano-unit once, from exact decimals.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ log = logging.getLogger("tidegate.prices")
 NANO = 10**9  # nano-units per currency unit
 _MILLION = Decimal(1_000_000)
 # The largest price accepted (per million tokens or per request): keeps every
-# cost a request can reach (2^18 output tokens x n) far below 2^53 nano-units.
+# cost a request can reach (2^18 output tokens x n) far below Redis's 2^63.
 MAX_PRICE = Decimal(1_000_000)
 _FIELDS = ("input", "cached_input", "output", "request")
 
