@@ -53,12 +53,21 @@ ADMIT = Decision(Admission.ADMITTED)
 class AdmissionPolicy(Protocol):
     async def admit(self, request: Request) -> Decision: ...
 
+    async def refund(self, request_id: str) -> None:
+        """Undo whatever :meth:`admit` reserved for the request: it will not
+        run (no job was published and its message will not come back). Never
+        raises for an outage; does nothing when nothing was reserved."""
+        ...
+
 
 class AdmitAll:
     """Admits every request."""
 
     async def admit(self, request: Request) -> Decision:
         return ADMIT
+
+    async def refund(self, request_id: str) -> None:
+        pass
 
 
 def _duration(seconds: float) -> str:
@@ -178,12 +187,18 @@ class QuotaAdmission:
         try:
             result = await self.store.reserve(request.id, scopes, tokens, now=now,
                                                budgets=charges, money=money)
+            headers = rate_limit_headers(result, anthropic=request.api is Api.MESSAGES)
+            if result.admitted and budgets and money:
+                self._alert(budgets, result.budget_spent, money)
         except QuotaUnavailable as exc:
             return self._outage(request, exc)
-        headers = rate_limit_headers(result, anthropic=request.api is Api.MESSAGES)
+        except Exception:
+            # The script may have charged before the failure (its reply, the
+            # headers, an alert): the caller answers an error and never
+            # dispatches, so nothing would ever reconcile this reservation.
+            await self.refund(request.id)
+            raise
         if result.admitted:
-            if budgets and money:
-                self._alert(budgets, result.budget_spent, money)
             return Decision(Admission.ADMITTED, headers=headers, reserved=True)
         log.info("request %s rejected: %s limit of %s", request.id, result.limit, result.scope)
         tm.get().metrics.quota_rejections.add(1, {tm.LIMIT: result.limit,
@@ -232,11 +247,25 @@ class QuotaAdmission:
                     tm.get().metrics.budget_alerts.add(1, {tm.BUDGET: budget.budget_id,
                                                            tm.THRESHOLD: str(ratio)})
 
-    def _outage(self, request: Request, exc: QuotaUnavailable) -> Decision:
+    async def refund(self, request_id: str) -> None:
+        """Reconcile the reservation to zero now, or, while Redis is out, as
+        soon as it answers (the doubtful reservations' undo)."""
+        try:
+            await self.store.reconcile(request_id, 0)
+        except QuotaUnavailable as exc:
+            log.warning("cannot refund %s yet (%s); retrying when the store answers",
+                        request_id, exc)
+            self._doubt(request_id)
+
+    def _doubt(self, request_id: str) -> None:
+        """Undo ``request_id``'s reservation once Redis answers (:meth:`_undo`)."""
         if len(self._doubtful) < MAX_DOUBTFUL:
-            self._doubtful[request.id] = (0, 0.0)
+            self._doubtful[request_id] = (0, 0.0)
             if self._undoing is None or self._undoing.done():
                 self._undoing = asyncio.get_running_loop().create_task(self._undo())
+
+    def _outage(self, request: Request, exc: QuotaUnavailable) -> Decision:
+        self._doubt(request.id)
         now = time.monotonic()
         if now - self._last_outage_log > 5.0:  # loud, but not one line per request
             self._last_outage_log = now

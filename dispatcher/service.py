@@ -88,9 +88,15 @@ class Dispatcher:
             raise
         except Exception as exc:
             if poison.is_transient(exc, (QuotaUnavailable,)):
+                # Left for redelivery: the next copy reuses any reservation
+                # (reserving an id already charged admits it without a charge).
                 log.exception("dispatching failed; the request will be redelivered")
                 return
             await poison.terminate(msg, BAD_INPUT, "request", exc, self._reject_poison(msg))
+            # Terminated before its job was published (dispatch never raises
+            # poison after it): it will never run, so nothing else refunds it.
+            if (request_id := _request_id(msg)) is not None:
+                await self.policy.refund(request_id)
 
     def _reject_poison(self, msg: Msg) -> poison.Answer | None:
         """The 400 for an unprocessable request, when it names an edge inbox."""
@@ -133,13 +139,13 @@ class Dispatcher:
             log.info("dropping request %s: its deadline passed while queued", request.id)
             self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model,
                                                     tm.OUTCOME: "expired"})
-            await msg.ack()
+            await self._drop(request, msg)
             return
         if request.id in self.cancels:
             log.info("dropping request %s: cancelled by the client", request.id)
             self.metrics.cancellations.add(1, {tm.CAUSE: "before_dispatch",
                                                tm.TIER: "dispatcher"})
-            await msg.ack()
+            await self._drop(request, msg)
             return
 
         decision = await self.policy.admit(request)
@@ -158,9 +164,22 @@ class Dispatcher:
             return  # queued (held until granted) or answered by the gate
         await self.dispatch(request, msg, decision.headers, decision.reserved)
 
+    async def _drop(self, request: Request, msg: Msg) -> None:
+        """Ack a request that will not run. A redelivered one may hold the
+        reservation an earlier delivery made before failing transiently: it
+        is refunded (a first delivery reserved nothing, so Redis is spared)."""
+        if msg.metadata.num_delivered > 1:
+            await self.policy.refund(request.id)
+        await msg.ack()
+
     async def dispatch(self, request: Request, msg: Msg, headers: dict[str, str],
                        reserved: bool) -> None:
-        """Publish the job, then ack the request: the order that loses nothing."""
+        """Publish the job, then ack the request: the order that loses nothing.
+
+        Once the job is published its worker's usage reconciles the
+        reservation, so nothing after it may end as poison (which refunds):
+        a failure there is logged and the request left for redelivery, whose
+        job JetStream deduplicates (``Nats-Msg-Id``)."""
         await self.nc.publish(request.reply, Status(Admission.ADMITTED,
                                                     headers=headers or None).encode())
         subject = self.subjects.job(request.model)
@@ -180,11 +199,28 @@ class Dispatcher:
             log.warning("could not publish job for %s (%s); will retry", request.id, exc)
             await msg.nak(delay=1)
             return
-        await msg.ack()
-        if self.router is not None and routed is not None and routed.route.replica is not None:
-            self.router.schedule_fallback(request, msg.data, job_headers, routed)
-        self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model, tm.OUTCOME: "admitted"})
+        try:
+            await msg.ack()
+            if (self.router is not None and routed is not None
+                    and routed.route.replica is not None):
+                self.router.schedule_fallback(request, msg.data, job_headers, routed)
+            self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model,
+                                                    tm.OUTCOME: "admitted"})
+        except Exception as exc:
+            if poison.is_transient(exc):
+                raise
+            log.exception("after publishing the job for %s; the request is left for "
+                          "redelivery", request.id)
+            return
         log.debug("dispatched %s to %s", request.id, subject)
+
+
+def _request_id(msg: Msg) -> str | None:
+    """The id of the request ``msg`` carries, None when it does not decode."""
+    try:
+        return Request.decode(msg.data).id
+    except Exception:
+        return None
 
 
 class Reconciler:

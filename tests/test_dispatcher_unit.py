@@ -90,11 +90,15 @@ class FakeJetStream:
 class FixedPolicy:
     def __init__(self, decision: Decision | Exception) -> None:
         self.decision = decision
+        self.refunded: list[str] = []
 
     async def admit(self, request: Request) -> Decision:
         if isinstance(self.decision, Exception):
             raise self.decision
         return self.decision
+
+    async def refund(self, request_id: str) -> None:
+        self.refunded.append(request_id)
 
 
 def request(**changes: Any) -> Request:
@@ -213,6 +217,8 @@ async def test_any_other_failure_is_poison_answered_400_and_terminated() -> None
     assert subject == SUBJECTS.out("e1", "r1")
     assert status.admission is Admission.REJECTED
     assert (status.error.status, status.error.code) == (400, "unprocessable_request")
+    # terminated before any job: what the policy reserved is refunded
+    assert dispatcher.policy.refunded == ["r1"]  # type: ignore[attr-defined]
 
 
 # -- QuotaAdmission -------------------------------------------------------------------

@@ -219,6 +219,9 @@ class _Overflowing:
     async def admit(self, request: Request) -> Any:
         raise OverflowError("cannot convert float infinity to integer")
 
+    async def refund(self, request_id: str) -> None:
+        pass
+
 
 def test_a_poison_request_is_answered_and_terminated(harness: Harness) -> None:
     """A request whose handling raises (not a broker or Redis failure) once
