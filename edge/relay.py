@@ -417,6 +417,13 @@ class Relay(StreamState):
         key = (head.control, head.job_seq, head.attempt)
         if self.phase is Phase.STREAMING and key == self.head_key:
             return  # the same Head again (the worker resent what was not acked)
+        if head.seq < self.floor_seq:
+            # An earlier delivery's Head, sent late (protocol.first_seq): the
+            # stream follows a later one. If that copy still runs, it stops.
+            self.stale += 1
+            if head.control != self.control:
+                await self._cancel_second_delivery(head)
+            return
         if (self.phase is Phase.STREAMING and head.control != self.control
                 and self._worker_lives()):
             await self._cancel_second_delivery(head)
@@ -470,6 +477,7 @@ class Relay(StreamState):
             self.acks = AckPolicy(self.request.window_bytes, self.request.window_msgs)
             await self.ctx.publisher.publish(head.control, go)
         self.advance(Head)
+        self.floor_seq = head.seq
         self.expected_seq = head.seq + 1
         self.gap_since = 0.0
         if head.job_seq:

@@ -75,9 +75,9 @@ class StreamState:
     """The sans-I/O part of one response (see the module docstring)."""
 
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
-    __slots__ = ("asked_at", "copies", "expected_seq", "gap_since", "last_ack",
+    __slots__ = ("asked_at", "copies", "expected_seq", "floor_seq", "gap_since", "last_ack",
                  "last_worker_msg", "last_write", "link_epoch", "phase", "request_id",
-                 "started")
+                 "stale", "started")
 
     def __init__(self, request_id: str, now: float) -> None:
         self.request_id = request_id
@@ -90,6 +90,11 @@ class StreamState:
         # A copy of a message already taken came (a worker resent what it
         # holds unacked: this edge's acks may have been lost): ack again.
         self.copies = False
+        # The seq of the Head followed (protocol.first_seq): a message below it
+        # is an earlier delivery's, sent late (a fenced worker's buffer flushed
+        # at the heal), and never part of the response; ``stale`` counts them.
+        self.floor_seq = 1
+        self.stale = 0
         self.link_epoch = 0  # this edge's NATS reconnects, as last seen (Link.epoch)
         self.started = self.last_worker_msg = self.last_write = self.last_ack = now
 
@@ -121,7 +126,10 @@ class StreamState:
             self.gap_since = 0.0
             return True
         if seq < expected:
-            self.copies = True
+            if seq < self.floor_seq:
+                self.stale += 1
+            else:
+                self.copies = True
         elif not self.gap_since:
             self.gap_since = time.monotonic()
             log.info("request %s: message %d lost in transit (got %d); asking for it again",

@@ -69,6 +69,7 @@ from tidegate.wire.protocol import (
     Request,
     UsageRecord,
     encode_chunk,
+    first_seq,
 )
 from workers.backends import Backend, BackendStream, PushStream, Usage
 from workers.continuation import closing, continued, continued_stream
@@ -360,8 +361,8 @@ class Job:
         # refusal remains a real HTTP status.
         metadata = self.msg.metadata
         self.last_ack_at = time.monotonic()
-        self.seq = 1
-        await self._send(Head(1, self.ctx.control_subject, metadata.sequence.stream,
+        self.seq = first_seq(metadata.num_delivered)  # this delivery's range of seqs
+        await self._send(Head(self.seq, self.ctx.control_subject, metadata.sequence.stream,
                               metadata.num_delivered, self.msg.reply or "").encode())
         if metadata.num_delivered > 1 and not await self._edge_still_waiting():
             log.info("dropping redelivered job %s: its edge did not confirm", self.request.id)

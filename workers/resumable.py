@@ -54,6 +54,7 @@ from tidegate.wire.protocol import (
     ErrorInfo,
     Request,
     decode_session,
+    first_seq,
 )
 from tidegate.wire.streamlog import LogCursor, LogEvent
 from workers.backends import Backend
@@ -132,7 +133,8 @@ class ResumableJob(Job):
 
     async def _send(self, payload: bytes) -> None:
         await super()._send(payload)
-        if self.seq == 1 and self.msg.metadata.num_delivered > 1:
+        attempt = self.msg.metadata.num_delivered
+        if attempt > 1 and self.seq == first_seq(attempt):
             # A redelivered copy's Head reaches the log only if the copy runs
             # (_edge_still_waiting): a copy delivered while the first worker
             # still streams (DUPLICATE_DELIVERY) must not end the log's readers.

@@ -216,12 +216,16 @@ class LogCursor:
     so its seqs start again and the event ids go on.
     """
 
-    __slots__ = ("_after", "_expected", "_output", "control", "ended", "handed_back", "ids",
-                 "open")
+    __slots__ = ("_after", "_expected", "_floor", "_output", "control", "ended", "handed_back",
+                 "ids", "open")
 
     def __init__(self, after: int = 0) -> None:
         self._after = after
         self._expected = 0  # 0: no Head yet
+        # The last Head's seq (protocol.first_seq): an entry below it is an
+        # earlier delivery's, logged late (a fenced worker's buffer flushed at
+        # the heal); skipped, Head included, never read as the text.
+        self._floor = 0
         self._output = False
         self.ids = EventIds()
         self.control = ""  # the worker's control subject, from the last Head
@@ -243,7 +247,10 @@ class LogCursor:
             return []
         if kind is Head:
             assert isinstance(entry, Head)
+            if entry.seq < self._floor:
+                return []
             self.control = entry.control
+            self._floor = entry.seq
             self._expected = entry.seq + 1
             return []
         seq: int = entry.seq  # type: ignore[union-attr]
@@ -253,7 +260,7 @@ class LogCursor:
                 return self._end(LogEnd(error=entry.error))
             return []  # a message before any Head: not the worker's output
         if seq < self._expected:
-            return []  # a duplicate (a retransmitted message also logged): already had it
+            return []  # a duplicate (retransmitted and logged again), or stale: already had it
         if seq != self._expected:
             return self._end(LogEnd(error=gap_error(self._expected, seq)))
         self._expected = seq + 1
