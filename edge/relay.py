@@ -35,7 +35,7 @@ from edge.stream import Due, Phase, StreamState
 from edge.writer import CANCEL_CODES, RawWrite, Writer
 from tidegate.broker.link import Link
 from tidegate.broker.liveness import WorkerWatch
-from tidegate.config import Config, ModelConfig
+from tidegate.config import DEFAULT_FAILOVER, Config, ModelConfig
 from tidegate.errors import ApiError, unavailable
 from tidegate.wire import streamlog
 from tidegate.wire.flow import AckPolicy
@@ -113,7 +113,7 @@ class Relay(StreamState):
         self.control = ""  # worker control subject, once known
         self.job_ack = ""  # the job message's JetStream ack subject (Head.ack)
         model = ctx.models.get(request.model)
-        self.failover = model.failover if model is not None else "restart"
+        self.failover = model.failover if model is not None else DEFAULT_FAILOVER
         # failover = "continue": what the client got, for the next worker; a
         # resumable stream's is in its log, where the next worker reads it.
         can = continuable(request, model)

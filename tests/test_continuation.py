@@ -50,7 +50,9 @@ def test_what_can_be_continued() -> None:
     on = ModelConfig(name="m", failover="continue")
     assert continuable(request(), on)
     assert continuable(request(Api.COMPLETIONS), on)
-    assert not continuable(request(), ModelConfig(name="m"))  # failover = "restart"
+    assert continuable(request(), ModelConfig(name="m"))  # the shipped default
+    assert not continuable(request(), ModelConfig(name="m", failover="restart"))
+    assert not continuable(request(), ModelConfig(name="m", failover="off"))
     for body in ({"n": 2}, {"logprobs": True}, {"tools": [{"type": "function"}]},
                  {"top_logprobs": 2}):
         assert not continuable(request(**body), on), body

@@ -62,8 +62,11 @@ def start_pipeline(tmp_path: Path, nats_url: str, redis_url: str, backend: FakeB
         "worker": {"ack_wait": ack_wait, "shutdown_timeout": 3.0, "resume_timeout": 5.0},
         "edge": {"shutdown_timeout": 4.0, "slow_client_timeout": 30.0,
                  "request_timeout": 300.0},
+        # These tests hold the restart rules (a death after output ends the
+        # stream with worker_lost); continuation, the default, has its own
+        # (tests/test_continuation.py).
         "models": [{"name": "fake", "backend": "openai", "base_url": backend.base_url,
-                    "max_streams": 256}],
+                    "max_streams": 256, "failover": "restart"}],
     }
     pipeline = Pipeline(tmp_path, nats_url, redis_url, overrides=overrides, workers=workers)
     pipeline.start()

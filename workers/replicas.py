@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tidegate.config import DEFAULT_FAILOVER
 from tidegate.errors import BackendError
 from tidegate.wire.protocol import Request
 from workers.backends import Backend, BackendStream
@@ -115,7 +116,7 @@ class ReplicaSet:
     on_change: Callable[[], None] | None = None
     # The model's ``failover``: "continue" lets a stream whose replica fails
     # mid-stream go on on another one (workers/replica_continuation.py).
-    failover: str = "restart"
+    failover: str = DEFAULT_FAILOVER
 
     def add(self, replica: str, backend: Backend, breaker: Breaker) -> None:
         self.backends[replica] = backend

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from tidegate.config.check import _check
 from tidegate.config.sections import (
+    DEFAULT_FAILOVER,
     DEFAULT_MAX_OUTPUT_TOKENS,
     AffinityMode,
     AuthConfig,
@@ -64,8 +65,8 @@ from tidegate.errors import ConfigError
 # The section dataclasses live in tidegate.config.sections and validation in
 # tidegate.config.check; import the dataclasses from here.
 __all__ = [
-    "DEFAULT_MAX_OUTPUT_TOKENS", "AffinityMode", "AuthConfig", "BackendKind", "BatchConfig",
-    "Config", "DispatcherConfig",
+    "DEFAULT_FAILOVER", "DEFAULT_MAX_OUTPUT_TOKENS", "AffinityMode", "AuthConfig", "BackendKind",
+    "BatchConfig", "Config", "DispatcherConfig",
     "EdgeConfig", "GrpcConfig", "LoggingConfig", "ModelConfig", "NatsConfig", "QueueModeConfig",
     "QuotaFailure", "RedisConfig", "ResumeConfig", "RoutingConfig", "SessionConfig",
     "SimulatorConfig", "SpendConfig", "StorageKind", "StreamLimit", "StreamsConfig", "WorkerConfig",

@@ -14,6 +14,8 @@ from tidegate.wire.subjects import Subjects
 
 BackendKind = Literal["simulator", "openai"]
 FailoverMode = Literal["continue", "restart", "off"]
+# What a stream whose worker dies does by default (ModelConfig.failover).
+DEFAULT_FAILOVER: FailoverMode = "continue"
 # A model's worker concurrency: a pinned number, or "auto" (workers.limiter).
 StreamLimit = int | Literal["auto"]
 StorageKind = Literal["file", "memory"]
@@ -114,10 +116,11 @@ class ModelConfig:
     price_output: float = 0.0
     price_request: float = 0.0
     # A worker that dies mid-request (docs/resume.md, "Continuation"):
-    # "continue" - its job runs again elsewhere, continuing the delivered text;
-    # "restart" - a job with no output yet runs again, one with output ends
-    # with worker_lost; "off" - worker_lost either way, nothing runs again.
-    failover: FailoverMode = "restart"
+    # "continue" (the default) - its job runs again elsewhere, continuing the
+    # delivered text; "restart" - a job with no output yet runs again, one
+    # with output ends with worker_lost; "off" - worker_lost either way,
+    # nothing runs again.
+    failover: FailoverMode = DEFAULT_FAILOVER
 
     def __post_init__(self) -> None:
         if self.max_streams is None:  # the backend's default (see max_streams)
