@@ -201,3 +201,35 @@ async def test_page_is_static_and_holds_no_secret(console: str, pipeline: Pipeli
             assert resp.status == 404
         async with session.get(console + "/console/static/index.html") as resp:
             assert resp.status == 404
+
+
+async def test_a_foreign_host_name_is_refused_before_anything_else(
+        console: str, admin_key: str) -> None:
+    """DNS rebinding: a page from evil.example, its name pointed at 127.0.0.1,
+    sends ``Host: evil.example:<port>`` and, being same-origin with itself, a
+    matching ``Origin``. The admin key is still needed, but the console
+    answers such a host nothing at all."""
+    port = console.rsplit(":", 1)[1]
+    foreign = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    status, body, headers = await call(console, "whoami", admin_key, headers=foreign)
+    assert (status, body["error"]["code"]) == (403, "untrusted_host")
+    assert headers.get("Content-Security-Policy")  # the security headers still go out
+    status, _, _ = await call(console, "keys", admin_key, {"tenant": "acme"}, headers=foreign)
+    assert status == 403
+    for own in (f"localhost:{port}", f"127.0.0.1:{port}"):
+        status, body, _ = await call(console, "whoami", admin_key, headers={"Host": own})
+        assert status == 200, body
+
+
+def test_trusted_host_names() -> None:
+    from tidegate.run.console import trusted_host
+
+    assert trusted_host("127.0.0.1:8090", "127.0.0.1")
+    assert trusted_host("[::1]:8090", "127.0.0.1")
+    assert trusted_host("localhost", "127.0.0.1")
+    assert trusted_host("ops.internal:8090", "ops.internal")
+    assert not trusted_host("evil.example:8090", "127.0.0.1")
+    assert not trusted_host("localhost.evil.example", "127.0.0.1")
+    assert not trusted_host("", "127.0.0.1")
+    assert not trusted_host(None, "127.0.0.1")
+    assert not trusted_host("[bad", "127.0.0.1")

@@ -20,6 +20,11 @@ Access, CSRF and what the page holds:
   browser; changes are ``POST`` with a JSON body (a cross-site form cannot
   send one without a CORS preflight, which this server never grants), and a
   request whose ``Origin`` is not this server's is refused (403).
+* A request whose ``Host`` is not a name of this console (an IP address,
+  ``localhost``, the host it is bound to, this machine's name) is refused
+  (403) before anything else: a page whose name an attacker's DNS points at
+  127.0.0.1 (DNS rebinding) is same-origin with itself, so the ``Origin``
+  check alone would let it through.
 * The page, its script and its style are static files served from the
   package (nothing from a CDN); the key the operator types stays in the tab's
   ``sessionStorage``. A ``Content-Security-Policy`` allows only this origin's
@@ -30,12 +35,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats.js.errors
 from aiohttp import web
@@ -87,8 +95,9 @@ class Console:
     """The console's state: NATS, the sampler, usage; and its routes."""
 
     def __init__(self, config: Config, nc: NATS, data_dir: Path | None,
-                 interval: float = 2.0) -> None:
+                 interval: float = 2.0, host: str = "127.0.0.1") -> None:
         self.config = config
+        self.host = host  # the address it is bound to (trusted_host)
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=config.nats.request_timeout)
         self.usage = UsageStats()
@@ -258,6 +267,7 @@ class Console:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[_headers])
+        app[BOUND] = self.host
         r = app.router
         r.add_get("/", _to_console)
         r.add_get("/console", self.page)
@@ -282,9 +292,38 @@ async def _to_console(request: web.Request) -> web.StreamResponse:
     raise web.HTTPFound("/console")
 
 
+BOUND: web.AppKey[str] = web.AppKey("bound", str)
+
+
+def trusted_host(host: str | None, bound: str) -> bool:
+    """Whether a request's ``Host`` header names this console: an IP address,
+    ``localhost``, the host it is bound to, or this machine's own name. Any
+    other name reached it through someone's DNS (rebinding), not a link the
+    operator followed."""
+    if not host:
+        return False
+    try:
+        name = urlsplit(f"//{host}").hostname
+    except ValueError:
+        return False
+    if not name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    own = {"localhost", bound.lower(), socket.gethostname().lower(), socket.getfqdn().lower()}
+    return name.rstrip(".") in own
+
+
 @web.middleware
 async def _headers(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
+        if not trusted_host(request.headers.get("Host"), request.app[BOUND]):
+            raise ApiProblem(403, "this console answers only to its own host names "
+                                  "(an IP address, localhost, or its bind host)",
+                             "permission_error", "untrusted_host")
         response = await handler(request)
     except ApiProblem as problem:
         response = problem.response()
@@ -358,7 +397,7 @@ async def serve(config: Config, host: str, port: int, data_dir: Path | None,
                 interval: float = 2.0, ready: Callable[[str], None] | None = None) -> None:
     """Run the console until cancelled."""
     nc = await broker.connect(config.nats, "tidegate-console")
-    console = Console(config, nc, data_dir, interval)
+    console = Console(config, nc, data_dir, interval, host)
     runner = web.AppRunner(console.app(), access_log=None)
     await runner.setup()
     try:
