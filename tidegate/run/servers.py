@@ -324,7 +324,10 @@ class ManagedProcess:
             raise TidegateError(f"{self.name} is already running (pid {self.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         parent, sig, posix = os.getpid(), int(self.death_signal), os.name == "posix"
-        with open(self.log_path, "ab") as log:
+        # Owner only (0600): a tier's log names tenants and request ids.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)  # a log an older version made 0644
+        with os.fdopen(fd, "ab") as log:
             log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: "
                       f"{' '.join(self.argv)}\n".encode())
             log.flush()
