@@ -186,6 +186,11 @@ def test_policy_set_list_delete(cli: Cli) -> None:
     (["policy", "delete"], "needs a tenant, a model or both"),
     (["policy", "delete", "--user", "bob"], "needs its tenant"),
     (["policy", "bogus"], "invalid choice"),
+    # A control character would print raw into listings and terminals.
+    (["keys", "create", "--tenant", "ac\x1b[2Jme"], "--tenant: must be printable"),
+    (["keys", "create", "--tenant", "a", "--user", "b\rob"], "--user: must be printable"),
+    (["policy", "set", "--tenant", "a\x07", "--rpm", "1"], "--tenant: must be printable"),
+    (["usage", "--tenant", "a\x1b"], "--tenant: must be printable"),
 ])
 def test_bad_input_exits_2_before_connecting(args: list[str], message: str) -> None:
     result = run_cli(*args, env={"TIDEGATE_NATS_URL": UNREACHABLE})
@@ -350,3 +355,25 @@ def test_cli_key_applies_at_a_running_edge_without_a_restart(pipeline: Pipeline)
         "model": "sim", "messages": [{"role": "user", "content": "hi"}]}, key=key)
     assert status == 401
     assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+def test_names_print_as_text_and_csv_cells_never_as_formulas() -> None:
+    """Names stored before the check (or by other tools) print escaped; a
+    name a spreadsheet would evaluate is quoted in CSV output."""
+    import contextlib
+    import io
+
+    from tidegate.control.admin import UsageError as Usage
+    from tidegate.control.admin import _table, check_name, csv_safe
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _table(["TENANT"], [["ac\x1b[31mme"]])
+    assert "\x1b" not in out.getvalue()
+    assert "ac\\x1b[31mme" in out.getvalue()
+    assert [csv_safe(v) for v in ("=HYPERLINK(1)", "+1", "-1", "@a", "\tx", "acme")] == [
+        "'=HYPERLINK(1)", "'+1", "'-1", "'@a", "'\tx", "acme"]
+    for bad in ("", " ", "a\x00", "x" * 257, 5):
+        with pytest.raises(Usage):
+            check_name("tenant", bad)
+    assert check_name("tenant", "acme corp") == "acme corp"

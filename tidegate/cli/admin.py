@@ -10,8 +10,11 @@ from tidegate.cli.common import _common, load_config
 
 
 def _name(value: str) -> str:
-    if not value.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
+    from tidegate.control.admin import name_problem
+
+    problem = name_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 

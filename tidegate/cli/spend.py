@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from tidegate.cli.admin import _name  # one rule for every name flag
 from tidegate.cli.common import _common, load_config
 from tidegate.config import Config
 
@@ -39,10 +40,6 @@ def _amount(value: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _name(value: str) -> str:
-    if not value.strip() or not value.isprintable():
-        raise argparse.ArgumentTypeError(f"must be a non-empty printable name, got {value!r}")
-    return value
 
 
 def spend_parsers(sub: Any) -> None:
@@ -380,7 +377,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
                                                         "cost", "currency"])
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "currency": currency})
+            writer.writerow({**row, args.by: admin.csv_safe(str(row[args.by])),
+                             "currency": currency})
     elif not rows:
         print("no usage records in that range")
     else:

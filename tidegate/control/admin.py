@@ -37,6 +37,43 @@ class UsageError(ConfigError):
     """The command line asks for something invalid; the CLI exits 2."""
 
 
+MAX_NAME = 256  # characters of a tenant or user name
+
+
+def name_problem(value: object) -> str:
+    """What is wrong with a tenant or user name as given (a CLI flag or a
+    console field), "" when nothing: it must be non-empty and printable, so a
+    listing, a log or a terminal shows what it is (a control character once
+    put raw escapes into ``keys list``)."""
+    if not isinstance(value, str) or not value.strip():
+        return "must not be empty"
+    if not value.isprintable() or len(value) > MAX_NAME:
+        return f"must be printable and at most {MAX_NAME} characters, got {value[:60]!r}"
+    return ""
+
+
+def check_name(what: str, value: object) -> str:
+    """``value``, a checked name (:func:`name_problem`); else UsageError."""
+    problem = name_problem(value)
+    if problem:
+        raise UsageError(f"{what}: {problem}")
+    assert isinstance(value, str)
+    return value
+
+
+def shown(cell: object) -> str:
+    """A table cell as printed: control characters escaped (names stored
+    before :func:`check_name`, or written by other tools, print as text)."""
+    text = str(cell)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def csv_safe(cell: str) -> str:
+    """A name for a CSV cell: one a spreadsheet would run as a formula
+    (``=``, ``+``, ``-``, ``@``, tab or CR first) gets a leading ``'``."""
+    return f"'{cell}" if cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
+
+
 class NotFound(TidegateError):
     """The key or policy named on the command line does not exist."""
 
@@ -170,7 +207,8 @@ def _timestamp(created: float) -> str:
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> None:
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+    cells = [[shown(cell) for cell in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
               .rstrip())

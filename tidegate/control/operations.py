@@ -35,7 +35,7 @@ from tidegate.config import Config
 from tidegate.control import keys as tgkeys
 from tidegate.control import policies as tgpolicies
 from tidegate.control import tenants as tgtenants
-from tidegate.control.admin import NotFound, UsageError
+from tidegate.control.admin import NotFound, UsageError, check_name
 from tidegate.control.batches import open_stores
 from tidegate.wire.batch import BATCH_PREFIX, BatchRecord, cancel, valid_id
 
@@ -84,8 +84,9 @@ def check_key_id(key_id: str) -> str:
 def key_request(config: Config, tenant: str, user: str = "", models: Sequence[str] = (),
                 expires_in: float = 0.0) -> tuple[str, ...]:
     """Check a key's fields before anything is stored; its models' configured names."""
-    if not isinstance(tenant, str) or not tenant.strip():
-        raise UsageError("a key needs a tenant")
+    check_name("tenant", tenant)
+    if user:
+        check_name("user", user)
     if isinstance(expires_in, bool) or not isinstance(expires_in, int | float) \
             or not 0 <= expires_in < 100 * 365 * 86400:
         raise UsageError(f"expires must be a number of seconds >= 0, got {expires_in!r}")
@@ -152,6 +153,9 @@ def policy(config: Config, tenant: str = "", model: str = "", user: str = "",
     """The checked policy of one scope (limits only for ``set``)."""
     if verb == "set" and rpm is None and tpm is None and concurrency is None:
         raise UsageError("policy set: give at least one limit: --rpm, --tpm or --concurrency")
+    for what, name in (("tenant", tenant), ("user", user)):
+        if name:
+            check_name(f"policy {verb}: {what}", name)
     try:
         found = tgpolicies.Policy(
             tenant=tenant, model=model_name(config, model) if model else "", user=user,
@@ -194,8 +198,7 @@ async def list_policies(js: JetStreamContext, config: Config) -> list[dict[str, 
 
 def tenant_settings(config: Config, tenant: str, resumable: object,
                     grace: object = None) -> tgtenants.TenantSettings:
-    if not isinstance(tenant, str) or not tenant.strip():
-        raise UsageError("tenant set: the tenant must not be empty")
+    check_name("tenant set: tenant", tenant)
     if not isinstance(resumable, bool):
         raise UsageError(f"tenant set: resumable must be true or false, got {resumable!r}")
     if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float)):
