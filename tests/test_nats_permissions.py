@@ -35,6 +35,7 @@ from tidegate.broker.kvwatch import snapshot
 from tidegate.broker.permissions import ROLES, role_of, table
 from tidegate.control.keys import KeyRecord, key_digest
 from tidegate.run.servers import NatsServer
+from tidegate.wire.protocol import UsageRecord
 from tidegate.wire.subjects import Subjects, encode_token
 
 pytestmark = [pytest.mark.pipeline]
@@ -283,6 +284,10 @@ async def test_edge_credentials_cannot_pull_jobs_read_policies_write_keys_or_spo
     await _denied(auth_server, "edge", _publish(s.edge_mux(EDGE_ID)))
     await _denied(auth_server, "edge", _api(f"$JS.API.STREAM.DELETE.{s.jobs_stream}"))
     await _denied(auth_server, "edge", _api(f"$JS.API.STREAM.PURGE.KV_{s.keys_bucket}"))
+    # A usage record bills a tenant (and settles a reservation): workers only.
+    forged = UsageRecord(id="a" * 24, model="tidegate-sim", outcome="done",
+                         completion_tokens=10**9, tenant="acme").encode()
+    await _denied(auth_server, "edge", _publish(s.usage("tidegate-sim"), forged))
     # What an edge needs still works with the same credentials.
     await _allowed(auth_server, "edge", _api(f"$JS.API.STREAM.INFO.{s.requests_stream}"))
     await _allowed(auth_server, "edge", _subscribe(s.edge_inbox(EDGE_ID)))

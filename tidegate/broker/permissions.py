@@ -223,7 +223,9 @@ def access(subjects: Subjects) -> dict[str, Access]:
 
     streams = (requests, jobs, usage, log)
     edge = (_Grants().bind(*streams)
-            .messages(s.requests_wildcard, f"{p}.ctl.*", f"{p}.usage.>",
+            # No usage subject: workers report usage, an edge never does, and a
+            # record forged with stolen edge credentials would bill a tenant.
+            .messages(s.requests_wildcard, f"{p}.ctl.*",
                       streamlog.wildcard(s), streamlog.edge_cancel_subject(s),
                       # -NAK of a job whose worker it found dead (tidegate.broker.liveness):
                       # another worker runs it at once, not after ack_wait.
