@@ -53,6 +53,8 @@ def _with(**fields: Any) -> bytes:
     (_with(system=[{"type": "image"}]), "system"),
     (_with(stop_sequences=[""]), "stop_sequences"),
     (_with(stop_sequences="x"), "stop_sequences"),
+    (_with(stop_sequences=["x" * 1001]), "stop_sequences"),
+    (_with(stop_sequences=["x"] * 17), "stop_sequences"),
     (_with(temperature=5), "temperature"),
     (_with(top_p="x"), "top_p"),
     (_with(top_k=-1), "top_k"),

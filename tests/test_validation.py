@@ -9,7 +9,7 @@ import pytest
 
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError
-from tidegate.validation.generation import Validated, parse_json, validate
+from tidegate.validation.generation import MAX_STOP_CHARS, Validated, parse_json, validate
 from tidegate.wire.protocol import Api
 
 SIM = ModelConfig(name="tidegate-sim", aliases=("sim",))
@@ -370,9 +370,22 @@ def test_stop_bad(stop: Any) -> None:
     assert_400(fails(chat(stop=stop)), "stop", "invalid_type")
 
 
-@pytest.mark.parametrize("stop", [None, "\n", "", ["a"], ["a", "b", "c", "d"], []])
+@pytest.mark.parametrize("stop", [None, "\n", "", ["a"], ["a", "b", "c", "d"], [],
+                                  "x" * MAX_STOP_CHARS, ["x" * MAX_STOP_CHARS] * 4])
 def test_stop_good(stop: Any) -> None:
     ok(chat(stop=stop))
+
+
+@pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETIONS])
+@pytest.mark.parametrize("stop", ["x" * (MAX_STOP_CHARS + 1), ["a", "x" * 120_000],
+                                  ["x" * 120_000] * 4])
+def test_stop_string_too_long(api: Api, stop: Any) -> None:
+    """Issue 44 row 2: four 120,000-character stop strings froze a worker's
+    loop for 100 s; refused at the edge, naming the field and the bound."""
+    body = chat(stop=stop) if api is Api.CHAT else completion(stop=stop)
+    error = fails(body, api)
+    assert_400(error, "stop", "invalid_value")
+    assert str(MAX_STOP_CHARS) in error.message
 
 
 # --------------------------------------------------------------------------

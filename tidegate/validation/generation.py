@@ -34,6 +34,12 @@ class Validated:
 
 _json_type = json_type  # the name sibling validators import
 
+# OpenAI's bound on the number of stop strings. It documents no length; real
+# stop strings are a delimiter or a role tag, and a backend may scan each one
+# per token, so tidegate bounds them (docs/security.md, "OpenAI fields").
+MAX_STOPS = 4
+MAX_STOP_CHARS = 1000
+
 # Deeper than any real request (tool and response schemas nest a dozen levels),
 # far below msgpack's encoder limit (511) and Python's recursion limit.
 DEFAULT_MAX_DEPTH = 64
@@ -269,10 +275,20 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 def _stop(body: dict[str, Any]) -> None:
     stop = body.get("stop")
-    if stop is None or isinstance(stop, str):
+    if stop is None:
         return
-    if (isinstance(stop, list) and len(stop) <= 4
-            and all(isinstance(s, str) and s for s in stop)):
-        return
-    raise invalid_request("'stop' must be a string or an array of at most 4 non-empty strings.",
-                          param="stop", code="invalid_type")
+    if not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= MAX_STOPS
+                                      and all(isinstance(s, str) and s for s in stop))):
+        raise invalid_request(f"'stop' must be a string or an array of at most {MAX_STOPS} "
+                              "non-empty strings.", param="stop", code="invalid_type")
+    check_stop_lengths([stop] if isinstance(stop, str) else stop, "stop")
+
+
+def check_stop_lengths(stops: list[str], param: str) -> None:
+    """Each stop string at most :data:`MAX_STOP_CHARS` characters: a matcher
+    (the simulator's, a backend's) keeps a window that long per stream."""
+    for i, stop in enumerate(stops):
+        if len(stop) > MAX_STOP_CHARS:
+            raise invalid_request(
+                f"'{param}' strings may be at most {MAX_STOP_CHARS} characters; "
+                f"{param}[{i}] has {len(stop)}.", param=param, code="invalid_value")

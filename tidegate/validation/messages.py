@@ -24,6 +24,7 @@ from tidegate.validation.generation import (
     _optional_int,
     _optional_number,
     _token_limit,
+    check_stop_lengths,
     parse_json,
 )
 from tidegate.wire.protocol import Api
@@ -31,6 +32,9 @@ from tidegate.wire.protocol import Api
 __all__ = ["quota_user", "validate_messages", "validate_messages_body"]
 
 _ROLES = ("user", "assistant")
+# Anthropic documents no bound on stop_sequences; each becomes a backend stop
+# string that is matched on every token, so tidegate sets one (docs/anthropic.md).
+MAX_STOP_SEQUENCES = 16
 _CHOICES = ("auto", "any", "tool", "none")
 # Block types and the string fields each must carry.
 _BLOCK_STRINGS = {"text": ("text",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}
@@ -57,10 +61,15 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
     _turns(body)
     _system(body)
     stops = body.get("stop_sequences")
-    if stops is not None and not (isinstance(stops, list)
-                                  and all(isinstance(s, str) and s for s in stops)):
-        raise invalid_request("'stop_sequences' must be an array of non-empty strings.",
-                              param="stop_sequences", code="invalid_type")
+    if stops is not None:
+        if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+            raise invalid_request("'stop_sequences' must be an array of non-empty strings.",
+                                  param="stop_sequences", code="invalid_type")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise invalid_request(f"'stop_sequences' may have at most {MAX_STOP_SEQUENCES} "
+                                  f"entries, got {len(stops)}.", param="stop_sequences",
+                                  code="invalid_value")
+        check_stop_lengths(stops, "stop_sequences")
     _optional_number(body, "temperature", 0.0, 1.0)
     _optional_number(body, "top_p", 0.0, 1.0)
     _optional_int(body, "top_k", minimum=0)
