@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import openai
@@ -16,11 +17,11 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
 from tests.pipeline import serve_app
-from tidegate.config import ModelConfig, SimulatorConfig
+from tidegate.config import DEFAULT_MAX_OUTPUT_TOKENS, ModelConfig, SimulatorConfig
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import create_backend
-from workers.backends.simulator import SimulatorBackend, SimulatorStream
+from workers.backends.simulator import SimulatorBackend, SimulatorStream, TextPlan
 from workers.backends.simulator import plan as sim_plan
 
 CREATED_MS = 1_700_000_000_123
@@ -189,6 +190,59 @@ async def test_stop_strings() -> None:
     evs, stream = await run(make_request(max_tokens=30, stop="zzz-not-there"))
     assert chat_text(evs) == full
     assert stream.usage.finish_reason == "length"
+
+
+def test_stop_cut_is_the_earliest_occurrence_in_the_text() -> None:
+    """The block-wise search (workers.backends.simulator._find_cut) against
+    a plain search of the whole text: stops inside a piece, across pieces and
+    blocks, absent, longer than a block; at one start the shorter stop wins."""
+    rng = random.Random(44)
+    for _ in range(400):
+        seed, count = rng.randrange(1 << 64), rng.choice([1, 2, 7, 300, 5000, 9000])
+        text = "".join(TextPlan(seed, count, "length", []))
+        stops = [text[a:a + rng.randint(1, 40)] if rng.random() < 0.7
+                 else rng.choice(["zz", " tide gate", "x" * 50, "e", " ", "the" * 3000])
+                 for a in (rng.randrange(len(text)) for _ in range(rng.randint(1, 4)))]
+        planned = TextPlan(seed, count, "length", stops)
+        hits = [(at, len(stop), stop) for stop in stops if (at := text.find(stop)) >= 0]
+        if not hits:
+            assert (len(planned), planned.finish, planned.stopped_by) == (count, "length", "")
+            continue
+        cut, _, stop = min(hits)
+        assert "".join(planned) == text[:cut], (seed, count, stops)
+        assert (planned.finish, planned.stopped_by) == ("stop", stop)
+
+
+async def loop_lag(work: Awaitable[Any]) -> tuple[float, float]:
+    """The worst event loop lag (a 5 ms sleep's overshoot) while ``work``
+    runs, and over as long a time with the loop idle before it: the box's own
+    noise, so a bound can be its sum with what the work may add."""
+    async def worst(until: asyncio.Future[Any] | float) -> float:
+        lag = 0.0
+        while (not until.done() if isinstance(until, asyncio.Future)
+               else time.monotonic() < until):
+            t = time.monotonic()
+            await asyncio.sleep(0.005)
+            lag = max(lag, time.monotonic() - t - 0.005)
+        return lag
+
+    baseline = await worst(time.monotonic() + 0.3)
+    task = asyncio.ensure_future(work)
+    busy = await worst(task)
+    await task
+    return busy, baseline
+
+
+async def test_stop_strings_never_hold_the_loop() -> None:
+    """Issue 44 row 2: four 120,000-character stop strings and max_tokens
+    262144 froze the worker's loop ~100 s; at the edge's bound (4 x 1,000
+    characters) it still froze ~1 s. Finding the cut is linear and off the loop."""
+    backend = SimulatorBackend(ModelConfig(name="sim", simulator=SimulatorConfig(
+        ttft=0.0, tokens_per_second=1e6)))
+    for stop in (["x" * 1000] * 4, ["x" * 120_000] * 4):
+        request = make_request(max_tokens=DEFAULT_MAX_OUTPUT_TOKENS, stop=stop)
+        busy, baseline = await loop_lag(backend.open(request))
+        assert busy < 0.05 + baseline, (len(stop[0]), busy, baseline)
 
 
 async def test_completions_stream_shape() -> None:

@@ -20,7 +20,9 @@ Invariants:
   ``"length"``; a limit above the model's ``max_output_tokens`` is cut there.
   The text is planned lazily (:class:`TextPlan`), so what a stream holds does
   not grow with the limit. A ``stop`` string ends the text *before* the string, with
-  ``"stop"``; the token in which it starts counts as generated.
+  ``"stop"``; the token in which it starts counts as generated. Finding it is
+  linear in the text whatever the stops' length, and runs in a thread
+  (:func:`plan_off_loop`): the event loop never waits for it (issue 44).
 * **Hot path.** Each stream prebuilds its event prefix/suffix bytes once; per
   token only the token text is JSON-encoded (and common words come from a
   cache), so no per-token dict is built or serialised.
@@ -30,6 +32,7 @@ Only one choice is generated (``n`` is ignored).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -115,8 +118,8 @@ class TextPlan(Sequence[str]):
     for the streams' in-order reads: the next index is drawn, the last one
     repeats from a one-piece cache, anything else replays from the seed.
     A stop string cuts the plan at its earliest start (``len`` and the last
-    piece say so); finding that start reads the text once with a window of the
-    longest stop's length, so it too needs no memory per token.
+    piece say so); finding that start reads the text once, a block at a time
+    (:func:`_find_cut`), so it too needs no memory per token.
     """
 
     __slots__ = ("_count", "_cut", "_last", "_last_index", "_rng", "_seed", "finish",
@@ -174,41 +177,66 @@ class TextPlan(Sequence[str]):
         return piece
 
 
+# Pieces drawn, joined and searched at a time when looking for stop strings:
+# large enough that the C-level search, not the Python loop, does the work.
+_CUT_BLOCK = 4096
+
+
+def _blocks(seed: int, count: int, size: int) -> Iterator[list[str]]:
+    """The plan's pieces ``size`` at a time: ``random.Random.choices`` draws
+    ``floor(random() * n)`` per piece, the same indices :meth:`TextPlan._draw` reads."""
+    rng = random.Random(seed)
+    for drawn in range(0, count, size):
+        pieces = rng.choices(_SPACED, k=min(size, count - drawn))
+        if drawn == 0:
+            pieces[0] = pieces[0][1:]  # the first piece has no leading space
+        yield pieces
+
+
 def _find_cut(seed: int, count: int, stops: list[str]) -> tuple[int, int, str] | None:
     """Where the earliest occurrence of any stop string starts in the planned
     text, as (pieces kept, characters of the last kept piece, -1 for all of
-    it, the stop string); None when no stop occurs. An occurrence found ends in the current
-    piece; one that starts earlier ends at most ``longest`` characters later,
-    so the scan goes on that far before it settles."""
+    it, the stop string); None when no stop occurs.
+
+    Linear in the text, whatever the stop strings' length: each block of
+    pieces is searched once per stop, together with the previous text's last
+    ``longest - 1`` characters (an occurrence that ends in the block starts
+    no earlier), and a block is never shorter than that carried tail. An
+    occurrence found ends in the current block; one that starts earlier ends
+    at most ``longest`` characters later, so the scan goes on that far
+    before it settles."""
     longest = max(len(s) for s in stops)
-    rng = random.Random(seed)
-    window = ""  # the text's last characters, ending at `offset`
+    size = max(_CUT_BLOCK, longest)
+    carry = ""  # the text's last longest - 1 characters before `offset`
     offset = 0
     best: int | None = None
     matched = ""
-    for i in range(count):
-        k = floor(rng.random() * _NWORDS)
-        piece = _WORDS[k] if i == 0 else _SPACED[k]
-        window = (window + piece)[-(longest - 1 + len(piece)):]
-        start = offset + len(piece) - len(window)
+    for pieces in _blocks(seed, count, size):
+        window = carry + "".join(pieces)
+        start = offset - len(carry)
         for stop in stops:
             at = window.find(stop)
-            if at >= 0 and (best is None or start + at < best):
+            # At one start the shorter stop wins: a backend sees it complete first.
+            if at >= 0 and (best is None or (start + at, len(stop)) < (best, len(matched))):
                 best, matched = start + at, stop
-        offset += len(piece)
+        offset = start + len(window)
         if best is not None and offset >= best + longest:
             break
+        carry = window[len(window) - longest + 1:] if longest > 1 else ""
     if best is None:
         return None
     # Replay to the piece holding `best`: it is cut, or dropped when it starts there.
-    rng = random.Random(seed)
-    offset = 0
-    for i in range(count):
-        k = floor(rng.random() * _NWORDS)
-        size = len(_WORDS[k]) + (0 if i == 0 else 1)
-        if offset + size > best:
-            return (i + 1, best - offset, matched) if best > offset else (i, -1, matched)
-        offset += size
+    offset = kept = 0
+    for pieces in _blocks(seed, count, size):
+        if offset + sum(map(len, pieces)) <= best:
+            offset += sum(map(len, pieces))
+            kept += len(pieces)
+            continue
+        for piece in pieces:
+            if offset + len(piece) > best:
+                return (kept + 1, best - offset, matched) if best > offset else (kept, -1, matched)
+            offset += len(piece)
+            kept += 1
     return (count, -1, matched)  # not reached: best lies inside the text
 
 
@@ -243,6 +271,16 @@ def plan_text(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
     return list(text), text.finish
 
 
+async def plan_off_loop(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
+                        cap: int) -> TextPlan | GreedyPlan:
+    """:func:`plan`, in a thread when there are stop strings to find: that
+    reads the whole answer (up to ``cap`` tokens, tens of ms), longer than the
+    worker's event loop may stop for. Without them planning is O(1)."""
+    if _stops(body) and not sim.deterministic:
+        return await asyncio.to_thread(plan, api, body, sim, cap)
+    return plan(api, body, sim, cap)
+
+
 def _usage_json(usage: Usage) -> bytes:
     p, c = usage.prompt_tokens, usage.completion_tokens
     return (b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
@@ -261,8 +299,10 @@ class SimulatorStream(PacedStream):
     __slots__ = ("_head", "_suffix", "_tail", "_tok_prefix")
 
     def __init__(self, request: Request, sim: SimulatorConfig, now: float,
-                 cap: int = DEFAULT_MAX_OUTPUT_TOKENS) -> None:
-        pieces = plan(request.api, request.body, sim, cap)
+                 cap: int = DEFAULT_MAX_OUTPUT_TOKENS,
+                 pieces: TextPlan | GreedyPlan | None = None) -> None:
+        if pieces is None:
+            pieces = plan(request.api, request.body, sim, cap)
         chat = request.api == Api.CHAT
         first_tok = 1 if chat else 0
         # role (chat) + tokens + finish + usage (when asked)
@@ -347,32 +387,33 @@ class SimulatorBackend:
     async def open(self, request: Request) -> BackendStream:
         sim = self._model.simulator
         cap = self._model.max_output_tokens
-        if sim.prefill_per_char > 0 and request.api in (Api.CHAT, Api.COMPLETIONS):
+        now = time.monotonic()
+        if request.api == Api.MESSAGES:
+            return await simulated_messages(request, sim, cap)
+        if request.api == Api.EMBEDDINGS:
+            return SimulatorEmbeddings(request, sim, now)
+        pieces = await plan_off_loop(request.api, request.body, sim, cap)
+        if request.api == Api.RESPONSES:
+            return SimulatorResponsesStream(request, pieces, pieces.finish, sim, now)
+        if sim.prefill_per_char > 0:
             cached, total = self._cache.lookup(prompt_text(request.body,
                                                            request.api == Api.CHAT))
-            prefill = sim.prefill_per_char * (total - cached)
-            return SimulatorStream(request, sim, time.monotonic() + prefill, cap)
-        if request.api == Api.MESSAGES:
-            return simulated_messages(request, sim, cap)
-        if request.api == Api.RESPONSES:
-            pieces = plan(request.api, request.body, sim, cap)
-            return SimulatorResponsesStream(request, pieces, pieces.finish, sim,
-                                            time.monotonic())
-        if request.api == Api.EMBEDDINGS:
-            return SimulatorEmbeddings(request, sim, time.monotonic())
-        return SimulatorStream(request, sim, time.monotonic(), cap)
+            now += sim.prefill_per_char * (total - cached)
+        return SimulatorStream(request, sim, now, cap, pieces)
 
     async def aclose(self) -> None:
         return None
 
 
-def simulated_messages(request: Request, sim: SimulatorConfig, cap: int) -> BackendStream:
+async def simulated_messages(request: Request, sim: SimulatorConfig,
+                             cap: int) -> BackendStream:
     """POST /v1/messages on the simulator: its chat answer to the translated
     request, translated back (``workers.backends.messages_sim``)."""
     from workers.backends.messages_sim import TranslatedStream
+    now = time.monotonic()
     chat = TranslatedStream.chat_request(request, sim.length)
-    planned = plan(Api.CHAT, chat.body, sim, cap)
+    planned = await plan_off_loop(Api.CHAT, chat.body, sim, cap)
     # A greedy plan applies no stop strings (workers/backends/greedy.py).
     stopped_by = planned.stopped_by if isinstance(planned, TextPlan) else ""
-    return TranslatedStream(request, SimulatorStream(chat, sim, time.monotonic(), cap),
+    return TranslatedStream(request, SimulatorStream(chat, sim, now, cap, planned),
                             stopped_by)
