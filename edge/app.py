@@ -250,7 +250,8 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     key = idempotency.key_of(http.headers)
     keyed_id = idempotency.request_id(principal.tenant, key) if key else None
     raw = await _read_body(http, config.edge.max_body_bytes, config.edge)
-    valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth)
+    valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth,
+                             max_response_bytes=config.edge.max_response_bytes)
     grace = resume.resume_grace(http.headers, state.tenants, principal.tenant, valid.model,
                                 config)
     if valid.api is Api.RESPONSES and valid.body.get("background") is True:

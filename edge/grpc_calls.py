@@ -221,7 +221,8 @@ async def run_generation(state: EdgeState, principal: Principal, req: pb.Generat
                             f"{config.edge.max_body_bytes} bytes.",
                        type="invalid_request_error", code="request_too_large")
     valid = validate_request(_body(req, config.edge.max_json_depth), api, state.models,
-                             max_depth=config.edge.max_json_depth)
+                             max_depth=config.edge.max_json_depth,
+                             max_response_bytes=config.edge.max_response_bytes)
     if valid.api is Api.RESPONSES and valid.body.get("background") is True:
         raise invalid_request("Background responses are not served over gRPC; use POST "
                               "/v1/responses.", code="unsupported_parameter",

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from tidegate.config import ModelConfig, SimulatorConfig
-from tidegate.errors import ApiError
-from tidegate.validation.responses import validate_request
+from tests.test_simulator import loop_lag
+from tidegate.config import ModelConfig, SimulatorConfig, WorkerConfig
+from tidegate.errors import ApiError, BackendError
+from tidegate.validation.responses import embeddings_size, validate_request
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import completion_cap, estimate_prompt_tokens, reservation
 from workers.backends.simulator import SimulatorBackend
@@ -175,3 +176,64 @@ def test_simulator_embeddings_float_equals_base64() -> None:
     assert floats["data"][0]["embedding"] == embed("a", "m", 5)
     assert abs(sum(v * v for v in embed("a", "m", 5)) - 1.0) < 1e-6
     assert floats["usage"]["prompt_tokens"] == estimate_prompt_tokens(Api.EMBEDDINGS, body)
+
+
+
+# -- issue 44 row 3: inputs x dimensions bounded before any vector is made ------------------
+
+
+def _embeddings(body: dict[str, Any], cap: int) -> Any:
+    return validate_request(json.dumps({"model": "m", **body}).encode(), Api.EMBEDDINGS,
+                            MODELS, max_response_bytes=cap)
+
+
+def test_embeddings_past_the_response_cap_are_a_400_at_the_edge() -> None:
+    """2,048 inputs x 8,192 dimensions grew a worker from 53 MB to 1.4 GB and
+    held its loop 18 s, for a body the edge would then refuse to relay."""
+    error = bad(Api.EMBEDDINGS, {"model": "m", "input": ["x"] * 2048, "dimensions": 8192})
+    assert (error.status, error.code, error.param) == (400, "invalid_value", "dimensions")
+    assert "edge.max_response_bytes" in error.message
+    assert str(8 << 20) in error.message
+    # The bound is the response's size, so it moves with the cap and the encoding.
+    cap = 1 << 20
+    admitted = max(n for n in range(1, 2049) if embeddings_size(n, 1024, False) <= cap)
+    _embeddings({"input": ["x"] * admitted, "dimensions": 1024}, cap)
+    with pytest.raises(ApiError):
+        _embeddings({"input": ["x"] * (admitted + 1), "dimensions": 1024}, cap)
+    _embeddings({"input": ["x"] * (admitted + 1), "dimensions": 1024,
+                 "encoding_format": "base64"}, cap)
+    # Without `dimensions`, a simulator model's default size counts; `param` is the input.
+    with pytest.raises(ApiError) as info:
+        _embeddings({"input": ["x"] * 2048}, 64 << 10)
+    assert info.value.param == "input"
+    # A backend model's own size is unknown at the edge: its worker bounds the body it reads.
+    openai_model = {"o": ModelConfig(name="o", backend="openai", base_url="http://127.0.0.1:1")}
+    validate_request(json.dumps({"model": "o", "input": ["x"] * 2048}).encode(),
+                     Api.EMBEDDINGS, openai_model, max_response_bytes=64 << 10)
+
+
+@pytest.mark.parametrize("b64", [False, True])
+def test_embeddings_size_bounds_the_simulators_body(b64: bool) -> None:
+    for inputs, dims in ((1, 1), (3, 7), (40, 300), (2, 8192)):
+        body: dict[str, Any] = {"input": [f"text {i}" * i for i in range(inputs)],
+                                "dimensions": dims, "encoding_format": "base64" if b64
+                                else "float"}
+        raw = asyncio.run(_run(Api.EMBEDDINGS, body, False))
+        assert len(raw) <= embeddings_size(inputs, dims, b64), (inputs, dims)
+
+
+async def test_simulator_embeddings_are_bounded_by_the_worker_and_off_the_loop() -> None:
+    """The worker's own cap (it may be smaller than the edge's) refuses before
+    any vector is made; the largest admitted body is built in a thread."""
+    small = SimulatorBackend(ModelConfig(name="m", simulator=SimulatorConfig(ttft=0.0)),
+                             WorkerConfig(max_response_bytes=64 << 10))
+    with pytest.raises(BackendError) as info:
+        await small.open(_request(Api.EMBEDDINGS, {"input": ["x"] * 64, "dimensions": 256},
+                                  False))
+    assert (info.value.status, info.value.code) == (400, "invalid_value")
+    assert "worker.max_response_bytes" in str(info.value)
+    backend = SimulatorBackend(ModelConfig(name="m", simulator=SimulatorConfig(ttft=0.0)))
+    inputs = max(n for n in range(1, 2049) if embeddings_size(n, 3072, False) <= 8 << 20)
+    body = {"input": ["x"] * inputs, "dimensions": 3072}
+    busy, baseline = await loop_lag(backend.open(_request(Api.EMBEDDINGS, body, False)))
+    assert busy < 0.05 + baseline, (busy, baseline)

@@ -38,21 +38,33 @@ from tidegate.validation.generation import (
 from tidegate.validation.messages import validate_messages
 from tidegate.wire.protocol import Api
 
-__all__ = ["validate_embeddings", "validate_request", "validate_responses"]
+__all__ = ["check_embeddings_size", "embedding_inputs", "embeddings_size",
+           "validate_embeddings", "validate_request", "validate_responses"]
 
 # OpenAI's own bound on one embeddings request's inputs.
 MAX_EMBEDDING_INPUTS = 2048
+# An embeddings response's size, bounded before any vector is made: a value
+# is at most 24 bytes of JSON (a float32 printed as a double, sign, exponent
+# and comma: "-1.2345678901234567e-05,"), or 4 bytes in base64; the object
+# around each vector and around the list add less than these.
+_FLOAT_JSON_BYTES = 24
+_PER_EMBEDDING_BYTES = 64
+_PER_RESPONSE_BYTES = 256
+_DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # EdgeConfig's and WorkerConfig's default
 _ENCODINGS = ("float", "base64")
 _TRUNCATION = ("auto", "disabled")
 
 
 def validate_request(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
-                     max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
-    """Parse and check a generation request body of any endpoint."""
+                     max_depth: int = DEFAULT_MAX_DEPTH,
+                     max_response_bytes: int = _DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
+    """Parse and check a generation request body of any endpoint;
+    ``max_response_bytes`` is the edge's cap on a non-streaming body."""
     if api is Api.RESPONSES:
         return validate_responses(raw, models, max_depth=max_depth)
     if api is Api.EMBEDDINGS:
-        return validate_embeddings(raw, models, max_depth=max_depth)
+        return validate_embeddings(raw, models, max_depth=max_depth,
+                                   max_response_bytes=max_response_bytes)
     if api is Api.MESSAGES:
         return validate_messages(raw, models, max_depth=max_depth)
     return validate(raw, api, models, max_depth=max_depth)
@@ -108,7 +120,8 @@ def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
 
 
 def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
-                        max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+                        max_depth: int = DEFAULT_MAX_DEPTH,
+                        max_response_bytes: int = _DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
     body = parse_json(raw, max_depth)
     model = _model(body, models)
     _embedding_input(body)
@@ -116,13 +129,53 @@ def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
     if encoding is not None and encoding not in _ENCODINGS:
         raise invalid_request(f"'encoding_format' must be one of {', '.join(_ENCODINGS)}, got "
                               f"{encoding!r}.", param="encoding_format", code="invalid_value")
-    _optional_int(body, "dimensions", minimum=1)
+    dimensions = _optional_int(body, "dimensions", minimum=1)
+    if dimensions is None and model.backend == "simulator":
+        dimensions = model.simulator.embedding_dimensions
+    if dimensions is not None:  # else the backend model's own size, unknown here
+        check_embeddings_size(body, dimensions, max_response_bytes, "edge.max_response_bytes")
     _optional_str(body, "user")
     if _optional_bool(body, "stream"):
         raise invalid_request("Embeddings cannot be streamed; send the request without "
                               "'stream'.", param="stream", code="unsupported_value")
     return Validated(api=Api.EMBEDDINGS, model=model, body=body, stream=False,
                      include_usage=False)
+
+
+def embedding_inputs(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """The inputs of an embeddings body, one vector each: a string or a
+    token-id array alone is one input."""
+    value = body.get("input")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return [value]
+    return list(value) if isinstance(value, list) else []
+
+
+def embeddings_size(inputs: int, dimensions: int, base64: bool) -> int:
+    """At most how many bytes the response to ``inputs`` vectors of
+    ``dimensions`` values takes, in either encoding."""
+    vector = 4 * -(-4 * dimensions // 3) + 2 if base64 else _FLOAT_JSON_BYTES * dimensions
+    return _PER_RESPONSE_BYTES + inputs * (_PER_EMBEDDING_BYTES + vector)
+
+
+def check_embeddings_size(body: Mapping[str, Any], dimensions: int, cap: int,
+                          setting: str) -> None:
+    """Refuse, before any vector is made, an embeddings request whose
+    response could outgrow ``cap`` bytes (``setting`` names it): the work
+    and the memory both grow with inputs x dimensions (issue 44)."""
+    inputs = len(embedding_inputs(body))
+    base64 = body.get("encoding_format") == "base64"
+    size = embeddings_size(inputs, dimensions, base64)
+    if size <= cap:
+        return
+    hint = "" if base64 else ", or encoding_format 'base64' (a fifth of the size)"
+    raise invalid_request(
+        f"{inputs} input(s) of {dimensions} dimensions make a response of up to {size} bytes, "
+        f"over this gateway's limit of {cap} ({setting}); send fewer inputs or "
+        f"dimensions{hint}.", param="dimensions" if "dimensions" in body else "input",
+        code="invalid_value")
 
 
 def _input(body: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ def create_backend(model: ModelConfig, worker: WorkerConfig) -> Backend:
     if model.backend == "simulator":
         from workers.backends.simulator import SimulatorBackend
 
-        return SimulatorBackend(model)
+        return SimulatorBackend(model, worker)
     if model.backend == "openai":
         from workers.backends.openai import OpenAIBackend
 

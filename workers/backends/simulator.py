@@ -41,7 +41,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from math import floor
 from typing import Any, overload
 
-from tidegate.config import DEFAULT_MAX_OUTPUT_TOKENS, ModelConfig, SimulatorConfig
+from tidegate.config import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    ModelConfig,
+    SimulatorConfig,
+    WorkerConfig,
+)
 from tidegate.control.prices import PRICE_EXTRA, cost_member
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
@@ -373,13 +378,15 @@ class SimulatorStream(PacedStream):
 class SimulatorBackend:
     """Implements :class:`workers.backends.Backend` with :class:`SimulatorStream`.
 
-    Stateless apart from the model config; ``open`` fails only for an
-    embeddings request over ``simulator_responses.MAX_DIMENSIONS``. Responses
-    and embeddings are ``workers.backends.simulator_responses``.
+    Stateless apart from the model and worker config; ``open`` fails only
+    for an embeddings request over ``simulator_responses.MAX_DIMENSIONS`` or
+    whose response could outgrow ``worker.max_response_bytes``. Responses and
+    embeddings are ``workers.backends.simulator_responses``.
     """
 
-    def __init__(self, model: ModelConfig) -> None:
+    def __init__(self, model: ModelConfig, worker: WorkerConfig | None = None) -> None:
         self._model = model
+        self._worker = worker or WorkerConfig()
         # One cache per backend object, i.e. per worker process and replica:
         # what one GPU's KV cache holds.
         self._cache = PrefixCache()
@@ -391,7 +398,8 @@ class SimulatorBackend:
         if request.api == Api.MESSAGES:
             return await simulated_messages(request, sim, cap)
         if request.api == Api.EMBEDDINGS:
-            return SimulatorEmbeddings(request, sim, now)
+            return await SimulatorEmbeddings.open(request, sim, now,
+                                                  self._worker.max_response_bytes)
         pieces = await plan_off_loop(request.api, request.body, sim, cap)
         if request.api == Api.RESPONSES:
             return SimulatorResponsesStream(request, pieces, pieces.finish, sim, now)

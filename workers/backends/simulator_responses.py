@@ -21,7 +21,9 @@ a model, the official SDK parses it), for the two newer endpoints:
   ``dimensions`` (else ``simulator.embedding_dimensions``) float32 values of
   unit length, a pure function of the input and the model name, so the same
   input always gets the same vector and ``float`` and ``base64`` encodings
-  decode to identical numbers. Usage: the input's token estimate.
+  decode to identical numbers. Usage: the input's token estimate. A request
+  whose response could outgrow ``worker.max_response_bytes`` is refused
+  before any vector is made, and the body is built in a thread (issue 44).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import math
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tidegate.config import SimulatorConfig
-from tidegate.errors import BackendError
+from tidegate.errors import ApiError, BackendError
+from tidegate.validation.responses import check_embeddings_size, embedding_inputs
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import Usage
@@ -183,21 +186,48 @@ def embed(item: str | list[int], model: str, dimensions: int) -> list[float]:
     return array.array("f", [v / norm for v in values]).tolist()
 
 
-def _inputs(body: Mapping[str, Any]) -> list[str | list[int]]:
-    value = body.get("input")
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
-        return [value]
-    return list(value) if isinstance(value, list) else []
+def embeddings_body(model: str, inputs: Sequence[str | list[int]], dimensions: int,
+                    b64: bool, tokens: int) -> bytes:
+    """The response body, built one vector at a time: what it holds beyond
+    the body is one vector, not a list of every float."""
+    parts = [b'{"object":"list","data":[']
+    for index, item in enumerate(inputs):
+        vector = embed(item, model, dimensions)
+        if b64:
+            packed = array.array("f", vector)
+            if sys.byteorder != "little":
+                packed.byteswap()
+            encoded = b'"' + base64.b64encode(packed.tobytes()) + b'"'
+        else:
+            encoded = _json(vector)
+        parts.append(b'%s{"object":"embedding","index":%d,"embedding":%s}'
+                     % (b"," if index else b"", index, encoded))
+    parts.append(b'],"model":%s,"usage":{"prompt_tokens":%d,"total_tokens":%d}}'
+                 % (_json(model), tokens, tokens))
+    return b"".join(parts)
 
 
 class SimulatorEmbeddings:
-    """One simulated embeddings answer (a JSON body). Implements ``BackendStream``."""
+    """One simulated embeddings answer (a JSON body). Implements ``BackendStream``.
+
+    :meth:`open` bounds the request before any vector is made (dimensions
+    by :data:`MAX_DIMENSIONS`, the response by the worker's
+    ``max_response_bytes``) and builds the body in a thread: at that bound it
+    takes a second of CPU, which the event loop must not wait for.
+    """
 
     __slots__ = ("_body", "_offset", "_ready_at", "_request", "_usage")
 
-    def __init__(self, request: Request, sim: SimulatorConfig, now: float) -> None:
+    def __init__(self, request: Request, body: bytes, usage: Usage, ready_at: float) -> None:
+        self._request = request
+        self._body = body
+        self._usage = usage
+        self._ready_at = ready_at
+        self._offset = 0
+
+    @classmethod
+    async def open(cls, request: Request, sim: SimulatorConfig, now: float,
+                   max_response_bytes: int) -> SimulatorEmbeddings:
         body = request.body
         dims = body.get("dimensions")
         dimensions = dims if isinstance(dims, int) else sim.embedding_dimensions
@@ -205,25 +235,18 @@ class SimulatorEmbeddings:
             raise BackendError(400, f"The simulator makes vectors of at most {MAX_DIMENSIONS} "
                                f"dimensions, not {dimensions}.", type="invalid_request_error",
                                code="invalid_value")
-        self._request = request
-        self._usage = Usage(prompt_tokens=estimate_prompt_tokens(Api.EMBEDDINGS, body),
-                            finish_reason="stop")
-        self._ready_at = now + sim.ttft
-        self._offset = 0
-        b64 = body.get("encoding_format") == "base64"
-        data = []
-        for index, item in enumerate(_inputs(body)):
-            vector = embed(item, request.model, dimensions)
-            encoded: Any = vector
-            if b64:
-                packed = array.array("f", vector)
-                if sys.byteorder != "little":
-                    packed.byteswap()
-                encoded = base64.b64encode(packed.tobytes()).decode()
-            data.append({"object": "embedding", "index": index, "embedding": encoded})
-        tokens = self._usage.prompt_tokens
-        self._body = _json({"object": "list", "data": data, "model": request.model,
-                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        try:  # the edge checked this against its own cap; a worker's may be smaller
+            check_embeddings_size(body, dimensions, max_response_bytes,
+                                  "worker.max_response_bytes")
+        except ApiError as error:
+            raise BackendError(400, error.message, type="invalid_request_error",
+                               code="invalid_value") from None
+        usage = Usage(prompt_tokens=estimate_prompt_tokens(Api.EMBEDDINGS, body),
+                      finish_reason="stop")
+        raw = await asyncio.to_thread(embeddings_body, request.model, embedding_inputs(body),
+                                      dimensions, body.get("encoding_format") == "base64",
+                                      usage.prompt_tokens)
+        return cls(request, raw, usage, now + sim.ttft)
 
     @property
     def usage(self) -> Usage:
