@@ -213,6 +213,21 @@ def test_stop_cut_is_the_earliest_occurrence_in_the_text() -> None:
         assert (planned.finish, planned.stopped_by) == ("stop", stop)
 
 
+def test_stop_strings_the_edge_does_not_check_cost_the_worker_nothing() -> None:
+    """A Responses body's ``stop`` is a vendor field the edge passes on
+    unchecked: the simulator ignores it (OpenAI's Responses API has none). A
+    list longer than any dialect admits is read up to 16 (Messages' bound)."""
+    sim = SimulatorConfig()
+    text = "".join(sim_plan(Api.CHAT, {"max_tokens": 50}, sim, 50))
+    assert sim_plan(Api.CHAT, {"max_tokens": 50, "stop": text[10:20]}, sim, 50).finish == "stop"
+    planned = sim_plan(Api.RESPONSES, {"max_output_tokens": 50, "input": "hi",
+                                       "stop": ["the", " ", "e"]}, sim, 50)
+    assert (len(planned), planned.finish) == (50, "length")
+    many = ["zz"] * 16 + [text[10:20]]
+    planned = sim_plan(Api.CHAT, {"max_tokens": 50, "stop": many}, sim, 50)
+    assert (len(planned), planned.finish) == (50, "length")
+
+
 async def loop_lag(work: Awaitable[Any]) -> tuple[float, float]:
     """The worst event loop lag (a 5 ms sleep's overshoot) while ``work``
     runs, and over as long a time with the loop idle before it: the box's own

@@ -48,6 +48,7 @@ from tidegate.config import (
     WorkerConfig,
 )
 from tidegate.control.prices import PRICE_EXTRA, cost_member
+from tidegate.validation.messages import MAX_STOP_SEQUENCES
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import BackendStream, Usage
@@ -86,13 +87,17 @@ def _limit(api: Api, body: Mapping[str, Any]) -> int | None:
     return max(0, min(limits)) if limits else None
 
 
-def _stops(body: Mapping[str, Any]) -> list[str]:
-    stop = body.get("stop")
+def _stops(api: Api, body: Mapping[str, Any]) -> list[str]:
+    """The stop strings the simulator honours. The Responses API has none (a
+    ``stop`` there is a vendor field the edge does not check), and of a list
+    longer than any dialect admits (a body that reached the worker some other
+    way) only the first ones count: finding them costs a pass per string."""
+    stop = body.get("stop") if api != Api.RESPONSES else None
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list):
         return []
-    return [s for s in stop if isinstance(s, str) and s]
+    return [s for s in stop[:MAX_STOP_SEQUENCES] if isinstance(s, str) and s]
 
 
 def _seed(api: Api, body: Mapping[str, Any]) -> int:
@@ -265,7 +270,7 @@ def plan(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
     finish = "stop" if limit is None else "length"
     if count > cap:
         count, finish = cap, "length"
-    return TextPlan(_seed(api, body), count, finish, _stops(body))
+    return TextPlan(_seed(api, body), count, finish, _stops(api, body))
 
 
 def plan_text(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
@@ -281,7 +286,7 @@ async def plan_off_loop(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
     """:func:`plan`, in a thread when there are stop strings to find: that
     reads the whole answer (up to ``cap`` tokens, tens of ms), longer than the
     worker's event loop may stop for. Without them planning is O(1)."""
-    if _stops(body) and not sim.deterministic:
+    if _stops(api, body) and not sim.deterministic:
         return await asyncio.to_thread(plan, api, body, sim, cap)
     return plan(api, body, sim, cap)
 
