@@ -69,6 +69,10 @@ class PacedStream:
         """The non-streaming answer, with the usage counted."""
         raise NotImplementedError
 
+    async def _prepare(self, now: float) -> None:
+        """Before the events due by ``now`` are built: what they need that
+        takes long to make (the whole text), made off the event loop."""
+
     async def read(self, max_bytes: int) -> bytes:
         if self._closed:
             return b""
@@ -83,6 +87,7 @@ class PacedStream:
             await asyncio.sleep(due - now)
             # The event we slept for is due even if the loop woke a hair early.
             now = max(time.monotonic(), due)
+        await self._prepare(now)
         parts = [self._event(index)]
         self._account(index)
         size = len(parts[0])
@@ -106,7 +111,8 @@ class PacedStream:
                 await asyncio.sleep(delay)
             self._usage.completion_tokens = self._n
             self._usage.finish_reason = self._usage_finish
-            self._body = self._final_body()
+            # The whole text: up to max_output_tokens pieces, tens of ms.
+            self._body = await asyncio.to_thread(self._final_body)
         if self._offset >= len(self._body):
             return b""
         end = self._offset + max(1, max_bytes)

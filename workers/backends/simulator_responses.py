@@ -65,7 +65,7 @@ class SimulatorResponsesStream(PacedStream):
     ``response.output_text.delta`` per token, its closing events (paced as
     ``workers.backends.paced`` says; the first two are due at once)."""
 
-    __slots__ = ("_created", "_delta_prefix", "_item_id", "_status", "_t_open")
+    __slots__ = ("_created", "_delta_prefix", "_item_id", "_status", "_t_open", "_text")
 
     def __init__(self, request: Request, pieces: Sequence[str], finish: str, sim: SimulatorConfig,
                  now: float) -> None:
@@ -80,6 +80,7 @@ class SimulatorResponsesStream(PacedStream):
         self._created = request.created_ms // 1000
         self._delta_prefix = (b',"item_id":"' + self._item_id.encode()
                               + b'","output_index":0,"content_index":0,"delta":')
+        self._text = ""  # the whole text, once the closing events need it (_prepare)
 
     # -- the response object -------------------------------------------------------
 
@@ -133,7 +134,7 @@ class SimulatorResponsesStream(PacedStream):
                     b'"response.output_text.delta","sequence_number":%d' % index
                     + self._delta_prefix + _json(self._pieces[token])
                     + b',"logprobs":[]}\n\n')
-        text = "".join(self._pieces)
+        text = self._text
         ident: dict[str, Any] = {"item_id": self._item_id, "output_index": 0}
         obj: dict[str, Any]
         if index == 0:
@@ -162,6 +163,11 @@ class SimulatorResponsesStream(PacedStream):
                                               self._usage)}
         payload = _json({"type": kind, "sequence_number": index, **obj})
         return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
+
+    async def _prepare(self, now: float) -> None:
+        # The closing events are due with the last token and carry the whole text.
+        if not self._text and self._n and self._due(_OPENING + self._n - 1) <= now:
+            self._text = await asyncio.to_thread("".join, self._pieces)
 
     def _account(self, index: int) -> None:
         token = index - _OPENING
