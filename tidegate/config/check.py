@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zoneinfo
 
-from tidegate.config.sections import Config
+from tidegate.config.sections import Config, is_http_url
 from tidegate.errors import ConfigError
 from tidegate.wire.subjects import Subjects
 
@@ -13,6 +13,12 @@ from tidegate.wire.subjects import Subjects
 def _positive(name: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{name}: must be > 0, got {value!r}")
+
+
+def _http_url(name: str, url: str) -> None:
+    if not is_http_url(url):
+        raise ConfigError(f"{name}: expected an http(s) URL with a host, such as "
+                          f"\"http://127.0.0.1:8000/v1\", got {url!r}")
 
 
 def _check(config: Config) -> None:
@@ -210,21 +216,20 @@ def _check(config: Config) -> None:
             seen[name] = m.name
         if m.base_url and m.base_urls:
             raise ConfigError(f"{where}: set base_url or base_urls, not both")
-        if m.backend == "openai" and not m.base_urls and not m.base_url.startswith(
-                ("http://", "https://")):
-            raise ConfigError(f"{where}.base_url: the openai backend needs an http(s) URL, "
-                              f"got {m.base_url!r}")
+        if m.backend == "openai" and not m.base_urls:
+            if not m.base_url:
+                raise ConfigError(f"{where}.base_url: the openai backend needs an http(s) URL "
+                                  f"(base_url, or base_urls for several replicas)")
+            _http_url(f"{where}.base_url", m.base_url)
         for j, url in enumerate(m.base_urls):
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"{where}.base_urls[{j}]: expected an http(s) URL, "
-                                  f"got {url!r}")
+            _http_url(f"{where}.base_urls[{j}]", url)
         if len(set(m.replica_names)) != len(m.replica_names):
             raise ConfigError(f"{where}.base_urls: the same replica is listed twice")
         if m.failover not in ("continue", "restart", "off"):
             raise ConfigError(f"{where}.failover: one of \"continue\", \"restart\", "
                               f"\"off\", got {m.failover!r}")
         if m.base_urls and m.backend != "openai":
-            raise ConfigError(f"{where}.base_urls: replicas need backend = \"openai\"")
+            raise ConfigError(f"{where}.base_urls: backend URLs need backend = \"openai\"")
         if m.max_output_tokens < 1:
             raise ConfigError(f"{where}.max_output_tokens: must be >= 1, got "
                               f"{m.max_output_tokens}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from tidegate.wire.subjects import Subjects
 
@@ -126,6 +127,15 @@ class ModelConfig:
         if self.max_streams is None:  # the backend's default (see max_streams)
             object.__setattr__(self, "max_streams",
                                "auto" if self.backend == "openai" else 64)
+        # One replica is no replica set: base_urls = [u] is base_url = u, so
+        # every consumer (the worker's backend above all) finds the one URL
+        # where a single-backend model keeps it. Anything the check refuses
+        # (base_url set too, a bad URL, not openai) stays as written, so its
+        # message names the key the user wrote.
+        if (len(self.base_urls) == 1 and not self.base_url and self.backend == "openai"
+                and is_http_url(self.base_urls[0])):
+            object.__setattr__(self, "base_url", self.base_urls[0])
+            object.__setattr__(self, "base_urls", ())
 
     @property
     def backend_model(self) -> str:
@@ -161,6 +171,17 @@ class ModelConfig:
     def streams_ceiling(self) -> int:
         """The most slots a worker may ever have for this model."""
         return self.max_streams if isinstance(self.max_streams, int) else self.max_streams_limit
+
+
+def is_http_url(url: str) -> bool:
+    """Whether the worker's HTTP client can connect to ``url``: http or https,
+    a host, a port in range (workers.backends.http1.Http1Pool)."""
+    try:
+        parts = urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and (
+            parts.port is None or parts.port > 0)  # .port raises past 65535
+    except ValueError:
+        return False
 
 
 def replica_name(url: str) -> str:
