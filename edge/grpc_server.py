@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from edge.grpc_calls import (
     status_of,
 )
 from edge.grpc_session import SessionCall, run_session
+from edge.listen import cannot_listen, ensure_free
 from edge.state import EdgeState
 from tidegate.broker import broker
 from tidegate.errors import ApiError, unavailable
@@ -132,10 +134,15 @@ class GrpcIngress:
         reflection.enable_server_reflection((SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME),
                                             server)
         address = f"{e.host}:{e.grpc_port}"
-        if e.tls_cert:
-            self.port = server.add_secure_port(address, _credentials(e.tls_key, e.tls_cert))
-        else:
-            self.port = server.add_insecure_port(address)
+        ensure_free("edge.grpc_port", e.host, e.grpc_port, reuse_port=e.reuse_port)
+        try:
+            if e.tls_cert:
+                self.port = server.add_secure_port(address, _credentials(e.tls_key, e.tls_cert))
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # taken since the probe: grpcio says no more than this
+            raise cannot_listen("edge.grpc_port", e.host, e.grpc_port,
+                                OSError(errno.EADDRINUSE, "in use")) from None
         await server.start()
         self.server = server
         await self._set_health(False)

@@ -27,6 +27,7 @@ from edge.auth import KeyTable
 from edge.endings import Reconnect
 from edge.grpc_server import GrpcIngress
 from edge.guard import GuardedSite
+from edge.listen import cannot_listen, ensure_free
 from edge.session import SessionTable
 from edge.state import EdgeState
 from edge.tls import server_tls_context, warn_if_public_plaintext
@@ -192,7 +193,14 @@ async def _serve_http(config: Config, stop: asyncio.Event, edge_id: str, nc: NAT
     # reuse_port: N edges of one host on one port (tidegate up --edges N).
     site = GuardedSite(runner, config.edge, backlog=4096, ssl_context=tls,
                        reuse_port=config.edge.reuse_port or None)
-    await site.start()
+    if config.edge.grpc_port:  # refused before the edge says it listens on either port
+        ensure_free("edge.grpc_port", config.edge.host, config.edge.grpc_port,
+                    reuse_port=config.edge.reuse_port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise cannot_listen("edge.port", config.edge.host, config.edge.port, exc) from None
     log.info("edge %s listening on %s://%s:%d (nats %s)", edge_id,
              "https" if tls else "http", config.edge.host, config.edge.port, config.nats.url)
     warn_if_public_plaintext(config.edge)

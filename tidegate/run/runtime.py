@@ -13,8 +13,9 @@ Every tier exposes ``async def serve(config: Config, stop: asyncio.Event) -> Non
 :func:`run_service` maps the outcome to an exit code: 0 for a normal return,
 2 for a :class:`~tidegate.errors.ConfigError`, 1 for any other
 :class:`~tidegate.errors.TidegateError` (logged as one line, no traceback,
-since it is an expected failure such as an unreachable broker) and 1 for
-anything else (logged with its traceback, since that is a bug).
+since it is an expected failure such as a port in use), also when a
+TaskGroup wrapped them, and 1 for anything else (logged with its traceback,
+since that is a bug).
 """
 
 from __future__ import annotations
@@ -103,21 +104,36 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def _expected(exc: BaseException) -> TidegateError | None:
+    """The error to report in one line: ``exc`` itself, or what a TaskGroup
+    wrapped when every error in the group is expected (a port taken under
+    ``instrumented``'s TaskGroup is still the user's to fix, not a bug). A
+    group holding anything else is a bug: None, and its traceback is logged."""
+    if isinstance(exc, TidegateError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found = [_expected(e) for e in exc.exceptions]
+        if found and all(e is not None for e in found):
+            return next((e for e in found if isinstance(e, ConfigError)), found[0])
+    return None
+
+
 def run_service(serve: Serve, config: Config) -> int:
     """Run ``serve`` on a fresh event loop until it returns; the process exit code."""
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_main(serve, config))
-    except ConfigError as exc:
-        log.error("invalid configuration: %s", exc)
-        return 2
-    except TidegateError as exc:
-        log.error("%s", exc)
-        return 1
     except KeyboardInterrupt:
         # Only reachable when the loop could not install its handler.
         return 128 + signal.SIGINT
-    except Exception:
+    except Exception as exc:
+        expected = _expected(exc)
+        if isinstance(expected, ConfigError):
+            log.error("invalid configuration: %s", expected)
+            return 2
+        if expected is not None:
+            log.error("%s", expected)
+            return 1
         log.exception("service failed")
         return 1
     finally:
