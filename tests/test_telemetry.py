@@ -16,7 +16,7 @@ from edge.instrument import RequestTelemetry
 from tidegate.config import LoggingConfig
 from tidegate.control.queue_stats import _created_ms
 from tidegate.control.workers_registry import SlotInfo, WorkerInfo
-from tidegate.errors import ApiError
+from tidegate.errors import ApiError, ConfigError
 from tidegate.telemetry import logs, telemetry, tracing
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.observability import metrics_address
@@ -93,7 +93,10 @@ def test_metrics_address() -> None:
     assert metrics_address({"TIDEGATE_METRICS_PORT": "9464"}) == ("127.0.0.1", 9464)
     assert metrics_address({"TIDEGATE_METRICS_PORT": "9", "TIDEGATE_METRICS_HOST": "0.0.0.0"}) \
         == ("0.0.0.0", 9)
-    with pytest.raises(ValueError, match="TIDEGATE_METRICS_PORT"):
+    assert metrics_address({"TIDEGATE_METRICS_PORT": "0"}) == ("127.0.0.1", 0)  # none
+    with pytest.raises(ConfigError, match="TIDEGATE_METRICS_PORT"):
+        metrics_address({"TIDEGATE_METRICS_PORT": "65536"})
+    with pytest.raises(ConfigError, match="TIDEGATE_METRICS_PORT"):
         metrics_address({"TIDEGATE_METRICS_PORT": "http"})
 
 

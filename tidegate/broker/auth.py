@@ -39,7 +39,10 @@ def tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
     """A client TLS context when the URL is tls:// or a CA is given."""
     if not (cfg.tls_ca or cfg.url.strip().startswith("tls://")):
         return None
-    context = ssl.create_default_context(cafile=cfg.tls_ca or None)
+    try:
+        context = ssl.create_default_context(cafile=cfg.tls_ca or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"nats.tls_ca: cannot load {cfg.tls_ca}: {exc}") from None
     if cfg.tls_cert:
         try:
             context.load_cert_chain(cfg.tls_cert, cfg.tls_key or None)

@@ -17,11 +17,14 @@ if TYPE_CHECKING:
 
 
 def _run_tier(tier: str, serve: Serve, config: Config) -> int:
-    """A tier process's last step: freeze the startup heap (imports, config)
-    out of the cyclic GC, then serve until stopped."""
+    """A tier process's last step: check what the config names outside itself
+    (files, variables: a ConfigError, one line, exit 2), freeze the startup
+    heap (imports, config) out of the cyclic GC, then serve until stopped."""
     from tidegate.run.instrumented import instrumented
+    from tidegate.run.preflight import preflight
     from tidegate.run.runtime import freeze_startup_heap, run_service
 
+    preflight(config, tier)
     freeze_startup_heap()
     return run_service(instrumented(serve, tier), config)
 

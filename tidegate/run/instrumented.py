@@ -36,7 +36,8 @@ log = logging.getLogger("tidegate.telemetry")
 def _edge_address(config: Config, env_address: tuple[str, int] | None
                   ) -> tuple[str, int] | None:
     """The edge's metrics address: the environment's port (on the
-    environment's host, else ``edge.metrics_host``), else the config's."""
+    environment's host, else ``edge.metrics_host``), else the config's; a
+    port of 0 either way is no metrics server."""
     edge = config.edge
     if env_address is not None:
         return os.environ.get(METRICS_HOST_ENV, "").strip() or edge.metrics_host, env_address[1]
@@ -53,7 +54,7 @@ def instrumented(serve: Serve, tier: str) -> Serve:
                 address = metrics_address()
                 if tier == "edge":
                     address = _edge_address(config, address)
-                if address is not None:
+                if address is not None and address[1]:  # port 0: no metrics server
                     try:
                         runner = await start_metrics_server(tel, *address)
                     except OSError as exc:  # one line, not a traceback: the fix is config

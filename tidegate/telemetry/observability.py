@@ -5,7 +5,7 @@ record. Where ``/metrics`` is:
 
 * every tier: a small HTTP server (``/metrics`` and ``/healthz``) on
   ``$TIDEGATE_METRICS_PORT``, bound to ``$TIDEGATE_METRICS_HOST`` (default
-  ``127.0.0.1``), when set. ``tidegate up`` gives each child its own port and
+  ``127.0.0.1``), when set (0 = none). ``tidegate up`` gives each child its own port and
   prints them.
 * edge, without the variable: ``edge.metrics_port`` on ``edge.metrics_host``
   (default 9464 on 127.0.0.1; 0 = none). Never the API port unless
@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
+from tidegate.errors import ConfigError
 from tidegate.telemetry.telemetry import Telemetry
 
 log = logging.getLogger("tidegate.telemetry")
@@ -61,6 +62,8 @@ async def start_metrics_server(tel: Telemetry, host: str, port: int) -> web.AppR
 
 
 def metrics_address(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """``$TIDEGATE_METRICS_HOST``:``$TIDEGATE_METRICS_PORT``, or None when the
+    port is unset; port 0 means no metrics server, as ``edge.metrics_port = 0``."""
     env = os.environ if env is None else env
     raw = env.get(METRICS_PORT_ENV, "").strip()
     if not raw:
@@ -68,7 +71,9 @@ def metrics_address(env: Mapping[str, str] | None = None) -> tuple[str, int] | N
     try:
         port = int(raw)
     except ValueError:
-        raise ValueError(f"{METRICS_PORT_ENV}: expected a port number, got {raw!r}") from None
-    if not 0 < port <= 65535:
-        raise ValueError(f"{METRICS_PORT_ENV}: must be 1..65535, got {port}")
+        raise ConfigError(f"{METRICS_PORT_ENV}: expected a port number (0 = no metrics "
+                          f"server), got {raw!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{METRICS_PORT_ENV}: must be 0..65535 (0 = no metrics server), "
+                          f"got {port}")
     return env.get(METRICS_HOST_ENV, "").strip() or "127.0.0.1", port
