@@ -3,6 +3,8 @@ cannot express, each message naming the key (run by :func:`tidegate.config.from_
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import zoneinfo
 
 from tidegate.config.sections import Config, is_http_url
@@ -13,6 +15,32 @@ from tidegate.wire.subjects import Subjects
 def _positive(name: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{name}: must be > 0, got {value!r}")
+
+
+# One DNS label (RFC 1123, plus "_" as container names use it).
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def _host(name: str, host: str) -> None:
+    """An address to listen on: an IP address or a host name ("" = every interface)."""
+    if not host:
+        return
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if len(host) > 253 or not all(_LABEL.fullmatch(label)
+                                  for label in host.removesuffix(".").split(".")):
+        raise ConfigError(f"{name}: an IP address or a host name (\"\" = every interface), "
+                          f"got {host!r}")
+
+
+def _api_key(name: str, key: str) -> None:
+    # A key a client could never send (a Bearer token is one printable ASCII
+    # word) is a typo; an empty one would match an empty Authorization header.
+    if not key or not (key.isascii() and key.isprintable()) or " " in key:
+        raise ConfigError(f"{name}: an API key is one word of printable ASCII, got {key!r}")
 
 
 def _http_url(name: str, url: str) -> None:
@@ -152,6 +180,23 @@ def _check(config: Config) -> None:
                           "(0 = no cap)")
     if bool(e.tls_cert) != bool(e.tls_key):
         raise ConfigError("edge.tls_cert and edge.tls_key: set both (HTTPS) or neither")
+    _host("edge.host", e.host)
+    _host("edge.metrics_host", e.metrics_host)
+    for i, key in enumerate(config.auth.keys):
+        _api_key(f"auth.keys[{i}]", key)
+    if config.auth.dev_key:
+        _api_key("auth.dev_key", config.auth.dev_key)
+    if config.batch.max_retries < 0:
+        raise ConfigError(f"batch.max_retries: must be >= 0 (0 = no retry), got "
+                          f"{config.batch.max_retries}")
+    n = config.nats
+    if n.tls_key and not n.tls_cert:
+        raise ConfigError("nats.tls_key: set only with nats.tls_cert (the client certificate)")
+    # tidegate.broker.auth.tls_context turns TLS on only for these; a client
+    # certificate without them would be silently left out of the handshake.
+    if n.tls_cert and not (n.tls_ca or n.url.strip().startswith("tls://")):
+        raise ConfigError("nats.tls_cert: a client certificate needs TLS on (a tls:// "
+                          "nats.url, or nats.tls_ca)")
     # The edge last heard the dead worker up to one heartbeat before it died,
     # and JetStream redelivers up to ack_wait after the death.
     margin = s.heartbeat_interval * (s.worker_lost_after - 1)
@@ -209,6 +254,9 @@ def _check(config: Config) -> None:
         where = f"models[{i}]"
         if not m.name:
             raise ConfigError(f"{where}.name: must not be empty")
+        for j, alias in enumerate(m.aliases):
+            if not alias:
+                raise ConfigError(f"{where}.aliases[{j}]: must not be empty")
         for name in (m.name, *m.aliases):
             if name in seen:
                 raise ConfigError(f"{where}: name {name!r} is already used by model "
