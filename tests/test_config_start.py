@@ -141,3 +141,31 @@ def test_a_missing_edge_certificate_is_refused_at_start(tmp_path: Path) -> None:
         "TIDEGATE__EDGE__TLS_KEY": str(tmp_path / "key.pem")}, timeout=30)
     _one_line_naming(result, "edge.tls_cert")
     assert result.returncode == 2
+
+
+@pytest.mark.exits_at_once
+def test_an_unreachable_nats_is_waited_for_quietly_and_sigterm_ends_the_wait() -> None:
+    """Not refused (tiers start in any order, often before NATS): the tier
+    waits, saying so in one line per connection, not one per retry, and the
+    first SIGTERM ends the wait. It once logged two lines every 0.5 s and
+    needed a second signal."""
+    import signal
+    import time
+
+    url = f"nats://127.0.0.1:{free_port()}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "tidegate", "dispatcher", "--nats-url", url],
+                            env={**base, METRICS_PORT_ENV: "0"}, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        time.sleep(4)  # eight of nats-py's own retries
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+        proc.wait()
+    waiting = [line for line in stderr.splitlines() if f"cannot reach NATS at {url}" in line]
+    assert 1 <= len(waiting) <= 2, stderr  # the dispatcher and its queue-stats connection
+    assert "second SIGTERM" not in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert len(stderr.splitlines()) <= 6, stderr

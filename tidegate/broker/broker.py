@@ -41,6 +41,9 @@ from tidegate.wire import streamlog
 
 log = logging.getLogger("tidegate.broker")
 
+# Seconds between two "cannot reach NATS" lines while a tier waits for NATS at start.
+STILL_WAITING = 30.0
+
 
 async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
                   on_link: Callable[[bool], None] | None = None) -> NATS:
@@ -54,10 +57,22 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
     ``on_link(True)`` at every reconnect (workers.fencing).
     """
 
-    async def on_error(exc: Exception) -> None:
-        log.warning("nats error (%s): %s", name, exc)
-
     client: list[NATS] = []  # filled once connected; a closed client's disconnect is expected
+    quiet_until = 0.0
+
+    async def on_error(exc: Exception) -> None:
+        nonlocal quiet_until
+        if client:
+            log.warning("nats error (%s): %s", name, exc)
+            return
+        # Not connected yet: nats-py retries the first connection itself,
+        # every reconnect_time_wait, reporting each failure here; one line
+        # per STILL_WAITING seconds says it all.
+        now = asyncio.get_running_loop().time()
+        if now >= quiet_until:
+            quiet_until = now + STILL_WAITING
+            log.warning("cannot reach NATS at %s (%s: %s); waiting for it (%s)",
+                        cfg.url, type(exc).__name__, exc, name)
 
     async def on_disconnect() -> None:
         if not (client and client[0].is_closed):
@@ -75,7 +90,7 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
     delay = 0.2
     while True:
         try:
-            nc = await nats.connect(
+            attempt = asyncio.ensure_future(nats.connect(
                 servers=servers,
                 name=name,
                 **login,
@@ -92,9 +107,26 @@ async def connect(cfg: NatsConfig, name: str, stop: asyncio.Event | None = None,
                 # Subjects are built by tidegate.subjects, never from user input
                 # directly, so per-publish validation would only cost time.
                 skip_subject_validation=True,
-            )
+            ))
+            try:
+                if stop is not None:
+                    # nats-py's first connection never gives up (max_reconnect_attempts
+                    # is -1), so only stop ends the wait: SIGTERM must work here.
+                    stopping = asyncio.ensure_future(stop.wait())
+                    await asyncio.wait((attempt, stopping),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    stopping.cancel()
+                    if not attempt.done():
+                        raise BrokerError(f"stopped before NATS at {cfg.url} answered")
+                nc = await attempt
+            finally:
+                if not attempt.done():  # stopped, or this task cancelled
+                    attempt.cancel()
+                    await asyncio.gather(attempt, return_exceptions=True)
             client.append(nc)
             return nc
+        except BrokerError:
+            raise
         except Exception as exc:
             if stop is not None and stop.is_set():
                 raise BrokerError(f"stopped before NATS at {cfg.url} answered") from exc
