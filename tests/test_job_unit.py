@@ -26,6 +26,7 @@ import pytest
 from tests.poll import eventually
 from tidegate import config as tgconfig
 from tidegate.errors import BackendError
+from tidegate.wire.mux import Outbox, decode_mux
 from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
     RESERVED_HEADER,
@@ -538,3 +539,37 @@ async def test_a_copy_of_a_job_this_worker_ended_lately_does_not_continue_it(
     task = await start(job)
     await asyncio.wait_for(task, 5)
     assert backend.opened == (0 if ended_here else 1)
+
+
+async def test_a_mux_job_is_acked_only_after_its_done_is_handed_to_nats() -> None:
+    """A mux stream's messages wait in the outbox for a batch; the ack goes
+    straight out. Acked first, a SIGKILL between the two lost the last chunks
+    and the Done of a job JetStream never delivers again (its edge waited
+    until its silence limit). The outbox here lingers 10 s, far past the
+    job's end: only a flush before the ack sends the Done in time."""
+    nc = FakeNats()
+    outbox = Outbox(nc.publish, delay=10.0)
+    outbox.start()
+    now_ms = int(time.time() * 1000)
+    request = Request(id="r1", reply=REPLY, model="m", api=Api.CHAT, stream=True, body={},
+                      created_ms=now_ms, deadline_ms=now_ms + 60_000, window_bytes=1 << 20,
+                      window_msgs=128, mux="tg.out.edge1.mux")
+    msg = FakeMsg()
+    published_at_ack: list[int] = []
+
+    async def ack() -> None:
+        published_at_ack.append(len(nc.published))
+        msg.fate.append("ack")
+    msg.ack = ack  # type: ignore[method-assign]
+    ctx = JobContext(config=CONFIG, nc=nc, control_subject="tg.ctl.w1",  # type: ignore[arg-type]
+                     outbox=outbox)
+    job = Job(msg, request, FakeBackend(FakeStream(events(3))), ctx)  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(job.run(), 5)
+    finally:
+        await outbox.close()
+    assert msg.fate[-1] == "ack"
+    batches = [p for s, p in nc.published[:published_at_ack[0]] if s == request.mux]
+    assert batches, "the ack went out before any of the job's messages"
+    sent = [m for batch in batches for _, m in decode_mux(batch)]
+    assert [type(decode_session(m)).__name__ for m in sent][-1] == "Done"

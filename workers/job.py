@@ -262,6 +262,18 @@ class Job:
             progress.cancel()
         if self.outcome:
             await self._report(self.outcome)
+        await self._ack()
+
+    async def _ack(self) -> None:
+        """Ack the job once everything it sent is handed to NATS. The outbox
+        batches a mux stream's messages while the ack goes straight out: an
+        ack that overtook the last chunks and the Done left them to die with
+        a SIGKILLed process, and JetStream never delivers an acked job again,
+        so the edge waited for a continuation until its silence limit (a
+        default-config chaos run). On one connection, flushed first means
+        received first."""
+        if self.outbox is not None:
+            await self.outbox.flush()
         await self.msg.ack()
 
     async def _report(self, outcome: str) -> None:
@@ -341,7 +353,7 @@ class Job:
         if error is not None:  # the edge (or the log's readers) may still listen
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
-        await self.msg.ack()
+        await self._ack()
 
     async def _send(self, payload: bytes) -> None:
         """Send a message outside the window (Head, heartbeat, Done, Error;
