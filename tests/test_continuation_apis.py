@@ -322,3 +322,104 @@ async def test_what_cannot_be_continued_still_ends_with_worker_lost(
         error = error.get("error", error)
         assert error["code"] == "worker_lost", last
     assert "continued on another worker" not in pipeline.log_text()
+
+
+# A limit below the answer's length (LENGTH): the stream ends on it, with
+# "length", after about two thirds more than the kill's first second delivered.
+LIMIT = 200
+
+
+def _tokens(api: Api, raw: bytes) -> tuple[int, int | None, str]:
+    """(content events, the usage's output tokens or None, the finish reason
+    or the error's code) of one stream's raw bytes. The simulator writes one
+    token per content event."""
+    events = responses_events(raw)
+    if api is Api.RESPONSES:
+        deltas = sum(e.get("type") == "response.output_text.delta" for e in events)
+        end = events[-1]
+        if end.get("type") not in ("response.completed", "response.incomplete"):
+            return deltas, None, str(end.get("error", end))
+        return deltas, end["response"]["usage"]["output_tokens"], \
+            str(end["response"]["incomplete_details"] or end["response"]["status"])
+    if api is Api.MESSAGES:
+        deltas = sum(e.get("type") == "content_block_delta" for e in events)
+        ends = [e for e in events if e.get("type") in ("message_delta", "error")]
+        if not ends or ends[-1]["type"] == "error":
+            return deltas, None, str(events[-1].get("error", events[-1]))
+        return deltas, ends[-1]["usage"]["output_tokens"], ends[-1]["delta"]["stop_reason"]
+    field = "text" if api is Api.COMPLETIONS else "content"
+    choices = [c for e in events for c in e.get("choices", ())]
+    deltas = sum(bool(c.get("delta", c).get(field)) for c in choices)
+    usage = [e["usage"] for e in events if e.get("usage")]
+    finish = [c["finish_reason"] for c in choices if c.get("finish_reason")]
+    if not finish:
+        return deltas, None, str(events[-1].get("error", events[-1]))
+    return deltas, usage[-1]["completion_tokens"] if usage else None, finish[-1]
+
+
+_LIMITED: dict[str, tuple[Api, str, dict[str, Any]]] = {
+    "chat-max_tokens": (Api.CHAT, "/v1/chat/completions", {"max_tokens": LIMIT}),
+    "chat-max_completion_tokens": (Api.CHAT, "/v1/chat/completions",
+                                   {"max_completion_tokens": LIMIT}),
+    "completions-max_tokens": (Api.COMPLETIONS, "/v1/completions", {"max_tokens": LIMIT}),
+    "responses-max_output_tokens": (Api.RESPONSES, "/v1/responses",
+                                    {"max_output_tokens": LIMIT}),
+    "messages-max_tokens": (Api.MESSAGES, "/v1/messages", {"max_tokens": LIMIT}),
+}
+
+
+async def limited_run(session: aiohttp.ClientSession, url: str, text: str,
+                      out: dict[str, Any]) -> None:
+    """One stream of ``text`` (``<kind>/<n>/<uuid>``, a key of _LIMITED first)
+    with its limit; ``out[text]`` is (its request id, its raw bytes)."""
+    api, path, limit = _LIMITED[text.split("/", 1)[0]]
+    body: dict[str, Any] = {"model": "tidegate-sim", "stream": True, **limit}
+    if api is Api.RESPONSES:
+        body["input"] = text
+    elif api is Api.COMPLETIONS:
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    if api in (Api.CHAT, Api.COMPLETIONS):
+        body["stream_options"] = {"include_usage": True}
+    async with session.post(f"{url}{path}", json=body, headers={
+            "Authorization": f"Bearer {DEV_KEY}", "x-api-key": DEV_KEY,
+            "anthropic-version": "2023-06-01"}) as resp:
+        assert resp.status == 200, await resp.text()
+        out[text] = (resp.headers["x-request-id"],
+                     (await resp.read()).replace(b": ping\n\n", b""))
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_continued_stream_delivers_its_limit_and_not_a_token_more(
+        pipeline: Pipeline) -> None:
+    """Streams with a token limit below the answer's length (every API's name
+    for it), worker 0 SIGKILLed a second in: a continued one ends on its limit
+    with "length" as an uninterrupted one does, the tokens the client read and
+    its usage both the limit (the continuation asks the backend for the limit
+    less the delivered tokens, workers/continuation.py). Messages streams are
+    not continued (edge/continuation.py ``continuable``): one on the killed
+    worker ends with an error, having delivered less than its limit."""
+    texts = [f"{kind}/{i}/{uuid.uuid4().hex}" for kind in _LIMITED for i in range(6)]
+    got, whole = await killed_then_whole(pipeline, lambda session, out: [
+        limited_run(session, pipeline.url, t, out) for t in texts])
+    logs = pipeline.log_text()
+    continued = dict.fromkeys(_LIMITED, 0)
+    wrong = []
+    for t in texts:
+        kind = t.split("/", 1)[0]
+        api = _LIMITED[kind][0]
+        rid, raw = got[t]
+        continued[kind] += f"request {rid} continued on another worker" in logs
+        delivered, usage, end = _tokens(api, raw)
+        expected = _tokens(api, whole[t][1])
+        assert expected[:2] == (LIMIT, LIMIT), (t, expected)
+        if api is Api.MESSAGES and usage is None:
+            assert delivered < LIMIT, (t, delivered, end)
+            continue
+        if (delivered, usage, end) != expected:
+            wrong.append((t, delivered, usage, end))
+    print("continued streams per limit:", continued)
+    assert sum(continued.values()), "no stream ran on the killed worker"
+    assert not wrong, (sorted({t.split("/", 1)[0] for t, *_ in wrong}), wrong)
