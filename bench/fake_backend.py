@@ -250,9 +250,10 @@ class FakeBackend:
             return self._error(record, 400, f"bad x-fake injection: {exc}")
         if faults.header_delay > 0:
             await asyncio.sleep(faults.header_delay)
-        if faults.status:
-            return self._error(record, faults.status,
-                               faults.message or f"fake backend: injected HTTP {faults.status}")
+        status = faults.status or self.config.status
+        if status:
+            return self._error(record, status,
+                               faults.message or f"fake backend: injected HTTP {status}")
         chat = request.path.endswith("/chat/completions")
         model = body.get("model")
         if not isinstance(model, str) or (self.config.models and model not in self.config.models):

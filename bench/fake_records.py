@@ -52,6 +52,10 @@ class FakeConfig:
     # sends an error event as vLLM does for a 5xx mid-stream, then [DONE].
     fail_after: int = -1
     fail_with: str = "drop"
+    # A replica alive but unwell: every generation answered with this HTTP
+    # status (0 = none; a request's x-fake-status wins). A test may set it on
+    # a running fake to make it fall sick and heal.
+    status: int = 0
 
 
 @dataclass(slots=True)
