@@ -5,6 +5,8 @@ replicas, one stopped (connection refused): every stream completes on the
 other, the worker's breaker for the dead one opens and the workers registry
 says so; once the replica answers again a half-open probe closes it. A model
 with one replica only still answers its clean 502 ``backend_unavailable``.
+A replica alive but failing (HTTP 500) gets no job but the breaker's probes
+while its breaker is open, counted at the replica itself.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tidegate.broker.kvwatch import snapshot
 from tidegate.control.workers_registry import WorkerInfo
 from tidegate.errors import BackendError
 from tidegate.run.servers import free_port
-from workers.replicas import Breaker, BreakerState, replica_failure
+from workers.replicas import Breaker, BreakerState, ReplicaSet, replica_failure
 
 T = TypeVar("T")
 MODEL = "two-replicas"
@@ -67,6 +69,21 @@ def test_breaker_opens_after_consecutive_failures_and_probes_half_open() -> None
     assert b.state is BreakerState.CLOSED
     assert b.allow(12.7)
     assert b.allow(12.7)
+
+
+def test_a_job_routed_to_an_open_replica_goes_to_another_first() -> None:
+    """The worker's side of "an open replica gets no job": a job routed to
+    it (the registry said closed a moment ago) tries the others; the open
+    one only as the half-open probe, or when none allows anything."""
+    replicas = ReplicaSet()
+    for name in ("a", "b"):
+        replicas.add(name, None, Breaker(failures=1, cooldown=1.0))  # type: ignore[arg-type]
+    replicas.breakers["a"].failure(0.0)
+    assert [n for n, _ in replicas.candidates("a", 0.5)] == ["b"]
+    replicas.breakers["b"].failure(0.5)
+    assert [n for n, _ in replicas.candidates("a", 0.6)] == ["a"], "none allows: a's own error"
+    assert [n for n, _ in replicas.candidates("b", 1.0)] == ["a"], "a's probe"
+    assert [n for n, _ in replicas.candidates("a", 1.1)] == ["a"], "none allows: the first"
 
 
 def test_only_the_replicas_own_failures_count() -> None:
@@ -207,3 +224,63 @@ async def test_a_dead_replica_costs_no_client_an_error_and_comes_back(
 
 async def _is(value: Coroutine[Any, Any, str], *expected: str) -> bool:
     return await value in expected
+
+
+def _transitions(pipeline: Pipeline, replica: str, change: str) -> int:
+    return pipeline.log_text().count(f"replica {replica}: circuit breaker {change}")
+
+
+@pytest.mark.slow
+@pytest.mark.pipeline
+async def test_a_replica_whose_breaker_is_open_gets_no_job_but_its_probes(
+        pipeline: Pipeline, replicas: tuple[Replica, FakeBackend]) -> None:
+    """Replica A alive but answering every job with HTTP 500 (what the
+    connection-refused test above cannot count: a dead replica records
+    nothing). Once its breaker opened, the jobs A receives, counted at A,
+    are the breaker's half-open probes only, each one logged as it fails
+    (``half_open -> open``): the dispatchers route nothing to an open
+    replica and the worker sends it nothing but a probe. Every client gets
+    its whole stream from B. A healed, a probe closes the breaker and A gets
+    work again."""
+    a, b = replicas
+    name_a = a.base_url.split("://", 1)[1]
+    a.fake.config.status = 500
+    async with aiohttp.ClientSession() as session:
+
+        async def opened() -> bool:
+            status, events = await chat(session, pipeline.url, MODEL, uuid.uuid4().hex)
+            assert status == 200, events
+            assert events[-1] == "[DONE]", events[-2:]
+            return _transitions(pipeline, name_a, "closed -> open") > 0
+
+        await eventually(opened, 60, "replica A's breaker open", step=0.05)
+        await eventually(lambda: _is(breaker_of(pipeline, name_a), "open", "half_open"), 30,
+                         "the open breaker in the registry")
+        before, on_b = len(a.fake.records), len(b.records)
+        probes = _transitions(pipeline, name_a, "half_open -> open")
+        results = await asyncio.gather(*(chat(session, pipeline.url, MODEL,
+                                              f"open-{i}-{uuid.uuid4().hex}") for i in range(40)))
+        for status, events in results:
+            assert status == 200, events
+            assert events[-1] == "[DONE]", events[-2:]
+        # A probe's failure is logged before its job goes on to B, so before
+        # its client's stream ends.
+        sent = len(a.fake.records) - before
+        probed = _transitions(pipeline, name_a, "half_open -> open") - probes
+        print(f"while open: {sent} jobs reached replica A, {probed} of them probes")
+        assert len(b.records) - on_b >= len(results)
+        assert sent == probed, f"{sent} jobs reached the open replica, {probed} probes"
+        # Healed: a probe (after at most max_cooldown) closes the breaker.
+        a.fake.config.status = 0
+        healed = len(a.fake.records)
+
+        async def reaches_a() -> bool:
+            status, events = await chat(session, pipeline.url, MODEL, uuid.uuid4().hex)
+            assert status == 200, events
+            assert events[-1] == "[DONE]", events
+            return any(r.status == 200 for r in a.fake.records[healed:])
+
+        await eventually(reaches_a, 90, "the healed replica getting work again", step=0.2)
+        assert _transitions(pipeline, name_a, "half_open -> closed") == 1
+        await eventually(lambda: _is(breaker_of(pipeline, name_a), "closed"), 30,
+                         "the breaker closed in the registry")

@@ -135,3 +135,21 @@ def test_a_home_whose_youngest_job_outlived_a_mean_one_is_not_expected_to_free(
     assert a.youngest_s == pytest.approx(1.2)
     assert a.expected_wait() == math.inf
     assert not a.worth_waiting(100_000, 10.0)
+
+
+def test_a_replica_whose_breaker_is_open_offers_no_slots() -> None:
+    """A worker's open breaker takes its replica out of the view: routing
+    sends it nothing; half-open, its slots count again (the probe comes by
+    routing). tests/test_replica_failover.py counts the jobs at the replica."""
+    view = ReplicaView(CONFIG)
+    for worker, state in (("w1", "open"), ("w2", "closed")):
+        view.on_load(json.dumps({"worker": worker, "model": "m", "replicas": {
+            A: {"slots": 8, "in_flight": 0, "breaker": state},
+            B: {"slots": 8, "in_flight": 0}}}).encode())
+    assert {r.name: r.limit for r in view.loads(MODEL)} == {A: 8, B: 16}
+    view.on_load(json.dumps({"worker": "w2", "model": "m", "replicas": {
+        A: {"slots": 8, "in_flight": 0, "breaker": "open"}}}).encode())
+    assert {r.name: r.limit for r in view.loads(MODEL)}[A] == 0
+    view.on_load(json.dumps({"worker": "w2", "model": "m", "replicas": {
+        A: {"slots": 8, "in_flight": 0, "breaker": "half_open"}}}).encode())
+    assert {r.name: r.limit for r in view.loads(MODEL)}[A] == 8
