@@ -39,6 +39,9 @@ def test_presence_of_a_control_subject() -> None:
 
 def test_the_confirmation_outlasts_the_workers_pull_requests() -> None:
     assert WorkerWatch(None, 0.25).confirmation == CONFIRM_AFTER  # type: ignore[arg-type]
+    # The documented figure (docs/configuration.md, session.liveness_interval):
+    # a longer one delays every death's news (tests/test_failover.py measures it).
+    assert CONFIRM_AFTER == 0.6
     # The default pull expiry (worker.fetch_timeout, 0.5 s) does not bind.
     default = WorkerConfig().fetch_timeout
     assert default + liveness.PULL_MARGIN <= CONFIRM_AFTER
