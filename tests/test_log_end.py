@@ -4,7 +4,9 @@ leader, against a real nats-server (workers.resumable, ``_confirm_end``).
 Log entries are plain publishes, and JetStream drops what reaches a stream
 nobody leads (a NATS node's death: seconds until its followers elect
 another). Here the log's stream is deleted, which a server answers the same
-way ("no responders"), and made again while the job's end waits for it.
+way ("no responders"), and made again while the job's end waits for it:
+the end's re-publish on its own, and as the worker schedules it at a job's
+end (``ResumableJob._send``).
 """
 
 from __future__ import annotations
@@ -22,37 +24,49 @@ from tidegate.broker import broker
 from tidegate.wire import streamlog
 from tidegate.wire.mux import Outbox
 from tidegate.wire.protocol import Api, Done, Request, decode_session
+from workers import resumable
 from workers.job_context import JobContext
 from workers.resumable import ResumableJob
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
-async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
-        module_nats_url: str) -> None:
-    prefix = "le" + uuid.uuid4().hex[:8]
+def _config(nats_url: str) -> tgconfig.Config:
     # Patience well past anything a loaded machine needs here: the end's own
     # give-up, not the machine, bounds the test.
-    config = tgconfig.from_dict({"nats": {"url": module_nats_url, "subject_prefix": prefix},
-                                 "edge": {"publish_patience": 60.0}})
+    return tgconfig.from_dict({"nats": {"url": nats_url,
+                                        "subject_prefix": "le" + uuid.uuid4().hex[:8]},
+                               "edge": {"publish_patience": 60.0}})
+
+
+def _job(nc: nats.NATS, config: tgconfig.Config, outbox: Outbox) -> ResumableJob:
+    """A resumable job at its end (seq 5), its log through ``outbox``."""
+    now_ms = int(time.time() * 1000)
+    request = Request(id="r" + uuid.uuid4().hex[:23], reply="tg.out.e.r", model="m",
+                      api=Api.CHAT, stream=True, body={}, created_ms=now_ms,
+                      deadline_ms=now_ms + 60_000, window_bytes=1 << 20,
+                      window_msgs=128, resumable=True)
+    ctx = JobContext(config=config, nc=nc,
+                     control_subject=f"{config.nats.subject_prefix}.ctl.w1", log_outbox=outbox)
+    msg = SimpleNamespace(metadata=SimpleNamespace(num_delivered=1), headers={})
+    job = ResumableJob(msg, request, None, ctx)  # type: ignore[arg-type]
+    job.seq = 5
+    return job
+
+
+async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
+        module_nats_url: str) -> None:
+    config = _config(module_nats_url)
     nc = await nats.connect(module_nats_url)
     try:
         js = nc.jetstream()
         await broker.ensure_streams(js, config)
         name = streamlog.stream_name(config.nats.subjects)
         await js.delete_stream(name)
-        now_ms = int(time.time() * 1000)
-        request = Request(id="r" + uuid.uuid4().hex[:23], reply="tg.out.e.r", model="m",
-                          api=Api.CHAT, stream=True, body={}, created_ms=now_ms,
-                          deadline_ms=now_ms + 60_000, window_bytes=1 << 20,
-                          window_msgs=128, resumable=True)
         outbox = Outbox(nc.publish)
         outbox.start()
-        ctx = JobContext(config=config, nc=nc, control_subject=f"{prefix}.ctl.w1",
-                         log_outbox=outbox)
-        msg = SimpleNamespace(metadata=SimpleNamespace(num_delivered=1), headers={})
-        job = ResumableJob(msg, request, None, ctx)  # type: ignore[arg-type]
-        job.seq = 5
+        job = _job(nc, config, outbox)
+        request = job.request
         end = Done(5, 3, 3, "stop").encode()
         storing = asyncio.create_task(job._confirm_end(end))
         await asyncio.sleep(1.0)
@@ -64,6 +78,40 @@ async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
         assert isinstance(decode_session(last.data), Done)
         # Its id deduplicates a second store (a retry whose ack was lost).
         await job._confirm_end(end)
+        info = await js.stream_info(name, subjects_filter=subject)
+        assert info.state.messages == 1
+        await outbox.close()
+    finally:
+        await nc.close()
+
+
+async def test_a_jobs_end_is_stored_again_by_the_worker_when_its_plain_copy_was_dropped(
+        module_nats_url: str) -> None:
+    """A job's end, sent as at every job's end (``_send``): its plain copy
+    reaches the log's stream while nobody leads it and is dropped; the
+    worker has scheduled the acked re-publish, which lands once a leader is
+    back, so the log keeps its end, once."""
+    config = _config(module_nats_url)
+    nc = await nats.connect(module_nats_url)
+    try:
+        js = nc.jetstream()
+        await broker.ensure_streams(js, config)
+        name = streamlog.stream_name(config.nats.subjects)
+        await js.delete_stream(name)
+        outbox = Outbox(nc.publish)
+        outbox.start()
+        job = _job(nc, config, outbox)
+        before = set(resumable._ending)
+        await job._send(Done(5, 3, 3, "stop").encode())
+        storing = resumable._ending - before
+        assert storing, "the worker scheduled no acked copy of its log's end"
+        await outbox.flush()
+        await nc.flush()  # the plain copy reached the server, which dropped it
+        await broker.ensure_streams(js, config)  # a leader again
+        done, _ = await asyncio.wait(storing, timeout=90)
+        assert done == storing, "the end's acked copy did not land"
+        subject = streamlog.subject(config.nats.subjects, job.request.id)
+        assert isinstance(decode_session((await js.get_last_msg(name, subject)).data), Done)
         info = await js.stream_info(name, subjects_filter=subject)
         assert info.state.messages == 1
         await outbox.close()
