@@ -24,6 +24,15 @@ The killer (:func:`chaos`): at random times (seeded), one process of a random
 kind (edge, dispatcher, worker, nats, redis) is SIGKILLed and started again by
 a :class:`~tidegate.run.supervisor.Supervisor` (as ``tidegate up`` would), which
 restarts and counts any other exit too. Target: every stream completes.
+
+``defaults`` (``tidegate chaos --defaults``): the shipped defaults' bar. The
+fleet's config names only what a deployment must (addresses, ports, R3
+streams on the 3-node cluster, the key, the deterministic simulator): every
+timeout, the failover mode and the heartbeats are the defaults a user gets.
+Plain (non-resumable) SSE clients, the kind most users run; the killer takes
+dispatchers, workers and NATS nodes (an edge's death cuts a plain client's
+connection, which no gateway hides). The bar: every stream that began
+completes byte-exact.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from tidegate.run.supervisor import RestartPolicy, Supervisor
 DEV_KEY = "sk-tg-chaos-key"
 MODEL = "tidegate-sim"
 KINDS = ("edge", "dispatcher", "worker", "nats", "redis")
+DEFAULTS_KINDS = ("dispatcher", "worker", "nats")  # what --defaults kills
 
 
 # -- one request, classified -----------------------------------------------------
@@ -335,7 +345,8 @@ class Fleet:
     """3 NATS nodes, Redis, and N edges / dispatchers / workers as processes."""
 
     def __init__(self, workdir: Path, edges: int = 2, dispatchers: int = 2, workers: int = 2,
-                 overrides: dict[str, Any] | None = None, backends: int = 0) -> None:
+                 overrides: dict[str, Any] | None = None, backends: int = 0,
+                 defaults: bool = False) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.nats = NatsCluster(workdir / "nats")
@@ -370,6 +381,11 @@ class Fleet:
                         "simulator": {"ttft": 0.02, "tokens_per_second": 200.0,
                                       "length": 32, "deterministic": True}}],
         }
+        if defaults:  # only what a deployment must name (see the module docstring)
+            for section in ("session", "dispatcher", "worker"):
+                del raw[section]
+            del raw["models"][0]["failover"]
+            raw["edge"] = {k: raw["edge"][k] for k in ("port", "reuse_port", "metrics_port")}
         if self.backends:
             raw["models"][0].update(backend="openai",
                                     base_urls=[f"{u}/v1" for u in self.backend_urls])
@@ -532,12 +548,16 @@ async def served(url: str, config: Config, within: float = 90.0) -> None:
 async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, seed: int = 1,
                 interval: tuple[float, float] = (3.0, 6.0),
                 kinds: tuple[str, ...] | None = None, resume: bool = True,
-                backends: int = 0) -> dict[str, Any]:
+                backends: int = 0, defaults: bool = False) -> dict[str, Any]:
     """Run the fleet, the load and the killer; the report. ``kinds``: every
-    kind of the fleet by default (``backend`` with ``backends``)."""
-    fleet = Fleet(workdir, backends=backends)
+    kind of the fleet by default (``backend`` with ``backends``), the
+    defaults bar's with ``defaults`` (which also makes the clients plain)."""
+    fleet = Fleet(workdir, backends=backends, defaults=defaults)
+    if defaults:
+        resume = False
     if kinds is None:
-        kinds = (*KINDS, "backend") if backends else KINDS
+        base = DEFAULTS_KINDS if defaults else KINDS
+        kinds = (*base, "backend") if backends else base
     await asyncio.to_thread(fleet.start)
     try:
         await served(fleet.url, fleet.config)
@@ -577,7 +597,7 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
                                 if o.accepted and o.kind != "complete"]
     restarts = fleet.restarts()
     report.update(duration_s=duration, concurrency=concurrency, seed=seed, resume=resume,
-                  backends=backends,
+                  backends=backends, defaults=defaults,
                   kills=[asdict(k) for k in kills],
                   kills_by_kind=dict(Counter(k.kind for k in kills)),
                   restarts=restarts,
@@ -587,14 +607,18 @@ async def chaos(workdir: Path, duration: float = 60.0, concurrency: int = 8, see
 
 
 def run(duration: float, concurrency: int, seed: int, out: Path | None,
-        workdir: Path | None = None, resume: bool = True, backends: int = 0) -> int:
-    """``tidegate chaos``: print (and write) the report; exit 1 on a silent loss or hang."""
+        workdir: Path | None = None, resume: bool = True, backends: int = 0,
+        defaults: bool = False) -> int:
+    """``tidegate chaos``: print (and write) the report; exit 1 on a silent loss
+    or hang, and with ``defaults`` on any stream that began and did not complete."""
     with tempfile.TemporaryDirectory(prefix="tidegate-chaos-") as tmp:
         report = asyncio.run(chaos(workdir or Path(tmp), duration, concurrency, seed,
-                                   resume=resume, backends=backends))
+                                   resume=resume, backends=backends, defaults=defaults))
     text = json.dumps(report, indent=2)
     print(text)
     if out is not None:
         out.write_text(text + "\n")
     bad = report["kinds"].get("truncated", 0) + report["kinds"].get("hang", 0)
+    if defaults:
+        bad += sum(report["accepted_not_complete"].values())
     return 1 if bad else 0

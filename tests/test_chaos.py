@@ -263,3 +263,49 @@ async def test_short_chaos_run_loses_nothing_silently(tmp_path: Path) -> None:
     # A stream in flight ends early only where its worker or edge died.
     for failed in report["accepted_not_complete"]:
         assert failed.split(":")[0] in ("clean_error", "connection_lost"), failed
+
+
+def test_the_defaults_fleet_names_no_tuning(tmp_path: Path) -> None:
+    """``--defaults`` runs what a user gets: the fleet's config differs from
+    the shipped defaults only in what a deployment must name. A new override
+    in the chaos fleet fails here, not silently in the defaults bar."""
+    from tidegate.config import (
+        DEFAULT_FAILOVER,
+        DispatcherConfig,
+        EdgeConfig,
+        SessionConfig,
+        WorkerConfig,
+    )
+
+    fleet = chaos.Fleet(tmp_path, defaults=True)
+    config = fleet.config
+    assert config.session == SessionConfig()
+    assert config.worker == WorkerConfig()
+    assert config.dispatcher == DispatcherConfig()
+    named = {"port", "reuse_port", "metrics_port"}
+    edge, shipped = config.edge, EdgeConfig()
+    assert {f for f in edge.__dataclass_fields__
+            if getattr(edge, f) != getattr(shipped, f)} <= named
+    [model] = config.models
+    assert model.failover == DEFAULT_FAILOVER
+    tuned = chaos.Fleet(tmp_path / "tuned").config  # the long-standing bar's, for contrast
+    assert tuned.session != SessionConfig()
+
+
+@pytest.mark.pipeline
+@pytest.mark.slow
+async def test_short_chaos_run_with_the_shipped_defaults_completes_every_stream(
+        tmp_path: Path) -> None:
+    """The defaults bar, short: plain SSE clients, dispatchers, workers and
+    NATS nodes SIGKILLed, nothing configured but addresses: every stream that
+    began completes byte-exact (a silent truncation, a hang or a worker_lost
+    fails it)."""
+    report = await chaos.chaos(tmp_path, duration=30.0, concurrency=6, seed=11,
+                               interval=(2.5, 4.0), defaults=True)
+    print(json.dumps(report, indent=1))
+    assert set(report["kills_by_kind"]) == set(chaos.DEFAULTS_KINDS), report["kills"]
+    assert not report["resume"]
+    assert report["kinds"].get("truncated", 0) == 0, report["codes"]
+    assert report["kinds"].get("hang", 0) == 0, report["codes"]
+    assert report["accepted_not_complete"] == {}, report["failed_streams"]
+    assert report["unexpected_exits"] == 0, report["restarts"]

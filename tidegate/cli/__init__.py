@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--workdir", metavar="DIR",
                        help="keep the fleet's state and logs here (logs/<process>.log) "
                             "instead of a temporary directory removed at the end")
+    chaos.add_argument("--defaults", action="store_true",
+                       help="the shipped defaults' bar: the fleet's config names only "
+                            "addresses, ports, R3 streams and the simulator (every timeout "
+                            "and the failover mode as shipped), plain SSE clients, and "
+                            "dispatchers, workers and NATS nodes killed; exit 1 if any "
+                            "stream that began did not complete")
     chaos.add_argument("--no-resume", action="store_true",
                        help="plain streams: a lost connection ends the request (default: "
                             "resumable streams, resumed on any edge after a lost connection)")

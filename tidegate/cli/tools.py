@@ -56,7 +56,8 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     return chaos.run(args.duration, args.concurrency, args.seed,
                      Path(args.out) if args.out else None,
                      workdir=Path(args.workdir) if args.workdir else None,
-                     resume=not args.no_resume, backends=args.backends)
+                     resume=not args.no_resume, backends=args.backends,
+                     defaults=args.defaults)
 
 
 def _data_dir(args: argparse.Namespace) -> Path | None:
