@@ -53,16 +53,34 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     api = Api.MESSAGES if is_messages_path(request.path) else Api.CHAT
     try:
         return await handler(request)
-    except ApiError as error:
-        return error_response(error, api)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        _abort_if_started(request, exc)
         return error_response(from_http_exception(exc), api)
-    except Exception:
+    except ApiError as error:
+        _abort_if_started(request, error)
+        return error_response(error, api)
+    except Exception as exc:
+        _abort_if_started(request, exc)
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(ApiError(500, "Internal gateway error.", type="server_error",
                                        code="internal_error"), api)
+
+
+def _abort_if_started(request: web.Request, exc: Exception) -> None:
+    """Invariant: one response per request. Once its status line is out, an
+    error response would be read as body bytes (on a kept-alive connection,
+    as the next response: a desync), so the connection is closed instead and
+    the client sees a short body. Re-raises: aiohttp then writes nothing more
+    (``edge.guard.GuardedHandler.handle_error``). One line, no traceback: a
+    tenant deleting the file it downloads gets here."""
+    if request.writer.output_size == 0:
+        return
+    log.warning("%s %s failed after its response started (%s: %s); connection closed",
+                request.method, request.path, type(exc).__name__, str(exc)[:200])
+    request.protocol.force_close()
+    raise exc
 
 
 def build_app(state: EdgeState) -> web.Application:

@@ -24,7 +24,7 @@ from edge.auth import Principal
 from edge.body import deadline
 from tidegate.broker import objects
 from tidegate.control.batches import Stores, open_stores
-from tidegate.errors import ApiError, invalid_request
+from tidegate.errors import ApiError, BrokerError, invalid_request
 from tidegate.wire.batch import FILE_PREFIX, FileRecord, new_file_id, valid_id
 
 if TYPE_CHECKING:
@@ -243,11 +243,21 @@ async def file_content(request: web.Request) -> web.StreamResponse:
     file = await api.file(request, request.match_info["file_id"])
     stores = await api.stores()
     chunks = objects.read(api.state.js, stores.files_bucket, file.id)
+    # The first chunk before the status line: a file deleted (or lost) by
+    # then gets an error response. Past the status line, a failure closes the
+    # connection (edge.app's errors middleware), never a second response.
+    try:
+        first = await anext(chunks, b"")
+    except BrokerError:
+        await api.file(request, file.id)  # deleted since it was looked up: 404
+        raise
     response = web.StreamResponse(headers={
         "Content-Type": "application/octet-stream",
         "Content-Disposition": f'attachment; filename="{_safe(file.filename)}"'})
     response.content_length = file.size
     await response.prepare(request)
+    if first:
+        await response.write(first)
     async for chunk in chunks:
         await response.write(chunk)  # drains: a slow client paces the object reads
     await response.write_eof()
