@@ -6,6 +6,7 @@ the row number in its docstring. One edge on a real nats-server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -18,6 +19,8 @@ from typing import Any
 import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
+from tidegate.broker import broker
+from tidegate.control.batches import bucket_names
 
 pytestmark = pytest.mark.pipeline
 
@@ -99,3 +102,55 @@ def test_a_download_whose_file_is_deleted_is_cut_short_never_answered_twice(
     assert "Traceback" not in log
     # The edge serves on.
     assert call(pipeline, "GET", "/v1/files")[0] == 200
+
+
+def _put(pipeline: Pipeline, bucket: str, entries: dict[str, bytes]) -> None:
+    """Write ``entries`` into one of the batch API's KV buckets, as anyone
+    holding the edge's NATS credentials may."""
+    async def main() -> None:
+        nc = await broker.connect(pipeline.config.nats, "tidegate-hostile-test")
+        try:
+            kv = await broker.jetstream(nc, pipeline.config.nats).key_value(bucket)
+            for key, value in entries.items():
+                await kv.put(key, value)
+        finally:
+            await nc.close()
+    asyncio.run(main())
+
+
+def test_an_unreadable_file_or_batch_record_hides_only_itself(pipeline: Pipeline) -> None:
+    """Row 5: garbage in ``<P>_FILEMETA`` / ``<P>_BATCHES`` (not JSON, or
+    JSON of the wrong types under the victim's own tenant) is skipped by
+    every listing and reads as 404 by id; logged once per key."""
+    status, mine = upload(pipeline, LINE)
+    assert status == 200, mine
+    _, meta_bucket, batches_bucket, _ = bucket_names(pipeline.config)
+    ids = [uuid.uuid4().hex for _ in range(4)]
+    files = {f"file-{ids[0]}": b"\xff not json",
+             f"file-{ids[1]}": json.dumps({
+                 "id": "x", "tenant": "default", "size": "big", "created_at": [],
+                 "filename": "x", "purpose": "batch"}).encode()}
+    batches = {f"batch_{ids[2]}": b"[1, 2",
+               f"batch_{ids[3]}": json.dumps({
+                   "id": 7, "tenant": "default", "status": "exploded", "counts": {}}).encode()}
+    _put(pipeline, meta_bucket, files)
+    _put(pipeline, batches_bucket, batches)
+    for _ in range(2):
+        status, listed = call(pipeline, "GET", "/v1/files")
+        assert status == 200, listed
+        assert mine["id"] in [f["id"] for f in listed["data"]]
+        status, listed = call(pipeline, "GET", "/v1/batches")
+        assert status == 200, listed
+    # An upload counts the tenant's stored bytes (its quota) over the same listing.
+    assert upload(pipeline, LINE)[0] == 200
+    for file_id in files:
+        for path in (f"/v1/files/{file_id}", f"/v1/files/{file_id}/content"):
+            status, error = call(pipeline, "GET", path)
+            assert status == 404, (path, error)
+    for batch_id in batches:
+        status, error = call(pipeline, "GET", f"/v1/batches/{batch_id}")
+        assert status == 404, error
+    log = pipeline.edge.log_path.read_text()
+    for key in (*files, *batches):
+        assert log.count(f"skipping the unreadable entry '{key}'") == 1, key
+    assert "Traceback" not in log

@@ -57,6 +57,7 @@ from tidegate.broker.kvwatch import follow_bucket
 from tidegate.control import workers_registry
 from tidegate.control.batches import LEASE_KEY, open_stores
 from tidegate.control.keys import ensure_keys_bucket, watch_keys
+from tidegate.errors import ProtocolError
 from tidegate.telemetry import telemetry as tm
 from tidegate.wire.batch import BatchRecord, BatchStatus, Counts
 from tidegate.wire.protocol import Cancel
@@ -151,7 +152,7 @@ class Runner(Leadership, Release):
             return
         try:
             self.records[key] = BatchRecord.decode(value)
-        except (ValueError, KeyError, TypeError) as exc:
+        except ProtocolError as exc:
             log.error("unreadable batch record %s: %s", key, exc)
 
     # -- batches ---------------------------------------------------------------------

@@ -12,7 +12,8 @@ Every lookup by a client is scoped to its tenant: another tenant's id reads as
 missing (the routes answer 404, never 403, so ids do not even leak existence).
 Batch records change by compare-and-set on the KV revision
 (:func:`update_batch`), because the edge (cancel) and the runner (progress)
-write the same record.
+write the same record. An unreadable entry (any tier's credentials can write
+one) is skipped by every listing and reads as missing by id (``Stores._readable``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -28,11 +30,14 @@ from nats.js.object_store import ObjectStore
 
 from tidegate.broker import broker, kvwatch, objects
 from tidegate.config import Config
+from tidegate.errors import ProtocolError
 from tidegate.wire.batch import BatchRecord, FileRecord
 
 log = logging.getLogger("tidegate.batch")
 
 LEASE_KEY = "runner-lease"
+_UNREADABLE_MEMORY = 1024  # unreadable keys remembered as logged; past it, logged again
+R = TypeVar("R", FileRecord, BatchRecord)
 
 
 class Stores:
@@ -46,28 +51,44 @@ class Stores:
         self.filemeta = filemeta
         self.batches = batches
         self.results = results
+        self._unreadable: set[str] = set()  # keys already logged (Stores._readable)
 
     @property
     def files_bucket(self) -> str:
         return bucket_names(self.config)[0]
 
+    def _readable(self, key: str, data: bytes | None,
+                  decode: Callable[[bytes], R]) -> R | None:
+        """The record, or None when there is none or it is unreadable.
+        Invariant: one bad entry (anyone with a tier's NATS credentials can
+        write one) hides only itself, never a listing; it is logged once per
+        key, not once per request that lists it."""
+        if data is None:
+            return None
+        try:
+            return decode(data)
+        except ProtocolError as exc:
+            if key not in self._unreadable:
+                if len(self._unreadable) >= _UNREADABLE_MEMORY:
+                    self._unreadable.clear()
+                self._unreadable.add(key)
+                log.warning("skipping the unreadable entry %r: %s", key[:64], exc)
+            return None
+
     # -- files -------------------------------------------------------------------
 
     async def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
-        record = await _get(self.filemeta, file_id)
-        if record is None:
-            return None
-        file = FileRecord.decode(record)
-        return file if file.tenant == tenant else None
+        file = self._readable(file_id, await _get(self.filemeta, file_id), FileRecord.decode)
+        return file if file is not None and file.tenant == tenant else None
 
     async def put_file(self, file: FileRecord) -> None:
         await self.filemeta.put(file.id, file.encode())
 
     async def list_files(self, tenant: str) -> list[FileRecord]:
         out = []
-        for data in (await _values(self.filemeta)).values():
-            file = FileRecord.decode(data)
-            if file.tenant == tenant:
+        for key, data in (await _values(self.filemeta)).items():
+            file = self._readable(key, data, FileRecord.decode)
+            if file is not None and file.tenant == tenant:
                 out.append(file)
         return out
 
@@ -80,11 +101,10 @@ class Stores:
     async def get_batch(self, tenant: str | None, batch_id: str) -> BatchRecord | None:
         """The batch, if it exists and (unless ``tenant`` is None, the
         operator's view) belongs to ``tenant``."""
-        data = await _get(self.batches, batch_id)
-        if data is None:
-            return None
-        batch = BatchRecord.decode(data)
-        return batch if tenant is None or batch.tenant == tenant else None
+        batch = self._readable(batch_id, await _get(self.batches, batch_id),
+                               BatchRecord.decode)
+        return batch if batch is not None and (tenant is None or batch.tenant == tenant) \
+            else None
 
     async def create_batch(self, batch: BatchRecord) -> None:
         await self.batches.create(batch.id, batch.encode())
@@ -95,8 +115,8 @@ class Stores:
         for key, data in (await _values(self.batches)).items():
             if key == LEASE_KEY:
                 continue
-            batch = BatchRecord.decode(data)
-            if tenant is None or batch.tenant == tenant:
+            batch = self._readable(key, data, BatchRecord.decode)
+            if batch is not None and (tenant is None or batch.tenant == tenant):
                 out.append(batch)
         out.sort(key=lambda b: (b.created_at, b.id), reverse=True)
         return out

@@ -34,9 +34,11 @@ import secrets
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
-from tidegate.errors import ApiError, TidegateError
+import msgspec
+
+from tidegate.errors import ApiError, ProtocolError, TidegateError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
              "/v1/messages")
@@ -124,7 +126,7 @@ class FileRecord:
 
     @classmethod
     def decode(cls, data: bytes) -> FileRecord:
-        return cls(**json.loads(data))
+        return _decode(data, cls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,11 +228,21 @@ class BatchRecord:
 
     @classmethod
     def decode(cls, data: bytes) -> BatchRecord:
-        raw = json.loads(data)
-        raw["status"] = BatchStatus(raw["status"])
-        raw["counts"] = Counts(**raw["counts"])
-        raw["errors"] = tuple(LineError(**e) for e in raw.get("errors") or ())
-        return cls(**raw)
+        return _decode(data, cls)
+
+
+R = TypeVar("R", FileRecord, BatchRecord)
+
+
+def _decode(data: bytes, cls: type[R]) -> R:
+    """The record, every field of its declared type (a record with a string
+    ``size`` or a numeric ``id`` is as unreadable as one that is not JSON:
+    a listing sorts and sums these fields); ProtocolError otherwise. Anyone
+    with the edge's NATS credentials can write these buckets."""
+    try:
+        return msgspec.json.decode(data, type=cls)
+    except msgspec.MsgspecError as exc:
+        raise ProtocolError(f"unreadable {cls.__name__}: {exc}") from None
 
 
 def cancel(batch: BatchRecord, now: int) -> BatchRecord | None:
