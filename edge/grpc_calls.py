@@ -13,7 +13,7 @@ import json
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from multidict import CIMultiDict
@@ -114,6 +114,29 @@ def metadata_of(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, str]:
 
 def authenticate(state: EdgeState, metadata: Mapping[str, str]) -> Principal:
     return state.keys.authenticate(metadata.get("authorization"))
+
+
+M = TypeVar("M", pb.GenerateRequest, pb.SessionRequest)
+
+
+def lenient(message: type[M]) -> Callable[[bytes], M | None]:
+    """A request deserializer that returns None for bytes that are not a
+    ``message``. grpcio answers a deserializer's exception itself, as
+    UNKNOWN with the decoder's text and an ERROR line plus a traceback per
+    call (any client, no key needed, could fill the log); None lets the
+    handler check the key first and answer :func:`undecodable`."""
+    def parse(data: bytes) -> M | None:
+        try:
+            parsed: M = message.FromString(data)
+        except Exception:  # DecodeError, or whatever else the parser meets: not ours to log
+            return None
+        return parsed
+    return parse
+
+
+def undecodable(message: type[M]) -> ApiError:
+    return invalid_request(f"The message is not a valid {message.DESCRIPTOR.full_name}.",
+                           code="invalid_message")
 
 
 class CallSink:

@@ -46,9 +46,11 @@ from edge.grpc_calls import (
     authenticate,
     error_details,
     error_trailers,
+    lenient,
     metadata_of,
     run_generation,
     status_of,
+    undecodable,
 )
 from edge.grpc_session import SessionCall, run_session
 from edge.listen import cannot_listen, ensure_free
@@ -123,10 +125,10 @@ class GrpcIngress:
         server = grpc.aio.server(options=server_options(state))
         handler = grpc.method_handlers_generic_handler(SERVICE, {
             "Generate": grpc.unary_stream_rpc_method_handler(
-                self.generate, request_deserializer=pb.GenerateRequest.FromString,
+                self.generate, request_deserializer=lenient(pb.GenerateRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "Session": grpc.stream_stream_rpc_method_handler(
-                self.session, request_deserializer=pb.SessionRequest.FromString,
+                self.session, request_deserializer=lenient(pb.SessionRequest),
                 response_serializer=pb.GenerateResponse.SerializeToString),
         })
         server.add_generic_rpc_handlers((handler,))
@@ -193,7 +195,7 @@ class GrpcIngress:
 
     # -- Generate ----------------------------------------------------------------
 
-    async def generate(self, req: pb.GenerateRequest,
+    async def generate(self, req: pb.GenerateRequest | None,
                        context: grpc.aio.ServicerContext[Any, Any]) -> None:
         state = self.state
         self.calls += 1
@@ -205,7 +207,7 @@ class GrpcIngress:
             metadata = metadata_of(context)
         api = Api.CHAT
         with contextlib.suppress(ApiError):
-            api = api_of(req)
+            api = api_of(req) if req is not None else api
         rt = instrument.RequestTelemetry(state.telemetry, metadata, api)
         if rt.span is not None:
             rt.span.set_attribute("tidegate.transport", "grpc")
@@ -214,7 +216,9 @@ class GrpcIngress:
         self.slow.sinks.add(sink)
         try:
             metadata = metadata_of(context)
-            principal = authenticate(state, metadata)
+            principal = authenticate(state, metadata)  # first: no key, no other answer
+            if req is None:
+                raise undecodable(pb.GenerateRequest)
             if state.draining:
                 raise unavailable("This edge is shutting down; retry on another.",
                                   code="edge_draining")

@@ -36,6 +36,7 @@ from edge.grpc_calls import (
     error_message,
     metadata_of,
     run_generation,
+    undecodable,
 )
 from edge.logreader import Draining, LogReader
 from edge.relay import Relay
@@ -166,7 +167,10 @@ class SessionCall:
         with contextlib.suppress(Exception):
             await self.sink.send(error_message(gen_id, error))
 
-    async def _on_message(self, msg: pb.SessionRequest) -> None:
+    async def _on_message(self, msg: pb.SessionRequest | None) -> None:
+        if msg is None:  # not a SessionRequest (edge.grpc_calls.lenient): no id to answer to
+            await self._send_error("", undecodable(pb.SessionRequest))
+            return
         gen_id = msg.id
         action = msg.WhichOneof("action")
         if not gen_id or len(gen_id) > MAX_ID_LENGTH:

@@ -16,11 +16,14 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
 from tidegate.broker import broker
 from tidegate.control.batches import bucket_names
+from tidegate.run.servers import free_port
+from tidegate.wire import gateway_pb2 as pb
 
 pytestmark = pytest.mark.pipeline
 
@@ -37,6 +40,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
     yield from running_pipeline(
         tmp_path_factory.mktemp("hostile"), module_nats_url, module_redis_url, workers=0,
         overrides={"nats": {"subject_prefix": "h" + uuid.uuid4().hex[:8]},
+                   "edge": {"grpc_port": free_port()},
                    "batch": {"max_file_bytes": 16 << 20, "tenant_storage_bytes": 64 << 20}})
 
 
@@ -154,3 +158,68 @@ def test_an_unreadable_file_or_batch_record_hides_only_itself(pipeline: Pipeline
     for key in (*files, *batches):
         assert log.count(f"skipping the unreadable entry '{key}'") == 1, key
     assert "Traceback" not in log
+
+
+GARBAGE = b"\xff\xff\xff\xff not protobuf"
+
+
+def _code_and_details(error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    return error.code(), error.details() or ""
+
+
+async def _generate_raw(channel: grpc.aio.Channel, body: bytes, key: str | None,
+                        ) -> tuple[grpc.StatusCode, str]:
+    call = channel.unary_stream("/tidegate.v1.Gateway/Generate",
+                                response_deserializer=pb.GenerateResponse.FromString)
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    try:
+        async for _ in call(body, metadata=metadata, timeout=30):
+            pass
+    except grpc.aio.AioRpcError as error:
+        return _code_and_details(error)
+    return grpc.StatusCode.OK, ""
+
+
+async def _garbage_calls(pipeline: Pipeline) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{pipeline.config.edge.grpc_port}"
+                                         ) as channel:
+        keyless: list[tuple[grpc.StatusCode, str]] = []
+        for _ in range(3):  # 100 at a time: within grpc.max_concurrent_streams
+            keyless += await asyncio.gather(*(_generate_raw(channel, GARBAGE, None)
+                                              for _ in range(100)))
+        assert {code for code, _ in keyless} == {grpc.StatusCode.UNAUTHENTICATED}, [
+            k for k in keyless if k[0] is not grpc.StatusCode.UNAUTHENTICATED][:3]
+        code, details = await _generate_raw(channel, GARBAGE, DEV_KEY)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        error = json.loads(details)["error"]
+        assert error["code"] == "invalid_message"
+        assert error["message"] == "The message is not a valid tidegate.v1.GenerateRequest."
+        # A Session: one garbage message gets an Error (no id), the call goes on.
+        session = channel.stream_stream("/tidegate.v1.Gateway/Session",
+                                        response_deserializer=pb.GenerateResponse.FromString)
+        stream = session(metadata=(("authorization", f"Bearer {DEV_KEY}"),), timeout=30)
+        await stream.write(GARBAGE)
+        reply = await stream.read()
+        assert isinstance(reply, pb.GenerateResponse), reply
+        assert reply.WhichOneof("event") == "error"
+        assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert json.loads(reply.error.error)["error"]["code"] == "invalid_message"
+        await stream.write(pb.SessionRequest(id="g1", cancel=pb.Cancel()).SerializeToString())
+        await stream.done_writing()
+        while (reply := await stream.read()) is not grpc.aio.EOF:
+            assert isinstance(reply, pb.GenerateResponse)
+            assert reply.id == "g1", reply  # its cancel's answer, if any
+        assert await stream.code() is grpc.StatusCode.OK
+
+
+def test_garbage_grpc_requests_are_refused_with_a_fixed_status_and_no_log(
+        pipeline: Pipeline) -> None:
+    """Row 6: 300 keyless calls with a body that is not protobuf get
+    UNAUTHENTICATED (the key is checked first), a keyed one INVALID_ARGUMENT
+    with a fixed message; grpcio's UNKNOWN with the decoder's text, an ERROR
+    line and a traceback per call are gone."""
+    before = pipeline.edge.log_path.read_text()
+    asyncio.run(_garbage_calls(pipeline))
+    added = pipeline.edge.log_path.read_text()[len(before):]
+    assert "Traceback" not in added
+    assert len(added.splitlines()) <= 3, added[:2000]
