@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from edge.auth import Principal
@@ -155,6 +156,11 @@ async def _receive(request: web.Request, stores: Stores, file_id: str, limit: in
         if cap < limit:
             raise _over_quota(api.state.config.batch.tenant_storage_bytes) from None
         raise _too_large(limit) from None
+    except HttpProcessingError:
+        # A part header aiohttp's parser refused (a control character, no
+        # colon): its text quotes the header's bytes, which no answer echoes.
+        raise invalid_request("A part header of the multipart body is malformed (it is not "
+                              "repeated here).", param="file", code="invalid_body") from None
     except (ValueError, RequestPayloadError) as exc:
         # aiohttp's multipart reader: a body that ends before the closing
         # boundary ("Reading after EOF"), a bad part header, broken chunking.

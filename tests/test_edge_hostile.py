@@ -223,3 +223,16 @@ def test_garbage_grpc_requests_are_refused_with_a_fixed_status_and_no_log(
     added = pipeline.edge.log_path.read_text()[len(before):]
     assert "Traceback" not in added
     assert len(added.splitlines()) <= 3, added[:2000]
+
+
+@pytest.mark.parametrize("header", [b"X-Part: a\x01b\r\n", b"X-Part: a\x7fb\r\n",
+                                    b"X-\x00Part: ab\r\n", b"X-Part: a\rb\r\n"])
+def test_a_control_character_in_a_part_header_is_a_400(pipeline: Pipeline,
+                                                       header: bytes) -> None:
+    """Row 8: a multipart part header with a control character is 400 with
+    the OpenAI error JSON (it was a 500 and a traceback)."""
+    status, error = upload(pipeline, LINE, file_headers=header)
+    assert status == 400, error
+    assert error["error"]["code"] == "invalid_body"
+    assert error["error"]["param"] == "file"
+    assert "Traceback" not in pipeline.edge.log_path.read_text()
