@@ -10,7 +10,9 @@ import dataclasses
 from collections.abc import Mapping
 
 from aiohttp import web
+from multidict import MultiMapping
 
+from edge.auth import authorization, single
 from tidegate.errors import invalid_request
 from tidegate.validation.generation import Validated
 from tidegate.validation.messages import quota_user
@@ -21,15 +23,15 @@ from tidegate.wire.tokens import estimate_prompt_tokens
 __all__ = ["count_tokens_response", "credentials", "prepare"]
 
 
-def credentials(headers: Mapping[str, str]) -> str | None:
+def credentials(headers: MultiMapping[str]) -> str | None:
     """The ``Authorization`` value to authenticate: Anthropic's clients send
     the key as ``x-api-key`` (the SDK, Claude Code with ANTHROPIC_API_KEY) or
     as a bearer token (ANTHROPIC_AUTH_TOKEN); ``Authorization`` wins when
-    both are there."""
-    authorization = headers.get("Authorization")
-    if authorization:
-        return authorization
-    key = headers.get("x-api-key")
+    both are there. Either header twice is a 400 (``edge.auth.single``)."""
+    bearer = authorization(headers)
+    key = single(headers, "x-api-key")
+    if bearer:
+        return bearer
     return f"Bearer {key}" if key else None
 
 

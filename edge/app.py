@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from edge import anthropic, background, batches, files, idempotency, instrument, resume
+from edge.auth import authorization
 from edge.body import deadline as body_deadline
 from edge.continuation import deciding_fields
 from edge.errors import error_response, from_http_exception
@@ -127,7 +128,7 @@ async def list_models(request: web.Request) -> web.Response:
     """The models (names and aliases) the caller's key may use: a key
     restricted to some models does not learn the others."""
     state = request.app[STATE]
-    principal = state.keys.authenticate(request.headers.get("Authorization"))
+    principal = state.keys.authenticate(authorization(request.headers))
     created = int(time.time())
     data = [{"id": name, "object": "model", "created": created, "owned_by": "tidegate"}
             for name, model in state.models.items() if may_use(principal, model)]
@@ -137,14 +138,14 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_stream(http: web.Request) -> web.StreamResponse:
     """Resume a stream (docs/resume.md)."""
     state = http.app[STATE]
-    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    principal = state.keys.authenticate(authorization(http.headers))
     return await resume.stream_events(http, state.streamlog, state.config, principal.tenant)
 
 
 async def cancel_stream(http: web.Request) -> web.StreamResponse:
     """Cancel a stream from any edge (docs/resume.md)."""
     state = http.app[STATE]
-    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    principal = state.keys.authenticate(authorization(http.headers))
     return await resume.cancel_stream(http.match_info["request_id"], principal.tenant,
                                       state.sessions, state.streamlog,
                                       state.relay.publisher.tombstone)
@@ -153,13 +154,13 @@ async def cancel_stream(http: web.Request) -> web.StreamResponse:
 async def get_response(http: web.Request) -> web.StreamResponse:
     """A background response's state, or its events (edge.background)."""
     state = http.app[STATE]
-    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    principal = state.keys.authenticate(authorization(http.headers))
     return await background.retrieve(http, state, principal.tenant)
 
 
 async def cancel_response(http: web.Request) -> web.StreamResponse:
     state = http.app[STATE]
-    principal = state.keys.authenticate(http.headers.get("Authorization"))
+    principal = state.keys.authenticate(authorization(http.headers))
     return await background.cancel(http, state, principal.tenant)
 
 
@@ -262,7 +263,7 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     set_keepalive(http.transport, config.edge)
     principal = state.keys.authenticate(anthropic.credentials(http.headers)
                                         if api is Api.MESSAGES
-                                        else http.headers.get("Authorization"))
+                                        else authorization(http.headers))
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
     key = idempotency.key_of(http.headers)

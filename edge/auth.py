@@ -22,10 +22,29 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tidegate.control.keys import KEY_ID_LENGTH, KeyRecord, key_digest
-from tidegate.errors import ApiError
+from multidict import MultiMapping
 
-__all__ = ["KeyListener", "KeyTable", "Principal", "key_digest"]
+from tidegate.control.keys import KEY_ID_LENGTH, KeyRecord, key_digest
+from tidegate.errors import ApiError, invalid_request
+
+__all__ = ["KeyListener", "KeyTable", "Principal", "authorization", "key_digest", "single"]
+
+
+def single(headers: MultiMapping[str], name: str) -> str | None:
+    """The value of header ``name``, None without one; 400 when it came more
+    than once. Two keys must never mean whichever one a layer happens to read
+    (a proxy may add its own after the client's): refused, as gRPC refuses
+    repeated ``authorization`` metadata."""
+    values = headers.getall(name, ())
+    if len(values) > 1:
+        raise invalid_request(f"The {name} header was sent more than once; send one key.",
+                              param=name, code="duplicate_header")
+    return values[0] if values else None
+
+
+def authorization(headers: MultiMapping[str]) -> str | None:
+    """The request's one ``Authorization`` value (see :func:`single`)."""
+    return single(headers, "Authorization")
 
 
 @dataclass(frozen=True, slots=True)

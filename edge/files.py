@@ -21,7 +21,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from edge.auth import Principal
+from edge.auth import Principal, authorization
 from edge.body import deadline
 from tidegate.broker import objects
 from tidegate.control.batches import Stores, open_stores
@@ -56,7 +56,7 @@ class BatchApi:
         return self._stores
 
     def principal(self, request: web.Request) -> Principal:
-        return self.state.keys.authenticate(request.headers.get("Authorization"))
+        return self.state.keys.authenticate(authorization(request.headers))
 
     async def file(self, request: web.Request, file_id: str) -> FileRecord:
         """The caller's file, or 404."""

@@ -36,7 +36,7 @@ from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
 from edge import anthropic, instrument, resume, ws_resume
-from edge.auth import KeyTable, Principal
+from edge.auth import KeyTable, Principal, authorization
 from edge.continuation import deciding_fields
 from edge.endings import Reconnect, SlowClient
 from edge.logreader import LogReader
@@ -62,9 +62,9 @@ async def websocket(http: web.Request) -> web.StreamResponse:
     state = http.app[STATE]
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
-    authorization = http.headers.get("Authorization")
-    principal = state.keys.authenticate(authorization) if authorization else None
-    digest = KeyTable.digest_of(authorization) if authorization else ""
+    header = authorization(http.headers)
+    principal = state.keys.authenticate(header) if header else None
+    digest = KeyTable.digest_of(header) if header else ""
     cfg = state.config.ws
     ws = web.WebSocketResponse(autoping=False, autoclose=True, heartbeat=None,
                                compress=cfg.compress, max_msg_size=cfg.max_message_bytes,

@@ -236,3 +236,54 @@ def test_a_control_character_in_a_part_header_is_a_400(pipeline: Pipeline,
     assert error["error"]["code"] == "invalid_body"
     assert error["error"]["param"] == "file"
     assert "Traceback" not in pipeline.edge.log_path.read_text()
+
+
+def raw_request(pipeline: Pipeline, method: str, path: str, headers: list[tuple[str, str]],
+                body: bytes = b"") -> tuple[int, Any]:
+    """One request with exactly these header lines (repeats included)."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: t", "Connection: close",
+             f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers)]
+    with socket.create_connection(("127.0.0.1", pipeline.port), timeout=30) as sock:
+        sock.sendall("\r\n".join(lines).encode() + b"\r\n\r\n" + body)
+        raw = b""
+        while got := sock.recv(65536):
+            raw += got
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
+CHAT_BODY = json.dumps({"model": "tidegate-sim", "max_tokens": 1,
+                        "messages": [{"role": "user", "content": "hi"}]}).encode()
+MESSAGES_BODY = json.dumps({"model": "tidegate-sim", "max_tokens": 1,
+                            "messages": [{"role": "user", "content": "hi"}]}).encode()
+WS_UPGRADE = [("Upgrade", "websocket"), ("Connection", "Upgrade"), ("Sec-WebSocket-Version", "13"),
+              ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")]
+
+
+@pytest.mark.parametrize(("method", "path", "name", "extra", "body"), [
+    ("GET", "/v1/files", "Authorization", [], b""),
+    ("GET", "/v1/models", "Authorization", [], b""),
+    ("POST", "/v1/chat/completions", "Authorization", [("Content-Type", "application/json")],
+     CHAT_BODY),
+    ("GET", "/v1/ws", "Authorization", WS_UPGRADE, b""),
+    ("POST", "/v1/messages", "x-api-key", [("Content-Type", "application/json")],
+     MESSAGES_BODY),
+], ids=["files", "models", "chat", "ws", "messages"])
+@pytest.mark.parametrize("valid_first", [True, False], ids=["valid-first", "valid-second"])
+def test_two_credential_headers_are_refused(pipeline: Pipeline, method: str, path: str,
+                                            name: str, extra: list[tuple[str, str]],
+                                            body: bytes, valid_first: bool) -> None:
+    """Row 9: two ``Authorization`` (or, on the Messages API, ``x-api-key``)
+    headers are a 400 ``duplicate_header``, whichever one is valid; the
+    first one won before, as gRPC never let it."""
+    valid = f"Bearer {DEV_KEY}" if name == "Authorization" else DEV_KEY
+    other = "Bearer sk-not-a-key" if name == "Authorization" else "sk-not-a-key"
+    keys = [(name, valid), (name, other)]
+    status, answer = raw_request(pipeline, method, path,
+                                 [*extra, *(keys if valid_first else keys[::-1])], body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error"
+    if path != "/v1/messages":  # Anthropic's error shape has no code
+        assert (error["code"], error["param"]) == ("duplicate_header", name)
+    assert DEV_KEY not in json.dumps(answer)
