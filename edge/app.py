@@ -27,7 +27,7 @@ from edge.auth import authorization
 from edge.body import deadline as body_deadline
 from edge.continuation import deciding_fields
 from edge.errors import error_response, from_http_exception
-from edge.publish import build_request, may_use, publish_request
+from edge.publish import build_request, may_use, models_for, publish_request
 from edge.relay import Relay
 from edge.sse_writer import SseWriter
 from edge.state import STATE, EdgeState, session_tick, set_keepalive
@@ -189,12 +189,8 @@ async def count_tokens(http: web.Request) -> web.StreamResponse:
     state = http.app[STATE]
     principal = state.keys.authenticate(anthropic.credentials(http.headers))
     raw = await _read_body(http, state.config.edge.max_body_bytes, state.config.edge)
-    valid = validate_messages(raw, state.models, max_depth=state.config.edge.max_json_depth,
-                              count_tokens=True)
-    if not may_use(principal, valid.model):
-        raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. "
-                            f"Allowed: {', '.join(principal.models)}.", type="permission_error",
-                       code="model_not_allowed", param="model")
+    valid = validate_messages(raw, models_for(state, principal),
+                              max_depth=state.config.edge.max_json_depth, count_tokens=True)
     return anthropic.count_tokens_response(valid)
 
 
@@ -269,7 +265,8 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     key = idempotency.key_of(http.headers)
     keyed_id = idempotency.request_id(principal.tenant, key) if key else None
     raw = await _read_body(http, config.edge.max_body_bytes, config.edge)
-    valid = validate_request(raw, api, state.models, max_depth=config.edge.max_json_depth,
+    valid = validate_request(raw, api, models_for(state, principal),
+                             max_depth=config.edge.max_json_depth,
                              max_response_bytes=config.edge.max_response_bytes)
     grace = resume.resume_grace(http.headers, state.tenants, principal.tenant, valid.model,
                                 config)

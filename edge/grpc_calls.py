@@ -23,7 +23,7 @@ from edge.auth import Principal
 from edge.continuation import deciding_fields
 from edge.endings import SlowClient
 from edge.grpc_writer import GrpcWriter, MessageSink
-from edge.publish import build_request, publish_request
+from edge.publish import build_request, models_for, publish_request
 from edge.relay import Relay
 from edge.state import EdgeState, session_tick
 from tidegate.errors import ApiError, invalid_request
@@ -243,7 +243,8 @@ async def run_generation(state: EdgeState, principal: Principal, req: pb.Generat
         raise ApiError(413, f"The request body exceeds the limit of "
                             f"{config.edge.max_body_bytes} bytes.",
                        type="invalid_request_error", code="request_too_large")
-    valid = validate_request(_body(req, config.edge.max_json_depth), api, state.models,
+    valid = validate_request(_body(req, config.edge.max_json_depth), api,
+                             models_for(state, principal),
                              max_depth=config.edge.max_json_depth,
                              max_response_bytes=config.edge.max_response_bytes)
     if valid.api is Api.RESPONSES and valid.body.get("background") is True:

@@ -1,5 +1,5 @@
 """Turning one validated generation into a published request: the envelope
-(:func:`build_request`), the model check (:func:`may_use`), the stream
+(:func:`build_request`), the model check (:func:`may_use`, :func:`models_for`), the stream
 log's first entry and the patient JetStream publish. Shared by the HTTP
 routes, the WebSocket adapter and background responses.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import nats.errors
@@ -20,7 +21,7 @@ from edge.state import EdgeState
 from tidegate.broker import patient
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
-from tidegate.validation.generation import Validated
+from tidegate.validation.generation import Validated, model_not_found
 from tidegate.wire import streamlog
 from tidegate.wire.protocol import Request
 
@@ -33,18 +34,29 @@ def may_use(principal: Principal, model: ModelConfig) -> bool:
     return not principal.models or not {model.name, *model.aliases}.isdisjoint(principal.models)
 
 
+def models_for(state: EdgeState, principal: Principal) -> Mapping[str, ModelConfig]:
+    """The models (names and aliases) the key may use: what every route
+    validates a body against. Invariant: a model the key may not use is
+    unknown to it, answered as one that does not exist at the same step (404
+    ``model_not_found``), so neither the answer nor which field is checked
+    next tells a restricted key which other models exist."""
+    if not principal.models:
+        return state.models
+    return {name: model for name, model in state.models.items() if may_use(principal, model)}
+
+
 def build_request(state: EdgeState, principal: Principal, valid: Validated,
                   carrier: dict[str, str], grace: float | None = None,
                   request_id: str | None = None) -> Request:
     """The envelope for one validated generation, with a fresh request id
     (96 random bits) unless ``request_id`` names it (``edge.idempotency``);
-    403 if the key may not use the model. Shared by the HTTP routes and the
-    WebSocket adapter (``edge/ws.py``). ``grace``: a resumable stream's grace
-    (``edge.resume.resume_grace``); None = not resumable."""
+    404 if the key may not use the model (validated against
+    :func:`models_for`, it cannot get here; checked again all the same).
+    Shared by the HTTP routes and the WebSocket adapter (``edge/ws.py``).
+    ``grace``: a resumable stream's grace (``edge.resume.resume_grace``);
+    None = not resumable."""
     if not may_use(principal, valid.model):
-        raise ApiError(403, f"This API key may not use model '{valid.body['model']}'. Allowed: "
-                            f"{', '.join(principal.models)}.", type="permission_error",
-                       code="model_not_allowed", param="model")
+        raise model_not_found(str(valid.body["model"]))
     config = state.config
     request_id = request_id or secrets.token_hex(12)
     subjects = config.nats.subjects

@@ -40,7 +40,7 @@ from edge.auth import KeyTable, Principal, authorization
 from edge.continuation import deciding_fields
 from edge.endings import Reconnect, SlowClient
 from edge.logreader import LogReader
-from edge.publish import build_request, publish_request
+from edge.publish import build_request, models_for, publish_request
 from edge.relay import Relay
 from edge.state import STATE, EdgeState, session_tick, set_keepalive
 from edge.writer import cancel_error
@@ -362,8 +362,9 @@ class WsSocket:
                               rt: instrument.RequestTelemetry) -> None:
         state = self.state
         assert self.principal is not None
-        valid = (validate_messages_body(event.body, state.models) if event.api is Api.MESSAGES
-                 else validate_body(event.body, event.api, state.models))
+        models = models_for(state, self.principal)
+        valid = (validate_messages_body(event.body, models) if event.api is Api.MESSAGES
+                 else validate_body(event.body, event.api, models))
         headers: object = self.http.headers
         if event.resumable is not None or event.resume_grace is not None:
             # The frame's own opt-in, in the header names resume_grace reads.

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -22,6 +23,7 @@ import pytest
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
 from tidegate.broker import broker
 from tidegate.control.batches import bucket_names
+from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.run.servers import free_port
 from tidegate.wire import gateway_pb2 as pb
 
@@ -41,6 +43,8 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
         tmp_path_factory.mktemp("hostile"), module_nats_url, module_redis_url, workers=0,
         overrides={"nats": {"subject_prefix": "h" + uuid.uuid4().hex[:8]},
                    "edge": {"grpc_port": free_port()},
+                   "models": [{"name": "tidegate-sim", "aliases": ["sim"]},
+                              {"name": "hidden-model", "aliases": ["hidden"]}],
                    "batch": {"max_file_bytes": 16 << 20, "tenant_storage_bytes": 64 << 20}})
 
 
@@ -287,3 +291,66 @@ def test_two_credential_headers_are_refused(pipeline: Pipeline, method: str, pat
     if path != "/v1/messages":  # Anthropic's error shape has no code
         assert (error["code"], error["param"]) == ("duplicate_header", name)
     assert DEV_KEY not in json.dumps(answer)
+
+
+def restricted_key(pipeline: Pipeline) -> str:
+    """A key of its own tenant that may use ``tidegate-sim`` only, once the edge knows it."""
+    async def main() -> str:
+        nc = await broker.connect(pipeline.config.nats, "tidegate-hostile-keys")
+        try:
+            kv = await ensure_keys_bucket(broker.jetstream(nc, pipeline.config.nats),
+                                          pipeline.config)
+            return (await create_key(kv, "t" + uuid.uuid4().hex[:8],
+                                     models=["tidegate-sim"]))[0]
+        finally:
+            await nc.close()
+    key = asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while call(pipeline, "GET", "/v1/models", key=key)[0] != 200:  # through the KV watch
+        assert time.monotonic() < deadline, "the new key never reached the edge"
+        time.sleep(0.1)
+    return key
+
+
+HELLO = [{"role": "user", "content": "hi"}]
+ROUTE_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": HELLO, "temperature": 9},
+    "/v1/completions": {"prompt": "hi"},
+    "/v1/responses": {"input": "hi"},
+    "/v1/embeddings": {"input": "hi"},
+    "/v1/messages": {"max_tokens": 1, "messages": HELLO},
+    "/v1/messages/count_tokens": {"messages": HELLO},
+}
+
+
+async def _grpc_answer(pipeline: Pipeline, key: str, model: str) -> tuple[grpc.StatusCode, str]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{pipeline.config.edge.grpc_port}"
+                                         ) as channel:
+        body = json.dumps({"model": model, "messages": HELLO}).encode()
+        return await _generate_raw(channel, pb.GenerateRequest(
+            route=pb.ROUTE_CHAT_COMPLETIONS, body=body).SerializeToString(), key)
+
+
+def test_a_model_the_key_may_not_use_reads_as_an_unknown_model(pipeline: Pipeline) -> None:
+    """Row 10: a key restricted to ``tidegate-sim`` naming ``hidden-model``
+    (or its alias) gets exactly the 404 ``model_not_found`` of a model that
+    does not exist, on every route and over gRPC, even with another field
+    invalid (the chat body's temperature): no 403 naming the model, and no
+    later check that only a real model reaches."""
+    key = restricted_key(pipeline)
+    listed = call(pipeline, "GET", "/v1/models", key=key)[1]
+    assert "hidden-model" not in json.dumps(listed)
+    for path, body in ROUTE_BODIES.items():
+        answers = {}
+        for model in ("hidden-model", "hidden", "no-such-model"):
+            status, answer = call(pipeline, "POST", path, key=key,
+                                  body=json.dumps({"model": model, **body}).encode(),
+                                  headers={"Content-Type": "application/json"})
+            answers[model] = (status, json.dumps(answer).replace(model, "MODEL"))
+        assert answers["hidden-model"] == answers["hidden"] == answers["no-such-model"], \
+            (path, answers)
+        assert answers["no-such-model"][0] == 404, (path, answers)
+    hidden = asyncio.run(_grpc_answer(pipeline, key, "hidden-model"))
+    unknown = asyncio.run(_grpc_answer(pipeline, key, "no-such-model"))
+    assert hidden[0] is unknown[0] is grpc.StatusCode.NOT_FOUND, (hidden, unknown)
+    assert hidden[1].replace("hidden-model", "M") == unknown[1].replace("no-such-model", "M")

@@ -220,9 +220,9 @@ async def http_error(p: Pipeline, path: str, raw: bytes, key: str | None) -> tup
     ("unknown model", CHAT, "/v1/chat/completions",
      b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', DEV_KEY,
      grpc.StatusCode.NOT_FOUND),
-    ("not allowed", CHAT, "/v1/chat/completions",
+    ("not allowed: as unknown", CHAT, "/v1/chat/completions",
      b'{"model": "sim", "messages": [{"role": "user", "content": "x"}]}', "restricted",
-     grpc.StatusCode.PERMISSION_DENIED),
+     grpc.StatusCode.NOT_FOUND),
     ("bad field", pb.ROUTE_EMBEDDINGS, "/v1/embeddings", b'{"model": "fake", "input": 5}',
      DEV_KEY, grpc.StatusCode.INVALID_ARGUMENT),
 ])

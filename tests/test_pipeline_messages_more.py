@@ -78,16 +78,16 @@ async def _restricted_key(pipeline: Pipeline, nats_url: str, tenant: str,
 
 
 async def test_other_tenant_keys(pipeline: Pipeline, module_nats_url: str) -> None:
-    """A key limited to one model may not use another, on either route (403
-    permission_error), nor learn it exists; it cannot resume or cancel
+    """A key limited to one model may not use another, on either route, nor
+    learn it exists (404 not_found_error, as an unknown model); it cannot resume or cancel
     another tenant's Messages stream."""
     key = await _restricted_key(pipeline, module_nats_url, "t" + uuid.uuid4().hex[:8],
                                 ["native"])
     for path, body in (("/v1/messages", {"model": "sim", "max_tokens": 5, "messages": HELLO}),
                        ("/v1/messages/count_tokens", {"model": "sim", "messages": HELLO})):
         status, _, answer = await post(pipeline, body, {"x-api-key": key}, path)
-        assert status == 403, path
-        anthropic_error(answer, "permission_error")
+        assert status == 404, path
+        anthropic_error(answer, "not_found_error")
     # Another tenant's resumable Messages stream is not found for this key.
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{pipeline.url}/v1/messages",

@@ -312,7 +312,7 @@ async def test_concurrency_slot_is_released_when_the_stream_ends(
         pipeline.stop()
 
 
-async def test_key_restricted_to_models_gets_403(
+async def test_key_restricted_to_models_gets_the_unknown_model_404(
         tmp_path: Path, module_nats_url: str, redis_url: str) -> None:
     pipeline = make_pipeline(tmp_path, module_nats_url, redis_url)
     nc = await nats.connect(module_nats_url)
@@ -327,11 +327,12 @@ async def test_key_restricted_to_models_gets_403(
             status, headers, error = await chat(session, pipeline, key)
     finally:
         pipeline.stop()
-    assert status == 403
+    assert status == 404
     assert headers["Content-Type"].startswith("application/json")
-    assert error["error"]["type"] == "permission_error"
-    assert error["error"]["code"] == "model_not_allowed"
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["code"] == "model_not_found"
     assert "tidegate-sim" in error["error"]["message"]
+    assert "other-model" not in error["error"]["message"]
 
 
 async def test_websocket_generations_are_metered_one_by_one(

@@ -92,12 +92,18 @@ def _model(body: dict[str, Any], models: Mapping[str, ModelConfig]) -> ModelConf
                               param="model", code="invalid_type")
     model = models.get(name)
     if model is None:
-        # No list of the others: a key restricted to some models must not
-        # learn the rest (GET /v1/models lists the ones it may use).
-        raise ApiError(404, f"The model '{name}' does not exist or you do not have access to "
-                            "it; GET /v1/models lists the models your key may use.",
-                       type="invalid_request_error", code="model_not_found", param="model")
+        raise model_not_found(name)
     return model
+
+
+def model_not_found(name: str) -> ApiError:
+    """The answer for a model that is not there, and for one the key may not
+    use (the edge validates against the key's models only): the same, so a
+    restricted key learns no other model's name. No list of the others
+    (GET /v1/models lists the ones the key may use)."""
+    return ApiError(404, f"The model '{name}' does not exist or you do not have access to "
+                         "it; GET /v1/models lists the models your key may use.",
+                    type="invalid_request_error", code="model_not_found", param="model")
 
 
 def _messages(body: dict[str, Any]) -> None:
