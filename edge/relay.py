@@ -294,6 +294,7 @@ class Relay(StreamState):
         last_chunk = 0
         done = False
         ping = False
+        stale = self.stale
         failed: ErrorInfo | None = None
         for m in messages:
             kind = type(m)
@@ -367,6 +368,11 @@ class Relay(StreamState):
                 await self._ack(ack)
         elif ping and self.request.stream:
             await self._write(_PING)
+        if self.stale != stale:
+            # An earlier delivery's output, sent late (protocol.first_seq):
+            # dropped by check_seq / _on_head, counted here (off the chunk path).
+            BAD_INPUT.drop("session", "earlier_delivery",
+                           f"{self.request.id}: {self.stale - stale} message(s)")
         if failed is not None:
             raise from_info(failed)
         return done

@@ -19,8 +19,10 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import make_mocked_request
 
+import edge.relay as relay_module
 from edge.relay import Relay, RelayContext
 from edge.session import Session
 from edge.sse_writer import SseWriter
@@ -82,7 +84,14 @@ def interleaved(first: list[Any], second: list[Any]) -> list[Any]:
     return out
 
 
-async def test_a_restarted_streams_text_is_the_new_deliverys_only() -> None:
+async def test_a_restarted_streams_text_is_the_new_deliverys_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    drops: list[tuple[str, str, str]] = []
+
+    class Counted:
+        def drop(self, kind: str, reason: str, detail: str = "") -> None:
+            drops.append((kind, reason, detail))
+    monkeypatch.setattr(relay_module, "BAD_INPUT", Counted())
     first = await delivery(1, text("a", 6))
     second = await delivery(2, text("b", 6))
     publisher = RecordingPublisher()
@@ -97,8 +106,11 @@ async def test_a_restarted_streams_text_is_the_new_deliverys_only() -> None:
     second_head = second[0]
     assert isinstance(second_head, Head)
     assert second_head.seq == first_seq(2) > max(m.seq for m in first)
-    # the first delivery's chunks and Done, none taken (its Head came first)
+    # the first delivery's chunks and Done, none taken (its Head came first),
+    # and counted where an operator sees them
     assert relay.stale == 7
+    assert sum(int(detail.split(": ")[1].split()[0]) for kind, reason, detail in drops
+               if reason == "earlier_delivery") == 7
     sent = [decode_control(p) for _, p in publisher.published]
     assert sent[0].seq == 0  # the go-ahead to the second delivery
 
