@@ -28,6 +28,7 @@ from edge.session import Session
 from edge.sse_writer import SseWriter
 from tests.poll import eventually
 from tests.test_job_unit import FakeBackend, FakeMsg, FakeStream, kinds, make_job
+from tests.test_relay_copies import Watch
 from tests.test_relay_direct import RecordingPublisher, make_request
 from tidegate.config import Config
 from tidegate.wire.protocol import Chunk, Done, Head, decode_control, first_seq
@@ -50,17 +51,11 @@ async def delivery(attempt: int, chunks: list[bytes]) -> list[Any]:
     return nc.session()
 
 
-class Unwatched:
+class Unwatched(Watch):
     """No WorkerWatch verdict: the first worker is not known alive, so the
     second delivery's Head takes the stream over (the restart)."""
 
     enabled = False
-
-    def follow(self, follower: object, control: str) -> None:
-        return None
-
-    def unfollow(self, follower: object, control: str) -> None:
-        return None
 
 
 def collecting_relay(publisher: RecordingPublisher) -> Relay:
