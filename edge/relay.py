@@ -369,7 +369,7 @@ class Relay(StreamState):
         elif ping and self.request.stream:
             await self._write(_PING)
         if self.stale != stale:
-            # An earlier delivery's output, sent late (protocol.first_seq):
+            # An earlier delivery's output, sent late (flow.first_seq):
             # dropped by check_seq / _on_head, counted here (off the chunk path).
             BAD_INPUT.drop("session", "earlier_delivery",
                            f"{self.request.id}: {self.stale - stale} message(s)")
@@ -424,7 +424,7 @@ class Relay(StreamState):
         if self.phase is Phase.STREAMING and key == self.head_key:
             return  # the same Head again (the worker resent what was not acked)
         if head.seq < self.floor_seq:
-            # An earlier delivery's Head, sent late (protocol.first_seq): the
+            # An earlier delivery's Head, sent late (flow.first_seq): the
             # stream follows a later one. If that copy still runs, it stops.
             self.stale += 1
             if head.control != self.control:

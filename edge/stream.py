@@ -90,7 +90,7 @@ class StreamState:
         # A copy of a message already taken came (a worker resent what it
         # holds unacked: this edge's acks may have been lost): ack again.
         self.copies = False
-        # The seq of the Head followed (protocol.first_seq): a message below it
+        # The seq of the Head followed (flow.first_seq): a message below it
         # is an earlier delivery's, sent late (a fenced worker's buffer flushed
         # at the heal), and never part of the response; ``stale`` counts them.
         self.floor_seq = 1

@@ -1,5 +1,5 @@
 """An earlier delivery's late output never becomes a later delivery's text
-(protocol.first_seq: each delivery numbers its messages in a range of its
+(flow.first_seq: each delivery numbers its messages in a range of its
 own), unit, no servers.
 
 The case: a worker cut from NATS keeps what it sends in its client's buffer;
@@ -31,7 +31,8 @@ from tests.test_job_unit import FakeBackend, FakeMsg, FakeStream, kinds, make_jo
 from tests.test_relay_copies import Watch
 from tests.test_relay_direct import RecordingPublisher, make_request
 from tidegate.config import Config
-from tidegate.wire.protocol import Chunk, Done, Head, decode_control, first_seq
+from tidegate.wire.flow import first_seq
+from tidegate.wire.protocol import Chunk, Done, Head, decode_control
 from tidegate.wire.streamlog import LogCursor, LogEvent
 
 

@@ -57,7 +57,7 @@ from tidegate.control import prices
 from tidegate.errors import ApiError, BackendError
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry import tracing
-from tidegate.wire.flow import SendWindow
+from tidegate.wire.flow import SendWindow, first_seq
 from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
     Continue,
@@ -69,7 +69,6 @@ from tidegate.wire.protocol import (
     Request,
     UsageRecord,
     encode_chunk,
-    first_seq,
 )
 from workers.backends import Backend, BackendStream, PushStream, Usage
 from workers.continuation import closing, continued, continued_stream

@@ -45,6 +45,7 @@ from tidegate.wire.delivered import (
     sse_events,
     text_continuable,
 )
+from tidegate.wire.flow import first_seq
 from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
     Api,
@@ -54,7 +55,6 @@ from tidegate.wire.protocol import (
     ErrorInfo,
     Request,
     decode_session,
-    first_seq,
 )
 from tidegate.wire.streamlog import LogCursor, LogEvent
 from workers.backends import Backend

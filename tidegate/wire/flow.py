@@ -29,6 +29,21 @@ from __future__ import annotations
 from collections import deque
 
 
+def first_seq(attempt: int) -> int:
+    """The seq of the ``Head`` (tidegate.wire.protocol) of a job's ``attempt``-th delivery; every
+    later message of that delivery counts up from it.
+
+    Each delivery numbers its messages in a range of its own, above every
+    earlier delivery's (``(attempt - 1) * 2**32 + 1`` on; the first starts
+    at 1, so the common case costs no byte more on the wire). That range is
+    the fencing token: once an edge or a log reader follows a later delivery's
+    Head, whatever an earlier one sent late (a fenced worker's buffered
+    output, flushed when its link heals) is older than anything expected and
+    is dropped as a copy, never taken as the new delivery's text.
+    """
+    return ((max(attempt, 1) - 1) << 32) + 1
+
+
 class SendWindow:
     """Worker-side accounting of unacknowledged messages for one stream."""
 

@@ -319,24 +319,9 @@ class Status(NamedTuple):
                       self.headers])
 
 
-def first_seq(attempt: int) -> int:
-    """The seq of the :class:`Head` of a job's ``attempt``-th delivery; every
-    later message of that delivery counts up from it.
-
-    Each delivery numbers its messages in a range of its own, above every
-    earlier delivery's (``(attempt - 1) * 2**32 + 1`` on; the first starts
-    at 1, so the common case costs no byte more on the wire). That range is
-    the fencing token: once an edge or a log reader follows a later delivery's
-    Head, whatever an earlier one sent late (a fenced worker's buffered
-    output, flushed when its link heals) is older than anything expected and
-    is dropped as a copy, never taken as the new delivery's text.
-    """
-    return ((max(attempt, 1) - 1) << 32) + 1
-
-
 class Head(NamedTuple):
-    """Worker -> edge, ``seq = first_seq(attempt)``: the backend accepted the
-    request.
+    """Worker -> edge, ``seq = flow.first_seq(attempt)``: the backend accepted
+    the request.
 
     ``control`` is the worker's subject for :class:`Ack` and :class:`Cancel`.
     ``job_seq`` is the job's JetStream stream sequence (proof it crossed the broker).

@@ -222,7 +222,7 @@ class LogCursor:
     def __init__(self, after: int = 0) -> None:
         self._after = after
         self._expected = 0  # 0: no Head yet
-        # The last Head's seq (protocol.first_seq): an entry below it is an
+        # The last Head's seq (flow.first_seq): an entry below it is an
         # earlier delivery's, logged late (a fenced worker's buffer flushed at
         # the heal); skipped, Head included, never read as the text.
         self._floor = 0
