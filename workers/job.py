@@ -73,7 +73,7 @@ from tidegate.wire.protocol import (
 from workers.backends import Backend, BackendStream, PushStream, Usage
 from workers.continuation import closing, continued, continued_stream
 from workers.fencing import FENCED
-from workers.job_context import JobContext, resend, reserved
+from workers.job_context import JobContext, ack, resend, reserved
 from workers.limiter import AdaptiveLimit
 from workers.replica_continuation import Continuation, continuable, go_on
 from workers.replicas import ReplicaSet, open_on_replicas
@@ -261,19 +261,7 @@ class Job:
             progress.cancel()
         if self.outcome:
             await self._report(self.outcome)
-        await self._ack()
-
-    async def _ack(self) -> None:
-        """Ack the job once everything it sent is handed to NATS. The outbox
-        batches a mux stream's messages while the ack goes straight out: an
-        ack that overtook the last chunks and the Done left them to die with
-        a SIGKILLed process, and JetStream never delivers an acked job again,
-        so the edge waited for a continuation until its silence limit (a
-        default-config chaos run). On one connection, flushed first means
-        received first."""
-        if self.outbox is not None:
-            await self.outbox.flush()
-        await self.msg.ack()
+        await ack(self.ctx, self.request, self.msg)
 
     async def _report(self, outcome: str) -> None:
         usage = self.stream.usage if self.stream is not None else Usage()
@@ -352,7 +340,7 @@ class Job:
         if error is not None:  # the edge (or the log's readers) may still listen
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
-        await self._ack()
+        await ack(self.ctx, self.request, self.msg)
 
     async def _send(self, payload: bytes) -> None:
         """Send a message outside the window (Head, heartbeat, Done, Error;

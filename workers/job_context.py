@@ -59,6 +59,15 @@ class JobContext:
             log.warning("could not publish usage for %s: %s", record.id, exc)
 
 
+async def ack(ctx: JobContext, request: Request, msg: Msg) -> None:
+    """Ack a job once everything it sent is handed to NATS: a mux stream's
+    messages wait in the outbox while the ack goes straight out, and an ack
+    that overtook the Done left a stream no delivery would ever end."""
+    if request.mux and ctx.outbox is not None:
+        await ctx.outbox.flush()
+    await msg.ack()
+
+
 async def resend(ctx: JobContext, request: Request, messages: list[bytes]) -> None:
     """Send kept messages to the request's edge again, in order."""
     outbox = ctx.outbox if request.mux else None

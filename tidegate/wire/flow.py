@@ -30,8 +30,9 @@ from collections import deque
 
 
 def first_seq(attempt: int) -> int:
-    """The seq of the ``Head`` (tidegate.wire.protocol) of a job's ``attempt``-th delivery; every
-    later message of that delivery counts up from it.
+    """The seq of the ``Head`` (tidegate.wire.protocol) of a job's
+    ``attempt``-th delivery; every later message of that delivery counts up
+    from it.
 
     Each delivery numbers its messages in a range of its own, above every
     earlier delivery's (``(attempt - 1) * 2**32 + 1`` on; the first starts
