@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench import chaos
+from bench import chaos, chaos_fleet
 from tests.pipeline import serve_app
 
 EXPECTED = "hello there"
@@ -277,7 +277,7 @@ def test_the_defaults_fleet_names_no_tuning(tmp_path: Path) -> None:
         WorkerConfig,
     )
 
-    fleet = chaos.Fleet(tmp_path, defaults=True)
+    fleet = chaos_fleet.Fleet(tmp_path, defaults=True)
     config = fleet.config
     assert config.session == SessionConfig()
     assert config.worker == WorkerConfig()
@@ -288,7 +288,7 @@ def test_the_defaults_fleet_names_no_tuning(tmp_path: Path) -> None:
             if getattr(edge, f) != getattr(shipped, f)} <= named
     [model] = config.models
     assert model.failover == DEFAULT_FAILOVER
-    tuned = chaos.Fleet(tmp_path / "tuned").config  # the long-standing bar's, for contrast
+    tuned = chaos_fleet.Fleet(tmp_path / "tuned").config  # the long-standing bar's, for contrast
     assert tuned.session != SessionConfig()
 
 
