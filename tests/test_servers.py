@@ -33,6 +33,7 @@ from tidegate.run.servers import (
     free_port,
     log_tail,
     port_is_free,
+    private_dir,
 )
 
 
@@ -359,3 +360,22 @@ async def test_redis_with_a_password_refuses_without_it(tmp_path: Path) -> None:
             await client.aclose()
     finally:
         server.stop(timeout=10)
+
+
+def test_logs_and_data_dirs_are_the_owners_alone(tmp_path: Path) -> None:
+    """tidegate up's data dir and logs (they name tenants and request ids, and
+    hold the dev key): 0700 and 0600, and what an older version made 0755 and
+    0644 is narrowed."""
+    data, logs = tmp_path / "data", tmp_path / "data" / "logs"
+    logs.mkdir(parents=True, mode=0o755)
+    (logs / "old.log").write_text("")
+    (logs / "old.log").chmod(0o644)
+    for d in (data, logs):
+        d.chmod(0o755)
+        private_dir(d)
+    for name in ("old", "new"):
+        child = ManagedProcess(name, [sys.executable, "-c", "pass"], logs / f"{name}.log")
+        child.spawn()
+        child.wait(10)
+    assert {d.stat().st_mode & 0o777 for d in (data, logs)} == {0o700}
+    assert {f.stat().st_mode & 0o777 for f in logs.glob("*.log")} == {0o600}

@@ -64,6 +64,7 @@ from tidegate.run.servers import (
     NatsServer,
     RedisServer,
     http_ok,
+    private_dir,
     stop_all,
     tcp_sockets,
 )
@@ -163,12 +164,8 @@ class Launcher:
 
     def _start(self) -> None:
         plan, cfg = self.plan, self.plan.config
-        # Owner only: the logs name tenants, key ids and request ids, and the
-        # data dir holds the dev key, the config and the stores' state. An
-        # existing dir (made by an older version, 0755) is narrowed too.
         for private in (plan.data_dir, plan.log_dir):
-            private.mkdir(mode=0o700, parents=True, exist_ok=True)
-            private.chmod(0o700)
+            private_dir(private)
         if plan.nats_port is not None:
             auth = ["-c", str(plan.nats_auth)] if plan.nats_auth else []
             monitor = plan.options.nats_monitor_port

@@ -257,6 +257,14 @@ def _set_pdeathsig(sig: int, parent_pid: int) -> None:
         os._exit(1)
 
 
+def private_dir(path: Path) -> None:
+    """``path`` made (or narrowed) to its owner alone (0700): a data dir holds
+    the dev key and the stores' state, logs name tenants and request ids. A dir
+    an older version made 0755 is narrowed too."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+
+
 class ManagedProcess:
     """One child process with a log file, a readiness probe and a clean stop.
 
