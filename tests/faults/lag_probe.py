@@ -2,7 +2,7 @@
 event loop lag is sampled (a 5 ms sleep's overshoot) and written to PATH, one
 line ``<time.monotonic()> <worst lag of the last 50 ms>`` per 50 ms, so a
 test can read how long the worker's loop stood still while it sent the
-worker a request (issue 44). A loop that stands still writes nothing until it
+worker a request. A loop that stands still writes nothing until it
 runs again: a reader takes the age of the last line as a lag too. Everything
 else is ``tidegate`` as it ships."""
 

@@ -20,11 +20,8 @@ Access, CSRF and what the page holds:
   browser; changes are ``POST`` with a JSON body (a cross-site form cannot
   send one without a CORS preflight, which this server never grants), and a
   request whose ``Origin`` is not this server's is refused (403).
-* A request whose ``Host`` is not a name of this console (an IP address,
-  ``localhost``, the host it is bound to, this machine's name) is refused
-  (403) before anything else: a page whose name an attacker's DNS points at
-  127.0.0.1 (DNS rebinding) is same-origin with itself, so the ``Origin``
-  check alone would let it through.
+* A ``Host`` that is not one of this console's names is refused first (403:
+  DNS rebinding, :func:`trusted_host`).
 * The page, its script and its style are static files served from the
   package (nothing from a CDN); the key the operator types stays in the tab's
   ``sessionStorage``. A ``Content-Security-Policy`` allows only this origin's

@@ -164,7 +164,7 @@ def check_embeddings_size(body: Mapping[str, Any], dimensions: int, cap: int,
                           setting: str) -> None:
     """Refuse, before any vector is made, an embeddings request whose
     response could outgrow ``cap`` bytes (``setting`` names it): the work
-    and the memory both grow with inputs x dimensions (issue 44)."""
+    and the memory both grow with inputs x dimensions."""
     inputs = len(embedding_inputs(body))
     base64 = body.get("encoding_format") == "base64"
     size = embeddings_size(inputs, dimensions, base64)

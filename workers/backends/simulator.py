@@ -22,7 +22,7 @@ Invariants:
   not grow with the limit. A ``stop`` string ends the text *before* the string, with
   ``"stop"``; the token in which it starts counts as generated. Finding it is
   linear in the text whatever the stops' length, and runs in a thread
-  (:func:`plan_off_loop`): the event loop never waits for it (issue 44).
+  (:func:`plan_off_loop`): the event loop never waits for it.
 * **Hot path.** Each stream prebuilds its event prefix/suffix bytes once; per
   token only the token text is JSON-encoded (and common words come from a
   cache), so no per-token dict is built or serialised.

@@ -23,7 +23,7 @@ a model, the official SDK parses it), for the two newer endpoints:
   input always gets the same vector and ``float`` and ``base64`` encodings
   decode to identical numbers. Usage: the input's token estimate. A request
   whose response could outgrow ``worker.max_response_bytes`` is refused
-  before any vector is made, and the body is built in a thread (issue 44).
+  before any vector is made, and the body is built in a thread.
 """
 
 from __future__ import annotations
