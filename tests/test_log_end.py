@@ -12,12 +12,15 @@ end (``ResumableJob._send``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import nats
 import pytest
+from nats.js import JetStreamContext
 
 from tidegate import config as tgconfig
 from tidegate.broker import broker
@@ -54,8 +57,11 @@ def _job(nc: nats.NATS, config: tgconfig.Config, outbox: Outbox) -> ResumableJob
     return job
 
 
-async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
-        module_nats_url: str) -> None:
+@contextlib.asynccontextmanager
+async def _leaderless(module_nats_url: str) -> AsyncIterator[
+        tuple[JetStreamContext, tgconfig.Config, str, ResumableJob, Outbox]]:
+    """A resumable job at its end whose log's stream is gone (as with no leader:
+    JetStream drops a plain publish to it); ``ensure_streams`` brings it back."""
     config = _config(module_nats_url)
     nc = await nats.connect(module_nats_url)
     try:
@@ -65,7 +71,15 @@ async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
         await js.delete_stream(name)
         outbox = Outbox(nc.publish)
         outbox.start()
-        job = _job(nc, config, outbox)
+        yield js, config, name, _job(nc, config, outbox), outbox
+        await outbox.close()
+    finally:
+        await nc.close()
+
+
+async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
+        module_nats_url: str) -> None:
+    async with _leaderless(module_nats_url) as (js, config, name, job, _):
         request = job.request
         end = Done(5, 3, 3, "stop").encode()
         storing = asyncio.create_task(job._confirm_end(end))
@@ -80,9 +94,6 @@ async def test_the_end_waits_for_a_stream_with_no_leader_and_lands_once(
         await job._confirm_end(end)
         info = await js.stream_info(name, subjects_filter=subject)
         assert info.state.messages == 1
-        await outbox.close()
-    finally:
-        await nc.close()
 
 
 async def test_a_jobs_end_is_stored_again_by_the_worker_when_its_plain_copy_was_dropped(
@@ -91,22 +102,13 @@ async def test_a_jobs_end_is_stored_again_by_the_worker_when_its_plain_copy_was_
     reaches the log's stream while nobody leads it and is dropped; the
     worker has scheduled the acked re-publish, which lands once a leader is
     back, so the log keeps its end, once."""
-    config = _config(module_nats_url)
-    nc = await nats.connect(module_nats_url)
-    try:
-        js = nc.jetstream()
-        await broker.ensure_streams(js, config)
-        name = streamlog.stream_name(config.nats.subjects)
-        await js.delete_stream(name)
-        outbox = Outbox(nc.publish)
-        outbox.start()
-        job = _job(nc, config, outbox)
+    async with _leaderless(module_nats_url) as (js, config, name, job, outbox):
         before = set(resumable._ending)
         await job._send(Done(5, 3, 3, "stop").encode())
         storing = resumable._ending - before
         assert storing, "the worker scheduled no acked copy of its log's end"
         await outbox.flush()
-        await nc.flush()  # the plain copy reached the server, which dropped it
+        await job.ctx.nc.flush()  # the plain copy reached the server, which dropped it
         await broker.ensure_streams(js, config)  # a leader again
         done, _ = await asyncio.wait(storing, timeout=90)
         assert done == storing, "the end's acked copy did not land"
@@ -114,6 +116,3 @@ async def test_a_jobs_end_is_stored_again_by_the_worker_when_its_plain_copy_was_
         assert isinstance(decode_session((await js.get_last_msg(name, subject)).data), Done)
         info = await js.stream_info(name, subjects_filter=subject)
         assert info.state.messages == 1
-        await outbox.close()
-    finally:
-        await nc.close()
