@@ -92,19 +92,17 @@ class Dispatcher:
                 # (reserving an id already charged admits it without a charge).
                 log.exception("dispatching failed; the request will be redelivered")
                 return
-            await poison.terminate(msg, BAD_INPUT, "request", exc, self._reject_poison(msg))
+            request = _decoded(msg)
+            await poison.terminate(msg, BAD_INPUT, "request", exc, self._reject_poison(request))
             # Terminated before its job was published (dispatch never raises
             # poison after it): it will never run, so nothing else refunds it.
-            if (request_id := _request_id(msg)) is not None:
-                await self.policy.refund(request_id)
+            if request is not None:
+                await self.policy.refund(request.id)
 
-    def _reject_poison(self, msg: Msg) -> poison.Answer | None:
+    def _reject_poison(self, request: Request | None) -> poison.Answer | None:
         """The 400 for an unprocessable request, when it names an edge inbox."""
-        try:
-            request = Request.decode(msg.data)
-        except Exception:
-            return None
-        if not request.reply or not self.config.nats.subjects.edge_inboxes(request.reply):
+        if (request is None or not request.reply
+                or not self.config.nats.subjects.edge_inboxes(request.reply)):
             return None
         status = Status(Admission.REJECTED, error=UNPROCESSABLE)
 
@@ -215,10 +213,10 @@ class Dispatcher:
         log.debug("dispatched %s to %s", request.id, subject)
 
 
-def _request_id(msg: Msg) -> str | None:
-    """The id of the request ``msg`` carries, None when it does not decode."""
+def _decoded(msg: Msg) -> Request | None:
+    """The request ``msg`` carries, None when it does not decode."""
     try:
-        return Request.decode(msg.data).id
+        return Request.decode(msg.data)
     except Exception:
         return None
 
