@@ -118,6 +118,12 @@ class WsSocket:
         self._gens: dict[str, _Generation] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._closing = False
+        # The read loop's task; while it waits in receive(), a close asked for
+        # elsewhere (_close_with) interrupts it, and it closes.
+        self._reader: asyncio.Task[Any] | None = None
+        self._receiving = False
+        self._close_with: tuple[CloseCode, bytes] | None = None
+        self._read_ended = asyncio.Event()
         transport = http.transport
         if transport is not None:
             # One bound for everything the socket's generations have written and
@@ -239,26 +245,62 @@ class WsSocket:
     async def _close(self, code: CloseCode, error: ApiError) -> None:
         # The reason is at most 123 bytes (RFC 6455 5.5): the code, then as
         # much of the message as fits.
-        reason = f"{error.code}: {error.message}".encode()[:123]
-        with contextlib.suppress(Exception):
-            await self.ws.close(code=int(code), message=reason)
+        await self._close_elsewhere(code, f"{error.code}: {error.message}".encode()[:123])
 
     async def _read_loop(self) -> None:
         ws = self.ws
-        while not ws.closed:
-            msg = await ws.receive()
-            kind = msg.type
-            if kind in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
-                return  # an over-size frame: aiohttp has already closed with 1009
-            self.keepalive.received(time.monotonic())
-            if kind is WSMsgType.PING:
-                await ws.pong(msg.data)
-                continue
-            if kind is WSMsgType.PONG:
-                continue
-            event = self.conn.receive(wire.parse_client_frame(
-                msg.data, binary=kind is not WSMsgType.TEXT, loads=self._loads))
-            await self._on_event(event)
+        self._reader = asyncio.current_task()
+        try:
+            while not ws.closed:
+                if self._close_with is not None:
+                    code, reason = self._close_with
+                    with contextlib.suppress(Exception):
+                        await ws.close(code=int(code), message=reason)
+                    return
+                self._receiving = True
+                try:
+                    msg = await ws.receive()
+                except asyncio.CancelledError:
+                    # Our own interruption (see _close_elsewhere) is taken
+                    # back; any other cancel goes on.
+                    reader = self._reader
+                    if self._close_with is None or reader is None or reader.uncancel() > 0:
+                        raise
+                    continue
+                finally:
+                    self._receiving = False
+                kind = msg.type
+                if kind in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED,
+                            WSMsgType.ERROR):
+                    return  # an over-size frame: aiohttp has already closed with 1009
+                self.keepalive.received(time.monotonic())
+                if kind is WSMsgType.PING:
+                    await ws.pong(msg.data)
+                    continue
+                if kind is WSMsgType.PONG:
+                    continue
+                event = self.conn.receive(wire.parse_client_frame(
+                    msg.data, binary=kind is not WSMsgType.TEXT, loads=self._loads))
+                await self._on_event(event)
+        finally:
+            self._read_ended.set()
+
+    async def _close_elsewhere(self, code: CloseCode, reason: bytes) -> None:
+        """Close from a task other than the reader's (the key's watcher, a
+        drain): the reader does it. aiohttp's close() while another task waits
+        in receive() drops TCP at once without the peer's Close; a frame the
+        client sent meanwhile turns the drop into a reset, and the client can
+        lose our Close frame and its code (tests/test_ws_revoke.py)."""
+        reader = self._reader
+        if reader is None or reader is asyncio.current_task() or self._read_ended.is_set():
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=int(code), message=reason)
+            return
+        if self._close_with is None:
+            self._close_with = (code, reason)
+            if self._receiving:
+                reader.cancel()
+        await self._read_ended.wait()
 
     async def _on_event(self, event: wire.ClientEvent) -> None:
         if isinstance(event, wire.StartRequest | wire.ResumeRequest):
@@ -507,6 +549,4 @@ class WsSocket:
             self._tg.create_task(self.close_restart(), name="tidegate-ws-close")
 
     async def close_restart(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.ws.close(code=int(CloseCode.SERVICE_RESTART),
-                                message=b"edge restarting: reconnect")
+        await self._close_elsewhere(CloseCode.SERVICE_RESTART, b"edge restarting: reconnect")

@@ -173,3 +173,28 @@ async def test_a_socket_closes_4401_when_its_key_expires(pipeline: Pipeline) -> 
         code, reason = close_reason(ws)
     assert code == 4401
     assert reason.startswith("expired_api_key")
+
+
+async def test_a_client_sending_through_the_revoke_still_reads_the_4401(
+        pipeline: Pipeline) -> None:
+    """The close is a handshake, not a drop: frames the client sends while
+    the edge closes (here a stream of pings) must not reset the connection
+    before the client has read the Close frame and its code."""
+    key = await new_key(pipeline)
+    async with connect(pipeline, key) as ws:
+        await one_generation(ws, "before")
+
+        async def chatter() -> None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:
+                    await ws.send(json.dumps({"type": "ping"}))
+                    await asyncio.sleep(0)
+
+        sender = asyncio.create_task(chatter())
+        try:
+            await revoke(pipeline, key)
+            frames = await until_closed(ws)
+        finally:
+            sender.cancel()
+        assert {f["type"] for f in frames} <= {"pong"}, frames
+        assert close_reason(ws)[0] == 4401
