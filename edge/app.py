@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from edge import anthropic, background, batches, files, idempotency, instrument, resume
+from edge import anthropic, background, batches, files, idempotency, instrument, openapi, resume
 from edge.auth import authorization
 from edge.body import deadline as body_deadline
 from edge.continuation import deciding_fields
@@ -104,6 +104,7 @@ def build_app(state: EdgeState) -> web.Application:
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    openapi.prepare(app, state.config)  # GET /openapi.json, keyless
     if state.config.edge.metrics_public:  # opt-in: keyless, so off the API port by default
         app.router.add_get("/metrics", metrics_handler(state.telemetry))
     return app
