@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from edge import idempotency
 from tidegate import __version__
 from tidegate.config import Config
 from tidegate.validation.schemas import request_schemas
@@ -49,7 +50,10 @@ class Route:
 
 
 _PAGE = (("limit", {"type": "integer", "minimum": 1}), ("after", {"type": "string"}))
-_IDEMPOTENCY = (("Idempotency-Key", {"type": "string", "maxLength": 256}),)
+# Printable ASCII, no space at either end (the edge strips them first).
+_KEY_MIDDLE = idempotency.MAX_LENGTH - 2
+_IDEMPOTENCY = (("Idempotency-Key", {"type": "string",
+                                     "pattern": f"^[!-~]([ -~]{{0,{_KEY_MIDDLE}}}[!-~])?$"}),)
 
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/chat/completions", "Chat completion (SSE with stream: true)",

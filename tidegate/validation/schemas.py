@@ -22,16 +22,26 @@ from tidegate.validation import generation, messages, openai_fields
 from tidegate.validation.responses import _ENCODINGS, _TRUNCATION, MAX_EMBEDDING_INPUTS
 from tidegate.wire.batch import ENDPOINTS
 
-__all__ = ["MODEL_NAME", "request_schemas"]
+__all__ = ["JSON_VALUE", "MODEL_NAME", "request_schemas"]
 
 Schema = dict[str, Any]
 MODEL_NAME = "ModelName"
 _INT64 = 1 << 63
 
+JSON_VALUE = "JsonValue"
 _STRING: Schema = {"type": "string"}
 _BOOL: Schema = {"type": "boolean"}
-_OBJECT: Schema = {"type": "object"}
+_ANY: Schema = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
+_OBJECT: Schema = {"type": "object", "additionalProperties": _ANY}
 _MODEL: Schema = {"$ref": f"#/components/schemas/{MODEL_NAME}"}
+# Any JSON value a body may hold anywhere: its integers must fit the broker's
+# encoding (msgpack: -2^63 .. 2^64-1; tidegate.wire.protocol.Request.encode).
+_JSON_VALUE: Schema = {"anyOf": [
+    {"type": ["null", "boolean", "string"]},
+    {"type": "number", "minimum": -_INT64, "maximum": (1 << 64) - 1},
+    {"type": "array", "items": _ANY},
+    _OBJECT,
+]}
 
 
 def _int(minimum: int, maximum: int | None = None) -> Schema:
@@ -46,7 +56,7 @@ def _number(low: float, high: float) -> Schema:
 
 
 def _obj(properties: dict[str, Schema], required: tuple[str, ...] = (), **more: Any) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties}
+    schema: Schema = {"type": "object", "properties": properties, "additionalProperties": _ANY}
     if required:
         schema["required"] = list(required)
     schema.update(more)
@@ -206,8 +216,9 @@ def responses(max_tokens: int) -> Schema:
         dependentSchemas=_only_when_streaming("stream_options"))
 
 
+_TOKEN = _int(0, (1 << 64) - 1)
 _TOKENS: Schema = {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
-                   "items": _int(0)}
+                   "items": _TOKEN}
 
 
 def embeddings() -> Schema:
@@ -219,7 +230,7 @@ def embeddings() -> Schema:
              "items": {"type": "string", "minLength": 1}},
             _TOKENS,
             {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
-             "items": {"type": "array", "minItems": 1, "items": _int(0)}},
+             "items": {"type": "array", "minItems": 1, "items": _TOKEN}},
         ]},
         "encoding_format": {"enum": list(_ENCODINGS)},
         "dimensions": _int(1),
@@ -298,6 +309,7 @@ def request_schemas(max_tokens: int) -> dict[str, Schema]:
         "FileUpload": _obj({"file": {"type": "string", "contentMediaType":
                                      "application/octet-stream"},
                             "purpose": {"const": "batch"}}, ("file", "purpose")),
+        JSON_VALUE: _JSON_VALUE,
         MODEL_NAME: {"type": "string", "minLength": 1,
                      "description": "GET /v1/models lists the models your key may use."},
         "Error": _obj({"error": _obj({"message": _STRING, "type": _STRING,

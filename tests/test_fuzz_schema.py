@@ -1,0 +1,247 @@
+"""The edge's whole HTTP surface and its WebSocket frames, fuzzed from the
+OpenAPI description it serves, against a real pipeline (docs/security.md, "Fuzz").
+
+schemathesis makes requests of every operation of ``GET /openapi.json``, data
+that fits the schemas (deep: model names filled in, as a key's holder has
+them) and data that does not, with a fixed, derandomized budget per operation
+(``TIDEGATE_FUZZ_EXAMPLES``, default 12; the long run in docs/security.md sets
+more). Hypothesis sends WebSocket frame sequences, valid and not, on
+authenticated sockets. Invariants: never a 5xx but a documented overload (503,
+or Anthropic's 529, with Retry-After), an error body on every 4xx, never a
+traceback in any tier's log, every tier still serving, and no quota
+reservation or concurrency lease left in Redis once the requests are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dispatcher.quota import connect as connect_redis
+from edge.openapi import document
+from tests.pipeline import Pipeline
+from tests.test_openapi import _integral
+from tidegate import config as tgconfig
+from tidegate.broker import broker
+from tidegate.control.keys import create_key, ensure_keys_bucket
+from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
+from tidegate.validation.schemas import MODEL_NAME
+from tidegate.wire.ws import PATHS, CloseCode
+
+pytestmark = pytest.mark.pipeline
+
+EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_EXAMPLES", "12"))
+WS_EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_WS_EXAMPLES", "50"))
+PREFIX = "fz" + uuid.uuid4().hex[:8]
+TENANT = "fuzz"
+OVERRIDES: dict[str, Any] = {
+    "nats": {"subject_prefix": PREFIX},
+    "edge": {"metrics_public": True},  # so /metrics is described and fuzzed too
+    "models": [{"name": "tidegate-sim", "aliases": ["sim"], "resumable": True,
+                "max_output_tokens": 4096,
+                "simulator": {"ttft": 0.0, "tokens_per_second": 4000.0, "length": 12}}],
+}
+# The same config the pipeline gets: its description, with the model names a
+# key's holder reads from GET /v1/models (the served one has none).
+_CONFIG = tgconfig.from_dict({"nats": {"url": "nats://unused"}, **OVERRIDES})
+_DOC = document(_CONFIG)
+_DOC["components"]["schemas"][MODEL_NAME]["enum"] = sorted(_CONFIG.model_index())
+SCHEMA = schemathesis.openapi.from_dict(_DOC)
+POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
+# Data that does not fit exists only for an operation that takes some.
+CASES = [(method.upper(), path, mode) for path, methods in _DOC["paths"].items()
+         for method, op in methods.items()
+         for mode in ([POSITIVE, NEGATIVE] if {"parameters", "requestBody"} & set(op)
+                      else [POSITIVE])]
+OVERLOAD = {503, 529}  # documented: Retry-After, retry elsewhere or later
+
+
+class Fuzz:
+    def __init__(self, pipeline: Pipeline, key: str) -> None:
+        self.pipeline, self.key = pipeline, key
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+async def _provision(pipeline: Pipeline) -> str:
+    """A key whose tenant has a policy on every kind of limit, so each
+    admitted request leaves a reservation record and a lease to settle."""
+    nc = await broker.connect(pipeline.config.nats, "fuzz-admin")
+    try:
+        js = broker.jetstream(nc, pipeline.config.nats)
+        key, _ = await create_key(await ensure_keys_bucket(js, pipeline.config), TENANT)
+        await set_policy(await ensure_policies_bucket(js, pipeline.config),
+                         Policy(tenant=TENANT, rpm=1_000_000, tpm=10**12, concurrency=10_000))
+        return key
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def fuzz(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
+         module_redis_url: str) -> Iterator[Fuzz]:
+    pipeline = Pipeline(tmp_path_factory.mktemp("fuzz-schema"), module_nats_url,
+                        module_redis_url, overrides=OVERRIDES)
+    try:
+        key = asyncio.run(_provision(pipeline))
+        pipeline.start()
+        yield Fuzz(pipeline, key)
+    finally:
+        pipeline.stop()
+
+
+def _no_traceback(pipeline: Pipeline, what: object) -> None:
+    text = pipeline.log_text()
+    assert "Traceback" not in text, (what, text[text.index("Traceback") - 2000:][:6000])
+
+
+def test_the_edge_serves_its_description_without_a_key(fuzz: Fuzz) -> None:
+    with urllib.request.urlopen(f"{fuzz.pipeline.url}/openapi.json", timeout=30) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("application/json")
+        assert json.loads(resp.read()) == document(fuzz.pipeline.config)
+
+
+def _check(status: int, headers: Any, body: bytes, what: str) -> None:
+    if status in OVERLOAD:
+        assert headers.get("Retry-After"), (what, status, body[:300])
+        return
+    assert status < 500, (what, status, body[:500])
+    if status >= 400:
+        error = json.loads(body)["error"]
+        assert isinstance(error.get("message"), str), (what, status, body[:300])
+        assert error["message"], (what, status, body[:300])
+
+
+@pytest.mark.parametrize(("method", "path", "mode"), CASES)
+def test_every_operation_never_5xx(fuzz: Fuzz, method: str, path: str,
+                                   mode: schemathesis.GenerationMode) -> None:
+    strategy = SCHEMA[path][method].as_strategy(generation_mode=mode)
+    url = fuzz.pipeline.url
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def run(case: Any) -> None:
+        if mode is POSITIVE and isinstance(case.body, dict | list):
+            case.body = _integral(case.body)  # 1.0 is an integer to JSON Schema only
+        response = case.call(base_url=url, headers=fuzz.auth, timeout=60)
+        _check(response.status_code, response.headers, response.content,
+               f"{method} {path} {case.path_parameters} {case.query} {case.body!r:.300}")
+
+    run()
+    _no_traceback(fuzz.pipeline, (method, path, mode))
+
+
+_ids = st.one_of(st.text(max_size=8), st.text(min_size=120, max_size=140), st.integers(),
+                 st.none())
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                     | st.text(max_size=12),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+_body = st.one_of(
+    *[SCHEMA[p]["POST"].as_strategy(generation_mode=m).map(lambda c: c.body)
+      for p in PATHS for m in schemathesis.GenerationMode], _json)
+_frame = st.one_of(
+    st.fixed_dictionaries({"type": st.just("request"), "id": _ids,
+                           "path": st.sampled_from([*PATHS, "/v1/embeddings", ">", ""])},
+                          optional={"body": _body, "resumable": _json,
+                                    "resume_grace": st.floats() | st.integers()}),
+    st.fixed_dictionaries({"type": st.sampled_from(["cancel", "resume"]), "id": _ids},
+                          optional={"request_id": st.text(max_size=40) | st.integers(),
+                                    "after": st.integers(min_value=-2, max_value=2**70)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["ping", "pong", "auth", "", "x" * 50])},
+                          optional={"key": st.text(max_size=20) | st.integers()}),
+    _json,
+)
+# A frame as sent: JSON text, raw text (rarely JSON), or binary.
+_sent = st.one_of(_frame.map(lambda f: ("text", json.dumps(f))),
+                  st.text(max_size=200).map(lambda t: ("text", t)),
+                  st.binary(max_size=200).map(lambda b: ("binary", b)))
+
+
+async def _socket_round(url: str, auth: dict[str, str], frames: list[tuple[str, Any]]) -> None:
+    """Send ``frames``, then a ping: the socket answers pong, or has closed
+    with one of the protocol's close codes."""
+    async with aiohttp.ClientSession() as session, \
+            session.ws_connect(f"{url}/v1/ws", headers=auth, autoping=True) as ws:
+        for kind, data in frames:
+            if ws.closed:
+                break
+            await (ws.send_str(data) if kind == "text" else ws.send_bytes(data))
+        if not ws.closed:
+            await ws.send_str('{"type":"ping"}')
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            msg = await ws.receive(timeout=deadline - time.monotonic())
+            if msg.type is aiohttp.WSMsgType.TEXT and json.loads(msg.data).get("type") == "pong":
+                return
+            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
+                            aiohttp.WSMsgType.CLOSING):
+                assert ws.close_code in set(CloseCode), (ws.close_code, frames)
+                return
+            assert msg.type is not aiohttp.WSMsgType.ERROR, (msg, frames)
+        raise AssertionError(f"no pong within 60 s after {frames!r:.500}")
+
+
+def test_websocket_frames_never_crash_the_socket(fuzz: Fuzz) -> None:
+    @settings(max_examples=WS_EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(_sent, min_size=1, max_size=5))
+    def run(frames: list[tuple[str, Any]]) -> None:
+        asyncio.run(_socket_round(fuzz.pipeline.url, fuzz.auth, frames))
+
+    run()
+    _no_traceback(fuzz.pipeline, "websocket")
+
+
+async def _leftovers(redis_url: str) -> tuple[list[str], int]:
+    """Reservation records and held leases of this pipeline's quota store,
+    and how many windows it keeps (> 0: requests were reserved here at all)."""
+    client = connect_redis(redis_url, timeout=5.0)
+    base = f"{PREFIX}:{{{PREFIX}q}}"
+    try:
+        windows = len([k async for k in client.scan_iter(f"{base}:w:*")])
+        left = [k async for k in client.scan_iter(f"{base}:r:*")]
+        for key in [k async for k in client.scan_iter(f"{base}:c:*")]:
+            if await client.zcard(key):
+                left.append(key)
+        return left, windows
+    finally:
+        await client.aclose()
+
+
+def test_after_the_fuzz_every_tier_serves_and_nothing_is_reserved(fuzz: Fuzz) -> None:
+    pipeline = fuzz.pipeline
+    for process in pipeline.processes:
+        assert process.running, process.describe_failure(process.name)
+    status, body = pipeline.post("/v1/chat/completions", {
+        "model": "tidegate-sim", "stream": True, "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}]}, key=fuzz.key)
+    assert status == 200, body[:300]
+    assert body.rstrip().endswith(b"data: [DONE]")
+    # Every reservation is settled once its request ends (usage reconciles
+    # it, a refusal refunds it); cancelled and background ones take a moment.
+    deadline = time.monotonic() + 120
+    while True:
+        left, windows = asyncio.run(_leftovers(pipeline.config.redis.url))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert windows, "no request was reserved under this prefix: the check reads the wrong keys"
+    assert not left, f"reservations left behind: {left[:10]}"
+    _no_traceback(pipeline, "after")
