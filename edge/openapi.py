@@ -1,5 +1,5 @@
 """The OpenAPI 3.1 description of the edge's HTTP surface, served keyless at
-``GET /openapi.json`` (docs/security.md, "Fuzz").
+``GET /openapi.json`` (docs/security.md, "Schema fuzzing").
 
 ``ROUTES`` is the one table of what each route takes; the request bodies'
 schemas come from the validators' bounds (``tidegate.validation.schemas``), the

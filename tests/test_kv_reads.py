@@ -8,7 +8,13 @@ marker before every entry, as that race does."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
+import nats
+
 from tests.test_workers_registry_read import _KV, _Entry, _Watcher
+from tidegate.broker.kvwatch import snapshot
 from tidegate.control import batches
 from tidegate.control.tenants import TenantSettings, list_tenants
 from tidegate.wire.subjects import encode_token
@@ -24,3 +30,24 @@ async def test_tenants_arriving_after_the_marker_are_listed() -> None:
 async def test_batch_records_arriving_after_the_marker_are_read() -> None:
     kv = _KV(_Watcher([_Entry("batch_1", b"one")], [_Entry("batch_2", b"two")]))
     assert await batches._values(kv) == {"batch_1": b"one", "batch_2": b"two"}  # type: ignore[arg-type]
+
+
+async def test_a_read_leaves_no_consumer_behind(module_nats_url: str) -> None:
+    """Each read makes an ephemeral consumer; it must go once the read is
+    done, or a tenant listing its files 1,000 times fills the bucket's
+    consumer limit and every listing of every tenant fails (a 500)."""
+    nc = await nats.connect(module_nats_url)
+    try:
+        js = nc.jetstream()
+        kv = await js.create_key_value(bucket=f"reads{uuid.uuid4().hex[:8]}", history=1)
+        await kv.put("a", b"1")
+        for _ in range(20):
+            assert await snapshot(kv) == {"a": b"1"}
+        stream = f"KV_{kv._name}"
+        for _ in range(300):  # up to 60 s: the server reaps idle consumers on its own timer
+            if not (await js.stream_info(stream)).state.consumer_count:
+                break
+            await asyncio.sleep(0.2)
+        assert (await js.stream_info(stream)).state.consumer_count == 0
+    finally:
+        await nc.close()

@@ -79,13 +79,18 @@ async def wait_synced(synced: asyncio.Event, limit: float, what: str) -> bool:
 
 #: How long a one-off read of a bucket (:func:`snapshot`) may take at most.
 SNAPSHOT_WITHIN = 30.0
+#: How long the server keeps a one-off read's consumer once its reader is
+#: gone. nats-py's default for a watch is 5 minutes: at 4 listings a second
+#: (GET /v1/files, any tenant) the bucket reached JetStream's 1,000-consumer
+#: limit, and every later read of it failed, for every tenant.
+SNAPSHOT_IDLE = 2.0
 
 
 async def snapshot(kv: KeyValue) -> dict[str, bytes]:
     """Every live key of the bucket with its value (deleted keys left out).
     Callers bound it with ``asyncio.timeout``."""
     out: dict[str, bytes] = {}
-    watcher = await kv.watchall(ignore_deletes=True)
+    watcher = await kv.watchall(ignore_deletes=True, inactive_threshold=SNAPSHOT_IDLE)
     try:
         async for entry in current_entries(watcher):
             out[entry.key] = entry.value or b""

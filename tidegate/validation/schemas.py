@@ -1,5 +1,5 @@
 """JSON Schemas (2020-12, as OpenAPI 3.1 takes them) of the request bodies the
-validators check, built from the validators' own bounds (docs/security.md, "Fuzz").
+validators check, built from the validators' own bounds (docs/security.md, "Schema fuzzing").
 
 Invariant: a body these schemas accept passes the validator
 (``tests/test_openapi.py`` generates bodies from them and validates each), so
