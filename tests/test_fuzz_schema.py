@@ -6,10 +6,11 @@ that fits the schemas (deep: model names filled in, as a key's holder has
 them) and data that does not, with a fixed, derandomized budget per operation
 (``TIDEGATE_FUZZ_EXAMPLES``, default 12; the long run in docs/security.md sets
 more). Hypothesis sends WebSocket frame sequences, valid and not, on
-authenticated sockets. Invariants: never a 5xx but a documented overload (503,
-or Anthropic's 529, with Retry-After), an error body on every 4xx, never a
-traceback in any tier's log, every tier still serving, and no quota
-reservation or concurrency lease left in Redis once the requests are done.
+authenticated sockets (``TIDEGATE_FUZZ_WS_EXAMPLES``, default 50). Invariants:
+never a 5xx but a documented overload (503, or Anthropic's 529, with
+Retry-After), an error body on every 4xx, a socket that answers a ping after
+any frames, never a traceback in any tier's log, every tier still serving,
+and no quota reservation or lease left in Redis once the requests are done.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from tidegate.broker import broker
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
 from tidegate.validation.schemas import MODEL_NAME
-from tidegate.wire.ws import PATHS, CloseCode
+from tidegate.wire.ws import MAX_ID_LENGTH, PATHS
 
 pytestmark = pytest.mark.pipeline
 
@@ -105,8 +106,19 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
 
 
 def _no_traceback(pipeline: Pipeline, what: object) -> None:
-    text = pipeline.log_text()
-    assert "Traceback" not in text, (what, text[text.index("Traceback") - 2000:][:6000])
+    """No traceback in any tier's log since the last call: each test answers
+    for its own (the long run goes on past one finding to the next)."""
+    for process in pipeline.processes:
+        if not process.log_path.exists():
+            continue
+        text = process.log_path.read_text(errors="replace")
+        new = text[_READ.get(process.name, 0):]
+        _READ[process.name] = len(text)
+        at = new.find("Traceback")
+        assert at < 0, (what, process.name, new[max(0, at - 1500):at + 4000])
+
+
+_READ: dict[str, int] = {}
 
 
 def test_the_edge_serves_its_description_without_a_key(fuzz: Fuzz) -> None:
@@ -148,55 +160,69 @@ def test_every_operation_never_5xx(fuzz: Fuzz, method: str, path: str,
     _no_traceback(fuzz.pipeline, (method, path, mode))
 
 
-_ids = st.one_of(st.text(max_size=8), st.text(min_size=120, max_size=140), st.integers(),
-                 st.none())
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
                      | st.text(max_size=12),
                      lambda inner: st.lists(inner, max_size=3)
                      | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
-_body = st.one_of(
-    *[SCHEMA[p]["POST"].as_strategy(generation_mode=m).map(lambda c: c.body)
-      for p in PATHS for m in schemathesis.GenerationMode], _json)
-_frame = st.one_of(
-    st.fixed_dictionaries({"type": st.just("request"), "id": _ids,
-                           "path": st.sampled_from([*PATHS, "/v1/embeddings", ">", ""])},
-                          optional={"body": _body, "resumable": _json,
-                                    "resume_grace": st.floats() | st.integers()}),
-    st.fixed_dictionaries({"type": st.sampled_from(["cancel", "resume"]), "id": _ids},
-                          optional={"request_id": st.text(max_size=40) | st.integers(),
-                                    "after": st.integers(min_value=-2, max_value=2**70)}),
-    st.fixed_dictionaries({"type": st.sampled_from(["ping", "pong", "auth", "", "x" * 50])},
-                          optional={"key": st.text(max_size=20) | st.integers()}),
-    _json,
+_id = st.text(min_size=1, max_size=8) | st.integers(1, MAX_ID_LENGTH).map(lambda n: "i" * n)
+_body = st.one_of(*[SCHEMA[p]["POST"].as_strategy(generation_mode=m).map(lambda c: c.body)
+                    for p in PATHS for m in schemathesis.GenerationMode])
+# Frames of the protocol's shapes (docs/websocket.md), valid as drawn.
+_valid = st.one_of(
+    st.fixed_dictionaries({"type": st.just("request"), "id": _id,
+                           "path": st.sampled_from(sorted(PATHS)), "body": _body},
+                          optional={"resumable": st.booleans(),
+                                    "resume_grace": st.floats(0, 60)}),
+    st.fixed_dictionaries({"type": st.just("cancel"), "id": _id}),
+    st.fixed_dictionaries({"type": st.just("resume"), "id": _id,
+                           "request_id": st.text(min_size=1, max_size=30),
+                           "after": st.integers(0, 2**64)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["ping", "pong", "auth"])},
+                          optional={"key": st.text(max_size=20)}),
 )
-# A frame as sent: JSON text, raw text (rarely JSON), or binary.
-# (Data that does not fit a schema may hold bytes: sent as their repr.)
-_sent = st.one_of(_frame.map(lambda f: ("text", json.dumps(f, default=repr))),
-                  st.text(max_size=200).map(lambda t: ("text", t)),
-                  st.binary(max_size=200).map(lambda b: ("binary", b)))
+
+
+@st.composite
+def _frame(draw: st.DrawFn) -> Any:
+    """A valid frame, or one with one field replaced by any JSON value or
+    dropped, or any JSON value at all."""
+    how = draw(st.sampled_from(["valid", "replace", "drop", "junk"]))
+    if how == "junk":
+        return draw(_json)
+    frame: dict[str, Any] = draw(_valid)
+    if how != "valid":
+        key = draw(st.sampled_from(sorted(frame)))
+        if how == "drop":
+            del frame[key]
+        else:
+            frame[key] = draw(_json | st.integers() | st.text().map(lambda t: t * 20))
+    return frame
+
+
+# A frame as sent: JSON text mostly (bytes in data that does not fit a schema
+# go as their repr), else raw text or binary.
+_SENT = (_frame().map(lambda f: ("text", json.dumps(f, default=repr))),
+         st.text(max_size=200).map(lambda t: ("text", t)),
+         st.binary(max_size=200).map(lambda b: ("binary", b)))
+_sent = st.integers(0, 7).flatmap(lambda i: _SENT[max(0, i - 5)])  # 6 in 8 are frames
 
 
 async def _socket_round(url: str, auth: dict[str, str], frames: list[tuple[str, Any]]) -> None:
-    """Send ``frames``, then a ping: the socket answers pong, or has closed
-    with one of the protocol's close codes."""
+    """Send ``frames``, then a ping: the socket answers pong. No frame of
+    these (all far below ``ws.max_message_bytes``) is a reason to close an
+    authenticated socket; a handler that fails closes it, with 1000 as often
+    as not, so any close fails the test."""
     async with aiohttp.ClientSession() as session, \
             session.ws_connect(f"{url}/v1/ws", headers=auth, autoping=True) as ws:
         for kind, data in frames:
-            if ws.closed:
-                break
             await (ws.send_str(data) if kind == "text" else ws.send_bytes(data))
-        if not ws.closed:
-            await ws.send_str('{"type":"ping"}')
+        await ws.send_str('{"type":"ping"}')
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             msg = await ws.receive(timeout=deadline - time.monotonic())
             if msg.type is aiohttp.WSMsgType.TEXT and json.loads(msg.data).get("type") == "pong":
                 return
-            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
-                            aiohttp.WSMsgType.CLOSING):
-                assert ws.close_code in set(CloseCode), (ws.close_code, frames)
-                return
-            assert msg.type is not aiohttp.WSMsgType.ERROR, (msg, frames)
+            assert msg.type is aiohttp.WSMsgType.TEXT, (msg.type, ws.close_code, frames)
         raise AssertionError(f"no pong within 60 s after {frames!r:.500}")
 
 
@@ -238,12 +264,12 @@ def test_after_the_fuzz_every_tier_serves_and_nothing_is_reserved(fuzz: Fuzz) ->
     assert body.rstrip().endswith(b"data: [DONE]")
     # Every reservation is settled once its request ends (usage reconciles
     # it, a refusal refunds it); cancelled and background ones take a moment.
-    deadline = time.monotonic() + 120
-    while True:
-        left, windows = asyncio.run(_leftovers(pipeline.config.redis.url))
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
+    left, windows = asyncio.run(_leftovers(pipeline.config.redis.url))
+    # (Read at once: a window's keys go a minute after its last request.)
     assert windows, "no request was reserved under this prefix: the check reads the wrong keys"
+    deadline = time.monotonic() + 120
+    while left and time.monotonic() < deadline:
+        time.sleep(1.0)
+        left, _ = asyncio.run(_leftovers(pipeline.config.redis.url))
     assert not left, f"reservations left behind: {left[:10]}"
     _no_traceback(pipeline, "after")
