@@ -41,6 +41,7 @@ from bench.loadgen import Endpoint
 from tidegate import config as tgconfig
 from tidegate.errors import TidegateError
 from tidegate.run.servers import (
+    SYNC_ALWAYS,
     ManagedProcess,
     NatsServer,
     RedisServer,
@@ -229,9 +230,14 @@ class Targets:
         # One Go thread for nats-server: the machine's cores are shared with
         # the load generator, the backend and three Python tiers, and a second
         # P mostly spins looking for work (docs/benchmarks.md, "nats-server").
+        # TIDEGATE_BENCH_NATS_SYNC: JetStream's sync_interval for the
+        # stack's nats-server ("always", the shipped default; "none" leaves
+        # nats-server's own), to measure what the fsync costs.
+        sync = os.environ.get("TIDEGATE_BENCH_NATS_SYNC", SYNC_ALWAYS)
         nats = NatsServer(self._tmp / f"{prefix}nats", host=_HOST,
                           log_path=self.logs / f"{prefix}nats-server.log",
-                          gomaxprocs=NATS_GOMAXPROCS)
+                          gomaxprocs=NATS_GOMAXPROCS,
+                          sync_interval=None if sync == "none" else sync)
         if not prefix:
             self.notes.append(f"nats-server runs with GOMAXPROCS={NATS_GOMAXPROCS}.")
         self._procs.append(nats)
