@@ -4,9 +4,9 @@
 message it sends its edge (``Head``, chunks, heartbeats, ``Done``, ``Error``)
 to the stream log, ``<p>.log.<request_id>`` in the ``<P>_STREAMLOG``
 JetStream stream (format: ``tidegate.wire.streamlog``). Log entries go
-through an outbox, batched per loop iteration, as plain publishes: JetStream
-stores them, and nothing waits for a publish ack (the log is a second copy
-for readers that come later; the live path does not wait on it).
+through the worker's :class:`~tidegate.wire.mux.StoredOutbox`: batched, each
+batch stored (acked, retried through an election) before the log's next one
+goes, so the log loses no entry; the live path never waits on it.
 
 Readers and grace. The connection that made the request is the original
 reader; it acks as today, and while it reads, the credit window works as
@@ -151,16 +151,12 @@ class ResumableJob(Job):
         ack, retried while the log's stream has no leader
         (``tidegate.broker.patient``, for ``edge.publish_patience``).
 
-        Log entries are plain publishes (nothing waits on them), and
-        JetStream drops, without a word, what reaches a stream whose leader
-        died and whose followers have not elected another yet (seconds). A
-        log that lost its last entries so keeps no end: every later reader
-        would wait for its silence limit, then end with ``worker_lost``.
-        This copy lands after the plain one (the outbox is flushed first,
-        and one connection keeps order): readers skip it as a duplicate
-        (``LogCursor``) when the first landed. Entries lost before the end
-        still end a reader at the gap (``stream_gap``), at once. One acked
-        publish per resumable job, none per chunk."""
+        The log outbox stores every entry, the end too, unless its patience
+        ran out (then a reader ends at the gap, ``stream_gap``, at once);
+        this copy keeps the end when the outbox is not the worker's stored
+        one (tests give it a plain one) and costs one acked publish per
+        resumable job. It lands after the first (the outbox is flushed
+        first): readers skip it as a duplicate (``LogCursor``)."""
         outbox = self._log_outbox
         assert outbox is not None
         await outbox.flush()

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate.broker import broker, poison
+from tidegate.broker import broker, patient, poison
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.broker.pull import Credit, Puller
 from tidegate.config import Config, ModelConfig
@@ -54,7 +54,7 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.affinity import ROUTE_HEADER, prompt_chars
 from tidegate.wire.cancels import CancelRegistry
-from tidegate.wire.mux import Outbox, batch_limit
+from tidegate.wire.mux import Outbox, StoredOutbox, batch_limit
 from tidegate.wire.protocol import (
     Ack,
     Attach,
@@ -483,11 +483,15 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                         batch_limit(config.worker.coalesce_bytes, nc.max_payload),
                         config.worker.coalesce_delay)
         outbox.start()
-    # Resumable streams' log entries are batched even with coalescing off.
-    log_outbox = outbox
-    if log_outbox is None:
-        log_outbox = Outbox(nc.publish, batch_limit(128 << 10, nc.max_payload))
-        log_outbox.start()
+    # Resumable streams' log entries: batched even with coalescing off, and
+    # stored before the next batch of a log goes (StoredOutbox).
+
+    async def store(subject: str, payload: bytes, msg_id: str) -> None:
+        await patient.publish(js, nc, subject, payload, {"Nats-Msg-Id": msg_id},
+                              config.edge.publish_patience)
+
+    log_outbox = StoredOutbox(store, batch_limit(128 << 10, nc.max_payload))
+    log_outbox.start()
     prices = PriceBook(config)
     prices_kv = await ensure_prices_bucket(js, config)
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
@@ -568,7 +572,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         for backend in [*backends.values(), *replica_backends.values()]:
             await backend.aclose()
         await log_outbox.close()  # the last jobs' Done and Error messages (and log entries)
-        if outbox is not None and outbox is not log_outbox:
+        if outbox is not None:
             await outbox.close()
         await broker.close(nc)
         log.info("worker %s stopped", worker_id)
