@@ -334,7 +334,8 @@ class Runner(Leadership, Release):
                  S.COMPLETED if len(run.done) >= record.counts.total else S.EXPIRED)
         completed, failed = await bf.write_outputs(stores, record, run.done,
                                                    expired=final is S.EXPIRED)
-        counts = Counts(record.counts.total, completed, failed)
+        expired = record.counts.total - len(run.done) if final is S.EXPIRED else 0
+        counts = Counts(record.counts.total, completed, failed, expired)
 
         def end(current: BatchRecord) -> BatchRecord | None:
             if current.terminal:

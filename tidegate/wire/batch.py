@@ -147,7 +147,8 @@ class LineError:
 class Counts:
     total: int = 0
     completed: int = 0
-    failed: int = 0
+    failed: int = 0  # expired lines included (OpenAI counts them as failed)
+    expired: int = 0  # lines the window ended before they ran (Anthropic counts them apart)
 
 
 @dataclass(frozen=True, slots=True)
