@@ -22,7 +22,16 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from edge import anthropic, background, batches, files, idempotency, instrument, resume
+from edge import (
+    anthropic,
+    background,
+    batches,
+    files,
+    idempotency,
+    instrument,
+    message_batches,
+    resume,
+)
 from edge.auth import authorization
 from edge.body import deadline as body_deadline
 from edge.continuation import deciding_fields
@@ -98,6 +107,7 @@ def build_app(state: EdgeState) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     files.register(app, state)
     batches.register(app, state)
+    message_batches.register(app, state)
     app.router.add_get("/v1/streams/{request_id}", get_stream)
     app.router.add_post("/v1/streams/{request_id}/cancel", cancel_stream)
     app.router.add_get("/v1/responses/{response_id}", get_response)
