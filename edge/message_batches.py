@@ -115,10 +115,11 @@ async def create(request: web.Request) -> web.Response:
     principal = _principal(api, request)
     config = api.state.config
     await read_within(request, config.edge)  # body deadline; past edge.max_body_bytes: 413
-    body = parse_object(await request.read(), config.edge.max_json_depth)
+    raw = await request.read()
+    body = parse_object(raw, config.edge.max_json_depth)
     check = _checker(api, principal)
     try:
-        lines = mb.input_lines(body, config.batch.max_lines, config.batch.max_line_bytes,
+        lines = mb.input_lines(raw, body, config.batch.max_lines, config.batch.max_line_bytes,
                                check)
     except ApiError:
         raise

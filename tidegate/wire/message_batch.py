@@ -44,14 +44,16 @@ def batch_id(message_batch_id: str) -> str | None:
     return record_id if ok else None
 
 
-def input_lines(body: dict[str, Any], max_lines: int, max_line_bytes: int,
+def input_lines(raw: bytes, body: dict[str, Any], max_lines: int, max_line_bytes: int,
                 check: Callable[[dict[str, Any]], None]) -> list[bytes]:
-    """The runner's input lines for a create body ``{"requests": [...]}``;
-    an ApiError (400, Anthropic's pattern for ``custom_id``, unique ids, at
-    most ``max_lines`` requests, each line at most ``max_line_bytes``)
-    naming the request otherwise. ``check`` validates one request's
-    ``params`` as ``POST /v1/messages`` does and raises its ApiError, which
-    is named ``requests[i].params...`` here."""
+    """The runner's input lines for a create body ``{"requests": [...]}``
+    (``raw``, parsed as ``body``); an ApiError (400, Anthropic's pattern for
+    ``custom_id``, unique ids, at most ``max_lines`` requests, each line at
+    most ``max_line_bytes``, no key twice in a request or its params, as a
+    ``POST /v1/messages`` body may not have one) naming the request
+    otherwise. ``check`` validates one request's ``params`` as ``POST
+    /v1/messages`` does and raises its ApiError, named ``requests[i].params``
+    here."""
     requests = body.get("requests")
     if not isinstance(requests, list) or not requests:
         raise invalid_request("requests: must be a non-empty array of {custom_id, params}.",
@@ -59,6 +61,7 @@ def input_lines(body: dict[str, Any], max_lines: int, max_line_bytes: int,
     if len(requests) > max_lines:
         raise invalid_request(f"requests: at most {max_lines} requests per batch, got "
                               f"{len(requests)}.", param="requests", code="too_many_requests")
+    _no_duplicate_keys(raw, requests)
     seen: dict[str, int] = {}
     lines = []
     for i, item in enumerate(requests):
@@ -96,6 +99,54 @@ def input_lines(body: dict[str, Any], max_lines: int, max_line_bytes: int,
                                   code="request_too_large")
         lines.append(line)
     return lines
+
+
+def _no_duplicate_keys(raw: bytes, requests: list[Any]) -> None:
+    """No request object and no ``params`` with a key twice. The exact
+    stdlib pass runs only when the cheap test fails: a key written more
+    often in ``raw`` than the parsed objects hold it, or an escape that
+    could spell one ("mod\\u0065l")."""
+    objects = [o for item in requests if isinstance(item, dict)
+               for o in (item, item.get("params")) if isinstance(o, dict)]
+    uses: dict[str, int] = {}
+    for obj in objects:
+        for key in obj:
+            uses[key] = uses.get(key, 0) + 1
+    if b"\\u" not in raw and all(
+            raw.count(b'"' + k.encode("utf-8", "surrogatepass") + b'"') <= n
+            for k, n in uses.items()):
+        return
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = _Twice(items) if len({k for k, _ in items}) < len(items) else {}
+        out.update(items)
+        return out
+
+    top = json.loads(raw, object_pairs_hook=pairs)
+    items = top.get("requests") if isinstance(top, dict) else None
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        params = item.get("params") if isinstance(item, dict) else None
+        for where, value in ((f"requests[{i}]", item), (f"requests[{i}].params", params)):
+            if isinstance(value, _Twice):
+                raise invalid_request(f"{where}: has the key {value.twice()!r} more than once; "
+                                      "each key may appear only once.", param=where,
+                                      code="invalid_json")
+
+
+class _Twice(dict[str, Any]):
+    """A parsed object that had a key twice; names it."""
+
+    def __init__(self, items: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.items_seen = items
+
+    def twice(self) -> str:
+        seen: set[str] = set()
+        for key, _ in self.items_seen:
+            if key in seen:
+                return key
+            seen.add(key)
+        return ""
 
 
 def _time(ts: int | None) -> str | None:
