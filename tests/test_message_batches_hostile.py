@@ -257,9 +257,11 @@ async def test_ids_not_ours_and_list_params(pipeline: Pipeline) -> None:
 
 async def test_list_pages_both_ways(pipeline: Pipeline) -> None:
     ids = [create(pipeline, {"requests": [req("p")]})[1]["id"] for _ in range(3)]
+    _, everything = call(pipeline, "GET", f"{PATH}?limit=1000")
+    assert set(ids) <= {b["id"] for b in everything["data"]}
     _, page = call(pipeline, "GET", f"{PATH}?limit=2")
     newest = [b["id"] for b in page["data"]]
-    assert newest[0] in ids
+    assert newest == [b["id"] for b in everything["data"][:2]]
     assert page["has_more"]
     assert page["first_id"] == newest[0]
     assert page["last_id"] == newest[1]
