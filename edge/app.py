@@ -22,20 +22,12 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from edge import (
-    anthropic,
-    background,
-    batches,
-    files,
-    idempotency,
-    instrument,
-    message_batches,
-    resume,
-)
+from edge import anthropic, background, batches, files, idempotency, instrument, resume
 from edge.auth import authorization
 from edge.body import deadline as body_deadline
 from edge.continuation import deciding_fields
 from edge.errors import error_response, from_http_exception
+from edge.message_batches import register as register_message_batches
 from edge.publish import build_request, may_use, models_for, publish_request
 from edge.relay import Relay
 from edge.sse_writer import SseWriter
@@ -107,7 +99,7 @@ def build_app(state: EdgeState) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     files.register(app, state)
     batches.register(app, state)
-    message_batches.register(app, state)
+    register_message_batches(app, state)
     app.router.add_get("/v1/streams/{request_id}", get_stream)
     app.router.add_post("/v1/streams/{request_id}/cancel", cancel_stream)
     app.router.add_get("/v1/responses/{response_id}", get_response)
