@@ -5,7 +5,11 @@ As there, only what tidegate depends on, or whose wrong type would make a
 worker's translation or a backend fail confusingly, is checked, with a 400
 naming the field (``param``; the edge writes it in Anthropic's error shape).
 ``max_tokens`` is required, as Anthropic requires it, and bounded by the
-model's ``max_output_tokens``. Unknown fields pass on untouched.
+model's ``max_output_tokens``. ``system`` turns inside ``messages`` (today's
+Claude Code sends them), ``thinking``, ``context_management`` and
+``output_config`` are checked for shape only: whether a backend can honour
+them is the worker's to say (docs/anthropic.md, "Request fields"). Unknown
+fields pass on untouched.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from tidegate.wire.protocol import Api
 
 __all__ = ["quota_user", "validate_messages", "validate_messages_body"]
 
-_ROLES = ("user", "assistant")
+_ROLES = ("user", "assistant", "system")
+_THINKING = ("enabled", "adaptive", "disabled")
 # Anthropic documents no bound on stop_sequences; each becomes a backend stop
 # string that is matched on every token, so tidegate sets one (docs/anthropic.md).
 MAX_STOP_SEQUENCES = 16
@@ -75,6 +80,9 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
     _optional_int(body, "top_k", minimum=0)
     _tools(body)
     _tool_choice(body)
+    _thinking(body)
+    _objects(body, "context_management", "edits")
+    _output_config(body)
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -115,9 +123,12 @@ def _turns(body: dict[str, Any]) -> None:
             raise invalid_request(f"'{where}' must be an object, got {_json_type(turn)}.",
                                   param=where, code="invalid_type")
         if turn.get("role") not in _ROLES:
-            raise invalid_request(f"'{where}.role' must be 'user' or 'assistant'.",
+            raise invalid_request(f"'{where}.role' must be 'user', 'assistant' or 'system'.",
                                   param=f"{where}.role", code="invalid_value")
         content = turn.get("content")
+        if turn["role"] == "system":
+            _system_text(content, f"{where}.content")
+            continue
         if isinstance(content, str):
             continue
         if not isinstance(content, list):
@@ -154,14 +165,78 @@ def _blocks(blocks: list[Any], where: str, role: str) -> None:
 
 
 def _system(body: dict[str, Any]) -> None:
-    system = body.get("system")
-    if system is None or isinstance(system, str):
+    if body.get("system") is not None:
+        _system_text(body["system"], "system")
+
+
+def _system_text(system: Any, where: str) -> None:
+    """A system prompt: a string or text blocks (the top-level ``system`` or
+    a ``system`` turn's content)."""
+    if isinstance(system, str):
         return
     if not isinstance(system, list) or not all(
             isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
             for b in system):
-        raise invalid_request("'system' must be a string or an array of text blocks.",
-                              param="system", code="invalid_type")
+        raise invalid_request(f"'{where}' must be a string or an array of text blocks.",
+                              param=where, code="invalid_type")
+
+
+def _thinking(body: dict[str, Any]) -> None:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return
+    if not isinstance(thinking, dict) or thinking.get("type") not in _THINKING:
+        raise invalid_request("'thinking' must be an object whose 'type' is one of "
+                              f"{', '.join(_THINKING)}.", param="thinking",
+                              code="invalid_value")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
+        raise invalid_request("'thinking.budget_tokens' must be an integer >= 1.",
+                              param="thinking.budget_tokens", code="invalid_value")
+    display = thinking.get("display")
+    if display is not None and not isinstance(display, str):
+        raise invalid_request("'thinking.display' must be a string.", param="thinking.display",
+                              code="invalid_type")
+
+
+def _objects(body: dict[str, Any], key: str, items: str) -> None:
+    """``body[key]``, when there, is an object whose ``items`` (when there) is
+    an array of objects each with a string ``type``."""
+    value = body.get(key)
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid_request(f"'{key}' must be an object, got {_json_type(value)}.",
+                              param=key, code="invalid_type")
+    listed = value.get(items)
+    if listed is None:
+        return
+    if not isinstance(listed, list):
+        raise invalid_request(f"'{key}.{items}' must be an array.", param=f"{key}.{items}",
+                              code="invalid_type")
+    for i, item in enumerate(listed):
+        if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+            raise invalid_request(f"'{key}.{items}[{i}]' must be an object with a string "
+                                  "'type'.", param=f"{key}.{items}[{i}]", code="invalid_type")
+
+
+def _output_config(body: dict[str, Any]) -> None:
+    config = body.get("output_config")
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise invalid_request(f"'output_config' must be an object, got {_json_type(config)}.",
+                              param="output_config", code="invalid_type")
+    effort = config.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise invalid_request("'output_config.effort' must be a string.",
+                              param="output_config.effort", code="invalid_type")
+    output_format = config.get("format")
+    if output_format is not None and (not isinstance(output_format, dict)
+                                      or not isinstance(output_format.get("type"), str)):
+        raise invalid_request("'output_config.format' must be an object with a string "
+                              "'type'.", param="output_config.format", code="invalid_type")
 
 
 def _tools(body: dict[str, Any]) -> None:
