@@ -107,7 +107,7 @@ BAD: dict[str, Any] = {
     "models[0].max_output_tokens": 0,
     "models[0].simulator.ttft": -1.0, "models[0].simulator.tokens_per_second": 0.0,
     "models[0].simulator.length": 0, "models[0].simulator.embedding_dimensions": 8193,
-    "models[0].simulator.prefill_per_char": -1.0,
+    "models[0].simulator.prefill_per_char": -1.0, "models[0].simulator.tool_arguments": "[]",
     "models[0].queue.ttft_p99": -1.0, "models[0].queue.window": 0.0,
     "models[0].queue.enter_after": 0, "models[0].queue.exit_after": 0,
     "models[0].queue.exit_ratio": 1.5, "models[0].queue.max_queued": 0,
@@ -119,6 +119,8 @@ BAD: dict[str, Any] = {
 # Keys for which every value of the type is valid, and why.
 ANY_VALUE: dict[str, str] = {
     "models[0].upstream_model": "any name the backend knows; empty is the model's name",
+    "models[0].simulator.tool_call": "any tool name (a request that lists none gets text); "
+                                     "empty is off",
 }
 
 

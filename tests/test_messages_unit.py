@@ -98,8 +98,8 @@ TODAY = {"model": "m", "max_tokens": 4096, "stream": True,
              {"role": "user", "content": [
                  {"type": "text", "text": "<system-reminder>...</system-reminder>"},
                  {"type": "text", "text": "Say hello", "cache_control": {"type": "ephemeral"}}]},
-             {"role": "system", "content": [
-                 {"type": "text", "text": "# Environment", "cache_control": {"type": "ephemeral"}}]},
+             {"role": "system", "content": [{"type": "text", "text": "# Environment",
+                                             "cache_control": {"type": "ephemeral"}}]},
              {"role": "assistant", "content": [
                  {"type": "thinking", "thinking": "", "signature": "c2ln"},
                  {"type": "text", "text": "Hello"}]},

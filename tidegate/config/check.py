@@ -4,6 +4,7 @@ cannot express, each message naming the key (run by :func:`tidegate.config.from_
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import zoneinfo
 
@@ -327,6 +328,13 @@ def _check(config: Config) -> None:
         if not 1 <= m.simulator.embedding_dimensions <= 8192:
             raise ConfigError(f"{where}.simulator.embedding_dimensions: must be in "
                               f"[1, 8192], got {m.simulator.embedding_dimensions}")
+        try:
+            arguments = json.loads(m.simulator.tool_arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ConfigError(f"{where}.simulator.tool_arguments: must be a JSON object, got "
+                              f"{m.simulator.tool_arguments[:80]!r}")
 
 
 def _check_spend(config: Config) -> None:

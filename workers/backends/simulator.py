@@ -56,6 +56,7 @@ from workers.backends.greedy import GreedyPlan, greedy_plan
 from workers.backends.paced import PacedStream
 from workers.backends.prefix_cache import PrefixCache, prompt_text
 from workers.backends.simulator_responses import SimulatorEmbeddings, SimulatorResponsesStream
+from workers.backends.simulator_tools import SimulatorToolCall, wants_tool_call
 
 __all__ = ["SimulatorBackend", "SimulatorStream", "TextPlan", "plan", "plan_text"]
 
@@ -405,6 +406,8 @@ class SimulatorBackend:
         if request.api == Api.EMBEDDINGS:
             return await SimulatorEmbeddings.open(request, sim, now,
                                                   self._worker.max_response_bytes)
+        if request.api == Api.CHAT and wants_tool_call(request.body, sim):
+            return SimulatorToolCall(request, sim, now)
         pieces = await plan_off_loop(request.api, request.body, sim, cap)
         if request.api == Api.RESPONSES:
             return SimulatorResponsesStream(request, pieces, pieces.finish, sim, now)
@@ -425,6 +428,8 @@ async def simulated_messages(request: Request, sim: SimulatorConfig,
     from workers.backends.messages_sim import TranslatedStream
     now = time.monotonic()
     chat = TranslatedStream.chat_request(request, sim.length)
+    if wants_tool_call(chat.body, sim):
+        return TranslatedStream(request, SimulatorToolCall(chat, sim, now))
     planned = await plan_off_loop(Api.CHAT, chat.body, sim, cap)
     # A greedy plan applies no stop strings (workers/backends/greedy.py).
     stopped_by = planned.stopped_by if isinstance(planned, TextPlan) else ""
