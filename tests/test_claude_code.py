@@ -1,0 +1,344 @@
+"""Claude Code, the real CLI, through tidegate: the npm package
+``@anthropic-ai/claude-code`` at the version ``.ci/claude-code`` pins, run
+headless (``claude -p``) against a whole pipeline, unchanged.
+
+Claude Code talks to a small recording proxy in front of the edge, so each
+test sees what it sent and what the edge answered (headers included). The
+model is the simulator, so the text it prints is checked against the text
+the simulator writes for the body Claude Code sent; ``sim-tools``
+(``simulator.tool_call``) answers with a ``Bash`` call, which Claude Code
+runs, so its tool loop goes round. ``native`` is a Messages passthrough
+(the fake backend's own ``/v1/messages``), which must get Claude Code's body
+as it was sent.
+
+The binary: ``TIDEGATE_CLAUDE_CODE``, else the pinned version in the cache
+``.ci/claude-code`` installs into. Without one the tests skip, or fail under
+``CI=true`` (``.ci/run``), as ``tests/test_llama_server.py`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bench.fake_backend import FakeBackend, FakeConfig
+from tests.llama_server import missing
+from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, serve_app, threaded_fake_backend
+from tidegate.config import ModelConfig, SimulatorConfig
+from tidegate.wire.protocol import Api, Request
+from tidegate.wire.tokens import estimate_prompt_tokens
+from workers.backends.simulator import SimulatorBackend
+
+pytestmark = pytest.mark.pipeline
+
+INSTALLER = Path(__file__).resolve().parent.parent / ".ci" / "claude-code"
+SIM = SimulatorConfig(ttft=0.01, tokens_per_second=400.0, length=24)
+MARKER = "tidegate-tool-" + uuid.uuid4().hex[:8]
+TOOL_ARGUMENTS = {"command": f"echo {MARKER}", "description": "Print a marker"}
+# Claude Code is a large native binary that starts slowly on a loaded box; a
+# turn is a few requests. Generous: a bound no healthy run comes near.
+RUN_TIMEOUT = 300.0
+# Not forwarded by the recording proxy: they describe one hop, not the request.
+_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
+                  "content-encoding", "accept-encoding"})
+
+
+def pinned_version() -> str:
+    found = re.search(r"^version=(\S+)$", INSTALLER.read_text(), re.MULTILINE)
+    assert found, f"no version= line in {INSTALLER}"
+    return found.group(1)
+
+
+def binary() -> str | None:
+    """The claude binary to run, or None when there is none."""
+    named = os.environ.get("TIDEGATE_CLAUDE_CODE")
+    if named:
+        return named if os.access(named, os.X_OK) else None
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = cache / "tidegate" / "claude-code" / pinned_version() / "node_modules" / ".bin" / \
+        "claude"
+    return str(path) if os.access(path, os.X_OK) else None
+
+
+@pytest.fixture(scope="module")
+def claude() -> str:
+    path = binary()
+    if path is None:
+        named = os.environ.get("TIDEGATE_CLAUDE_CODE")
+        missing(f"TIDEGATE_CLAUDE_CODE={named} is not an executable" if named else
+                f"Claude Code {pinned_version()} is not installed: run .ci/claude-code (npm, "
+                "once per machine) and set TIDEGATE_CLAUDE_CODE to the path it prints")
+        raise AssertionError("unreachable")
+    return path
+
+
+@pytest.fixture(scope="module")
+def native() -> Iterator[FakeBackend]:
+    """A backend that serves /v1/messages itself: tidegate passes Claude Code's body on."""
+    with threaded_fake_backend(config=FakeConfig(models=("fake-model",), ttft=0.01, itl=0.002,
+                                                 tokens=12)) as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
+             module_redis_url: str, native: FakeBackend) -> Iterator[Pipeline]:
+    simulator = {"ttft": SIM.ttft, "tokens_per_second": SIM.tokens_per_second,
+                 "length": SIM.length}
+    models: list[dict[str, Any]] = [
+        {"name": "tidegate-sim", "aliases": ["sim"], "simulator": simulator},
+        {"name": "sim-tools", "simulator": {**simulator, "tool_call": "Bash",
+                                            "tool_arguments": json.dumps(TOOL_ARGUMENTS)}},
+        {"name": "native", "backend": "openai", "base_url": native.base_url,
+         "upstream_model": "fake-model", "messages": "passthrough"},
+    ]
+    yield from running_pipeline(tmp_path_factory.mktemp("claude-code"), module_nats_url,
+                                module_redis_url,
+                                overrides={"models": models,
+                                           "nats": {"subject_prefix": "cc" + uuid.uuid4().hex[:6]}})
+
+
+@dataclass
+class Exchange:
+    """One request Claude Code sent and the edge's answer."""
+
+    method: str
+    path: str  # with the query
+    headers: dict[str, str]
+    body: Any
+    status: int = 0
+    response_headers: dict[str, str] = field(default_factory=dict)
+    response: bytes = b""
+
+    def json(self) -> Any:
+        return json.loads(self.response)
+
+
+class Recorder:
+    """A proxy in front of the edge that keeps every exchange, streaming the
+    answer through as it comes (Claude Code reads events as they arrive)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.exchanges: list[Exchange] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        exchange = Exchange(request.method, str(request.rel_url), dict(request.headers),
+                            json.loads(raw) if raw else None)
+        self.exchanges.append(exchange)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        async with aiohttp.ClientSession(auto_decompress=True) as session, session.request(
+                request.method, self.upstream + str(request.rel_url), headers=headers,
+                data=raw, timeout=aiohttp.ClientTimeout(total=RUN_TIMEOUT)) as upstream:
+            exchange.status = upstream.status
+            exchange.response_headers = dict(upstream.headers)
+            response = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP})
+            await response.prepare(request)
+            body = bytearray()
+            async for chunk in upstream.content.iter_any():
+                body += chunk
+                await response.write(chunk)
+            exchange.response = bytes(body)
+            await response.write_eof()
+        return response
+
+    def messages(self) -> list[Exchange]:
+        return [e for e in self.exchanges if e.path.split("?")[0] == "/v1/messages"]
+
+
+@pytest.fixture
+async def recorder(pipeline: Pipeline) -> AsyncIterator[tuple[Recorder, str]]:
+    proxy = Recorder(pipeline.url)
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    async with serve_app(app) as url:
+        yield proxy, url
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+async def run_claude(claude: str, base_url: str, home: Path, *args: str, model: str = "sim",
+                     auth: str = "ANTHROPIC_API_KEY") -> Run:
+    """``claude -p ARGS`` headless and offline: its own HOME and config dir,
+    no telemetry, updater, error reports or other non-essential traffic, every
+    model name Claude Code might ask for mapped to ``model``."""
+    os.makedirs(home, exist_ok=True)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+           "CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_BASE_URL": base_url,
+           auth: DEV_KEY, "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
+           "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+           "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+           "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        claude, "-p", *args, cwd=home, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(RUN_TIMEOUT):
+            out, err = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return Run(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+def answer(exchange: Exchange) -> tuple[str, str]:
+    """The text and stop reason of a streamed Messages answer."""
+    evs = events(exchange.response)
+    text = "".join(e["delta"].get("text", "") for e in evs if e["type"] == "content_block_delta")
+    [stop] = [e["delta"]["stop_reason"] for e in evs if e["type"] == "message_delta"]
+    return text, stop
+
+
+async def simulator_text(body: dict[str, Any]) -> str:
+    """The text the simulator writes for a Messages ``body``."""
+    backend = SimulatorBackend(ModelConfig(name="tidegate-sim", simulator=SIM))
+    request = Request(id="x", reply="r", model="tidegate-sim", api=Api.MESSAGES, stream=False,
+                      body={**body, "stream": False}, created_ms=0, deadline_ms=0,
+                      window_bytes=1, window_msgs=1)
+    stream = await backend.open(request)
+    raw = b""
+    while data := await stream.read(1 << 20):
+        raw += data
+    return "".join(b["text"] for b in json.loads(raw)["content"] if b["type"] == "text")
+
+
+def refused(recorder: Recorder) -> list[tuple[str, int, bytes]]:
+    return [(e.path, e.status, e.response[:300]) for e in recorder.exchanges if e.status != 200]
+
+
+async def test_version_is_the_pinned_one(claude: str, tmp_path: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        claude, "--version", env={"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path),
+                                  "DISABLE_AUTOUPDATER": "1"},
+        stdout=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(RUN_TIMEOUT):
+        out, _ = await proc.communicate()
+    assert out.decode().split()[0] == pinned_version()
+
+
+async def test_one_turn(claude: str, recorder: tuple[Recorder, str], tmp_path: Path) -> None:
+    """``claude -p "Say hello"`` completes, printing the simulator's text, and
+    what it sent (a ``system`` turn inside ``messages``, ``thinking``,
+    ``context_management``, ``output_config``, ``?beta=true``) was accepted."""
+    proxy, url = recorder
+    run = await run_claude(claude, url, tmp_path / "home", "Say hello")
+    assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
+    assert not refused(proxy)
+    [sent] = proxy.messages()
+    assert sent.path == "/v1/messages?beta=true"
+    text, stop = answer(sent)
+    assert stop == "end_turn"
+    assert text == await simulator_text(sent.body)
+    assert run.stdout.strip() == text.strip()
+
+
+async def test_stream_json(claude: str, recorder: tuple[Recorder, str], tmp_path: Path) -> None:
+    """``--output-format stream-json``: the answer reaches Claude Code as a
+    stream of deltas, and its result line carries the whole text."""
+    proxy, url = recorder
+    run = await run_claude(claude, url, tmp_path / "home", "Say hello", "--output-format",
+                           "stream-json", "--verbose", "--include-partial-messages")
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr, refused(proxy))
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.strip()]
+    [sent] = proxy.messages()
+    text, _ = answer(sent)
+    deltas = [ln["event"]["delta"]["text"] for ln in lines if ln["type"] == "stream_event"
+              and ln["event"]["type"] == "content_block_delta"]
+    assert len(deltas) == SIM.length  # one per token, as the simulator streamed them
+    assert "".join(deltas) == text
+    result = lines[-1]
+    assert result["type"] == "result"
+    assert result["subtype"] == "success"
+    assert result["is_error"] is False
+    assert result["result"].strip() == text.strip()
+
+
+async def test_multi_turn_session_with_a_tool_round_trip(
+        claude: str, recorder: tuple[Recorder, str], tmp_path: Path) -> None:
+    """Two turns of one session on ``sim-tools``: each a tool_use of Bash,
+    Claude Code running it, its tool_result (the command's output) going back,
+    then text; the second turn carries the first in its history."""
+    proxy, url = recorder
+    home, session = tmp_path / "home", str(uuid.uuid4())
+    tools = ("--allowedTools", "Bash", "--model", "sim-tools")
+    first = await run_claude(claude, url, home, "Print the marker", "--session-id", session,
+                             *tools, model="sim-tools")
+    assert first.returncode == 0, (first.stdout, first.stderr, refused(proxy))
+    second = await run_claude(claude, url, home, "Once more", "--resume", session, *tools,
+                              model="sim-tools")
+    assert second.returncode == 0, (second.stdout, second.stderr, refused(proxy))
+    assert not refused(proxy)
+    sent = proxy.messages()
+    assert [answer(e)[1] for e in sent] == ["tool_use", "end_turn", "tool_use", "end_turn"]
+    for call, back in ((sent[0], sent[1]), (sent[2], sent[3])):
+        [use] = [e["content_block"] for e in events(call.response)
+                 if e["type"] == "content_block_start"]
+        assert use["name"] == "Bash"
+        results = [b for b in back.body["messages"][-1]["content"]
+                   if isinstance(b, dict) and b.get("type") == "tool_result"]
+        assert [r["tool_use_id"] for r in results] == [use["id"]]
+        assert MARKER in json.dumps(results[0]["content"])  # Claude Code ran the command
+        assert not results[0].get("is_error")
+    history = json.dumps(sent[3].body["messages"])
+    assert "Print the marker" in history
+    assert history.count(MARKER) >= 2
+    assert first.stdout.strip() == answer(sent[1])[0].strip()
+    assert second.stdout.strip() == answer(sent[3])[0].strip()
+
+
+async def test_count_tokens(claude: str, recorder: tuple[Recorder, str], tmp_path: Path) -> None:
+    """``/context`` counts tokens as Claude Code does it:
+    ``/v1/messages/count_tokens?beta=true`` (here with ANTHROPIC_AUTH_TOKEN,
+    a bearer key); the edge answers each with its estimate."""
+    proxy, url = recorder
+    run = await run_claude(claude, url, tmp_path / "home", "/context",
+                           auth="ANTHROPIC_AUTH_TOKEN")
+    assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
+    counted = [e for e in proxy.exchanges if e.path.split("?")[0] == "/v1/messages/count_tokens"]
+    assert counted, [e.path for e in proxy.exchanges]
+    for e in counted:
+        assert e.headers.get("Authorization") == f"Bearer {DEV_KEY}"
+        assert e.status == 200, e.response
+        assert e.response_headers["x-tidegate-token-count"] == "estimate"
+        assert e.json() == {"input_tokens": estimate_prompt_tokens(Api.MESSAGES, e.body)}
+    assert "Context Usage" in run.stdout
+
+
+async def test_passthrough_gets_the_body_as_sent(claude: str, recorder: tuple[Recorder, str],
+                                                 native: FakeBackend, tmp_path: Path) -> None:
+    """On a Messages passthrough model the backend gets Claude Code's body as
+    it was sent (``model`` aside: the upstream name), system turns and all,
+    and its ``anthropic-beta`` header unchanged."""
+    proxy, url = recorder
+    seen = len(native.records)
+    run = await run_claude(claude, url, tmp_path / "home", "Say hello", model="native")
+    assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
+    [sent] = proxy.messages()
+    [got] = [r for r in list(native.records)[seen:] if r.path.endswith("/messages")]
+    assert got.body == {**sent.body, "model": "fake-model"}
+    assert got.headers["anthropic-beta"] == sent.headers["anthropic-beta"]
+    assert run.stdout.strip() == answer(sent)[0].strip()
