@@ -40,7 +40,7 @@ def _with(**fields: Any) -> bytes:
     (_with(messages=[{"role": "system", "content": [{"type": "image"}]}]),
      "messages[0].content"),
     (_with(messages=[{"role": "system", "content": 3}]), "messages[0].content"),
-    (_with(thinking={"type": "sometimes"}), "thinking"),
+    (_with(thinking={"type": 5}), "thinking"),
     (_with(thinking="adaptive"), "thinking"),
     (_with(thinking={"type": "enabled", "budget_tokens": "many"}), "thinking.budget_tokens"),
     (_with(thinking={"type": "adaptive", "display": 1}), "thinking.display"),
@@ -120,7 +120,8 @@ def test_todays_claude_code_body_validates_and_translates() -> None:
     backend; the JSON-string ``metadata.user_id`` is no quota user."""
     valid = validate_messages(json.dumps(TODAY).encode(), MODELS)
     assert valid.body == TODAY
-    for thinking in ({"type": "enabled", "budget_tokens": 2048}, {"type": "disabled"}):
+    for thinking in ({"type": "enabled", "budget_tokens": 2048}, {"type": "disabled"},
+                     {"type": "a-later-kind"}):
         validate_messages(json.dumps({**TODAY, "thinking": thinking}).encode(), MODELS)
     assert quota_user(TODAY) == ""
     chat = to_chat(TODAY, "up", stream=True)

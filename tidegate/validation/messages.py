@@ -36,7 +36,6 @@ from tidegate.wire.protocol import Api
 __all__ = ["quota_user", "validate_messages", "validate_messages_body"]
 
 _ROLES = ("user", "assistant", "system")
-_THINKING = ("enabled", "adaptive", "disabled")
 # Anthropic documents no bound on stop_sequences; each becomes a backend stop
 # string that is matched on every token, so tidegate sets one (docs/anthropic.md).
 MAX_STOP_SEQUENCES = 16
@@ -185,10 +184,12 @@ def _thinking(body: dict[str, Any]) -> None:
     thinking = body.get("thinking")
     if thinking is None:
         return
-    if not isinstance(thinking, dict) or thinking.get("type") not in _THINKING:
-        raise invalid_request("'thinking' must be an object whose 'type' is one of "
-                              f"{', '.join(_THINKING)}.", param="thinking",
-                              code="invalid_value")
+    # Its type is not checked against the ones known today (enabled,
+    # adaptive, disabled): translation drops it whatever it is, and a
+    # passthrough backend knows its own.
+    if not isinstance(thinking, dict) or not isinstance(thinking.get("type"), str):
+        raise invalid_request("'thinking' must be an object with a string 'type' (enabled, "
+                              "adaptive, disabled).", param="thinking", code="invalid_type")
     budget = thinking.get("budget_tokens")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                or budget < 1):

@@ -51,8 +51,9 @@ def to_chat(body: dict[str, Any], model: str, *, stream: bool) -> dict[str, Any]
     _refuse_server_side(body)
     messages: list[dict[str, Any]] = []
     turns = body.get("messages") or ()
-    # Chat templates take one system message, first: a system turn says what
-    # holds from its place on, which the whole prompt's instructions include.
+    # Chat templates (Qwen's, Llama's) take one system message, and first. A
+    # system turn's instructions apply from its place on; at the front they
+    # still cover every turn they applied to.
     system = [_system_text(body.get("system"))]
     system += [_system_text(t.get("content")) for t in turns if t.get("role") == "system"]
     text = "\n\n".join(s for s in system if s)
