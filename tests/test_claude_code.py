@@ -9,7 +9,8 @@ the simulator writes for the body Claude Code sent; ``sim-tools``
 (``simulator.tool_call``) answers with a ``Bash`` call, which Claude Code
 runs, so its tool loop goes round. ``native`` is a Messages passthrough
 (the fake backend's own ``/v1/messages``), which must get Claude Code's body
-as it was sent.
+as it was sent. Where a llama-server is built (``tests/llama_server.py``), a
+turn also goes to it in both modes.
 
 The binary: ``TIDEGATE_CLAUDE_CODE``, else the pinned version in the cache
 ``.ci/claude-code`` installs into. Without one the tests skip, or fail under
@@ -33,6 +34,7 @@ import pytest
 from aiohttp import web
 
 from bench.fake_backend import FakeBackend, FakeConfig
+from tests import llama_server
 from tests.llama_server import missing
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, serve_app, threaded_fake_backend
 from tidegate.config import ModelConfig, SimulatorConfig
@@ -49,6 +51,9 @@ TOOL_ARGUMENTS = {"command": f"echo {MARKER}", "description": "Print a marker"}
 # Claude Code is a large native binary that starts slowly on a loaded box; a
 # turn is a few requests. Generous: a bound no healthy run comes near.
 RUN_TIMEOUT = 300.0
+# llama-server's context for Claude Code's prompt (some 20,000 tokens of
+# system prompt and tool definitions) and the answer.
+LLAMA_CTX = 65536
 # Not forwarded by the recording proxy: they describe one hop, not the request.
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
                   "content-encoding", "accept-encoding"})
@@ -342,3 +347,57 @@ async def test_passthrough_gets_the_body_as_sent(claude: str, recorder: tuple[Re
     assert got.body == {**sent.body, "model": "fake-model"}
     assert got.headers["anthropic-beta"] == sent.headers["anthropic-beta"]
     assert run.stdout.strip() == answer(sent)[0].strip()
+
+
+# -- against llama.cpp's llama-server, where CI builds one ------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-server with the tiny random-weight model, its context large
+    enough for Claude Code's prompt."""
+    path = llama_server.require()
+    from tests.llama_model import write_tiny_llama
+
+    workdir = tmp_path_factory.mktemp("llama-claude-code")
+    model = write_tiny_llama(workdir / "tiny.gguf", n_ctx=LLAMA_CTX)
+    proc, url = llama_server.start(path, model, workdir, "llama-cc", parallel=1, ctx=LLAMA_CTX)
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_pipeline(claude: str, llama: str, tmp_path_factory: pytest.TempPathFactory,
+                   module_nats_url: str, module_redis_url: str) -> Iterator[Pipeline]:
+    models = [{"name": f"tiny-{mode}", "backend": "openai", "base_url": f"{llama}/v1",
+               "upstream_model": "tiny", "messages": mode}
+              for mode in ("passthrough", "translate")]
+    yield from running_pipeline(tmp_path_factory.mktemp("claude-code-llama"), module_nats_url,
+                                module_redis_url,
+                                overrides={"models": models,
+                                           "nats": {"subject_prefix": "cl" + uuid.uuid4().hex[:6]}})
+
+
+@pytest.mark.parametrize("mode", ["passthrough", "translate"])
+async def test_one_turn_on_llama_server(claude: str, llama_pipeline: Pipeline, mode: str,
+                                        tmp_path: Path) -> None:
+    """``claude -p`` through tidegate to a real model server, in both modes:
+    llama-server's own /v1/messages gets Claude Code's body as sent (system
+    turn, thinking and all), its chat/completions the translation. The text is
+    the tiny model's gibberish, which it ends by itself within a few hundred
+    tokens (Claude Code treats an answer cut at ``max_tokens`` as an error)."""
+    proxy = Recorder(llama_pipeline.url)
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    async with serve_app(app) as url:
+        run = await run_claude(claude, url, tmp_path / "home", "Say hello",
+                               model=f"tiny-{mode}")
+    assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
+    [sent] = proxy.messages()
+    assert sent.status == 200
+    assert any(turn["role"] == "system" for turn in sent.body["messages"])
+    text, stop = answer(sent)
+    assert stop == "end_turn"
+    assert run.stdout.strip() == text.strip()
