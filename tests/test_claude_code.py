@@ -36,7 +36,14 @@ from aiohttp import web
 from bench.fake_backend import FakeBackend, FakeConfig
 from tests import llama_server
 from tests.llama_server import missing
-from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, serve_app, threaded_fake_backend
+from tests.pipeline import (
+    DEV_KEY,
+    Pipeline,
+    running_pipeline,
+    serve_app,
+    threaded_fake_backend,
+    usage_of,
+)
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.wire.protocol import Api, Request
 from tidegate.wire.tokens import estimate_prompt_tokens
@@ -245,10 +252,12 @@ async def test_version_is_the_pinned_one(claude: str, tmp_path: Path) -> None:
     assert out.decode().split()[0] == pinned_version()
 
 
-async def test_one_turn(claude: str, recorder: tuple[Recorder, str], tmp_path: Path) -> None:
+async def test_one_turn(claude: str, recorder: tuple[Recorder, str], pipeline: Pipeline,
+                        tmp_path: Path) -> None:
     """``claude -p "Say hello"`` completes, printing the simulator's text, and
     what it sent (a ``system`` turn inside ``messages``, ``thinking``,
-    ``context_management``, ``output_config``, ``?beta=true``) was accepted."""
+    ``context_management``, ``output_config``, ``?beta=true``) was accepted.
+    Its ``metadata.user_id`` (a JSON text) named the usage record's user."""
     proxy, url = recorder
     run = await run_claude(claude, url, tmp_path / "home", "Say hello")
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
@@ -259,6 +268,9 @@ async def test_one_turn(claude: str, recorder: tuple[Recorder, str], tmp_path: P
     assert stop == "end_turn"
     assert text == await simulator_text(sent.body)
     assert run.stdout.strip() == text.strip()
+    [record] = await usage_of(pipeline.config, sent.response_headers["request-id"])
+    ids = json.loads(sent.body["metadata"]["user_id"])
+    assert record.user == (ids["account_uuid"] or ids["device_id"])
 
 
 async def test_stream_json(claude: str, recorder: tuple[Recorder, str], tmp_path: Path) -> None:

@@ -117,13 +117,13 @@ def test_todays_claude_code_body_validates_and_translates() -> None:
     """A ``system`` turn in ``messages`` folds into the one system message; the
     thinking block, ``thinking``, ``context_management`` (clearing thinking),
     ``output_config.effort`` and every ``cache_control`` stay away from a chat
-    backend; the JSON-string ``metadata.user_id`` is no quota user."""
+    backend; the JSON text in ``metadata.user_id`` gives its device as the quota user."""
     valid = validate_messages(json.dumps(TODAY).encode(), MODELS)
     assert valid.body == TODAY
     for thinking in ({"type": "enabled", "budget_tokens": 2048}, {"type": "disabled"},
                      {"type": "a-later-kind"}):
         validate_messages(json.dumps({**TODAY, "thinking": thinking}).encode(), MODELS)
-    assert quota_user(TODAY) == ""
+    assert quota_user(TODAY) == "d"
     chat = to_chat(TODAY, "up", stream=True)
     assert chat["messages"] == [
         {"role": "system",
@@ -182,6 +182,11 @@ def test_unknown_model_is_404_and_count_tokens_needs_no_max_tokens() -> None:
 @pytest.mark.parametrize(("user", "quota"), [
     ("user_ab12-x", "user_ab12-x"), ("a.b", ""), ("a b", ""), ("*", ""), (">", ""),
     ("", ""), ("x" * 129, ""), (None, ""), ("ü", ""),
+    # Claude Code's JSON text: its account, else its device; never its session.
+    ('{"device_id":"d1ab","account_uuid":"","session_id":"s-1"}', "d1ab"),
+    ('{"device_id":"d1ab","account_uuid":"a-9","session_id":"s-1"}', "a-9"),
+    ('{"device_id":"a.b","account_uuid":""}', ""), ('{"session_id":"s-1"}', ""),
+    ('{"device_id":' + "[" * 5000, ""), ("{" + " " * 2000 + "}", ""), ("{x", ""),
 ])
 def test_quota_user_is_a_safe_token_or_none(user: Any, quota: str) -> None:
     assert quota_user({"metadata": {"user_id": user}}) == quota

@@ -14,6 +14,7 @@ fields pass on untouched.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,8 @@ MAX_STOP_SEQUENCES = 16
 _CHOICES = ("auto", "any", "tool", "none")
 # Block types and the string fields each must carry.
 _BLOCK_STRINGS = {"text": ("text",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}
+# Longer than Claude Code's JSON ids (about 150 characters); bounds the parse.
+_MAX_USER_JSON = 1024
 _USER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
@@ -100,9 +103,18 @@ def quota_user(body: Mapping[str, Any]) -> str:
     """``metadata.user_id`` as a quota user (docs/anthropic.md), or "" when
     there is none or it is not usable as one: a quota scope's user is a NATS
     subject token and part of Redis keys, so only letters, digits, ``_`` and
-    ``-``, at most 128 of them (Claude Code's ids are)."""
+    ``-``, at most 128 of them. Claude Code sends a JSON object as text
+    (``{"device_id": ..., "account_uuid": ..., "session_id": ...}``): its
+    account, else its device, is the user (the session changes every run)."""
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if isinstance(user, str) and user.startswith("{") and len(user) <= _MAX_USER_JSON:
+        try:
+            ids = json.loads(user)
+        except (ValueError, RecursionError):
+            ids = None
+        if isinstance(ids, dict):
+            user = ids.get("account_uuid") or ids.get("device_id")
     if isinstance(user, str) and 0 < len(user) <= 128 and _USER_CHARS.issuperset(user):
         return user
     return ""
