@@ -288,7 +288,14 @@ CATALOGUE: tuple[tuple[str, tuple[Code, ...]], ...] = (
         Code("storage_quota_exceeded", "413", "invalid_request_error", "no, delete files first",
              "the upload would take the tenant's stored files past `batch.tenant_storage_bytes`"),
         Code("batch_not_cancellable", "409", "invalid_request_error", "no",
-             "cancelling a batch that is finalizing or has ended"),
+             "cancelling a batch that is finalizing or has ended (a Message Batch: one that "
+             "has ended)"),
+        Code("batch_not_ended", "400", "invalid_request_error", "once it has ended",
+             "the results of a Message Batch asked for before it ended "
+             "([batch](../batch.md#anthropic-message-batches))"),
+        Code("results_expired", "404", "not_found_error", "no",
+             "a Message Batch's results after `batch.file_ttl` from its creation, or after its "
+             "files were deleted"),
     )),
     ("Batch files and lines", (
         Code("invalid_json_line", "", "", "",
