@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,8 +83,7 @@ def test_the_pages_list_every_key_code_metric_and_command() -> None:
     config = pages["reference/configuration.md"]
     for key in schema.walk():
         section, _, leaf = key.name.rpartition(".")
-        title = section.replace("models[0]", "[models]")
-        assert f"## `[{title}]`" in config, key.name
+        assert f"## `{reference.table(section)}`" in config, key.name
         assert f"| `{leaf}` |" in config, key.name
     errors = pages["reference/errors.md"]
     assert all(f"| `{code.code}` |" in errors for _, codes in CATALOGUE for code in codes)
@@ -96,8 +96,44 @@ def test_the_pages_list_every_key_code_metric_and_command() -> None:
     assert all(f"## `{name}`" in commands for name in names if name != "tidegate")
 
 
+def test_a_section_is_named_as_its_toml_table() -> None:
+    assert [reference.table(name) for name in ("edge", "models[0]", "models[0].queue")] == [
+        "[edge]", "[[models]]", "[models.queue]"]
+
+
 def test_a_keys_meaning_is_the_comment_where_it_is_declared() -> None:
     docs = {key.name: key.doc for key in schema.walk()}
     assert docs["edge.max_body_bytes"] == "larger request bodies get 413"
     assert docs["edge.slow_client_timeout"].startswith("A client whose socket does not drain")
     assert not docs["edge.max_json_depth"].startswith("--")  # a group's heading is no meaning
+
+
+# -- the prose beside it --------------------------------------------------------
+
+DOCS = ROOT / "docs"
+
+
+def test_configuration_md_explains_only_keys_that_exist() -> None:
+    """docs/configuration.md says why each default is what it is, in a list per
+    table under a link to the reference; a key it names must still exist."""
+    known: dict[str, set[str]] = {}
+    for key in schema.walk():
+        section, _, leaf = key.name.rpartition(".")
+        known.setdefault(reference.table(section), set()).add(leaf)
+    lists = re.findall(r"\[`(\[[^`]+\])`\]\(reference/configuration\.md#[a-z]+\) in the "
+                       r"reference\. Why each is what it is:\n\n((?:- .*\n)+)",
+                       (DOCS / "configuration.md").read_text())
+    assert {table for table, _ in lists} == set(known)
+    for table, items in lists:
+        named = set(re.findall(r"^- `(\w+)`:", items, re.M))
+        assert named, table
+        assert sorted(named - known[table]) == [], table
+
+
+def test_observability_md_explains_only_series_that_exist() -> None:
+    text = (DOCS / "observability.md").read_text()
+    every_series = text[text.index("### Every series"):text.index("\n## ", text.index(
+        "### Every series"))]
+    named = set(re.findall(r"^- `((?:tidegate|gen_ai)_\w+)`", every_series, re.M))
+    assert len(named) > 20
+    assert sorted(named - {m.prometheus for m in reference.instruments()}) == []

@@ -292,7 +292,7 @@ CATALOGUE: tuple[tuple[str, tuple[Code, ...]], ...] = (
              "has ended)"),
         Code("batch_not_ended", "400", "invalid_request_error", "once it has ended",
              "the results of a Message Batch asked for before it ended "
-             "([batch](../batch.md#anthropic-message-batches))"),
+             "([batch](batch.md#anthropic-message-batches))"),
         Code("results_expired", "404", "not_found_error", "no",
              "a Message Batch's results after `batch.file_ttl` from its creation, or after its "
              "files were deleted"),

@@ -63,12 +63,10 @@ def undescribed() -> list[str]:
 
 def _sections() -> list[tuple[str, type[Any]]]:
     """``(name, dataclass)`` of every table a TOML file may have, in order."""
-    out: list[tuple[str, type[Any]]] = []
+    out: dict[str, type[Any]] = {}
     for key in schema.walk():
-        name = key.name.rpartition(".")[0]
-        if not out or out[-1][0] != name:
-            out.append((name, key.section))
-    return out
+        out.setdefault(key.name.rpartition(".")[0], key.section)
+    return list(out.items())
 
 
 def _configuration() -> str:
@@ -81,15 +79,28 @@ def _configuration() -> str:
     for key in schema.walk():
         by_section.setdefault(key.name.rpartition(".")[0], []).append(key)
     for name, cls in _sections():
-        title = name.replace("models[0]", "[models]")
-        lines += [f"## `[{title}]`", "", _links(schema.section_doc(cls)), "",
+        lines += [f"## `{table(name)}`", "", _links(schema.section_doc(cls)), "",
                   "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for key in by_section[name]:
             leaf = key.name.rpartition(".")[2]
-            lines.append(f"| `{leaf}` | {_type(key.type)} | {_default(key.default)} "
-                         f"| {_cell(key.doc)} |")
+            default = _default(key.default) + (_size(key.default) if "bytes" in leaf else "")
+            lines.append(f"| `{leaf}` | {_type(key.type)} | {default} | {_cell(key.doc)} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def table(section: str) -> str:
+    """The TOML table a section is: ``[edge]``, ``[[models]]``, ``[models.queue]``."""
+    if section == "models[0]":
+        return "[[models]]"
+    return f"[{section.replace('models[0].', 'models.')}]"
+
+
+def _size(value: Any) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if isinstance(value, int) and value >= 1 << shift and value % (1 << shift) == 0:
+            return f" ({value >> shift} {unit})"
+    return ""
 
 
 def _type(tp: Any) -> str:

@@ -229,8 +229,8 @@ class EdgeConfig:
     max_json_depth: int = 64  # deeper JSON bodies get 400 invalid_json
     header_timeout: float = 10.0  # first request's headers must arrive within this (slowloris)
     body_timeout: float = 30.0  # the whole body must arrive within this, else 408
-    # ... plus one second per this many bytes received (uploads), so a large
-    # honest body keeps earning time and a trickle does not (edge/body.py).
+    # body_timeout grows by one second per this many bytes received (uploads),
+    # so a large honest body keeps earning time and a trickle does not (edge/body.py).
     body_min_rate: float = 16384.0
     idle_timeout: float = 75.0  # an idle kept-alive connection is closed after this
     max_line_size: int = 8190  # request line bytes
@@ -401,7 +401,7 @@ class WorkerConfig:
     # Messages to one edge within one loop iteration go as one NATS message of
     # at most this many bytes (tidegate.mux); 0 = one NATS message each.
     coalesce_bytes: int = 128 << 10
-    # ... and a batch's first message waits up to this long (seconds) for
+    # The first message of such a batch waits up to this long (seconds) for
     # others to join it: fewer NATS messages and edge wake-ups per chunk at
     # moderate load, for at most this much added latency per chunk (measured:
     # 2 ms cut CPU per chunk by 20 % at 50 streams, docs/benchmarks.md).
