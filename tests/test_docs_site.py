@@ -86,6 +86,7 @@ def test_the_pages_list_every_key_code_metric_and_command() -> None:
         assert f"## `{reference.table(section)}`" in config, key.name
         assert f"| `{leaf}` |" in config, key.name
     errors = pages["reference/errors.md"]
+    assert "| code | meaning |\n| --- | --- |\n| `1009` |" in errors  # no empty column
     assert all(f"| `{code.code}` |" in errors for _, codes in CATALOGUE for code in codes)
     metrics = pages["reference/metrics.md"]
     assert all(f"| `{m.prometheus}` | `{m.name}` |" in metrics for m in reference.instruments())

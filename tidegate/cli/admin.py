@@ -144,14 +144,16 @@ def _tenant_parsers(sub: Any) -> None:
     tenant_sub = tenant.add_subparsers(dest="tenant_command", metavar="ACTION", required=True)
     tset = tenant_sub.add_parser("set", help="set a tenant's settings (replacing them)")
     _common(tset)
-    tset.add_argument("tenant", metavar="TENANT", type=_name)
+    tset.add_argument("tenant", metavar="TENANT", type=_name,
+                      help="the tenant the settings are for")
     tset.add_argument("--resumable", type=_on_off, required=True, metavar="on|off",
                       help="every streaming request of the tenant is resumable")
     tset.add_argument("--grace", type=_seconds, metavar="SECONDS",
                       help="the tenant's resume grace (default: resume.grace)")
     tdelete = tenant_sub.add_parser("delete", help="delete a tenant's settings")
     _common(tdelete)
-    tdelete.add_argument("tenant", metavar="TENANT", type=_name)
+    tdelete.add_argument("tenant", metavar="TENANT", type=_name,
+                         help="the tenant whose settings to delete")
     tlist = tenant_sub.add_parser("list", help="list tenant settings")
     _common(tlist)
     tlist.add_argument("--json", action="store_true", help="print JSON")

@@ -47,14 +47,18 @@ def pages() -> dict[str, str]:
 
 
 def undescribed() -> list[str]:
-    """Config keys and sections, error codes, metrics and commands without a description."""
+    """Config keys and sections, error codes, metrics, commands and their
+    arguments without a description."""
     out = [f"config key {key.name}" for key in schema.walk() if not key.doc]
     out += [f"config section [{name}]" for name, cls in _sections() if not schema.section_doc(cls)]
     out += [f"error code {code.code}" for _, codes in CATALOGUE for code in codes
             if not code.meaning]
     out += [f"metric {m.name}" for m in instruments() if not m.description]
-    out += [f"command {name}" for name, parser, help_ in _commands(build_parser())
-            if not (help_ or parser.description)]
+    for name, parser, help_ in _commands(build_parser()):
+        if not (help_ or parser.description):
+            out.append(f"command {name}")
+        out += [f"argument {' '.join(action.option_strings) or action.dest} of {name}"
+                for action in _arguments(parser) if not action.help]
     return out
 
 
@@ -142,7 +146,7 @@ def _errors() -> str:
     for group, codes in CATALOGUE:
         columns = [c for c in ("status", "type", "retry")
                    if any(getattr(code, c) for code in codes)]
-        lines += [f"## {group}", "", "| code | " + " | ".join(columns) + " | meaning |",
+        lines += [f"## {group}", "", "| " + " | ".join(["code", *columns, "meaning"]) + " |",
                   "| --- " * (len(columns) + 2) + "|"]
         for code in codes:
             cells = [f"`{code.code}`"]
@@ -232,6 +236,12 @@ def _commands(parser: argparse.ArgumentParser, prefix: str = "tidegate",
                 yield from _commands(sub, f"{prefix} {name}", helps.get(name, ""))
 
 
+def _arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """A command's own arguments: not --help, not its subcommands, not hidden ones."""
+    return [a for a in parser._actions if a.help != argparse.SUPPRESS
+            and not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
+
+
 def _cli(root: argparse.ArgumentParser) -> str:
     lines = [f"# {PAGES['reference/cli.md']}", "", NOTE, "",
              "Every `tidegate` command with its arguments, as `tidegate COMMAND --help` "
@@ -242,8 +252,7 @@ def _cli(root: argparse.ArgumentParser) -> str:
         parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=88)
         lines += [f"## `{name}`", "", _links(_sentence(parser.description or help_)), "",
                   "```", parser.format_usage().strip(), "```", ""]
-        rows = [a for a in parser._actions if a.help != argparse.SUPPRESS
-                and not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
+        rows = _arguments(parser)
         if rows:
             lines += ["| argument | meaning |", "| --- | --- |"]
             for action in rows:

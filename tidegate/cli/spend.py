@@ -51,7 +51,7 @@ def spend_parsers(sub: Any) -> None:
     price_sub = price.add_subparsers(dest="price_command", metavar="ACTION", required=True)
     pset = price_sub.add_parser("set", help="set a model's price (replacing it)")
     _common(pset)
-    pset.add_argument("model", metavar="MODEL", type=_name)
+    pset.add_argument("model", metavar="MODEL", type=_name, help="the model the prices are for")
     pset.add_argument("--input", type=_amount, default="0", metavar="AMOUNT",
                       help="per million input tokens")
     pset.add_argument("--cached-input", type=_amount, metavar="AMOUNT",
@@ -63,7 +63,7 @@ def spend_parsers(sub: Any) -> None:
     pdel = price_sub.add_parser("delete", help="delete a model's stored price (the "
                                                "config's applies again)")
     _common(pdel)
-    pdel.add_argument("model", metavar="MODEL", type=_name)
+    pdel.add_argument("model", metavar="MODEL", type=_name, help="the model whose prices to delete")
     plist = price_sub.add_parser("list", help="list stored prices")
     _common(plist)
     plist.add_argument("--json", action="store_true", help="print JSON")
