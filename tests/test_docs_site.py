@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.readme import quick_start_commands
 from tidegate.cli import build_parser, reference
 from tidegate.config import schema
 from tidegate.errors import CATALOGUE, Code
@@ -138,3 +139,7 @@ def test_observability_md_explains_only_series_that_exist() -> None:
     named = set(re.findall(r"^- `((?:tidegate|gen_ai)_\w+)`", every_series, re.M))
     assert len(named) > 20
     assert sorted(named - {m.prometheus for m in reference.instruments()}) == []
+
+
+def test_the_tutorial_starts_with_the_readmes_run_command() -> None:
+    assert quick_start_commands()["run"] in (DOCS / "tutorial.md").read_text()
