@@ -70,6 +70,13 @@ def _lines() -> tuple[str, ...]:
     return tuple(inspect.getsource(sections).splitlines())
 
 
+@cache
+def _classes() -> dict[str, list[ast.stmt]]:
+    """Class name -> its body, for every class of tidegate.config.sections."""
+    tree = ast.parse(inspect.getsource(sections))
+    return {node.name: node.body for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
 def field_docs(cls: type[Any]) -> dict[str, str]:
     """Field name -> its comments, for a dataclass of tidegate.config.sections.
 
@@ -78,12 +85,9 @@ def field_docs(cls: type[Any]) -> dict[str, str]:
     """
     if cls.__module__ != sections.__name__:
         return {}
-    tree = ast.parse(inspect.getsource(sections))
-    body = next(node.body for node in tree.body
-                if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
     comments, lines = _comments(), _lines()
     out: dict[str, str] = {}
-    for node in body:
+    for node in _classes()[cls.__name__]:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         above: list[str] = []
