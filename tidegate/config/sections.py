@@ -49,7 +49,7 @@ class SimulatorConfig:
     # request that lists a tool of this name, its last turn not a tool's
     # result, is answered with a call of it, these arguments (a JSON object).
     tool_call: str = ""
-    tool_arguments: str = "{}"
+    tool_arguments: str = "{}"  # test only: that call's arguments, a JSON object as text
 
 
 @dataclass(frozen=True, slots=True)
