@@ -27,13 +27,13 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from dispatcher.quota import BudgetCharge, Limits, QuotaResult, Quotas, QuotaUnavailable, Scope
+from tidegate.apis import estimate_prompt_tokens, reservation
 from tidegate.config import ModelConfig, SpendConfig
 from tidegate.control.budgets import Budget, BudgetSet, period_window
 from tidegate.control.policies import PolicySet
 from tidegate.control.prices import PriceBook, format_money
 from tidegate.telemetry import telemetry as tm
 from tidegate.wire.protocol import Admission, Api, ErrorInfo, Request
-from tidegate.wire.tokens import estimate_prompt_tokens, reservation
 
 log = logging.getLogger("tidegate.dispatcher")
 

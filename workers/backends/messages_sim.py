@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import BackendStream, Usage
 from workers.backends.messages_sse import MessagesTranslator
 from workers.backends.messages_translate import to_chat, to_message

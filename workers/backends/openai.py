@@ -36,11 +36,11 @@ import logging
 import os
 from typing import Any
 
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.control.prices import PRICE_EXTRA
 from tidegate.errors import BackendError, ConfigError
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import upstream
 from workers.backends.base import Sink, Usage
 from workers.backends.http1 import BodyTooLarge, Http1Pool, Response

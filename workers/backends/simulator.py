@@ -41,6 +41,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from math import floor
 from typing import Any, overload
 
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     ModelConfig,
@@ -50,7 +51,6 @@ from tidegate.config import (
 from tidegate.control.prices import PRICE_EXTRA, cost_member
 from tidegate.validation.messages import MAX_STOP_SEQUENCES
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import BackendStream, Usage
 from workers.backends.greedy import GreedyPlan, greedy_plan
 from workers.backends.paced import PacedStream

@@ -40,11 +40,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import SimulatorConfig
 from tidegate.errors import ApiError, BackendError
 from tidegate.validation.responses import check_embeddings_size, embedding_inputs
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import Usage
 from workers.backends.paced import PacedStream
 
