@@ -18,6 +18,12 @@ class Chat(Dialect):
     cap_fields = ("max_completion_tokens", "max_tokens")
     done_marker = True
     continuable = True
+    openai_chat = True
+    on_websocket = True
+    stop_field = "stop"
+
+    def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        return body
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """Framing per message, each message's text, name, tool calls and

@@ -17,6 +17,8 @@ class Completions(Dialect):
     operation = "text_completion"
     done_marker = True
     continuable = True
+    on_websocket = True
+    stop_field = "stop"
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """``prompt`` as a text, a list of texts or token arrays (each integer

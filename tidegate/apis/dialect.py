@@ -31,6 +31,24 @@ class Dialect:
     continuable: ClassVar[bool] = False
     # Errors and rate-limit headers in Anthropic's shape (docs/anthropic.md).
     anthropic: ClassVar[bool] = False
+    # The body is OpenAI chat's: ``messages`` of role/content turns.
+    openai_chat: ClassVar[bool] = False
+    # Its stream is typed SSE events (``event:`` + ``data:``).
+    typed_events: ClassVar[bool] = False
+    # It answers with vectors: never streamed, no output tokens.
+    vectors: ClassVar[bool] = False
+    # It may run with no connection reading it (``background: true``).
+    background: ClassVar[bool] = False
+    # Served over the WebSocket protocol too (docs/websocket.md).
+    on_websocket: ClassVar[bool] = False
+    # The request field of its stop strings (None: it has none).
+    stop_field: ClassVar[str | None] = None
+
+    def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The request as an OpenAI chat body (its turns as ``messages``), for
+        what reads a conversation (the simulator's greedy text); None when it
+        has no turns."""
+        return None
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """The prompt's estimated tokens, unrounded (tidegate.wire.tokens)."""

@@ -15,6 +15,7 @@ class Embeddings(Dialect):
     api = Api.EMBEDDINGS
     path = "/embeddings"
     operation = "embeddings"
+    vectors = True
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """``input`` as completions' ``prompt``, without framing."""

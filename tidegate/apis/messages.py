@@ -24,6 +24,9 @@ class Messages(Dialect):
     path = "/messages"
     operation = "chat"
     anthropic = True
+    typed_events = True
+    on_websocket = True
+    stop_field = "stop_sequences"
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """An Anthropic Messages body: ``system``, each turn's content blocks

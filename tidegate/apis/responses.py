@@ -24,6 +24,17 @@ class Responses(Dialect):
     operation = "chat"
     cap_fields = ("max_output_tokens",)
     continuable = True
+    typed_events = True
+    background = True
+
+    def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """``instructions`` as a system turn, ``input`` as the turns (a text
+        as one user turn)."""
+        given = body.get("input")
+        turns = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        return {"messages": [*([{"role": "system", "content": body["instructions"]}]
+                               if body.get("instructions") else []),
+                             *(turns if isinstance(turns, list) else [])]}
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """A Responses body: ``instructions``, ``input`` (a text or a list of
