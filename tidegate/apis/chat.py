@@ -21,6 +21,8 @@ class Chat(Dialect):
     openai_chat = True
     on_websocket = True
     stop_field = "stop"
+    usage_asked = True
+    optional_endpoint = False
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return body

@@ -19,6 +19,8 @@ class Completions(Dialect):
     continuable = True
     on_websocket = True
     stop_field = "stop"
+    usage_asked = True
+    optional_endpoint = False
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """``prompt`` as a text, a list of texts or token arrays (each integer

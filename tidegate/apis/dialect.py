@@ -43,6 +43,11 @@ class Dialect:
     on_websocket: ClassVar[bool] = False
     # The request field of its stop strings (None: it has none).
     stop_field: ClassVar[str | None] = None
+    # Its stream reports usage only when asked (``stream_options``), and a
+    # gateway adjusts its body; the others go as the client sent them.
+    usage_asked: ClassVar[bool] = False
+    # An OpenAI-compatible server may not serve it (501 endpoint_not_supported).
+    optional_endpoint: ClassVar[bool] = True
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """The request as an OpenAI chat body (its turns as ``messages``), for
