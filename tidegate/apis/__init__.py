@@ -12,13 +12,15 @@ from tidegate.apis import chat, completions, embeddings, messages, responses
 from tidegate.apis.dialect import Dialect
 from tidegate.wire.protocol import Api
 
-__all__ = ["ALL", "Dialect", "by_path", "completion_cap", "estimate_prompt_tokens", "of",
-           "reservation"]
+__all__ = ["ALL", "WEBSOCKET_PATHS", "Dialect", "by_path", "completion_cap",
+           "estimate_prompt_tokens", "of", "reservation"]
 
 ALL: tuple[Dialect, ...] = (chat.DIALECT, completions.DIALECT, responses.DIALECT,
                             embeddings.DIALECT, messages.DIALECT)
 _BY_API = {d.api: d for d in ALL}
 _BY_PATH = {f"/v1{d.path}": d for d in ALL}
+# The paths a WebSocket ``request`` frame may name (docs/websocket.md).
+WEBSOCKET_PATHS: dict[str, Api] = {f"/v1{d.path}": d.api for d in ALL if d.on_websocket}
 
 
 def of(api: Api | int) -> Dialect:

@@ -48,6 +48,8 @@ class Dialect:
     usage_asked: ClassVar[bool] = False
     # An OpenAI-compatible server may not serve it (501 endpoint_not_supported).
     optional_endpoint: ClassVar[bool] = True
+    # Its events carry their own ``sequence_number`` (no SSE ``retry:`` needed).
+    numbered_events: ClassVar[bool] = False
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """The request as an OpenAI chat body (its turns as ``messages``), for

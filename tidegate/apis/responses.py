@@ -26,6 +26,7 @@ class Responses(Dialect):
     continuable = True
     typed_events = True
     background = True
+    numbered_events = True
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """``instructions`` as a system turn, ``input`` as the turns (a text
