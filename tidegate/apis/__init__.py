@@ -13,7 +13,7 @@ from tidegate.apis.dialect import Dialect
 from tidegate.wire.protocol import Api
 
 __all__ = ["ALL", "WEBSOCKET_PATHS", "Dialect", "by_path", "completion_cap",
-           "estimate_prompt_tokens", "of", "reservation"]
+           "estimate_prompt_tokens", "find", "of", "reservation"]
 
 ALL: tuple[Dialect, ...] = (chat.DIALECT, completions.DIALECT, responses.DIALECT,
                             embeddings.DIALECT, messages.DIALECT)
@@ -26,6 +26,15 @@ WEBSOCKET_PATHS: dict[str, Api] = {f"/v1{d.path}": d.api for d in ALL if d.on_we
 def of(api: Api | int) -> Dialect:
     """The dialect of ``api`` (a ``Request.api`` off the wire included)."""
     return _BY_API[Api(api)]
+
+
+def find(api: int) -> Dialect | None:
+    """The dialect of a wire value read back (a log's ``LogOpen.api``), or
+    None for a value this version does not know."""
+    try:
+        return _BY_API[Api(api)]
+    except ValueError:
+        return None
 
 
 def by_path(path: str) -> Dialect | None:
