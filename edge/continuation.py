@@ -24,15 +24,17 @@ from typing import Any, Protocol
 
 from edge.endings import worker_lost
 from edge.session import Session
-from tidegate.config import Config, ModelConfig
-from tidegate.wire import streamlog
-from tidegate.wire.delivered import (
+from tidegate import apis
+from tidegate.apis.chat import DIALECT as CHAT
+from tidegate.apis.delivered import (
     joined_text,
     responses_continuable,
     responses_seam,
-    sse_events,
     text_continuable,
 )
+from tidegate.config import Config, ModelConfig
+from tidegate.wire import streamlog
+from tidegate.wire.delivered import sse_events
 from tidegate.wire.protocol import DUPLICATE_DELIVERY, Api, Cancel, Request
 
 log = logging.getLogger("tidegate.edge")
@@ -51,9 +53,7 @@ def continuable(request: Request, model: ModelConfig | None) -> bool:
     (edge.relay)."""
     if model is None or model.failover != "continue" or not request.stream:
         return False
-    if request.api is Api.RESPONSES:
-        return responses_continuable(request)
-    return text_continuable(request)
+    return text_continuable(request) or responses_continuable(request)
 
 
 _DECIDING = ("n", "logprobs", "top_logprobs", "tools", "functions", "echo", "background",
@@ -88,7 +88,7 @@ class Delivered:
 
     __slots__ = ("api", "first_id", "folded", "parts", "pending", "size", "tokens", "whole")
 
-    def __init__(self, api: Api = Api.CHAT) -> None:
+    def __init__(self, api: Api = CHAT.api) -> None:
         self.api = api
         self.parts: list[bytes] = []
         self.size = 0  # bytes in parts
@@ -103,7 +103,7 @@ class Delivered:
             return
         self.parts.append(data)
         self.size += len(data)
-        if self.size > FOLD_AT and self.api is not Api.RESPONSES:
+        if self.size > FOLD_AT and apis.of(self.api).choice_chunks:
             self._fold()
 
     def _fold(self) -> None:
@@ -129,7 +129,7 @@ class Delivered:
         events = sse_events(self.parts) if self.whole else None
         if events is None:
             return None
-        if api is Api.RESPONSES:
+        if apis.of(api).numbered_events:  # Responses: its seam
             return responses_seam(events)
         got = joined_text(api, events)
         if got is None:

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import logging
 
+from tidegate.apis.delivered import joined_text, text_continuable
 from tidegate.errors import BackendError
-from tidegate.wire.delivered import joined_text, sse_events, text_continuable
+from tidegate.wire.delivered import sse_events
 from tidegate.wire.protocol import Api, Request
 from workers.backends import Backend, BackendStream, Usage
 from workers.continuation import Closing, JoinedStream, continued, spent

@@ -35,20 +35,20 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from tidegate.broker import broker, liveness, patient
-from tidegate.errors import ProtocolError
-from tidegate.wire import streamlog
-from tidegate.wire.delivered import (
+from tidegate import apis
+from tidegate.apis.delivered import (
     joined_text,
     responses_continuable,
     responses_seam,
-    sse_events,
     text_continuable,
 )
+from tidegate.broker import broker, liveness, patient
+from tidegate.errors import ProtocolError
+from tidegate.wire import streamlog
+from tidegate.wire.delivered import sse_events
 from tidegate.wire.flow import first_seq
 from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
-    Api,
     Continue,
     Done,
     Error,
@@ -306,8 +306,8 @@ class ResumableJob(Job):
         parsed = sse_events(events)
         if parsed is None:
             return False
-        if request.api is Api.RESPONSES:
-            # Its seam, as an edge builds it from what it delivered: the
+        if apis.of(request.api).numbered_events:
+            # A Responses stream's seam, as an edge builds it from what it delivered: the
             # continuation numbers its events on and keeps the client's ids.
             seam = responses_seam(parsed)
             if seam is None:

@@ -22,10 +22,18 @@ class Chat(Dialect):
     on_websocket = True
     stop_field = "stop"
     usage_asked = True
+    choice_chunks = True
     optional_endpoint = False
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return body
+
+    def continue_body(self, body: dict[str, Any], text: str) -> None:
+        """The answer so far as a final assistant message the backend
+        continues (vLLM's and llama.cpp's ``continue_final_message``)."""
+        body["messages"] = [*body.get("messages", ()), {"role": "assistant", "content": text}]
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """Framing per message, each message's text, name, tool calls and

@@ -20,6 +20,7 @@ class Completions(Dialect):
     on_websocket = True
     stop_field = "stop"
     usage_asked = True
+    choice_chunks = True
     optional_endpoint = False
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
@@ -32,6 +33,11 @@ class Completions(Dialect):
         if isinstance(suffix, str):
             cost += text_cost(suffix)
         return cost
+
+    def continue_body(self, body: dict[str, Any], text: str) -> None:
+        """The answer so far appended to a text prompt."""
+        if isinstance(body.get("prompt"), str):
+            body["prompt"] = body["prompt"] + text
 
     def choices(self, body: Mapping[str, Any]) -> int:
         """``n`` or ``best_of`` (which generates that many), per prompt of a

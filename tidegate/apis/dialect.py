@@ -50,6 +50,14 @@ class Dialect:
     optional_endpoint: ClassVar[bool] = True
     # Its events carry their own ``sequence_number`` (no SSE ``retry:`` needed).
     numbered_events: ClassVar[bool] = False
+    # Its stream is OpenAI's ``choices`` chunks: what it delivered reads back
+    # as text (tidegate.apis.delivered.joined_text).
+    choice_chunks: ClassVar[bool] = False
+
+    def continue_body(self, body: dict[str, Any], text: str) -> None:
+        """Rewrite ``body`` (a copy) so a backend goes on from ``text``, the
+        answer so far (workers.continuation); nothing for an API that is
+        not continued."""
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """The request as an OpenAI chat body (its turns as ``messages``), for

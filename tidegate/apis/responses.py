@@ -62,6 +62,13 @@ class Responses(Dialect):
             cost += text_cost(json_text(body["tools"]))
         return cost
 
+    def continue_body(self, body: dict[str, Any], text: str) -> None:
+        """The answer so far as a final assistant item of ``input``."""
+        given = body.get("input")
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else list(
+            given if isinstance(given, list) else ())
+        body["input"] = [*items, {"role": "assistant", "content": text}]
+
     def choices(self, body: Mapping[str, Any]) -> int:
         return 1  # no ``n``
 
