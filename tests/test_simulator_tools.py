@@ -98,3 +98,59 @@ def test_tool_arguments_must_be_a_json_object(arguments: str) -> None:
     model = {"name": "s", "simulator": {"tool_call": "Bash", "tool_arguments": arguments}}
     with pytest.raises(ConfigError, match="tool_arguments"):
         load(env={}, overrides={"models": [model]})
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "Read", "parameters": {}},
+                   {"type": "function", "name": "Bash", "parameters": {}}]
+
+
+def _responses_events(data: bytes) -> list[Any]:
+    """Each ``event:`` + ``data:`` pair, parsed by the openai SDK's own types."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    out = []
+    for raw in data.split(b"\n\n")[:-1]:
+        kind, payload = raw.split(b"\n")
+        event = adapter.validate_json(payload.removeprefix(b"data: "))
+        assert kind == b"event: " + event.type.encode()
+        out.append(event)
+    return out
+
+
+async def test_responses_answers_with_a_function_call() -> None:
+    from openai.types.responses import Response
+    evs = _responses_events(await _read({"input": "go", "tools": RESPONSES_TOOLS},
+                                        Api.RESPONSES))
+    assert [e.sequence_number for e in evs] == list(range(len(evs)))
+    deltas = [e.delta for e in evs if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 2  # the arguments come in pieces
+    assert "".join(deltas) == ARGUMENTS
+    assert [e.type for e in evs if "delta" not in e.type] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    final = evs[-1].response
+    [call] = final.output
+    assert (call.type, call.name, call.arguments, call.call_id) == (
+        "function_call", "Bash", ARGUMENTS, "call_r1")
+    assert final.usage.output_tokens == len(deltas)
+    body = Response.model_validate_json(await _read({"input": "go", "tools": RESPONSES_TOOLS},
+                                                    Api.RESPONSES, stream=False))
+    assert body.status == "completed"
+    assert body.output[0].model_dump() == call.model_dump()
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "go"},  # no tools
+    {"input": "go", "tools": RESPONSES_TOOLS[:1]},  # not the named one
+    {"tools": RESPONSES_TOOLS, "input": [  # the function's output is in: text again
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "c", "name": "Bash", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "tide"}]},
+])
+async def test_responses_text_otherwise(body: dict[str, Any]) -> None:
+    evs = _responses_events(await _read(body, Api.RESPONSES))
+    assert evs[-1].type == "response.completed"
+    assert evs[-1].response.output[0].type == "message"
+    assert not any(e.type.startswith("response.function_call") for e in evs)

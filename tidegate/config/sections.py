@@ -45,9 +45,9 @@ class SimulatorConfig:
     # Token i is a function of (prompt, i) and a trailing assistant message is
     # continued (workers/backends/greedy.py): byte-exact continuation checks.
     deterministic: bool = False
-    # Test only (workers/backends/simulator_tools.py): a chat or Messages
-    # request that lists a tool of this name, its last turn not a tool's
-    # result, is answered with a call of it, these arguments (a JSON object).
+    # Test only (workers/backends/simulator_tools.py): a chat, Messages or
+    # Responses request that lists a tool of this name, its last turn not a
+    # tool's result, is answered with a call of it, these arguments (a JSON object).
     tool_call: str = ""
     tool_arguments: str = "{}"  # test only: that call's arguments, a JSON object as text
 

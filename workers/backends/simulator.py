@@ -57,7 +57,11 @@ from workers.backends.greedy import GreedyPlan, greedy_plan
 from workers.backends.paced import PacedStream
 from workers.backends.prefix_cache import PrefixCache, prompt_text
 from workers.backends.simulator_responses import SimulatorEmbeddings, SimulatorResponsesStream
-from workers.backends.simulator_tools import SimulatorToolCall, wants_tool_call
+from workers.backends.simulator_tools import (
+    SimulatorResponsesToolCall,
+    SimulatorToolCall,
+    wants_tool_call,
+)
 
 __all__ = ["SimulatorBackend", "SimulatorStream", "TextPlan", "plan", "plan_text"]
 
@@ -397,7 +401,9 @@ class SimulatorBackend:
         if dialect.vectors:
             return await SimulatorEmbeddings.open(request, sim, now,
                                                   self._worker.max_response_bytes)
-        if dialect.openai_chat and wants_tool_call(request.body, sim):
+        if (dialect.openai_chat or dialect.typed_events) and wants_tool_call(request.body, sim):
+            if dialect.typed_events:  # Responses (Messages went above)
+                return SimulatorResponsesToolCall(request, sim, now)
             return SimulatorToolCall(request, sim, now)
         pieces = await plan_off_loop(request.api, request.body, sim, cap)
         if dialect.typed_events:  # Responses (Messages went above)

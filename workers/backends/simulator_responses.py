@@ -48,7 +48,8 @@ from tidegate.wire.protocol import Request
 from workers.backends.base import Usage
 from workers.backends.paced import PacedStream
 
-__all__ = ["MAX_DIMENSIONS", "SimulatorEmbeddings", "SimulatorResponsesStream", "embed"]
+__all__ = ["MAX_DIMENSIONS", "SimulatorEmbeddings", "SimulatorResponsesStream", "embed",
+           "response_object"]
 
 MAX_DIMENSIONS = 8192  # a bigger request would only cost the worker memory
 
@@ -60,12 +61,41 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
+def response_object(request: Request, status: str, output: list[dict[str, Any]] | None,
+                    usage: Usage | None) -> dict[str, Any]:
+    """The Responses API's response object for ``request``, as OpenAI writes it."""
+    body = request.body
+    incomplete = status == "incomplete"
+    return {
+        "id": "resp_" + request.id, "object": "response",
+        "created_at": request.created_ms // 1000, "status": status, "background": False,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": request.model, "output": output or [],
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "temperature": body.get("temperature", 1.0),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "top_p": body.get("top_p", 1.0), "truncation": body.get("truncation", "disabled"),
+        "usage": None if usage is None else {
+            "input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens},
+        "metadata": body.get("metadata") or {},
+    }
+
+
 class SimulatorResponsesStream(PacedStream):
     """One simulated Responses API answer: its opening events, one
     ``response.output_text.delta`` per token, its closing events (paced as
     ``workers.backends.paced`` says; the first two are due at once)."""
 
-    __slots__ = ("_created", "_delta_prefix", "_item_id", "_status", "_t_open", "_text")
+    __slots__ = ("_delta_prefix", "_item_id", "_status", "_t_open", "_text")
 
     def __init__(self, request: Request, pieces: Sequence[str], finish: str, sim: SimulatorConfig,
                  now: float) -> None:
@@ -77,7 +107,6 @@ class SimulatorResponsesStream(PacedStream):
         self._status = "incomplete" if finish == "length" else "completed"
         self._t_open = now
         self._item_id = "msg_" + request.id
-        self._created = request.created_ms // 1000
         self._delta_prefix = (b',"item_id":"' + self._item_id.encode()
                               + b'","output_index":0,"content_index":0,"delta":')
         self._text = ""  # the whole text, once the closing events need it (_prepare)
@@ -86,30 +115,7 @@ class SimulatorResponsesStream(PacedStream):
 
     def _response(self, status: str, output: list[dict[str, Any]] | None,
                   usage: Usage | None) -> dict[str, Any]:
-        body = self._request.body
-        incomplete = status == "incomplete"
-        return {
-            "id": "resp_" + self._request.id, "object": "response",
-            "created_at": self._created, "status": status, "background": False,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"),
-            "model": self._request.model, "output": output or [],
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "previous_response_id": body.get("previous_response_id"),
-            "temperature": body.get("temperature", 1.0),
-            "text": body.get("text") or {"format": {"type": "text"}},
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "top_p": body.get("top_p", 1.0), "truncation": body.get("truncation", "disabled"),
-            "usage": None if usage is None else {
-                "input_tokens": usage.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": usage.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": usage.prompt_tokens + usage.completion_tokens},
-            "metadata": body.get("metadata") or {},
-        }
+        return response_object(self._request, status, output, usage)
 
     def _part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}

@@ -1,10 +1,11 @@
 """The simulator's tool call (test only): with ``simulator.tool_call`` set to a
-tool's name, a chat or Messages request that lists that tool, and whose last
-turn is not a tool's result, is answered with one call of it, arguments
-``simulator.tool_arguments``, ``finish_reason: "tool_calls"`` (``tool_use``
-in Messages). The request after the result gets the usual text, so a client's
-tool loop (Claude Code's: tool_use, run the tool, tool_result, text) runs
-against the simulator. docs/configuration.md, ``[models.simulator]``.
+tool's name, a chat, Messages or Responses request that lists that tool, and
+whose last turn is not a tool's result, is answered with one call of it,
+arguments ``simulator.tool_arguments``, ``finish_reason: "tool_calls"``
+(``tool_use`` in Messages, a ``function_call`` output item in Responses). The
+request after the result gets the usual text, so a client's tool loop (Claude
+Code's, an agent framework's: call, run the tool, result, text) runs against
+the simulator. docs/configuration.md, ``[models.simulator]``.
 
 The call is paced like text: the role and the call's name open it with the
 first token, each piece of its arguments is a token.
@@ -21,8 +22,9 @@ from tidegate.config import SimulatorConfig
 from tidegate.wire.protocol import Request
 from workers.backends.base import Usage
 from workers.backends.paced import PacedStream
+from workers.backends.simulator_responses import response_object
 
-__all__ = ["SimulatorToolCall", "wants_tool_call"]
+__all__ = ["SimulatorResponsesToolCall", "SimulatorToolCall", "wants_tool_call"]
 
 # Characters of the arguments per streamed piece: a few pieces, so a client's
 # partial-JSON assembly (input_json_delta) is exercised.
@@ -30,16 +32,21 @@ _PIECE = 16
 
 
 def wants_tool_call(body: Mapping[str, Any], sim: SimulatorConfig) -> bool:
-    """Whether the simulator answers this chat body with a call of ``sim.tool_call``."""
+    """Whether the simulator answers this chat or Responses body with a call
+    of ``sim.tool_call``."""
     if not sim.tool_call:
         return False
-    messages = body.get("messages")
-    last = messages[-1] if isinstance(messages, list) and messages else None
-    if not isinstance(last, dict) or last.get("role") == "tool":
+    turns = body.get("messages", body.get("input"))
+    last = turns[-1] if isinstance(turns, list) and turns else turns
+    if isinstance(last, dict):
+        if last.get("role") == "tool" or last.get("type") == "function_call_output":
+            return False
+    elif not isinstance(last, str):  # Responses' input may be one string
         return False
     tools = body.get("tools")
-    return any(isinstance(t, dict) and isinstance(t.get("function"), dict)
-               and t["function"].get("name") == sim.tool_call
+    # A chat tool nests its name under "function"; a Responses tool holds it.
+    return any(isinstance(t, dict) and (t.get("function") if isinstance(t.get("function"), dict)
+                                        else t).get("name") == sim.tool_call
                for t in (tools if isinstance(tools, list) else ()))
 
 
@@ -105,4 +112,61 @@ class SimulatorToolCall(PacedStream):
             "logprobs": None, "finish_reason": "tool_calls"}],
             "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                       "total_tokens": u.prompt_tokens + u.completion_tokens}}
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class SimulatorResponsesToolCall(PacedStream):
+    """One simulated Responses answer that is a function call (events:
+    created, in_progress, the item added with the first token, one
+    ``response.function_call_arguments.delta`` per argument piece, then the
+    arguments done, the item done and ``response.completed``)."""
+
+    __slots__ = ("_item",)
+
+    def __init__(self, request: Request, sim: SimulatorConfig, now: float) -> None:
+        arguments = sim.tool_arguments
+        pieces = [arguments[i:i + _PIECE] for i in range(0, len(arguments), _PIECE)] or [""]
+        super().__init__(request, pieces, "tool_calls",
+                         Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body)),
+                         now + sim.ttft, 1.0 / sim.tokens_per_second, 3, 3 + len(pieces) + 3)
+        self._item = {"id": "fc_" + request.id, "type": "function_call", "status": "in_progress",
+                      "arguments": "", "call_id": "call_" + request.id, "name": sim.tool_call}
+
+    def _done_item(self) -> dict[str, Any]:
+        return {**self._item, "status": "completed", "arguments": "".join(self._pieces)}
+
+    def _event(self, index: int) -> bytes:
+        token = index - self._first_tok
+        ident = {"item_id": self._item["id"], "output_index": 0}
+        obj: dict[str, Any]
+        if index < 2:
+            kind = "response.created" if index == 0 else "response.in_progress"
+            obj = {"response": response_object(self._request, "in_progress", [], None)}
+        elif index == 2:
+            kind, obj = "response.output_item.added", {"output_index": 0, "item": self._item}
+        elif token < self._n:
+            kind, obj = "response.function_call_arguments.delta", {
+                **ident, "delta": self._pieces[token]}
+        elif token == self._n:
+            kind, obj = "response.function_call_arguments.done", {
+                **ident, "name": self._item["name"], "arguments": "".join(self._pieces)}
+        elif token == self._n + 1:
+            kind, obj = "response.output_item.done", {"output_index": 0,
+                                                      "item": self._done_item()}
+        else:
+            kind, obj = "response.completed", {"response": response_object(
+                self._request, "completed", [self._done_item()], self._usage)}
+        payload = json.dumps({"type": kind, "sequence_number": index, **obj},
+                             separators=(",", ":"))
+        return b"event: " + kind.encode() + b"\ndata: " + payload.encode() + b"\n\n"
+
+    def _account(self, index: int) -> None:
+        token = index - self._first_tok
+        if 0 <= token < self._n:
+            self._usage.completion_tokens += 1
+        elif token == self._n + 2:
+            self._usage.finish_reason = self._usage_finish
+
+    def _final_body(self) -> bytes:
+        obj = response_object(self._request, "completed", [self._done_item()], self._usage)
         return json.dumps(obj, separators=(",", ":")).encode()
