@@ -25,29 +25,26 @@ import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp import web
 
 from bench.fake_backend import FakeBackend, FakeConfig
 from tests import llama_server
+from tests.clients import Exchange, Recorder, recording, simulator_text
 from tests.llama_server import missing
 from tests.pipeline import (
     DEV_KEY,
     Pipeline,
     running_pipeline,
-    serve_app,
     threaded_fake_backend,
     usage_of,
 )
 from tidegate.apis import estimate_prompt_tokens
-from tidegate.config import ModelConfig, SimulatorConfig
-from tidegate.wire.protocol import Api, Request
-from workers.backends.simulator import SimulatorBackend
+from tidegate.config import SimulatorConfig
+from tidegate.wire.protocol import Api
 
 pytestmark = pytest.mark.pipeline
 
@@ -61,9 +58,6 @@ RUN_TIMEOUT = 300.0
 # llama-server's context for Claude Code's prompt (some 20,000 tokens of
 # system prompt and tool definitions) and the answer.
 LLAMA_CTX = 65536
-# Not forwarded by the recording proxy: they describe one hop, not the request.
-_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
-                  "content-encoding", "accept-encoding"})
 
 
 def pinned_version() -> str:
@@ -121,63 +115,10 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
                                            "nats": {"subject_prefix": "cc" + uuid.uuid4().hex[:6]}})
 
 
-@dataclass
-class Exchange:
-    """One request Claude Code sent and the edge's answer."""
-
-    method: str
-    path: str  # with the query
-    headers: dict[str, str]
-    body: Any
-    status: int = 0
-    response_headers: dict[str, str] = field(default_factory=dict)
-    response: bytes = b""
-
-    def json(self) -> Any:
-        return json.loads(self.response)
-
-
-class Recorder:
-    """A proxy in front of the edge that keeps every exchange, streaming the
-    answer through as it comes (Claude Code reads events as they arrive)."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.exchanges: list[Exchange] = []
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        exchange = Exchange(request.method, str(request.rel_url), dict(request.headers),
-                            json.loads(raw) if raw else None)
-        self.exchanges.append(exchange)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        async with aiohttp.ClientSession(auto_decompress=True) as session, session.request(
-                request.method, self.upstream + str(request.rel_url), headers=headers,
-                data=raw, timeout=aiohttp.ClientTimeout(total=RUN_TIMEOUT)) as upstream:
-            exchange.status = upstream.status
-            exchange.response_headers = dict(upstream.headers)
-            response = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP})
-            await response.prepare(request)
-            body = bytearray()
-            async for chunk in upstream.content.iter_any():
-                body += chunk
-                await response.write(chunk)
-            exchange.response = bytes(body)
-            await response.write_eof()
-        return response
-
-    def messages(self) -> list[Exchange]:
-        return [e for e in self.exchanges if e.path.split("?")[0] == "/v1/messages"]
-
-
 @pytest.fixture
 async def recorder(pipeline: Pipeline) -> AsyncIterator[tuple[Recorder, str]]:
-    proxy = Recorder(pipeline.url)
-    app = web.Application(client_max_size=64 << 20)
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    async with serve_app(app) as url:
-        yield proxy, url
+    async with recording(pipeline.url, RUN_TIMEOUT) as proxy_url:
+        yield proxy_url
 
 
 @dataclass
@@ -225,21 +166,8 @@ def answer(exchange: Exchange) -> tuple[str, str]:
     return text, stop
 
 
-async def simulator_text(body: dict[str, Any]) -> str:
-    """The text the simulator writes for a Messages ``body``."""
-    backend = SimulatorBackend(ModelConfig(name="tidegate-sim", simulator=SIM))
-    request = Request(id="x", reply="r", model="tidegate-sim", api=Api.MESSAGES, stream=False,
-                      body={**body, "stream": False}, created_ms=0, deadline_ms=0,
-                      window_bytes=1, window_msgs=1)
-    stream = await backend.open(request)
-    raw = b""
-    while data := await stream.read(1 << 20):
-        raw += data
-    return "".join(b["text"] for b in json.loads(raw)["content"] if b["type"] == "text")
-
-
 def refused(recorder: Recorder) -> list[tuple[str, int, bytes]]:
-    return [(e.path, e.status, e.response[:300]) for e in recorder.exchanges if e.status != 200]
+    return recorder.refused()
 
 
 async def test_version_is_the_pinned_one(claude: str, tmp_path: Path) -> None:
@@ -262,11 +190,11 @@ async def test_one_turn(claude: str, recorder: tuple[Recorder, str], pipeline: P
     run = await run_claude(claude, url, tmp_path / "home", "Say hello")
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
     assert not refused(proxy)
-    [sent] = proxy.messages()
+    [sent] = proxy.to("/v1/messages")
     assert sent.path == "/v1/messages?beta=true"
     text, stop = answer(sent)
     assert stop == "end_turn"
-    assert text == await simulator_text(sent.body)
+    assert text == await simulator_text(Api.MESSAGES, sent.body, SIM)
     assert run.stdout.strip() == text.strip()
     [record] = await usage_of(pipeline.config, sent.response_headers["request-id"])
     ids = json.loads(sent.body["metadata"]["user_id"])
@@ -281,7 +209,7 @@ async def test_stream_json(claude: str, recorder: tuple[Recorder, str], tmp_path
                            "stream-json", "--verbose", "--include-partial-messages")
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr, refused(proxy))
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.strip()]
-    [sent] = proxy.messages()
+    [sent] = proxy.to("/v1/messages")
     text, _ = answer(sent)
     deltas = [ln["event"]["delta"]["text"] for ln in lines if ln["type"] == "stream_event"
               and ln["event"]["type"] == "content_block_delta"]
@@ -309,7 +237,7 @@ async def test_multi_turn_session_with_a_tool_round_trip(
                               model="sim-tools")
     assert second.returncode == 0, (second.stdout, second.stderr, refused(proxy))
     assert not refused(proxy)
-    sent = proxy.messages()
+    sent = proxy.to("/v1/messages")
     assert [answer(e)[1] for e in sent] == ["tool_use", "end_turn", "tool_use", "end_turn"]
     for call, back in ((sent[0], sent[1]), (sent[2], sent[3])):
         [use] = [e["content_block"] for e in events(call.response)
@@ -354,7 +282,7 @@ async def test_passthrough_gets_the_body_as_sent(claude: str, recorder: tuple[Re
     seen = len(native.records)
     run = await run_claude(claude, url, tmp_path / "home", "Say hello", model="native")
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
-    [sent] = proxy.messages()
+    [sent] = proxy.to("/v1/messages")
     [got] = [r for r in list(native.records)[seen:] if r.path.endswith("/messages")]
     assert got.body == {**sent.body, "model": "fake-model"}
     assert got.headers["anthropic-beta"] == sent.headers["anthropic-beta"]
@@ -400,14 +328,11 @@ async def test_one_turn_on_llama_server(claude: str, llama_pipeline: Pipeline, m
     turn, thinking and all), its chat/completions the translation. The text is
     the tiny model's gibberish, which it ends by itself within a few hundred
     tokens (Claude Code treats an answer cut at ``max_tokens`` as an error)."""
-    proxy = Recorder(llama_pipeline.url)
-    app = web.Application(client_max_size=64 << 20)
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    async with serve_app(app) as url:
+    async with recording(llama_pipeline.url, RUN_TIMEOUT) as (proxy, url):
         run = await run_claude(claude, url, tmp_path / "home", "Say hello",
                                model=f"tiny-{mode}")
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
-    [sent] = proxy.messages()
+    [sent] = proxy.to("/v1/messages")
     assert sent.status == 200
     assert any(turn["role"] == "system" for turn in sent.body["messages"])
     text, stop = answer(sent)
