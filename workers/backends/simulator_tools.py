@@ -44,10 +44,15 @@ def wants_tool_call(body: Mapping[str, Any], sim: SimulatorConfig) -> bool:
     elif not isinstance(last, str):  # Responses' input may be one string
         return False
     tools = body.get("tools")
-    # A chat tool nests its name under "function"; a Responses tool holds it.
-    return any(isinstance(t, dict) and (t.get("function") if isinstance(t.get("function"), dict)
-                                        else t).get("name") == sim.tool_call
-               for t in (tools if isinstance(tools, list) else ()))
+    return any(_tool_name(t) == sim.tool_call for t in (tools if isinstance(tools, list) else ()))
+
+
+def _tool_name(tool: Any) -> Any:
+    """A chat tool's name (under "function") or a Responses tool's (its own)."""
+    if not isinstance(tool, dict):
+        return None
+    function = tool.get("function")
+    return (function if isinstance(function, dict) else tool).get("name")
 
 
 class SimulatorToolCall(PacedStream):
