@@ -1,8 +1,9 @@
 """What the tests of real clients share (docs/clients.md): the client
-library, imported or the test skipped (failed under ``CI=true``, so CI never
-passes with a client unrun); a recording proxy in front of the edge, so a test
-sees what the client sent and what the edge answered; and the text the
-simulator writes for a body, to check a client's output against.
+library, imported or each test that uses it skipped (failed under
+``CI=true``, so CI never passes with a client unrun); a recording proxy in
+front of the edge, so a test sees what the client sent and what the edge
+answered; and the text the simulator writes for a body, to check a client's
+output against.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -29,14 +29,30 @@ _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "
                   "content-encoding", "accept-encoding"})
 
 
-def client_module(name: str) -> ModuleType:
-    """``import name``; without it the test skips, or fails under ``CI=true``."""
+class MissingClient:
+    """Stands for a client library that cannot be imported: the first test
+    (or fixture) that touches it skips, or fails under ``CI=true``. Module
+    import and collection never touch it, so one missing client fails its
+    own tests, not the whole run."""
+
+    def __init__(self, name: str, error: ImportError) -> None:
+        self._name = name
+        self._error = error
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # what pytest's collection looks up
+            raise AttributeError(attr)
+        missing(f"the client library {self._name!r} cannot be imported ({self._error}): "
+                "pip install -e '.[dev]' installs the pinned version")
+        raise AssertionError("unreachable")
+
+
+def client_module(name: str) -> Any:
+    """``import name``, or a :class:`MissingClient` for it."""
     try:
         return importlib.import_module(name)
     except ImportError as error:
-        missing(f"the client library {name!r} cannot be imported ({error}): "
-                "pip install -e '.[dev]' installs the pinned version")
-        raise AssertionError("unreachable") from None
+        return MissingClient(name, error)
 
 
 @dataclass

@@ -38,7 +38,6 @@ ARGUMENTS = {"city": "Paris"}
 QUESTION = "What is the weather in Paris?"
 
 
-@tools.tool
 def get_weather(city: str) -> str:
     """The weather in a city."""
     return f"Sunny in {city}, 21 C"
@@ -117,13 +116,14 @@ async def test_stream(proxy: tuple[Recorder, str], kind: str) -> None:
 @pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
 async def test_bind_tools_round_trip(proxy: tuple[Recorder, str], kind: str) -> None:
     recorder, url = proxy
-    llm = make(kind, url, "sim-tools").bind_tools([get_weather])
+    weather = tools.tool(get_weather)
+    llm = make(kind, url, "sim-tools").bind_tools([weather])
     asked = messages.HumanMessage(QUESTION)
     call = await llm.ainvoke([asked])
     [tool_call] = call.tool_calls
     assert tool_call["name"] == "get_weather"
     assert tool_call["args"] == ARGUMENTS
-    result = await get_weather.ainvoke(tool_call)  # a ToolMessage with the call's id
+    result = await weather.ainvoke(tool_call)  # a ToolMessage with the call's id
     assert result.tool_call_id == tool_call["id"]
     answer = await llm.ainvoke([asked, call, result])
     assert not answer.tool_calls

@@ -31,7 +31,6 @@ pytestmark = pytest.mark.pipeline
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 openai = client_module("openai")
 agents = client_module("agents")
-agents.set_tracing_disabled(True)
 
 SIM = SimulatorConfig(ttft=0.01, tokens_per_second=400.0, length=24)
 ARGUMENTS = {"city": "Paris"}
@@ -51,6 +50,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
 
 @pytest.fixture
 async def proxied(pipeline: Pipeline) -> AsyncIterator[tuple[Recorder, Any]]:
+    agents.set_tracing_disabled(True)
     async with recording(pipeline.url) as (proxy, url), openai.AsyncOpenAI(
             base_url=f"{url}/v1", api_key=DEV_KEY, max_retries=0, timeout=60) as client:
         yield proxy, client
