@@ -88,9 +88,9 @@ async def _measure(url: str, prefix: str, index: int, concurrency: int, reconcil
 
     from dispatcher.admission import QuotaAdmission
     from dispatcher.quota import QuotaStore, connect
+    from tidegate.apis import estimate_prompt_tokens
     from tidegate.config import ModelConfig
     from tidegate.wire.protocol import Admission, Api, Request
-    from tidegate.wire.tokens import estimate_prompt_tokens
 
     sent: Counter[str] = Counter()  # of the requests measured (started in the window)
     _TRIPS.set(Counter())  # the warm-up's, not counted

@@ -30,9 +30,10 @@ from edge.errors import from_info, sse_error_event
 from edge.logreader import valid_id
 from edge.publish import build_request, publish_request
 from edge.state import session_tick
+from tidegate import apis
 from tidegate.errors import ApiError, invalid_request, unavailable
 from tidegate.wire import streamlog
-from tidegate.wire.protocol import Admission, Api, Error, ErrorInfo, Head, Status
+from tidegate.wire.protocol import Admission, Error, ErrorInfo, Head, Status
 from tidegate.wire.streamlog import LogCursor, LogEnd, LogEvent, LogOpen
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ async def _read_log(state: EdgeState, request_id: str,
         open_ = await state.streamlog.lookup(request_id, tenant)
     except ApiError as error:
         raise not_found() if error.status == 404 else error from None
-    if open_.api != int(Api.RESPONSES):
+    if not _background_api(open_.api):
         raise not_found()
     subjects = state.config.nats.subjects
     subject, stream = streamlog.subject(subjects, request_id), state.streamlog.stream
@@ -275,8 +276,8 @@ async def _stream(http: web.Request, state: EdgeState, request_id: str, tenant: 
     except ApiError as error:
         raise not_found() if error.status == 404 else error from None
     async with state.streamlog.read(request_id, tenant, 0) as reader:
-        if reader.open.api != int(Api.RESPONSES) or not reader.open.stream:
-            raise not_found() if reader.open.api != int(Api.RESPONSES) else invalid_request(
+        if not _background_api(reader.open.api) or not reader.open.stream:
+            raise not_found() if not _background_api(reader.open.api) else invalid_request(
                 "This background response was not created with stream=true; retrieve it "
                 "without stream.", param="stream", code="invalid_value")
         response = web.StreamResponse(status=200, headers={**_SSE_HEADERS,
@@ -329,3 +330,10 @@ async def cancel(http: web.Request, state: EdgeState, tenant: str) -> web.Respon
     if body["status"] in ("queued", "in_progress"):
         body["status"] = "cancelled"  # the log's end follows within milliseconds
     return web.json_response(body)
+
+
+def _background_api(api: int) -> bool:
+    """Whether a log's request came in on an API that runs in the background
+    (the Responses API): only those are background responses to read."""
+    dialect = apis.find(api)
+    return dialect is not None and dialect.background

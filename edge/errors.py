@@ -15,6 +15,8 @@ import math
 
 from aiohttp import web
 
+from tidegate import apis
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.errors import ApiError
 from tidegate.wire import anthropic
 from tidegate.wire.protocol import Api, ErrorInfo
@@ -41,12 +43,12 @@ def to_info(error: ApiError) -> ErrorInfo:
                      error.retry_after)
 
 
-def error_response(error: ApiError, api: Api = Api.CHAT) -> web.Response:
+def error_response(error: ApiError, api: Api = CHAT.api) -> web.Response:
     headers = {}
     if error.retry_after > 0:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
     status, body = error.status, error.to_json()
-    if api is Api.MESSAGES:
+    if apis.of(api).anthropic:
         status, body = anthropic.error_body(status, error.message)
         if status == anthropic.OVERLOADED and "Retry-After" not in headers:
             headers["Retry-After"] = "1"
@@ -54,8 +56,8 @@ def error_response(error: ApiError, api: Api = Api.CHAT) -> web.Response:
                         headers=headers)
 
 
-def sse_error_event(error: ApiError, api: Api = Api.CHAT) -> bytes:
-    if api is Api.MESSAGES:
+def sse_error_event(error: ApiError, api: Api = CHAT.api) -> bytes:
+    if apis.of(api).anthropic:
         return anthropic.error_event(error.status, error.message)
     payload = error.payload()
     if error.retryable:

@@ -46,10 +46,10 @@ from edge.grpc_calls import (
 from edge.grpc_session import SessionCall, run_session
 from edge.listen import cannot_listen, ensure_free
 from edge.state import EdgeState
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.broker import broker
 from tidegate.errors import ApiError, unavailable
 from tidegate.wire import gateway_pb2 as pb
-from tidegate.wire.protocol import Api
 
 log = logging.getLogger("tidegate.edge")
 
@@ -196,7 +196,7 @@ class GrpcIngress:
         metadata: dict[str, str] = {}
         with contextlib.suppress(ApiError):
             metadata = metadata_of(context)
-        api = Api.CHAT
+        api = CHAT.api
         with contextlib.suppress(ApiError):
             api = api_of(req) if req is not None else api
         rt = instrument.RequestTelemetry(state.telemetry, metadata, api)

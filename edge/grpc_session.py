@@ -37,9 +37,9 @@ from edge.logreader import Draining, LogReader
 from edge.relay import Relay
 from edge.state import EdgeState
 from edge.writer import CANCEL_CODES, cancel_error
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.errors import ApiError, invalid_request, unavailable
 from tidegate.wire import gateway_pb2 as pb
-from tidegate.wire.protocol import Api
 from tidegate.wire.streamlog import LogEvent
 
 log = logging.getLogger("tidegate.edge")
@@ -242,7 +242,7 @@ class SessionCall:
     async def _generation(self, gen: Generation, req: pb.GenerateRequest) -> None:
         """One generation, start to end. Never raises (but CancelledError)."""
         state = self.state
-        api = Api.CHAT
+        api = CHAT.api
         with contextlib.suppress(ApiError):
             api = api_of(req)
         rt = instrument.RequestTelemetry(state.telemetry, self.metadata, api)

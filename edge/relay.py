@@ -29,6 +29,7 @@ from edge.errors import from_info, to_info
 from edge.session import BAD_INPUT, Session
 from edge.stream import Due, Phase, StreamState
 from edge.writer import CANCEL_CODES, RawWrite, Writer
+from tidegate import apis
 from tidegate.broker.link import Link
 from tidegate.broker.liveness import WorkerWatch
 from tidegate.config import DEFAULT_FAILOVER, Config, ModelConfig
@@ -39,7 +40,6 @@ from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
     Ack,
     Admission,
-    Api,
     Cancel,
     Chunk,
     Continue,
@@ -131,7 +131,7 @@ class Relay(StreamState):
         # needs none).
         session.resumable = request.resumable and request.stream
         self.ids = (streamlog.EventIds(
-            b"" if request.api is Api.RESPONSES
+            b"" if apis.of(request.api).numbered_events
             else streamlog.retry_field(ctx.config.resume.retry_ms))
             if session.resumable and out.numbers_events else None)
 

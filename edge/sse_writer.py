@@ -22,9 +22,10 @@ from edge.endings import SlowClient, reconnect_event
 from edge.errors import error_response, sse_error_event
 from edge.raw_http import payload_writer, takes_raw_chunks
 from edge.writer import RawWrite, Writer
+from tidegate import apis
 from tidegate.config import Config
 from tidegate.errors import ApiError
-from tidegate.wire.protocol import Api, Request
+from tidegate.wire.protocol import Request
 
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {
@@ -127,7 +128,7 @@ class SseWriter(Writer):
                                 headers=self.headers)
         # A Responses or Messages stream ends with its own terminal event
         # (response.completed, message_stop), never [DONE]: their APIs send none.
-        await self.write(_DONE if self.api < Api.RESPONSES else b"", last=True)
+        await self.write(_DONE if apis.of(self.api).done_marker else b"", last=True)
         return self.response()
 
     async def fail(self, error: ApiError) -> web.StreamResponse:

@@ -35,13 +35,15 @@ from edge.relay import Relay
 from edge.state import STATE, EdgeState, session_tick, set_keepalive
 from edge.writer import cancel_error
 from edge.ws_writer import WsWriter
+from tidegate import apis
+from tidegate.apis import WEBSOCKET_PATHS
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.errors import ApiError, unavailable
 from tidegate.telemetry import logs
 from tidegate.validation.generation import validate_body
 from tidegate.validation.jsonbody import parse_object
 from tidegate.validation.messages import validate_messages_body
 from tidegate.wire import ws as wire
-from tidegate.wire.protocol import Api
 from tidegate.wire.ws import CloseCode, KeepaliveAction
 
 log = logging.getLogger("tidegate.edge")
@@ -208,7 +210,8 @@ class WsSocket:
                             await self.ws.pong(msg.data)
                         continue
                     event = self.conn.receive(wire.parse_client_frame(
-                        msg.data, binary=msg.type is not WSMsgType.TEXT, loads=self._loads))
+                        msg.data, WEBSOCKET_PATHS, binary=msg.type is not WSMsgType.TEXT,
+                        loads=self._loads))
                     if isinstance(event, wire.Ping):
                         await self._send_quietly(wire.PONG)
                         continue
@@ -270,7 +273,8 @@ class WsSocket:
                 if kind is WSMsgType.PONG:
                     continue
                 event = self.conn.receive(wire.parse_client_frame(
-                    msg.data, binary=kind is not WSMsgType.TEXT, loads=self._loads))
+                    msg.data, WEBSOCKET_PATHS, binary=kind is not WSMsgType.TEXT,
+                    loads=self._loads))
                 await self._on_event(event)
         finally:
             self._read_ended.set()
@@ -356,7 +360,7 @@ class WsSocket:
         a failure is this generation's error frame, not the socket's end."""
         state = self.state
         assert self.principal is not None
-        api = event.api if isinstance(event, wire.StartRequest) else Api.CHAT
+        api = event.api if isinstance(event, wire.StartRequest) else CHAT.api
         rt = instrument.RequestTelemetry(state.telemetry, self.http.headers, api)
         if rt.span is not None:
             rt.span.set_attribute("tidegate.transport", "websocket")
@@ -395,7 +399,7 @@ class WsSocket:
         state = self.state
         assert self.principal is not None
         models = models_for(state, self.principal)
-        valid = (validate_messages_body(event.body, models) if event.api is Api.MESSAGES
+        valid = (validate_messages_body(event.body, models) if apis.of(event.api).anthropic
                  else validate_body(event.body, event.api, models))
         headers: object = self.http.headers
         if event.resumable is not None or event.resume_grace is not None:
@@ -409,7 +413,7 @@ class WsSocket:
         grace = resume.resume_grace(headers, state.tenants, self.principal.tenant, valid.model,
                                     state.config)
         request = build_request(state, self.principal, valid, rt.carrier, grace)
-        if request.api is Api.MESSAGES:
+        if apis.of(request.api).anthropic:
             request = anthropic.prepare(request, self.http.headers)
         rt.started_request(request)
         del valid

@@ -44,9 +44,9 @@ from tests.pipeline import (
     threaded_fake_backend,
     usage_of,
 )
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.simulator import SimulatorBackend
 
 pytestmark = pytest.mark.pipeline

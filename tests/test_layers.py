@@ -25,6 +25,7 @@ FLOORS = {
     "tidegate.config": 3,
     "tidegate.telemetry": 4,
     "tidegate.validation": 4,
+    "tidegate.apis": 5,  # one module per API dialect (its knowledge, asked, not branched on)
     "tidegate.broker": 5,
     "tidegate.control": 6,
     "edge": 7,

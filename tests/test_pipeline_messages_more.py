@@ -37,8 +37,8 @@ from tests.messages_pipeline import (  # noqa: F401
 )
 from tests.pipeline import DEV_KEY, Pipeline, usage_of
 from tests.poll import eventually
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.wire.protocol import Api
-from tidegate.wire.tokens import estimate_prompt_tokens
 
 pytestmark = pytest.mark.pipeline
 

@@ -26,6 +26,7 @@ from typing import Any, cast
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from tidegate import apis
 from tidegate.control import prices
 from tidegate.errors import ApiError, BackendError
 from tidegate.telemetry import telemetry as tm
@@ -135,7 +136,7 @@ class Job:
         self.stall_time = 0.0
         self.price: prices.Price | None = None  # the model's price, taken when the job starts
         self.span: Span | None = None
-        self.attrs = {tm.MODEL: request.model, tm.OPERATION: tracing.operation(request.api)}
+        self.attrs = {tm.MODEL: request.model, tm.OPERATION: apis.of(request.api).operation}
         # Every message to the edge goes one way, so the wire order is the seq order.
         self.outbox = ctx.outbox if request.mux else None
         self._end: asyncio.Future[None] | None = None  # set by a PushStream's end()
@@ -203,9 +204,9 @@ class Job:
             return
         request = self.request
         span = self.span = tel.tracer.start_span(
-            tracing.span_name(request), kind=SpanKind.CLIENT,
+            tracing.span_name(request, self.attrs[tm.OPERATION]), kind=SpanKind.CLIENT,
             context=tracing.parent_of(self.msg.headers, request),
-            attributes={**tracing.request_attributes(request),
+            attributes={**tracing.request_attributes(request, self.attrs[tm.OPERATION]),
                         tracing.ATTEMPT: self.msg.metadata.num_delivered})
         # The backend's HTTP request continues this job's span, not the edge's.
         self.request = dataclasses.replace(request,

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from tidegate.config.check import _check
+from tidegate.config.check import check_values
 from tidegate.config.sections import (
     DEFAULT_FAILOVER,
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -94,7 +94,7 @@ def load(path: str | os.PathLike[str] | None = None,
 
 def from_dict(raw: Mapping[str, Any]) -> Config:
     config: Config = _build(Config, raw, "")
-    _check(config)
+    check_values(config)
     return config
 
 

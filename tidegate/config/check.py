@@ -50,7 +50,7 @@ def _http_url(name: str, url: str) -> None:
                           f"\"http://127.0.0.1:8000/v1\", got {url!r}")
 
 
-def _check(config: Config) -> None:
+def check_values(config: Config) -> None:
     """Cross-field and range checks that types alone cannot express."""
     e, s, w = config.edge, config.session, config.worker
     if e.edge_id and not all(c.isascii() and (c.isalnum() or c in "-_") for c in e.edge_id):

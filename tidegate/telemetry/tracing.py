@@ -24,7 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.telemetry import Telemetry
-from tidegate.wire.protocol import Api, Request
+from tidegate.wire.protocol import Request
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -42,16 +42,6 @@ REPLICA = "tidegate.replica"  # the backend replica a job was routed to ("" = sh
 ROUTE_REASON = "tidegate.route.reason"  # why (tidegate.wire.affinity.Reason)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-# OpenTelemetry GenAI operation names; a Responses or Messages call is a chat turn there.
-_OPERATIONS = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion", Api.RESPONSES: "chat",
-               Api.EMBEDDINGS: "embeddings", Api.MESSAGES: "chat"}
-
-
-def operation(api: Api) -> str:
-    """``gen_ai.operation.name`` of an endpoint."""
-    return _OPERATIONS.get(api, "chat")
-
-
 # --------------------------------------------------------------------------
 # Propagation
 # --------------------------------------------------------------------------
@@ -121,15 +111,16 @@ def set_route(replica: str | None, reason: str) -> None:
 
 @contextlib.contextmanager
 def dispatch_span(tel: Telemetry, headers: Mapping[str, str] | None,
-                  request: Request) -> Iterator[Span | None]:
+                  request: Request, operation: str) -> Iterator[Span | None]:
     """The dispatcher's span for one request, current while the block runs
-    (so :func:`job_headers` names it); ``None`` with tracing off."""
+    (so :func:`job_headers` names it); ``None`` with tracing off.
+    ``operation`` is its dialect's ``gen_ai.operation.name``."""
     if not tel.tracing:
         yield None
         return
     span = tel.tracer.start_span(f"dispatch {request.model}", kind=SpanKind.CONSUMER,
                                  context=parent_of(headers, request),
-                                 attributes=request_attributes(request))
+                                 attributes=request_attributes(request, operation))
     with use_span(span, end_on_exit=True):
         yield span
 
@@ -150,15 +141,16 @@ def span_trace_id(span: Span) -> str:
 # --------------------------------------------------------------------------
 
 
-def span_name(request: Request) -> str:
-    return f"{operation(request.api)} {request.model}"
+def span_name(request: Request, operation: str) -> str:
+    return f"{operation} {request.model}"
 
 
-def request_attributes(request: Request) -> dict[str, Any]:
+def request_attributes(request: Request, operation: str) -> dict[str, Any]:
     """Span attributes known when a request starts (no prompt content: it
-    may be sensitive, and it is large)."""
+    may be sensitive, and it is large); ``operation`` is its dialect's
+    ``gen_ai.operation.name`` (``tidegate.apis``)."""
     attrs: dict[str, Any] = {
-        tm.OPERATION: operation(request.api),
+        tm.OPERATION: operation,
         tm.MODEL: request.model,
         REQUEST_ID: request.id,
         TENANT: request.tenant,

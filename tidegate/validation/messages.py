@@ -23,15 +23,15 @@ from tidegate.errors import invalid_request
 from tidegate.validation.generation import (
     DEFAULT_MAX_DEPTH,
     Validated,
-    _json_type,
-    _model,
-    _optional_bool,
-    _optional_int,
-    _optional_number,
-    _token_limit,
+    check_number,
     check_stop_lengths,
+    check_token_limit,
+    model_for,
+    optional_bool,
+    optional_int,
     parse_json,
 )
+from tidegate.validation.jsonbody import json_type
 from tidegate.wire.protocol import Api
 
 __all__ = ["quota_user", "validate_messages", "validate_messages_body"]
@@ -59,12 +59,12 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
                            count_tokens: bool = False) -> Validated:
     """:func:`validate_messages` for a body already parsed (a WebSocket
     request frame's, parsed with the same strict, depth-bounded parser)."""
-    model = _model(body, models)
+    model = model_for(body, models)
     if not count_tokens:
         if body.get("max_tokens") is None:
             raise invalid_request("max_tokens: Field required.", param="max_tokens",
                                   code="missing_required_parameter")
-        _token_limit(body, "max_tokens", model)
+        check_token_limit(body, "max_tokens", model)
     _turns(body)
     _system(body)
     stops = body.get("stop_sequences")
@@ -77,9 +77,9 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
                                   f"entries, got {len(stops)}.", param="stop_sequences",
                                   code="invalid_value")
         check_stop_lengths(stops, "stop_sequences")
-    _optional_number(body, "temperature", 0.0, 1.0)
-    _optional_number(body, "top_p", 0.0, 1.0)
-    _optional_int(body, "top_k", minimum=0)
+    check_number(body, "temperature", 0.0, 1.0)
+    check_number(body, "top_p", 0.0, 1.0)
+    optional_int(body, "top_k", minimum=0)
     _tools(body)
     _tool_choice(body)
     _thinking(body)
@@ -88,13 +88,13 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
-            raise invalid_request(f"'metadata' must be an object, got {_json_type(metadata)}.",
+            raise invalid_request(f"'metadata' must be an object, got {json_type(metadata)}.",
                                   param="metadata", code="invalid_type")
         user = metadata.get("user_id")
         if user is not None and not isinstance(user, str):
             raise invalid_request("'metadata.user_id' must be a string.",
                                   param="metadata.user_id", code="invalid_type")
-    stream = bool(_optional_bool(body, "stream")) and not count_tokens
+    stream = bool(optional_bool(body, "stream")) and not count_tokens
     return Validated(api=Api.MESSAGES, model=model, body=body, stream=stream,
                      include_usage=False)
 
@@ -131,7 +131,7 @@ def _turns(body: dict[str, Any]) -> None:
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
-            raise invalid_request(f"'{where}' must be an object, got {_json_type(turn)}.",
+            raise invalid_request(f"'{where}' must be an object, got {json_type(turn)}.",
                                   param=where, code="invalid_type")
         if turn.get("role") not in _ROLES:
             raise invalid_request(f"'{where}.role' must be 'user', 'assistant' or 'system'.",
@@ -144,7 +144,7 @@ def _turns(body: dict[str, Any]) -> None:
             continue
         if not isinstance(content, list):
             raise invalid_request(f"'{where}.content' must be a string or an array of content "
-                                  f"blocks, got {_json_type(content)}.",
+                                  f"blocks, got {json_type(content)}.",
                                   param=f"{where}.content", code="invalid_type")
         _blocks(content, f"{where}.content", turn["role"])
 
@@ -220,7 +220,7 @@ def _objects(body: dict[str, Any], key: str, items: str) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
-        raise invalid_request(f"'{key}' must be an object, got {_json_type(value)}.",
+        raise invalid_request(f"'{key}' must be an object, got {json_type(value)}.",
                               param=key, code="invalid_type")
     listed = value.get(items)
     if listed is None:
@@ -239,7 +239,7 @@ def _output_config(body: dict[str, Any]) -> None:
     if config is None:
         return
     if not isinstance(config, dict):
-        raise invalid_request(f"'output_config' must be an object, got {_json_type(config)}.",
+        raise invalid_request(f"'output_config' must be an object, got {json_type(config)}.",
                               param="output_config", code="invalid_type")
     effort = config.get("effort")
     if effort is not None and not isinstance(effort, str):
@@ -257,7 +257,7 @@ def _tools(body: dict[str, Any]) -> None:
     if tools is None:
         return
     if not isinstance(tools, list):
-        raise invalid_request(f"'tools' must be an array, got {_json_type(tools)}.",
+        raise invalid_request(f"'tools' must be an array, got {json_type(tools)}.",
                               param="tools", code="invalid_type")
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any
@@ -28,9 +28,6 @@ from tidegate.wire.protocol import Api
 # The longest client id accepted: ids are echoed in every frame of their
 # generation, so an unbounded one would multiply into every chunk.
 MAX_ID_LENGTH = 128
-
-PATHS: dict[str, Api] = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS,
-                         "/v1/messages": Api.MESSAGES}
 
 
 class CloseCode(IntEnum):
@@ -119,9 +116,11 @@ def _stdlib_loads(data: bytes | str) -> Any:
         raise _frame_error(f"The frame is not valid JSON: {exc}.", "invalid_json") from None
 
 
-def parse_client_frame(data: bytes | str | None, *, binary: bool = False,
+def parse_client_frame(data: bytes | str | None, paths: Mapping[str, Api], *,
+                       binary: bool = False,
                        loads: Callable[[bytes | str], Any] = _stdlib_loads) -> ClientEvent:
-    """One client frame -> its event. Never raises.
+    """One client frame -> its event. Never raises. ``paths`` are the
+    request paths a ``request`` frame may name (``tidegate.apis.WEBSOCKET_PATHS``).
 
     ``loads`` parses the JSON and raises :class:`ApiError` for bad input; the
     edge passes its strict, depth-bounded body parser (``tidegate.validation.jsonbody``), so
@@ -165,9 +164,9 @@ def parse_client_frame(data: bytes | str | None, *, binary: bool = False,
     if kind == "resume":
         return _resume(frame, echo)
     path = frame.get("path")
-    api = PATHS.get(path) if isinstance(path, str) else None
+    api = paths.get(path) if isinstance(path, str) else None
     if api is None:
-        return Invalid(_frame_error(f"Unknown 'path': expected one of {', '.join(PATHS)}.",
+        return Invalid(_frame_error(f"Unknown 'path': expected one of {', '.join(paths)}.",
                                     "unknown_path", "path"), echo)
     body = frame.get("body")
     if not isinstance(body, dict):

@@ -26,11 +26,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import SimulatorConfig
 from tidegate.errors import ApiError, BackendError
 from tidegate.validation.responses import check_embeddings_size, embedding_inputs
-from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
+from tidegate.wire.protocol import Request
 from workers.backends.base import Usage
 from workers.backends.paced import PacedStream
 
@@ -57,7 +57,7 @@ class SimulatorResponsesStream(PacedStream):
                  now: float) -> None:
         # plan_text says "length" exactly when max_output_tokens bounded the text.
         super().__init__(request, pieces, finish,
-                         Usage(prompt_tokens=estimate_prompt_tokens(Api.RESPONSES, request.body)),
+                         Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body)),
                          now + sim.ttft, 1.0 / sim.tokens_per_second, _OPENING,
                          _OPENING + len(pieces) + _CLOSING)
         self._status = "incomplete" if finish == "length" else "completed"
@@ -233,7 +233,7 @@ class SimulatorEmbeddings:
         except ApiError as error:
             raise BackendError(400, error.message, type="invalid_request_error",
                                code="invalid_value") from None
-        usage = Usage(prompt_tokens=estimate_prompt_tokens(Api.EMBEDDINGS, body),
+        usage = Usage(prompt_tokens=estimate_prompt_tokens(request.api, body),
                       finish_reason="stop")
         raw = await asyncio.to_thread(embeddings_body, request.model, embedding_inputs(body),
                                       dimensions, body.get("encoding_format") == "base64",

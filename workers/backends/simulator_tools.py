@@ -16,9 +16,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import SimulatorConfig
 from tidegate.wire.protocol import Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import Usage
 from workers.backends.paced import PacedStream
 
