@@ -1,19 +1,13 @@
 """What an edge keeps of a stream so another worker can continue it when the
-first one dies after output (docs/resume.md, "Continuation").
+first one dies after output.
 
-The delivered text has to live somewhere the dead worker is not. The edge
-already holds every chunk it writes, for the length of one write; with
-``failover = "continue"`` it keeps a reference to each chunk's bytes instead
-of dropping it (:meth:`Delivered.add`: one list append per chunk, no copy,
-no parse). Only when a worker dies are those bytes read: the SSE events are
-parsed once, their text joined (:meth:`Delivered.text`), and the edge hands
-that (with a Responses stream's seam: its next sequence_number, its ids)
-to the worker that runs the redelivered job (``Continue``), which asks
-the backend to continue it.
-
-What cannot be continued keeps today's ending (a retryable ``worker_lost``),
-decided per request up front (:func:`continuable`) or from the delivered
-events (a tool call started, more than one choice).
+With ``failover = "continue"`` the edge keeps a reference to each chunk it
+writes (:meth:`Delivered.add`: one append, no copy, no parse). Only when a
+worker dies are they read: the text is joined (:meth:`Delivered.text`) and sent
+with a Responses stream's seam to the worker that runs the redelivered job
+(``Continue``). What cannot be continued (decided up front by
+:func:`continuable`, or from the events: a tool call started, several choices)
+ends with a retryable ``worker_lost``. Docs: docs/resume.md#continuation.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The one place where errors become HTTP responses or SSE error events.
 
-Every client-visible failure is an OpenAI-style error object::
-
-    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
-
-On Anthropic's Messages API (``Api.MESSAGES``, paths under ``/v1/messages``)
-the same errors are written in Anthropic's shape instead
-(``tidegate.wire.anthropic``: ``{"type": "error", "error": {...}}``, 503 as
-529 ``overloaded_error``, a stream's last event ``event: error``).
-
-Before any byte of a response is written it is an HTTP response with the
-right status (and ``Retry-After`` when retrying helps); afterwards it is a
-final SSE event ``data: {"error": {...}}``, and the stream ends without
-``data: [DONE]`` so no client mistakes it for a complete answer.
+Every client-visible failure is an OpenAI error object
+``{"error": {"message", "type", "param", "code"}}``; on Anthropic's Messages API
+the same errors take Anthropic's shape (``tidegate.wire.anthropic``; 503 as 529
+``overloaded_error``). Before the first byte of a response it is a real HTTP
+status (with ``Retry-After`` when retrying helps); afterwards a final SSE error
+event, and the stream ends without ``data: [DONE]``. Docs: docs/errors.md.
 """
 
 from __future__ import annotations

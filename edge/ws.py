@@ -1,25 +1,15 @@
 """``GET /v1/ws``: the WebSocket ingress (protocol: docs/websocket.md).
 
-A thin adapter. The frame protocol is sans-I/O in :mod:`tidegate.wire.ws`;
-each generation is an ordinary request of its own (validated, published and
-relayed by the same code as SSE: ``edge.publish.build_request``,
-``edge.publish.publish_request``, :class:`edge.relay.Relay`, writing
-through :class:`edge.ws_writer.WsWriter`), so quotas, queue mode, cancel
-and flow control are exactly those of SSE.
+A thin adapter: the frame protocol is sans-I/O in :mod:`tidegate.wire.ws`, and
+each generation is an ordinary request (``edge.publish``, :class:`edge.relay.Relay`
+writing through :class:`edge.ws_writer.WsWriter`), so quotas, queue mode,
+cancel and flow control are exactly those of SSE.
 
-Tasks (STYLE 6): one ``asyncio.TaskGroup`` per socket owns the keepalive and
-one task per generation; the handler's own task reads frames. When the
-reader ends (close, error, eviction), every generation still running is
-cancelled, and its relay cancels the work upstream as an SSE disconnect does.
-
-The key is checked again for every ``request`` and ``resume`` frame, as HTTP
-checks it per request, and the socket follows its key: a revoke (through the
-key table's listener) or the key's expiry (a timer) closes it with 4401 at
-once, idle or not, and cancels its generations.
-
-Close codes (:class:`tidegate.wire.ws.CloseCode`): 4401 bad, missing, revoked
-or expired key, 4408 no auth message in time, 1009 a frame over ``ws.max_message_bytes``
-(aiohttp's reader enforces it), 1011 pings unanswered, 1012 edge restart.
+Tasks: one ``asyncio.TaskGroup`` per socket owns the keepalive and one task per
+generation; when the reader ends, every running generation is cancelled, and
+its work upstream. The key is checked per ``request``/``resume`` frame, and a
+revoke or expiry closes the socket with 4401 at once. Close codes:
+:class:`tidegate.wire.ws.CloseCode`.
 """
 
 from __future__ import annotations

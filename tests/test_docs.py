@@ -1,7 +1,7 @@
 """The docs cannot go stale where a test can tell (issue 27).
 
-* docs/architecture.md's "Map" names every module under ``tidegate/``,
-  ``edge/``, ``dispatcher/`` and ``workers/`` and no file that does not exist,
+* docs/map.md's "Map" names every module under ``tidegate/``, ``edge/``,
+  ``dispatcher/``, ``workers/`` and ``bench/`` and no file that does not exist,
   and its floors are ``FLOORS`` of tests/test_layers.py.
 * Every relative link in README.md and docs/**/*.md reaches a file, and a
   ``#anchor`` a heading of that file (GitHub's slugs).
@@ -56,7 +56,7 @@ def section(text: str, heading: str) -> list[str]:
 
 # -- the map ---------------------------------------------------------------
 
-ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MAP = ROOT / "docs" / "map.md"
 
 
 def map_entries(lines: list[str]) -> dict[str, str]:
@@ -86,11 +86,11 @@ def source_modules() -> set[str]:
 
 
 def test_the_map_names_every_module_and_only_modules_that_exist() -> None:
-    entries = map_entries(section(ARCHITECTURE.read_text(), "## Map"))
+    entries = map_entries(section(MAP.read_text(), "## Map"))
     modules = source_modules()
     missing = sorted(modules - entries.keys())
     stale = sorted(entries.keys() - modules)
-    report = {"modules docs/architecture.md's Map does not list": missing,
+    report = {"modules docs/map.md's Map does not list": missing,
               "Map entries with no such file": stale}
     assert report == {key: [] for key in report}
     empty = sorted(name for name, what in entries.items() if len(what) < 5)
@@ -99,7 +99,7 @@ def test_the_map_names_every_module_and_only_modules_that_exist() -> None:
 
 def test_the_maps_floors_are_the_layer_tests_floors() -> None:
     floors: dict[str, int] = {}
-    for line in section(ARCHITECTURE.read_text(), "## Map"):
+    for line in section(MAP.read_text(), "## Map"):
         row = re.match(r"\| (\d+) \| ([^|]+) \|", line)
         if row:
             for name in re.findall(r"`([\w.]+)`", row.group(2)):

@@ -1,21 +1,16 @@
 """The tidegate exception hierarchy.
 
-Root: :class:`TidegateError`. Every error tidegate raises on purpose derives
-from it, so a boundary can catch ``TidegateError`` and know it is not a bug.
+Root: :class:`TidegateError`; a boundary that catches it knows it is not a bug.
 
-* :class:`ConfigError` - the configuration is invalid; raised at start, with
-  the offending key in the message.
-* :class:`ApiError` - a client-facing error with its HTTP status and the
-  OpenAI error fields. The edge turns it into JSON in exactly one place
-  (``edge.errors``); workers and dispatchers send it across the broker as a
-  :class:`tidegate.wire.protocol.ErrorInfo`.
-* :class:`BackendError` - the model backend failed (an :class:`ApiError`, since
-  it reaches the client).
+* :class:`ConfigError` - invalid configuration, at start, naming the key.
+* :class:`ApiError` - a client-facing error with its HTTP status and OpenAI
+  fields, turned into JSON in one place (``edge.errors``); across the broker
+  it travels as a :class:`tidegate.wire.protocol.ErrorInfo`.
+* :class:`BackendError` - the model backend failed (an :class:`ApiError`).
 * :class:`ProtocolError` - a malformed envelope on the wire.
 * :class:`BrokerError` - NATS or JetStream refused or is unreachable.
 
-:data:`CATALOGUE` is every error code a client can see, with its status, type,
-meaning and whether to retry (docs/reference/errors.md is built from it).
+:data:`CATALOGUE` is every code a client can see (docs/reference/errors.md).
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """A redelivered job that continues what its dead first worker delivered
-(docs/resume.md, "Continuation"; the edge's side is edge/continuation.py).
+(the edge's side is edge/continuation.py).
 
-The edge's go-ahead is a ``Continue`` with the text the client received and
-how many content events carried it. The job then runs :func:`continued` of
-its request instead of the request itself:
-
-* chat: the messages plus that text as a trailing assistant message, with
-  ``continue_final_message: true`` and ``add_generation_prompt: false`` so
-  vLLM and SGLang continue the message instead of starting a new one
-  (llama.cpp's llama-server continues a trailing assistant message by
-  itself, but without the two fields its streamed first delta repeats the
-  whole message: tests/test_llama_server.py; the simulator's deterministic
-  mode continues it);
-* completions: the prompt plus the text;
-* Responses: the input (a text becomes one user message) plus the text as
-  a trailing assistant message; Responses has no ``continue_final_message``,
-  so whether the backend continues the message or starts a new one is its
-  own (docs/backends.md); the simulator's deterministic mode continues it;
-* ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` reduced
-  by the delivered events (at least 1); stop sequences and every other field
-  kept.
-
-The backend's new stream opens like any chat stream, with a role chunk the
-client already has: :class:`ContinuedStream` drops it, so the seam shows no
-repeated event. A Responses stream's new opening and numbering are the
-client's old ones again: :class:`ContinuedResponses` splices it.
+The edge's go-ahead is a ``Continue`` with the text the client received; the job
+runs :func:`continued` of its request: chat gets the text as a trailing
+assistant message with ``continue_final_message`` (vLLM, SGLang; llama-server
+continues by itself), completions the prompt plus the text, Responses the text
+as a trailing assistant item; the output cap is reduced by the delivered events
+(at least 1), every other field kept. :class:`ContinuedStream` drops the new
+stream's role chunk, and :class:`ContinuedResponses` splices a Responses
+stream's numbering, so the seam repeats nothing. Docs: docs/resume.md#continuation.
 """
 
 from __future__ import annotations

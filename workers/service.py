@@ -1,32 +1,16 @@
 """Worker process: one pool of job slots per served model.
 
-A worker pulls a job only when it has a free slot for that model (``fetch``
-asks for exactly the number of free slots), so queued work stays in JetStream,
-visible as consumer ``num_pending``, where any worker can take it, instead of
-piling up in one process.
+A worker pulls only for its free slots, so queued work stays in JetStream for
+any worker. Slots are ``max_streams``, or, with ``"auto"``, what the model's
+:class:`~workers.limiter.AdaptiveLimit` allows now.
 
-Every job gets the worker's control subject (``<p>.ctl.<worker>``) in its Head;
-the edge sends acks and cancels there, and one subscription demultiplexes them
-by request id. Cancel tombstones in the ``<P>_CANCELS`` KV bucket reach jobs
-whose edge never learned the control subject, and stop queued jobs from
-starting at all.
-
-Stop (SIGTERM): stop pulling, let in-flight jobs finish within
-``worker.shutdown_timeout``, then end the rest: a job that has sent no output
-is handed back to JetStream for another worker; one that has ends with a
-retryable error event.
-
-Slots: a model with a pinned ``max_streams`` has that many; one with
-``max_streams = "auto"`` has as many as its :class:`~workers.limiter.AdaptiveLimit`
-allows at the moment, from the backend's latency (docs/lifecycle.md,
-"Adaptive concurrency"). The pool tells the limiter when a job takes and
-frees a slot; the job reports its latency samples itself.
-
-Fleet view: every few seconds the worker puts its slots and in-flight jobs
-per model into the ``<P>_WORKERS`` KV bucket (``tidegate.control.workers_registry``),
-which dispatchers and ``tidegate status`` read; the same numbers are the
-``tidegate.worker.slots`` gauge of this process, and the limit is
-``tidegate.worker.concurrency_limit``.
+Every job's Head names the worker's control subject; one subscription
+demultiplexes the edges' acks and cancels, and ``<P>_CANCELS`` tombstones reach
+the rest. Stop: no more pulls, in-flight jobs get ``worker.shutdown_timeout``,
+then a job without output is handed back and one with output ends with a
+retryable error. Every few seconds the slots go into ``<P>_WORKERS``
+(``tidegate status``, routing) and the ``tidegate.worker.slots`` gauge.
+Docs: docs/lifecycle.md#a-workers-job.
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
-"""The ``tidegate`` command.
-
-Subcommands::
-
-    tidegate up          everything on one machine (embedded NATS + Redis)
-    tidegate edge        the HTTP/SSE front door
-    tidegate dispatcher  admission, quotas, fairness
-    tidegate worker      backend calls (``--model`` to serve a subset)
-    tidegate config      print the effective config as TOML
-    tidegate bench       the benchmark suite (docs/benchmarks.md)
-    tidegate chaos       streaming load against a local fleet while SIGKILLing it
-    tidegate keys        create, list and revoke API keys (NATS KV)
-    tidegate policy      set, list and delete quota policies (NATS KV)
-    tidegate price       set, list and delete prices per model (NATS KV)
-    tidegate budget      set, list and delete budgets in money (NATS KV)
-    tidegate usage       sum the usage log by tenant, key, model or day
-    tidegate batches     list, show and cancel batches of every tenant (NATS KV)
-    tidegate tenant      set, list and delete per-tenant settings (resumable streams)
-    tidegate status      live view of models, workers, queues, batches (``--json`` once)
-    tidegate console     the operator console in a browser (docs/console.md)
-    tidegate version
+"""The ``tidegate`` command: the parser and each command's function.
 
 Each command group has its module: ``tidegate.cli.tiers`` (up, edge,
-dispatcher, worker), ``tidegate.cli.common`` (the common flags, config,
+dispatcher, worker), ``tidegate.cli.common`` (common flags, config,
 nats-config), ``tidegate.cli.admin`` (keys, policy, tenant, batches),
-``tidegate.cli.spend`` (price, budget, usage) and
-``tidegate.cli.tools`` (bench, chaos, status, console); this one builds the parser and
-maps each command to its function.
+``tidegate.cli.spend`` (price, budget, usage), ``tidegate.cli.tools`` (bench,
+chaos, status, console). ``tidegate --help`` lists them; docs/reference/cli.md
+is generated from this parser.
 
 Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
-the file and the environment. Tier modules are imported inside their
-subcommand: ``tidegate config`` must work even where a tier cannot import.
-
-Error contract: a :class:`~tidegate.errors.ConfigError` prints
-``tidegate: error: <message naming the key>`` and exits 2; any other
-:class:`~tidegate.errors.TidegateError` prints its message and exits 1. Neither
-ever shows a traceback: they are the user's to fix, not bugs.
+the file and the environment. Tier modules are imported inside their command,
+so ``tidegate config`` works where a tier cannot import. Error contract: a
+:class:`~tidegate.errors.ConfigError` prints ``tidegate: error: <message>`` and
+exits 2, any other :class:`~tidegate.errors.TidegateError` exits 1; never a traceback.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Locating and running child processes: nats-server, redis-server and the tiers.
 
-Used by ``tidegate up`` (:mod:`tidegate.run.launcher`) and by the test suite, so the
-fixtures start servers exactly the way a developer's machine does.
+Used by ``tidegate up`` and by the test suite, so fixtures start servers the
+way a developer's machine does.
 
-Invariants:
-
-* A :class:`ManagedProcess` owns exactly one child. ``start()`` returns only once
-  the child is ready (its readiness probe succeeded), or raises
-  :class:`~tidegate.errors.TidegateError` with the tail of the child's log, after
-  the child has been killed: a failed start leaves no process behind.
-* ``stop()`` is SIGTERM, a bounded wait, then SIGKILL; it always reaps the child
-  and then kills whatever is left in the child's process group, so no orphan
-  survives and the port is free when it returns.
-* Every child runs in its own process group (a Ctrl-C at the terminal reaches
-  only the parent, which then stops the children in its own order) and, on
-  Linux, with ``PR_SET_PDEATHSIG`` so it dies if the parent dies without
-  cleaning up. The death signal fires when the *thread* that forked the child
-  exits, so start children from a long-lived thread (the main thread).
-* Nothing here ever touches a port it did not pick: servers default to free
-  ports, and a ``preferred`` port is used only when it is free.
+Invariants: a :class:`ManagedProcess` owns one child; ``start()`` returns once
+its readiness probe succeeded, or kills it and raises
+:class:`~tidegate.errors.TidegateError` with its log tail. ``stop()`` is
+SIGTERM, a bounded wait, SIGKILL, then the process group: no orphan survives.
+Each child has its own process group and ``PR_SET_PDEATHSIG`` (which fires
+when the forking *thread* exits: start children from a long-lived thread).
+Nothing touches a port it did not pick.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """W3C trace context across the broker, and GenAI span attributes.
 
 One trace per request: the edge starts it (continuing the client's
-``traceparent`` when it sent one) and hands the context on in two places:
+``traceparent``) and hands it on in the NATS headers of every publish and in
+``Request.extra["traceparent"]`` (the worker's fallback parent, and what the
+backend receives). With tracing off the edge still makes up an unsampled
+``traceparent``, so every tier's log lines carry one trace id per request.
 
-* the NATS headers of every publish (``traceparent``, ``tracestate``), so the
-  dispatcher's span is a child of the edge's and the worker's a child of the
-  dispatcher's;
-* ``Request.extra["traceparent"]``, which travels inside the envelope through
-  both streams: the worker's fallback parent when a hop did not forward the
-  header, and what the OpenAI backend sends to the model server (the worker
-  replaces it with its own span's context first).
-
-With tracing off, the edge still makes up a ``traceparent`` (not sampled), so
-log lines of every tier carry one trace id per request at the cost of two
-random numbers per request, and a model server that traces joins the
-client's trace when the client sent one.
-
-Span shape (GenAI semantic conventions): edge ``{operation} {model}`` (SERVER),
+Spans follow the GenAI conventions: edge ``{operation} {model}`` (SERVER),
 dispatcher ``dispatch {model}`` (CONSUMER), worker ``{operation} {model}``
-(CLIENT: the worker is the GenAI client of the model server). Events
-``gen_ai.first_token`` and ``tidegate.cancel``; never a span per chunk, but a
-``tidegate.chunks`` attribute.
+(CLIENT); never a span per chunk. Docs: docs/observability.md.
 """
 
 from __future__ import annotations

@@ -2,17 +2,11 @@
 bodies (sans-I/O), beside ``tidegate.validation.generation``'s chat and completions.
 
 :func:`validate_request` is the edge's one entry point for every generation
-endpoint: it hands chat and completions to :func:`tidegate.validation.generation.validate`
-and checks the two newer bodies here, with the same OpenAI-style 400s
-(``param`` names the field). As there, only the fields tidegate depends on, or
-whose wrong type would make a backend fail confusingly, are checked; unknown
-fields (``reasoning``, ``text``, ``truncation``, vendor extensions) pass
-through to the backend untouched.
-
-Responses: ``background: true`` is tidegate's own (``edge.background``): it is
-kept in the body for the record but the backend never runs a background job
-of its own (``workers.backends.openai`` drops the field).
-Embeddings: ``stream`` must not be true (embeddings have no stream).
+endpoint: chat and completions go to :func:`tidegate.validation.generation.validate`,
+the newer two are checked here, with the same OpenAI-style 400s (``param`` names
+the field). Only fields tidegate depends on are checked; unknown fields pass
+through. ``background: true`` is tidegate's own (``edge.background``) and never
+reaches a backend; an embeddings body may not ask to ``stream``.
 """
 
 from __future__ import annotations

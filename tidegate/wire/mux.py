@@ -1,38 +1,16 @@
 """Many sessions' messages in one NATS message: the worker -> edge hot path.
 
-A worker relaying 200 streams to one edge at 10 ms per token would otherwise
-send 20,000 NATS messages a second, and every one costs a publish in the
-worker, routing in nats-server, and a parse, message object and callback in
-the edge. :class:`Outbox` instead collects what a worker's jobs send towards
-each edge during one event-loop iteration and publishes it as one message on
-the edge's mux subject (``Subjects.edge_mux``)::
+:class:`Outbox` collects what a worker's jobs send towards each edge during one
+event-loop iteration (or up to ``worker.coalesce_delay``) and publishes it as
+one message on the edge's mux subject::
 
     [VERSION, Kind.MUX, request_id, message, request_id, message, ...]
 
-Each ``message`` is a complete session message (``protocol.decode_session``
-reads it), so the per-session protocol (sequence numbers, flow control, which
-counts session messages, not NATS messages) is unchanged; only the transport
-is shared.
-
-Invariants:
-
-* Order: an edge gets one request's messages in the order they were put.
-  Batches for one subject are published in order, each batch keeps put order,
-  and one NATS connection preserves publish order to a subscriber.
-* Bounded latency: with no ``delay`` a batch waits only for the rest of the
-  current loop iteration (the flusher yields once, so every job woken in this
-  iteration adds to it), never for a timer. Under load an iteration carries
-  more, so the cost per chunk falls as the load rises. At moderate load an
-  iteration carries one chunk, and every chunk costs a NATS message and a
-  wake-up of the edge: a ``delay`` (``worker.coalesce_delay``) lets a batch's
-  oldest message wait that long for others, so chunks of many streams that
-  arrive within it travel together. No message waits longer than ``delay``
-  plus one loop iteration, and a batch cut at ``max_bytes`` leaves at once.
-  One timer per batch, not per stream.
-* Bounded: a batch is cut at ``max_bytes`` of payload (one message larger
-  than that goes alone), so no NATS message approaches the server's
-  max_payload. What waits in the outbox is bounded by the flow-control
-  windows of the jobs that put it.
+Each ``message`` is a complete session message, so the per-session protocol is
+unchanged; only the transport is shared. Invariants: one request's messages
+reach its edge in put order; no message waits longer than ``delay`` plus one
+loop iteration (one timer per batch, not per stream); a batch is cut at
+``max_bytes`` (a larger message goes alone). Docs: docs/architecture.md#flow-control.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """The WebSocket frame protocol of ``GET /v1/ws`` (sans-I/O; docs/websocket.md).
 
-Bytes in, typed events out; typed calls in, bytes out. Nothing here imports
-asyncio, aiohttp or nats: the edge's socket adapter (``edge/ws.py``) moves
-data between the socket and these objects.
+Bytes in, typed events out; nothing here imports asyncio, aiohttp or nats.
 
-* :func:`parse_client_frame` turns one client text frame into a client event
-  (:class:`Auth`, :class:`StartRequest`, :class:`CancelRequest`,
-  :class:`ResumeRequest`, :class:`Ping`, :class:`Pong`) or an
-  :class:`Invalid` carrying the error frame to answer. A bad frame never
-  raises: the socket survives every malformed message.
-* :class:`Connection` is one socket's state machine (an enum plus a
-  transition table) and its registry of live generation ids, which is where
-  the socket-level rules live: auth first, unique ids, ``max_concurrent``.
-* The server frame builders return JSON text payloads. :class:`ChunkFramer`
-  splices the worker's chunk bytes (complete SSE events, ``data: {...}\\n\\n``)
-  into ``{"type": "chunk", ..., "data": <those bytes>}`` by slicing: the
-  chunk's JSON is never parsed or re-encoded, exactly as on the SSE path.
-* :func:`encode_text_frame` is RFC 6455 server framing (unmasked, FIN set),
-  so the adapter can hand a whole batch of frames to the transport in one
-  write, from the NATS callback, as the SSE relay does with chunked frames.
-* :class:`Keepalive` decides when to ping and when a silent peer is gone.
+* :func:`parse_client_frame`: one client text frame into a client event or an
+  :class:`Invalid` carrying the error frame to answer; a bad frame never raises.
+* :class:`Connection`: one socket's state machine (enum plus transition table)
+  and its live generation ids: auth first, unique ids, ``max_concurrent``.
+* :class:`ChunkFramer` splices the worker's chunk bytes into a ``chunk`` frame
+  by slicing: the chunk's JSON is never parsed, as on the SSE path.
+* :func:`encode_text_frame`: RFC 6455 server framing, so a batch of frames is
+  one transport write.
+* :class:`Keepalive`: when to ping and when a silent peer is gone.
 """
 
 from __future__ import annotations

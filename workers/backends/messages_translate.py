@@ -1,20 +1,13 @@
 """Anthropic Messages requests as chat completions, and chat completions back
-as Messages (sans-I/O): the translation mode of ``POST /v1/messages`` for a
-backend that serves only ``/chat/completions`` (docs/anthropic.md, whose
-"Request fields" table says what happens to each field).
+as Messages (sans-I/O): the translation mode of ``POST /v1/messages``.
 
-Request (:func:`to_chat`): ``system`` and every ``system`` turn inside
-``messages`` fold into one first system message; each turn's content blocks
-become chat content (``tool_use`` as ``tool_calls``, ``tool_result`` as
-``tool`` messages, ``thinking`` blocks dropped); ``tools``, ``tool_choice``,
-``stop_sequences``, ``metadata.user_id`` and ``output_config.format`` map to
-their chat fields. Annotations and Anthropic-side hints (``thinking``,
-``cache_control``, ``output_config.effort``, ...) are dropped; what changes
-the answer and has no chat equivalent (a server tool, a ``document`` block,
-``mcp_servers``, a context edit other than clearing thinking) is a 400 naming
-it. Any other unknown field passes on (vendor extensions).
-
-Response (:func:`to_message`): a chat completion's body as a Messages body.
+:func:`to_chat`: ``system`` and every system turn fold into one first system
+message; content blocks become chat content (``tool_use`` as ``tool_calls``,
+``tool_result`` as ``tool`` messages, ``thinking`` dropped); tools, stop
+sequences, ``metadata.user_id`` and the output format map to chat fields.
+Hints are dropped; what changes the answer and has no chat equivalent is a 400
+naming it; other unknown fields pass on. :func:`to_message`: a chat completion
+as a Messages body. Each field's fate: docs/anthropic.md#request-fields.
 """
 
 from __future__ import annotations

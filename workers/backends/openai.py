@@ -1,31 +1,16 @@
 """Backend for any OpenAI-compatible HTTP server: vLLM, Ollama, llama.cpp, TGI, OpenAI.
 
-The worker forwards the client's body (with ``model`` replaced by the upstream
-name) and relays the response **byte for byte**: SSE events are passed through
-as the backend wrote them, never re-serialised. Only a few events are looked
-into, each found by a cheap byte search before any JSON is parsed:
+The worker forwards the client's body (``model`` replaced by the upstream name)
+and relays the response byte for byte; only a few events are looked into, each
+found by a byte search first: ``data: [DONE]`` ends the stream; a non-null
+``usage`` is recorded (the worker always asks for it, and drops the usage-only
+chunk the client did not ask for); a ``finish_reason`` is recorded; a top-level
+``error`` becomes a :class:`BackendError`; comments are dropped.
 
-* ``data: [DONE]`` ends the stream (the edge writes its own).
-* An event with a non-null ``usage`` records the token usage. The worker always
-  asks the backend for usage (``stream_options.include_usage``) because quota
-  reconciliation needs it; when the client did not ask for it, the usage-only
-  chunk (empty ``choices``) is dropped. The other chunks then carry
-  ``"usage": null``, which clients accept, and they are left untouched.
-* An event with a non-null ``finish_reason`` records it.
-* An event with a top-level ``error`` becomes a :class:`BackendError`.
-* SSE comments and non-``data`` lines are dropped; the edge sends its own pings.
-
-Closing a stream early closes the TCP connection (never hands it back to the
-pool): that is how vLLM and friends learn the client left and abort the
-generation, freeing its KV cache.
-
-HTTP goes through ``workers.backends.http1``, which pushes body bytes from the
-socket callback: :class:`OpenAIStream` is a push stream (``start(sink)``; see
-``workers.backends``), and its ``read`` is the same machinery with a sink that
-takes one message per call.
-
-Errors map to HTTP statuses as ``workers.backends.upstream`` lists; the
-SSE handling is ``workers.backends.sse``.
+Invariant: closing a stream early closes the TCP connection (never pooled), so
+the backend aborts and frees its KV cache. HTTP goes through
+``workers.backends.http1`` (:class:`OpenAIStream` is a push stream); error
+mapping is ``workers.backends.upstream``. Docs: docs/backends.md.
 """
 
 from __future__ import annotations

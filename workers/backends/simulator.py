@@ -1,33 +1,15 @@
 """The built-in model: deterministic text at a configured pace, in OpenAI's wire format.
 
-The simulator lets the whole pipeline (edge, broker, dispatcher, workers) run
-and be benchmarked without a GPU. Its output is byte-for-byte what the OpenAI
-API sends, so the official ``openai`` SDK parses it.
+Runs and benchmarks the whole pipeline without a GPU; the ``openai`` SDK parses it.
 
-Invariants:
-
-* **Deterministic.** The text depends only on the prompt (and the body's
-  ``seed``): a seeded generator picks words from a fixed list, so the same
-  request always gets the same text. Tests and benchmarks can compare runs.
-* **Paced like a model.** Token ``i`` (0-based) is due ``ttft + i /
-  tokens_per_second`` seconds after :meth:`SimulatorBackend.open`. Time runs
-  whether or not anyone reads: a reader that falls behind gets every due token
-  at once (coalesced, as consecutive complete SSE events, up to ``max_bytes``),
-  the way a real backend's socket buffer fills while the worker is paused.
-* **Length.** Without ``max_tokens`` (``max_completion_tokens`` for chat) the
-  simulator writes ``simulator.length`` tokens and finishes with ``"stop"``, as
-  a model does when it chooses to end. With it, exactly that many tokens and
-  ``"length"``; a limit above the model's ``max_output_tokens`` is cut there.
-  The text is planned lazily (:class:`TextPlan`), so what a stream holds does
-  not grow with the limit. A ``stop`` string ends the text *before* the string, with
-  ``"stop"``; the token in which it starts counts as generated. Finding it is
-  linear in the text whatever the stops' length, and runs in a thread
-  (:func:`plan_off_loop`): the event loop never waits for it.
-* **Hot path.** Each stream prebuilds its event prefix/suffix bytes once; per
-  token only the token text is JSON-encoded (and common words come from a
-  cache), so no per-token dict is built or serialised.
-
-Only one choice is generated (``n`` is ignored).
+Invariants: the text depends only on the prompt (and ``seed``); token ``i`` is due
+``ttft + i / tokens_per_second`` after :meth:`SimulatorBackend.open`, whether or
+not anyone reads (a reader behind gets every due token at once, up to
+``max_bytes``); without a token limit it writes ``simulator.length`` tokens and
+``"stop"``, with one exactly that many and ``"length"`` (cut at the model's
+``max_output_tokens``); a ``stop`` string ends the text before it, found in a
+thread (:func:`plan_off_loop`) in linear time; per token only the token text is
+encoded. One choice only (``n`` is ignored). Docs: docs/backends.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """The simulator's Responses API and embeddings, in OpenAI's wire format.
 
-Same invariants as ``workers.backends.simulator`` (deterministic, paced like
-a model, the official SDK parses it), for the two newer endpoints:
+Same invariants as ``workers.backends.simulator``, for the two newer endpoints:
 
-* **Responses, streaming**: typed events, each an ``event: <type>`` line and
-  a ``data:`` line whose JSON carries ``type`` and ``sequence_number``
-  (0, 1, 2, ... without a gap), in OpenAI's order: ``response.created``,
-  ``response.in_progress``, ``response.output_item.added``,
-  ``response.content_part.added``, one ``response.output_text.delta`` per
-  token, ``response.output_text.done``, ``response.content_part.done``,
-  ``response.output_item.done``, and ``response.completed`` (or, when
-  ``max_output_tokens`` cut the text, ``response.incomplete`` with
-  ``incomplete_details.reason = "max_output_tokens"``), whose ``response``
-  holds the whole output and the usage. No ``data: [DONE]``: OpenAI sends none.
-  The first two events are due at once, the item and part openings with the
-  first token, the closing ones with the last.
-* **Responses, not streaming**: the final response object, once the last
-  token is due.
-* **Embeddings**: one vector per input (a string or a token-id array), of
-  ``dimensions`` (else ``simulator.embedding_dimensions``) float32 values of
-  unit length, a pure function of the input and the model name, so the same
-  input always gets the same vector and ``float`` and ``base64`` encodings
-  decode to identical numbers. Usage: the input's token estimate. A request
-  whose response could outgrow ``worker.max_response_bytes`` is refused
-  before any vector is made, and the body is built in a thread.
+* Responses, streaming: OpenAI's typed events in OpenAI's order, ``sequence_number``
+  without a gap, ending with ``response.completed`` (or ``response.incomplete``
+  when ``max_output_tokens`` cut it); no ``data: [DONE]``.
+* Responses, not streaming: the final response object, at the last token.
+* Embeddings: per input, a unit float32 vector of ``dimensions``, a pure
+  function of the input and model name; usage is the token estimate; a
+  response that could outgrow ``worker.max_response_bytes`` is refused first,
+  and the body is built in a thread.
 """
 
 from __future__ import annotations
