@@ -31,6 +31,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from tidegate import apis
 from tidegate.config import Config, ModelConfig
 from tidegate.control.workers_registry import TTL, ReplicaSlot, WorkerInfo
 from tidegate.telemetry import telemetry as tm
@@ -246,8 +247,8 @@ class Router:
                 and model.name in self.view.models)
 
     async def route(self, request: Request, model: ModelConfig) -> Routed:
-        key = affinity_key(request.api, request.body, user=self.cfg.key_user,
-                           prefix_bytes=self.cfg.prefix_bytes)
+        key = affinity_key(apis.of(request.api).affinity_field, request.body,
+                           user=self.cfg.key_user, prefix_bytes=self.cfg.prefix_bytes)
         home = self.home_cache.get(home_key(model.name, key)) if key is not None else None
         loads = self.view.loads(model)
         route = choose(key, home, loads,

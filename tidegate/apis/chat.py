@@ -21,6 +21,7 @@ class Chat(Dialect):
     openai_chat = True
     on_websocket = True
     stop_field = "stop"
+    affinity_field = "messages"
     usage_asked = True
     choice_chunks = True
     optional_endpoint = False

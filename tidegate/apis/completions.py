@@ -19,6 +19,7 @@ class Completions(Dialect):
     continuable = True
     on_websocket = True
     stop_field = "stop"
+    affinity_field = "prompt"
     usage_asked = True
     choice_chunks = True
     optional_endpoint = False

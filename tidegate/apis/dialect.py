@@ -41,6 +41,9 @@ class Dialect:
     background: ClassVar[bool] = False
     # Served over the WebSocket protocol too (docs/websocket.md).
     on_websocket: ClassVar[bool] = False
+    # Where its prompt is for an affinity key (tidegate.wire.affinity): chat
+    # turns (``"messages"``), a completions prompt, or None (no key).
+    affinity_field: ClassVar[str | None] = None
     # The request field of its stop strings (None: it has none).
     stop_field: ClassVar[str | None] = None
     # Its stream reports usage only when asked (``stream_options``), and a

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tidegate.wire.protocol import Api
 from tidegate.wire.subjects import encode_token
 
 #: Bytes of prefix text hashed at most (``routing.prefix_bytes``'s default).
@@ -45,9 +44,11 @@ CLAIM_FALLBACK = "fallback"
 _PREAMBLE_ROLES = frozenset({"system", "developer"})
 
 
-def affinity_key(api: Api, body: Mapping[str, Any], *, user: bool = False,
+def affinity_key(field: str | None, body: Mapping[str, Any], *, user: bool = False,
                  prefix_bytes: int = PREFIX_BYTES) -> str | None:
-    """The request's affinity key (hex, 64 bits), or ``None`` when it has none."""
+    """The request's affinity key (hex, 64 bits), or ``None`` when it has none.
+    ``field`` holds its prompt (its dialect's ``affinity_field``): ``"messages"``
+    is read as chat turns, another as completions' prompt, None as nothing."""
     h = hashlib.blake2b(digest_size=8)
     cache_key = body.get("prompt_cache_key")
     if isinstance(cache_key, str) and cache_key:
@@ -55,10 +56,10 @@ def affinity_key(api: Api, body: Mapping[str, Any], *, user: bool = False,
         h.update(cache_key[:prefix_bytes].encode("utf-8", "surrogatepass"))
     else:
         budget = _Budget(h, prefix_bytes)
-        if api is Api.CHAT:
+        if field == "messages":
             _chat_prefix(body.get("messages"), budget)
-        else:
-            _prompt_prefix(body.get("prompt"), budget)
+        elif field is not None:
+            _prompt_prefix(body.get(field), budget)
         if budget.used == 0:
             return None
     if user:
