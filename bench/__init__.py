@@ -1,18 +1,12 @@
-"""The benchmark suite behind ``tidegate bench``.
+"""The benchmark suite behind ``tidegate bench`` (docs/benchmarks.md).
 
 Modules: :mod:`~bench.loadgen` (closed- and open-loop SSE load),
-:mod:`~bench.targets` (the fake backend, tidegate, the plain proxy
-and LiteLLM as child processes), :mod:`~bench.scenarios` (what is
-measured: a run's profile; scenarios a and e in
-:mod:`~bench.overhead_bench`, b and d in
-:mod:`~bench.memory_bench`, c in :mod:`~bench.cancel_bench`,
-t in :mod:`~bench.telemetry_bench`),
-:mod:`~bench.procstats` (CPU and RSS from ``/proc``),
-:mod:`~bench.report` (JSON, markdown, plots),
-:mod:`~bench.quota` (scenario q, the cost of a quota check),
-:mod:`~bench.runner` (the command) and
-:mod:`~bench.alternate` (alternating A/B runs of two trees or
-settings). See ``docs/benchmarks.md``.
+:mod:`~bench.targets` (fake backend, tidegate, the plain proxy and the peers as
+child processes), :mod:`~bench.scenarios` (a run's profile; the scenarios in
+``overhead_bench``, ``memory_bench``, ``cancel_bench``, ``telemetry_bench``),
+:mod:`~bench.procstats` (CPU and RSS from ``/proc``), :mod:`~bench.report`
+(JSON, markdown, plots), :mod:`~bench.quota` (scenario q), :mod:`~bench.runner`
+(the command) and :mod:`~bench.alternate` (alternating A/B runs).
 
 This module stays import-light: the child processes start from it.
 """

@@ -1,24 +1,14 @@
-"""(f) affinity: cache-aware routing across replicas (issue 18, docs/routing.md).
+"""(f) affinity: cache-aware routing across replicas (docs/routing.md).
 
-Four fake backends (two in ``chats40``), each with the prefix-cache model
-(``--prefill-per-char``: the first token waits for every prompt character its
-cache did not hold), serve one model as replicas behind one tidegate stack.
-``chats`` simulated conversations of ``turns`` turns each run at once, a
-user's pause (``think_s``) before each turn; every turn resends the whole
-conversation so far plus a new user message, as chat clients do, so prompts
-grow turn by turn. The same run happens twice, each on fresh backends (cold
-caches) and a fresh stack: ``routing.affinity = "auto"`` (the default) and
-``"off"``.
+Four fake backends (two in ``chats40``) with the prefix-cache model serve one
+model as replicas. ``chats`` conversations of ``turns`` turns run at once, a
+pause (``think_s``) before each turn, every turn resending the conversation so
+far. The run happens twice on fresh backends and stacks: ``routing.affinity =
+"auto"`` and ``"off"``.
 
-Reported per mode: the share of later turns served by the replica of the
-turn before (and by the replica of turn 1), TTFT p50/p99 of the streamed
-turns (client side, request sent to first data event), the share of prompt
-characters the replicas found cached, the routing decisions by reason, and
-the load spread (requests per replica over the mean). Targets: TTFT p50 with
-affinity at most half of without; no replica above 1.3x the mean; p99 no
-worse than with affinity off.
-
-Everything is this module's own processes; the run needs no other scenario.
+Reported per mode: later turns at their home, TTFT p50/p99, the share of prompt
+characters cached, routing decisions by reason, and requests per replica over
+the mean. Targets: docs/benchmarks.md#f-affinity-routing-across-four-replicas.
 """
 
 from __future__ import annotations

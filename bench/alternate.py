@@ -1,26 +1,14 @@
 """Alternating A/B runs of (a)'s closed loop: which of two trees or settings
 costs less CPU per chunk, on a machine whose speed drifts by minutes.
 
-    python -m bench.alternate --rounds 3 \\
-        base=tree:/tmp/base  work=tree:.  one=env:GOMAXPROCS=1 \\
-        wide=set:dispatcher.batch=256
+    python -m bench.alternate --rounds 3 base=tree:/tmp/base work=tree:.
 
-Each variant is ``NAME=tree:PATH`` (a source checkout: its ``tidegate``,
-``edge``, ``dispatcher`` and ``workers`` come first on ``PYTHONPATH``, and
-its processes run in that folder: ``python -m`` puts the working directory
-before ``PYTHONPATH``, so a run started in another checkout measured that
-one's code for every tree),
-``NAME=env:KEY=VALUE[,KEY=VALUE...]`` (added to the environment) or
-``NAME=set:SECTION.KEY=VALUE[,...]`` (tidegate config overrides, as
-``tidegate bench --set``) or ``NAME=proxy`` (the plain aiohttp proxy of
-scenario e in tidegate's place: the baseline the per-chunk targets are
-ratios against). A round runs every variant once, in the order given
-on odd rounds and reversed on even ones, each in a process of its own
-with a fresh stack (fake backend, nats-server, redis-server and the three
-tiers): the direct run and then
-tidegate at one concurrency. Single runs on a shared 2-core machine differ
-by a few percent; only a difference that holds in every round means
-something (docs/benchmarks.md reports these pairs).
+A variant is ``NAME=tree:PATH`` (a checkout, first on ``PYTHONPATH``, its
+processes run in that folder), ``NAME=env:KEY=VALUE[,...]``,
+``NAME=set:SECTION.KEY=VALUE[,...]`` (as ``tidegate bench --set``) or
+``NAME=proxy`` (the plain proxy of scenario e). A round runs every variant
+once, each on a fresh stack, in the given order on odd rounds and reversed on
+even ones; only a difference that holds in every round means something.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """``tidegate chaos``: streaming load against a local fleet while SIGKILLing its processes.
 
-The fleet (:class:`bench.chaos_fleet.Fleet`): 3 JetStream nodes (R3 streams, every tier given
-all three URLs), one Redis, 2 dispatchers, 2 workers serving the simulator
-and 2 edges sharing one port (``SO_REUSEPORT``).
-
-The load (:func:`stream_once`): clients in a loop, each request a streaming
-chat with its own prompt. The simulator is deterministic, so the exact text
-every request must produce is known in-process (:func:`expected_text`), and
-every request is classified (:class:`Outcome`):
-
-* ``complete``: HTTP 200, ``[DONE]``, and the text is exactly the expected one;
-* ``clean_error``: an HTTP error status with an OpenAI error body, or a final
-  ``data: {"error": ...}`` event (its ``code`` is kept: ``stream_gap``,
-  ``worker_lost``, ``quota_store_unavailable``...);
-* ``connection_lost``: the connection broke (its edge was killed): visible to
-  the client as a transport error, never as a normal end;
-* ``truncated``: the stream ended normally (chunked terminator) without
-  ``[DONE]`` or an error event, or with ``[DONE]`` but not the expected text:
-  silent data loss, the one outcome a client cannot detect;
-* ``hang``: no end within ``hang_after`` seconds.
-
-The killer (:func:`chaos`): at random times (seeded), one process of a random
-kind (edge, dispatcher, worker, nats, redis) is SIGKILLed and started again by
-a :class:`~tidegate.run.supervisor.Supervisor` (as ``tidegate up`` would), which
-restarts and counts any other exit too. Target: every stream completes.
+The fleet (:class:`bench.chaos_fleet.Fleet`): 3 JetStream nodes (R3 streams),
+one Redis, 2 dispatchers, 2 workers on the simulator, 2 edges on one port. The
+load (:func:`stream_once`): streaming chats whose exact text is known in-process
+(:func:`expected_text`), each classified (:class:`Outcome`): ``complete``,
+``clean_error`` (an error status or final error event), ``connection_lost``,
+``truncated`` (a normal end with wrong or missing text: silent loss) or
+``hang``. The killer (:func:`chaos`): at seeded random times one process of a
+random kind is SIGKILLed and restarted by a
+:class:`~tidegate.run.supervisor.Supervisor`. Target: every stream completes.
+Docs: docs/reliability.md#tidegate-chaos.
 """
 
 from __future__ import annotations

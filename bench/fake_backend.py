@@ -1,47 +1,15 @@
 """A fake OpenAI-compatible model server, for tests and the benchmark suite.
 
-It speaks the subset of the OpenAI HTTP API that vLLM, Ollama, llama.cpp and
-TGI share (``GET /v1/models``, ``POST /v1/chat/completions``,
-``POST /v1/completions``, streaming and not; ``POST /v1/responses`` and
-``POST /v1/embeddings`` are ``bench.fake_responses``, Anthropic's
-``POST /v1/messages`` and chat tool calls ``bench.fake_messages``),
-paces tokens like a model (TTFT,
-then one token every ``itl`` seconds), and records what happened to every
-request, so a test can assert that the gateway closed the backend connection
-when the client went away (:attr:`FakeRecord.closed_at`).
+It serves ``/v1/models``, chat and completions, streaming and not
+(``bench.fake_responses`` adds Responses and embeddings, ``bench.fake_messages``
+Messages and tool calls), paces tokens like a model and records every request,
+so a test can assert the gateway closed the connection (:attr:`FakeRecord.closed_at`).
 
-Chunks are compact JSON in vLLM's shape, followed by ``data: [DONE]``.
-
-Fault injection, per request, by header or by the same name as a top-level
-field of the JSON body (``x-fake-fail-after`` -> ``"fake_fail_after"``; a
-gateway forwards unknown body fields untouched, so end-to-end tests can inject
-faults through it with the SDK's ``extra_body``; a header wins over the body):
-
-* ``x-fake-status: NNN`` - answer that status with an OpenAI-style error body
-  (``x-fake-message`` sets its message).
-* ``x-fake-fail-after: N`` - send N SSE events, then drop the connection
-  without finishing the chunked body.
-* ``x-fake-ttft: S`` / ``x-fake-itl: S`` - override the pace.
-* ``x-fake-header-delay: S`` - wait S seconds before sending response headers.
-* ``x-fake-cached-tokens: N`` - report N of the prompt tokens as served from
-  the prefix cache (``usage.prompt_tokens_details.cached_tokens``).
-
-A replica that fails every stream mid-way (``FakeConfig.fail_after = N``,
-``--fail-after N``; ``fail_with``, ``--fail-with``): every chat or
-completions stream sends N events, then drops the connection (``drop``) or
-sends an error event as vLLM does for a 5xx mid-stream, then ``[DONE]``
-(``error``). A request's own ``x-fake-fail-after`` wins (its failure is a
-drop).
-
-Saturation (``FakeConfig.saturate_at = K``, ``--saturate-at K``): like a GPU
-whose batch is past its sweet spot, the fake serves up to K concurrent
-streams at its configured pace, and beyond K every step takes longer in
-proportion: with N streams generating, TTFT and each inter-token gap are
-scaled by ``max(1, N / K)`` (the gap is re-read at every token, so the pace
-follows the load as streams come and go). :attr:`FakeBackend.active` is N,
-:attr:`FakeBackend.peak_active` its highest value.
-
-Run it standalone::
+Faults, per request, by header or the same-named body field (a header wins):
+``x-fake-status``, ``x-fake-message``, ``x-fake-fail-after`` (N events, then a
+drop), ``x-fake-ttft`` / ``x-fake-itl``, ``x-fake-header-delay``,
+``x-fake-cached-tokens``. Per fake: ``fail_after`` / ``fail_with`` (a failing
+replica) and ``saturate_at = K`` (past K streams every step is scaled by N / K).
 
     python -m bench.fake_backend --port 8001 --ttft 0.05 --itl 0.01 --tokens 64
 """

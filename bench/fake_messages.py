@@ -1,23 +1,13 @@
 """The fake backend's Anthropic ``POST /v1/messages`` and its chat tool calls.
 
-Same pacing, records and fault injection as the fake's chat endpoints
-(``bench.fake_backend``):
-
-* ``/v1/messages``, streaming: ``message_start`` (usage ``input_tokens`` =
-  prompt characters / 4, ``output_tokens`` 1), ``content_block_start``,
-  ``ping``, a ``content_block_delta`` (``text_delta``) per token,
-  ``content_block_stop``, ``message_delta`` (``stop_reason``, usage
-  ``output_tokens`` = tokens sent), ``message_stop``: Anthropic's order.
-  Not streaming: the message object. A fake built with
-  ``FakeConfig(messages=False)`` does not route the path, as a chat-only
-  server (404).
-* Chat tool calls: with ``FakeConfig(tool_calls=True)`` (or the body's
-  ``fake_tool_call``), a chat request that offers ``tools`` and whose last
-  message is not a tool result is answered with one call of the first tool
-  (or the one ``tool_choice`` names), its arguments
-  ``{"query": "<letters>"}`` streamed in pieces of four characters, one per
-  token; ``finish_reason`` ``tool_calls``. A request whose last message is a
-  tool result gets text, so a client's tool loop ends.
+Same pacing, records and faults as the chat endpoints. ``/v1/messages``
+streams Anthropic's events in Anthropic's order (usage: prompt characters / 4
+in, tokens sent out), or answers the message object; ``FakeConfig(messages=False)``
+leaves the path unrouted, as a chat-only server. With
+``FakeConfig(tool_calls=True)`` (or the body's ``fake_tool_call``), a chat request
+offering ``tools`` whose last message is not a tool result gets one call of the
+first (or the chosen) tool, its arguments streamed four characters per token;
+a tool result gets text, so a client's tool loop ends.
 """
 
 from __future__ import annotations

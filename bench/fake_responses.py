@@ -1,25 +1,12 @@
 """The fake backend's ``POST /v1/responses`` and ``POST /v1/embeddings``.
 
-Same pacing, records and fault injection as the fake's chat endpoints
-(``bench.fake_backend``); answers in the shape vLLM and OpenAI use:
-
-* Responses, streaming: ``event: <type>`` + ``data: {...}`` events with
-  ``sequence_number`` from 0: ``response.created``, ``response.in_progress``,
-  ``response.output_item.added``, ``response.content_part.added``, a
-  ``response.output_text.delta`` per token, ``response.output_text.done``,
-  ``response.content_part.done``, ``response.output_item.done``,
-  ``response.completed`` (usage: ``input_tokens`` = prompt characters / 4,
-  ``output_tokens`` = tokens sent). No ``data: [DONE]``. With
-  ``x-fake-no-seq: 1`` (body ``fake_no_seq``) the events carry no
-  ``sequence_number``, as llama.cpp's llama-server writes them.
-* Responses, not streaming: the final response object.
-* Embeddings: one deterministic vector per input (``dimensions``, default 8;
-  ``encoding_format`` float or base64 float32), ``usage.prompt_tokens`` =
-  input characters / 4 (a token-id array counts its length).
-
-A fake built with ``FakeConfig(responses=False)`` / ``embeddings=False`` does
-not route the path at all (aiohttp's plain ``404: Not Found``), as a backend
-that lacks the endpoint answers.
+Same pacing, records and faults as the chat endpoints, in vLLM's and OpenAI's
+shapes: Responses events with ``sequence_number`` from 0 ending with
+``response.completed`` (no ``data: [DONE]``; ``x-fake-no-seq: 1`` drops the
+numbers, as llama-server does), the response object when not streaming, and a
+deterministic vector per embeddings input (``dimensions``, default 8; float or
+base64). Usage is characters / 4. ``FakeConfig(responses=False)`` /
+``embeddings=False`` leaves the path unrouted (404), as a backend without it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The seed articles' streaming proxy: FastAPI + httpx, as a bench peer.
 
-This is the pattern the articles tidegate started from show (one shared
-``httpx.AsyncClient`` with a large pool, ``client.stream(...)`` relayed with
-``aiter_raw()`` through a ``StreamingResponse``, and a check of
-``request.is_disconnected()`` before every chunk so a client that left closes
-the upstream response and frees the model's KV cache), kept as close to their
-code as a benchmark allows, so ``tidegate bench`` measures it as written:
-
-* their pool limits (1000 connections, 200 kept alive) and timeouts;
-* ``http2=True`` dropped: the fake backend speaks cleartext HTTP/1.1, where
-  httpx would use HTTP/1.1 anyway, and it would need the ``h2`` package;
-* both ``/v1/chat/completions`` and ``/v1/completions`` relayed, streaming or
-  not (the article accepts only streaming chat), so every bench load works;
-* served by one uvicorn process (the article runs gunicorn with several
-  workers; one process is the same footing as the bench's other peers).
-
-Optional: needs the ``peers`` extra (``pip install -e '.[peers]'``)::
+Their pattern as written: one shared ``httpx.AsyncClient`` (1000 connections,
+200 kept alive), ``client.stream()`` relayed by ``aiter_raw()`` through a
+``StreamingResponse``, ``request.is_disconnected()`` checked before each chunk.
+Departures: no ``http2=True`` (the fake speaks cleartext HTTP/1.1), completions
+and non-streaming bodies relayed too, one uvicorn process. Needs the ``peers``
+extra::
 
     python -m bench.fastapi_proxy --port P --upstream http://127.0.0.1:8001/v1
 """

@@ -2,32 +2,13 @@
 
     python -m bench.hops --concurrency 50,200 [--window 8] [--sample 0.2]
 
-Runs (a)'s closed loop on tidegate with its defaults plus tracing of a
-sampled share of requests (``parentbased_traceidratio``: the edge decides,
-the dispatcher and worker follow), exported over OTLP/HTTP to
-``bench.otlp_sink --keep``, at each concurrency on a fresh stack. Every
-process stamps its spans from the one machine clock, so each traced
-request's time to first token splits along its spans:
-
-- ``edge_to_dispatcher``: from the edge's request span's start to the
-  dispatcher's span's start (the edge's parsing and publish, JetStream, the
-  dispatcher's pull);
-- ``dispatch``: the dispatcher's span (quota, routing, the job's publish,
-  the request's ack);
-- ``dispatcher_to_worker``: from the dispatcher's span's end to the
-  worker's job span's start (JetStream, the worker's pull and slot; below 0
-  when the worker started before the dispatcher acked the request);
-- ``worker_to_first_token``: from the job span's start to its first-token
-  event (the backend call: the fake's TTFT, ``ttft_ms``, and the worker's
-  own waits);
-- ``first_token_to_edge``: from the worker's first-token event to the
-  edge's (the chunk's trip back through NATS, the edge's wake-up and write).
-
-With each concurrency it prints the run-queue wait of every process over
-the window (``/proc/<pid>/task/*/schedstat``): a hop that waits while its
-process waited for a core is the machine's, not the design's. Tracing costs
-CPU of its own (scenario t measures it): the split is for where the time
-goes, the overhead figures are (a)'s.
+(a)'s closed loop on tidegate's defaults with a sampled share of requests
+traced to ``bench.otlp_sink --keep``, a fresh stack per concurrency. Each traced
+request's time to first token splits along its spans: ``edge_to_dispatcher``,
+``dispatch``, ``dispatcher_to_worker``, ``worker_to_first_token`` (the backend
+call) and ``first_token_to_edge``. Each process's run-queue wait over the window
+is printed beside them: a hop that waited for a core is the machine's, not the
+design's. Tracing costs CPU of its own; the overhead figures are (a)'s.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The load generator: SSE streams over aiohttp, measured on the client side.
 
-Two ways to drive load:
+:func:`closed_loop`: a fixed number of users, each sending its next request when
+its stream ends. :func:`open_loop`: Poisson arrivals at a fixed rate, latencies
+from the *scheduled* send time, so a stalled generator or target cannot hide
+queueing (coordinated omission).
 
-* :func:`closed_loop` - a fixed number of users, each sending its next request
-  as soon as its previous stream ended.
-* :func:`open_loop` - Poisson arrivals at a fixed rate, independent of how
-  fast the target answers. Latencies are measured from the *scheduled* send
-  time, not from when the generator got around to sending, so a stalled
-  generator or target cannot hide queueing (coordinated omission).
-
-Both measure inside a window ``[t0, t1)`` after a warm-up: a stream's
-latencies count when it was scheduled inside the window, and chunks and
-completed streams count when they arrived inside it, so throughput and the
-CPU window (:class:`~bench.procstats.CpuWindow`) cover the same
-seconds.
-
-The SSE parsing is deliberately minimal (split on blank lines, look at the
-first bytes of each event): the generator shares the machine with what it
-measures and must not be the bottleneck. Times are ``time.monotonic()``
-throughout, which on Linux is one clock for every process on the machine.
+Both measure inside a window ``[t0, t1)`` after a warm-up: latencies of streams
+scheduled in it, chunks and streams that arrived in it, so throughput and the
+CPU window cover the same seconds. SSE parsing is minimal, so the generator is
+not the bottleneck. Times are ``time.monotonic()``, one clock for every process.
 """
 
 from __future__ import annotations

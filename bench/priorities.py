@@ -1,21 +1,13 @@
-"""Process priorities against a stream's first-token waits (issue 29, item 3).
+"""Process priorities against a stream's first-token waits.
 
     python -m bench.priorities --concurrency 50,200 --runs 3
 
-(a)'s closed loop on tidegate's defaults, on one fresh stack per run, in
-three variants taken in turn (so a machine that drifts spreads over all):
-
-- ``plain``: every process at the nice value it inherits;
-- ``broker-first``: nats-server at nice -5 (needs root or CAP_SYS_NICE:
-  skipped with a note without);
-- ``tiers-last``: the three Python tiers at nice +5, which any user may
-  set; nats-server, redis-server, the backend and the load generator keep
-  theirs.
-
-Each run reports TTFT p50/p99, completed streams per second, the gateway's
-CPU per chunk and each process's run-queue wait (seconds runnable but
-waiting for a core). The same load against the fake backend directly, once
-per concurrency, gives the TTFT overhead.
+(a)'s closed loop on tidegate's defaults, a fresh stack per run, three variants
+in turn: ``plain`` (inherited nice values), ``broker-first`` (nats-server at
+nice -5; needs CAP_SYS_NICE, skipped without) and ``tiers-last`` (the Python
+tiers at nice +5). Each run reports TTFT p50/p99, streams per second, CPU per
+chunk and each process's run-queue wait; the direct run per concurrency gives
+the overhead.
 """
 
 from __future__ import annotations

@@ -1,38 +1,16 @@
 """Scenario (q): what one quota check costs, with 1 and with 3 dispatcher processes.
 
-Each "dispatcher" is a process of its own (``multiprocessing``, spawned) that
-runs the dispatcher's real admission path in a closed loop: a
-:class:`~dispatcher.admission.QuotaAdmission` (policy lookup, prompt
-estimate, one ``EVALSHA`` of the reserve script, rate-limit headers) followed,
-for an admitted request, by :meth:`~dispatcher.quota.QuotaStore.reconcile`
-with a made-up actual usage, as the dispatcher's reconciler does when the
-worker's usage record arrives. ``concurrency`` requests are in flight per
-process, like the dispatcher's concurrent handling of a pulled batch. Every
-process shares one ``redis-server`` (started here on a free port) and one
-policy set:
+Each "dispatcher" is a spawned process running the real admission path
+(:class:`~dispatcher.admission.QuotaAdmission`, then
+:meth:`~dispatcher.quota.QuotaStore.reconcile`) in a closed loop with
+``concurrency`` requests in flight, against one ``redis-server`` started here.
+Every request is charged against 3 scopes (tenant TPM, tenant x model RPM,
+tenant x user concurrency), with limits high enough that nothing is refused.
 
-* ``tenant`` - tokens per minute,
-* ``tenant x model`` - requests per minute,
-* ``tenant x user`` - concurrent streams,
-
-so every request is charged against 3 scopes (4 tenants x 4 users). The
-limits are high enough that nothing is refused: this measures the common
-path, not the cost of computing a Retry-After.
-
-Measured over a window after a warm-up, from each side:
-
-* per ``admit`` call, wall time (p50, p99); per reconcile too;
-* client CPU (``time.process_time`` of each process: the event loop, redis-py,
-  the estimate and policy lookup) per request, admit plus reconcile;
-* Redis CPU per request, from ``/proc/<redis-pid>/stat`` (10 ms ticks);
-* round trips per request, counted where redis-py sends a command, split by
-  phase, and Redis's own ``INFO commandstats`` deltas (which in Redis 6.2
-  also count the commands a script runs).
-
-The quota window is shortened to ``window`` seconds (60 s in production) so
-the run reaches steady state within seconds: every reserve then also evicts
-the entries that left the window, as it does in production; the sorted sets
-hold rate x ``window`` entries instead of rate x 60 s.
+Measured after a warm-up: wall time per admit and reconcile, client CPU and
+Redis CPU per request, round trips and Redis commands per request. The quota
+window is shortened to ``window`` seconds so evictions reach steady state
+within the run. Docs: docs/benchmarks.md#q-quota-check-cost.
 """
 
 from __future__ import annotations
@@ -110,9 +88,9 @@ async def _measure(url: str, prefix: str, index: int, concurrency: int, reconcil
 
     from dispatcher.admission import QuotaAdmission
     from dispatcher.quota import QuotaStore, connect
+    from tidegate.apis import estimate_prompt_tokens
     from tidegate.config import ModelConfig
     from tidegate.wire.protocol import Admission, Api, Request
-    from tidegate.wire.tokens import estimate_prompt_tokens
 
     sent: Counter[str] = Counter()  # of the requests measured (started in the window)
     _TRIPS.set(Counter())  # the warm-up's, not counted

@@ -1,25 +1,14 @@
 """The scenarios of ``tidegate bench``; each returns a JSON-ready dict.
 
-(a) overhead and throughput   closed loop at each concurrency, plus one
-                              open-loop (Poisson) rate, on every target
-(b) idle stream capacity      N streams held open, heartbeats only: RSS per
-                              stream and idle CPU
-(c) cancel latency            clients close mid-stream; time from client
-                              close to the fake backend seeing its close
-(d) slow clients              clients reading a few KiB/s: RSS over time
-(e) other gateways            the plain proxy (and LiteLLM) join every
-                              scenario above
-(t) telemetry overhead        (a)'s closed loop on tidegate with telemetry
-                              off, default (metrics) and traced, each on a
-                              fresh stack: CPU per chunk and per request
+(a) overhead and throughput (closed loop per concurrency, one open-loop rate);
+(b) idle streams (RSS per stream, idle CPU); (c) cancel latency (client close
+to the backend's close); (d) slow clients (RSS over time); (e) other gateways
+(they join every scenario); (t) telemetry off / metrics / traced. The direct
+target is the floor in (a) and (c); (b) and (d) skip it.
 
-The direct target (the fake backend itself) is the floor in (a) and (c);
-(b) and (d) are about the memory of a gateway, so they skip it.
-
-Each family has its module: (a) ``bench.overhead_bench``, (b) and (d)
-``bench.memory_bench``, (c) ``bench.cancel_bench``, (t)
-``bench.telemetry_bench``. This one holds what they share: the
-:class:`Profile` of a run (``FULL``, ``QUICK``) and small helpers.
+Each family has its module (``bench.overhead_bench``, ``bench.memory_bench``,
+``bench.cancel_bench``, ``bench.telemetry_bench``); this one holds what they
+share: a run's :class:`Profile` (``FULL``, ``QUICK``) and small helpers.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """What the benchmark measures against, each started as child processes.
 
-* ``direct`` - the fake backend itself (the floor).
-* ``tidegate`` - nats-server, redis-server, edge, dispatcher and one worker,
-  serving the fake backend through a model with ``backend = "openai"``.
-* ``proxy`` - :mod:`bench.baseline_proxy`, the plain single-process
-  streaming proxy.
-* ``fastapi`` - :mod:`bench.fastapi_proxy`, the seed articles'
-  FastAPI + httpx streaming proxy, only when the ``peers`` extra is installed.
-* ``litellm`` - LiteLLM's proxy, only when ``litellm`` is importable.
+``direct`` (the fake backend, the floor), ``tidegate`` (nats-server,
+redis-server, edge, dispatcher, one worker on the fake), ``proxy``
+(:mod:`bench.baseline_proxy`), ``fastapi`` (:mod:`bench.fastapi_proxy`, with the
+``peers`` extra) and ``litellm`` (when importable). Scenario (t) starts further
+tidegate stacks one at a time, and an OTLP receiver.
 
-Scenario (t) starts further tidegate stacks, each with its own nats-server
-and redis-server and with a given environment for the tiers (telemetry off,
-default, traced), one at a time, and stops each after its run; and an OTLP
-receiver (``python -m bench.otlp_sink``) as a process of its own.
-
-Everything binds 127.0.0.1 on free ports. :class:`Targets` owns every child;
-its :meth:`Targets.close` stops them all (SIGTERM, then SIGKILL), and every
-child also gets SIGKILL from the kernel if the benchmark process dies
-(:class:`~tidegate.run.servers.ManagedProcess` sets the parent-death signal).
+Invariants: everything binds 127.0.0.1 on free ports; :class:`Targets` owns every
+child and :meth:`Targets.close` stops them all; every child also dies with the
+benchmark process (the parent-death signal of
+:class:`~tidegate.run.servers.ManagedProcess`).
 """
 
 from __future__ import annotations
@@ -41,6 +33,7 @@ from bench.loadgen import Endpoint
 from tidegate import config as tgconfig
 from tidegate.errors import TidegateError
 from tidegate.run.servers import (
+    SYNC_ALWAYS,
     ManagedProcess,
     NatsServer,
     RedisServer,
@@ -229,9 +222,14 @@ class Targets:
         # One Go thread for nats-server: the machine's cores are shared with
         # the load generator, the backend and three Python tiers, and a second
         # P mostly spins looking for work (docs/benchmarks.md, "nats-server").
+        # TIDEGATE_BENCH_NATS_SYNC: JetStream's sync_interval for the
+        # stack's nats-server ("always", the shipped default; "none" leaves
+        # nats-server's own), to measure what the fsync costs.
+        sync = os.environ.get("TIDEGATE_BENCH_NATS_SYNC", SYNC_ALWAYS)
         nats = NatsServer(self._tmp / f"{prefix}nats", host=_HOST,
                           log_path=self.logs / f"{prefix}nats-server.log",
-                          gomaxprocs=NATS_GOMAXPROCS)
+                          gomaxprocs=NATS_GOMAXPROCS,
+                          sync_interval=None if sync == "none" else sync)
         if not prefix:
             self.notes.append(f"nats-server runs with GOMAXPROCS={NATS_GOMAXPROCS}.")
         self._procs.append(nats)

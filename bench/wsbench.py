@@ -1,18 +1,11 @@
 """Scenario (w) of ``tidegate bench``: the WebSocket ingress against SSE.
 
-* load: ``sockets`` WebSockets, each keeping ``per_socket`` generations
-  running (closed loop: one ends, the next starts on the same socket), then
-  the same number of SSE streams in (a)'s closed loop, on the same stack:
-  TTFT and throughput side by side;
-* idle: ``idle_sockets`` authenticated sockets held open on a fresh stack:
-  edge RSS per socket;
-* cancel: generations cancelled with a ``cancel`` frame after a few chunks;
-  latency from the frame's send to the fake backend seeing its connection
-  closed (its records, as in (c)).
+* load: ``sockets`` WebSockets with ``per_socket`` generations each (closed
+  loop), then as many SSE streams on the same stack: TTFT and throughput;
+* idle: ``idle_sockets`` authenticated sockets on a fresh stack: RSS per socket;
+* cancel: ``cancel`` frames after a few chunks, timed to the backend's close.
 
-The load generator speaks the protocol with the ``websockets`` client
-(docs/websocket.md). Parameters come from :data:`FULL` / :data:`QUICK`, by
-the run's profile name.
+Parameters come from :data:`FULL` / :data:`QUICK`, by the run's profile name.
 """
 
 from __future__ import annotations

@@ -27,13 +27,14 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from dispatcher.quota import BudgetCharge, Limits, QuotaResult, Quotas, QuotaUnavailable, Scope
+from tidegate import apis
+from tidegate.apis import estimate_prompt_tokens, reservation
 from tidegate.config import ModelConfig, SpendConfig
 from tidegate.control.budgets import Budget, BudgetSet, period_window
 from tidegate.control.policies import PolicySet
 from tidegate.control.prices import PriceBook, format_money
 from tidegate.telemetry import telemetry as tm
-from tidegate.wire.protocol import Admission, Api, ErrorInfo, Request
-from tidegate.wire.tokens import estimate_prompt_tokens, reservation
+from tidegate.wire.protocol import Admission, ErrorInfo, Request
 
 log = logging.getLogger("tidegate.dispatcher")
 
@@ -187,7 +188,7 @@ class QuotaAdmission:
         try:
             result = await self.store.reserve(request.id, scopes, tokens, now=now,
                                                budgets=charges, money=money)
-            headers = rate_limit_headers(result, anthropic=request.api is Api.MESSAGES)
+            headers = rate_limit_headers(result, anthropic=apis.of(request.api).anthropic)
             if result.admitted and budgets and money:
                 self._alert(budgets, result.budget_spent, money)
         except QuotaUnavailable as exc:

@@ -1,29 +1,15 @@
 """Queue mode: when a model's backend gets slow, admit only what it handled well.
 
-State shared by every dispatcher lives in Redis, under the quota store's hash
-tag (one slot, so each script is atomic on Redis Cluster too):
+State shared by every dispatcher lives in Redis under the quota store's hash
+tag (one slot, so each script is atomic on Redis Cluster): ``qm:<model>`` (mode,
+limit, last p99, streaks, peak), ``lat:<model>:<w>`` and ``peak:<model>:<w>``
+per window, and the fair queue ``q:<model>:...``.
 
-* ``qm:<model>`` - hash: ``mode`` (normal / queue), ``limit`` (admissions
-  allowed in flight while queueing), ``p99_ms`` of the last evaluated window,
-  ``bad`` / ``good`` window streaks, ``last_w`` (last evaluated window),
-  ``good_peak`` (most jobs in flight during the last healthy window).
-* ``lat:<model>:<w>`` - list of TTFT samples (ms) reported in window ``w``.
-* ``peak:<model>:<w>`` - most jobs in flight seen during window ``w``.
-* the fair queue: ``q:<model>:tenants`` (zset tenant -> service turn),
-  ``q:<model>:t:<tenant>`` (zset request -> class/arrival),
-  ``q:<model>:r:<request>`` (hash: owner, tenant, state),
-  ``q:<model>:deadlines`` (zset request -> expiry ms), ``q:<model>:n``.
-
-Fairness: tenants are served round robin (the tenant served longest ago goes
-next), so a tenant with a deep backlog cannot starve one with a shallow one.
-Within a tenant, interactive requests go before batch ones, then oldest first.
-
-Ownership: the dispatcher that queued a request keeps its JetStream message
-unacked (with in-progress acks) and is told by a core-NATS grant when the
-request may run. If it dies, JetStream redelivers the message to another
-dispatcher, whose enqueue finds the entry (already queued or granted) and takes
-it over: a queued request is never lost, and never dispatched twice, because
-the jobs stream deduplicates by request id.
+Fairness: tenants are served round robin; within a tenant interactive before
+batch, then oldest first. Ownership: the dispatcher that queued a request keeps
+its JetStream message unacked until a grant; if it dies, the redelivery's
+enqueue finds the entry and takes it over, so a queued request is never lost
+nor dispatched twice. Docs: docs/queue-mode.md#redis-keys.
 """
 
 from __future__ import annotations

@@ -1,77 +1,17 @@
 """Quota enforcement in Redis: one Lua script, one round trip per admission.
 
-A request is charged against every :class:`Scope` whose policy applies to it
-(tenant, model, user, tenant x model). :meth:`QuotaStore.reserve` checks and
-records the reservation in all of them at once, atomically: either every scope
-has room and every scope is charged, or nothing is written.
+:meth:`QuotaStore.reserve` charges a request against every :class:`Scope`
+whose policy applies, atomically: every scope has room and is charged, or
+nothing is written. Rates use an exact sliding window per scope (a zset of
+request ids, a hash of amounts, a running total), concurrency a zset of leases
+that expire on their own; a record per request lets :meth:`QuotaStore.reconcile`
+and :meth:`QuotaStore.release` work from the id alone, idempotently. A request
+already charged (redelivered) is admitted without a second charge.
 
-Algorithm: an exact sliding window
-----------------------------------
-
-Per scope that limits requests or tokens:
-
-* ``w`` - sorted set, member = request id, score = reservation time;
-* ``a`` - hash, request id -> tokens charged;
-* ``t`` - the running token total of the entries in ``w``.
-
-Every call first evicts the entries older than ``window`` (subtracting their
-amounts from the total), then checks ``count + 1 <= rpm`` and ``total + cost
-<= tpm``. The window is exact: at no instant do the reservations made in the
-trailing ``window`` seconds exceed a limit (no fixed-window boundary burst, no
-approximation as in the two-counter sliding window). Memory is one zset entry
-and one hash field (under 100 bytes) per admitted request per scope, kept for
-one window.
-
-Per scope that limits concurrency, ``c`` is a sorted set of request ids scored
-by lease expiry (``now + lease``). Expired leases are evicted on every call:
-that is how a slot held by a dead dispatcher or worker comes back without
-anyone releasing it. ``lease`` must therefore be at least the longest a
-request may run (``edge.request_timeout``).
-
-Each reservation is also written to a record ``r`` (scopes, amount, time,
-whether it holds a slot) with a TTL beyond both window and lease, so
-:meth:`QuotaStore.reconcile` and :meth:`QuotaStore.release` can find what to
-adjust from the request id alone. Both are idempotent: the first reconcile
-deletes the record, the first release clears its slot flag. Reserving an id
-that is already charged (a request redelivered to another dispatcher) admits
-it without charging it again.
-
-Accuracy. Against the reserved amounts the window is exact, across any number
-of dispatchers, because one script decides and Redis runs scripts one at a
-time. Usage can exceed a limit only through reconciliation upwards: a request
-whose actual tokens exceed its reservation (the prompt estimate was low; the
-completion is capped by ``max_tokens``, which is reserved in full). The
-overshoot is then charged to the window, so later requests wait for it.
-Reconciliation downwards frees the unused part of a reservation at once.
-
-Time. ``now`` comes from the caller (``time.time()`` by default) and is
-passed to the script. Redis's own clock is not used so tests can drive a fake
-clock; the cost is that dispatchers must agree on the time. With NTP-synced
-hosts (skew of milliseconds) the error is that skew out of a 60 s window. A
-dispatcher whose clock is ``d`` seconds behind evicts entries ``d`` seconds
-late (stricter); ``d`` ahead, early (laxer by what was reserved in those ``d``
-seconds).
-
-Redis Cluster
--------------
-
-Every key carries the same hash tag, ``<prefix>:{<prefix>q}:...``, so all
-quota keys live in one slot and one script may touch them. A per-tenant tag
-would not do: one request's scopes span tenant-wide and model-wide limits (the
-model scope is shared by every tenant), and no tagging scheme co-locates every
-tenant's keys with every model's keys except a single tag. The cost is that
-all quota state lives on one shard (one primary plus its replicas). That is
-ample: a reserve costs Redis about 20-25 us for one scope and 45-65 us for
-four (Redis 6.2 on a 2-core VM), so one shard runs roughly 15,000 to 50,000
-admissions per second. Every key a script touches is passed in ``KEYS``, as
-Cluster requires. Reconcile and release first read the
-record to learn the scopes (one extra read), then run their script with those
-keys declared.
-
-Errors: Redis unreachable or timing out raises :class:`QuotaUnavailable`; the
-admission policy fails open or closed. Use :func:`connect` (or equivalent
-client settings) so an outage is reported within ``timeout``, not after the
-client's own retries and backoff.
+Invariants: ``now`` comes from the caller (dispatchers must agree on time);
+every key carries one hash tag, so every script touches one Redis Cluster slot
+and declares its keys; an unreachable Redis raises :class:`QuotaUnavailable`
+within ``timeout``. Docs: docs/quotas.md#how-a-limit-is-enforced.
 """
 
 from __future__ import annotations

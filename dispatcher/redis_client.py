@@ -1,21 +1,13 @@
 """Redis Cluster: when ``redis.url`` names one, a cluster client instead of a plain one.
 
-``redis.url`` names a cluster when it
+A cluster is ``redis+cluster://r1:6379,r2:6379`` (``rediss+cluster://`` for
+TLS) or several comma-separated URLs. The seeds only start discovery; the
+client follows the slot map. Every tidegate key carries one hash tag
+(:mod:`dispatcher.quota`), so each script touches a single slot.
 
-* has the scheme ``redis+cluster://`` (``rediss+cluster://`` for TLS) with one
-  or more ``host:port`` seeds, comma-separated:
-  ``redis+cluster://r1:6379,r2:6379,r3:6379``; or
-* lists several URLs, comma-separated: ``redis://r1:6379,redis://r2:6379``.
-
-The seeds are only where discovery starts: the client asks them for the slot
-map (``CLUSTER SLOTS``) and then talks to whichever primary holds a key.
-Every key tidegate writes carries one hash tag (see :mod:`dispatcher.quota`),
-so each Lua script touches a single slot, as Cluster requires.
-
-Outages are reported about as fast as on a single Redis: three retries
-within 70 ms, every socket operation bounded by ``timeout``. A primary that is down (its
-slots uncovered) raises a connection error or ``CLUSTERDOWN`` at once; the
-client re-reads the slot map and reconnects once the primary is back.
+Outages are reported about as fast as on a single Redis (three retries within
+70 ms, every socket operation bounded by ``timeout``); the client re-reads the
+slot map once a primary is back. Docs: docs/quotas.md#redis-cluster.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """Cache-aware routing across a model's backend replicas: the dispatcher's part.
 
-A model with several replicas (``base_urls``) has, besides its shared queue
-``<p>.job.<model>``, one queue per replica, ``<p>.job.<model>.<replica>``,
-which only that replica's workers pull, ahead of the shared one. For each job
-the dispatcher derives the conversation's affinity key once
-(:func:`tidegate.wire.affinity.affinity_key`), looks up the key's *home* (the
-replica that served it last, soft state in the ``<P>_AFFINITY`` KV bucket with
-a TTL) and lets :func:`tidegate.wire.affinity.choose` decide from the
-replicas' load, which it follows in the workers registry.
+A model with several ``base_urls`` has, besides its shared queue, one queue per
+replica (``<p>.job.<model>.<replica>``), pulled first by that replica's workers.
+Per job the dispatcher derives the affinity key once, looks up its home
+(``<P>_AFFINITY``, with a TTL) and lets :func:`tidegate.wire.affinity.choose`
+decide from the replicas' load.
 
-The guarantees of the shared queue hold for routed jobs too:
-
-* **No wait behind a busy replica.** A full home sends the job to the shared
-  queue. A routed job that no worker has claimed within
-  ``routing.max_affinity_wait`` (the registry is a few seconds old, and a
-  replica may just have died) gets a *copy* on the shared queue.
-* **Exactly one run.** Both copies carry ``Tg-Claim``; a worker claims a job in
-  the ``<P>_CLAIMS`` KV bucket with an atomic create before it runs it, and
-  the copy that loses is acked and dropped. A redelivery of the copy that
-  claimed finds its own claim and runs as any redelivered job does.
-* **Nothing lost.** A dispatcher that dies after publishing a routed job
-  leaves it in its replica's queue, where that replica still takes it; only
-  the fallback timer (soft) is lost with the process.
+Invariants: no wait behind a busy replica (a full home goes to the shared
+queue; a routed job unclaimed within ``routing.max_affinity_wait`` gets a copy
+there); exactly one run (copies carry ``Tg-Claim``, and a worker claims in
+``<P>_CLAIMS`` by atomic create before it runs); nothing lost when a dispatcher
+dies (the job stays in its replica's queue). Docs: docs/routing.md.
 """
 
 from __future__ import annotations
@@ -42,6 +31,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from tidegate import apis
 from tidegate.config import Config, ModelConfig
 from tidegate.control.workers_registry import TTL, ReplicaSlot, WorkerInfo
 from tidegate.telemetry import telemetry as tm
@@ -257,8 +247,8 @@ class Router:
                 and model.name in self.view.models)
 
     async def route(self, request: Request, model: ModelConfig) -> Routed:
-        key = affinity_key(request.api, request.body, user=self.cfg.key_user,
-                           prefix_bytes=self.cfg.prefix_bytes)
+        key = affinity_key(apis.of(request.api).affinity_field, request.body,
+                           user=self.cfg.key_user, prefix_bytes=self.cfg.prefix_bytes)
         home = self.home_cache.get(home_key(model.name, key)) if key is not None else None
         loads = self.view.loads(model)
         route = choose(key, home, loads,

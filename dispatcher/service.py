@@ -30,6 +30,7 @@ from dispatcher.quota import QuotaStore, QuotaUnavailable
 from dispatcher.quota import connect as connect_quota_store
 from dispatcher.redis_client import preload_scripts
 from dispatcher.routing import ReplicaView, Router
+from tidegate import apis
 from tidegate.broker import broker, poison
 from tidegate.broker.kvwatch import follow_bucket, wait_synced
 from tidegate.broker.pull import Puller
@@ -129,7 +130,8 @@ class Dispatcher:
         logs.bind(request.id, request.tenant, tracing.trace_id(request.extra))
         if msg.metadata.num_delivered > 1:
             self.metrics.redeliveries.add(1, {tm.MODEL: request.model, tm.TIER: "dispatcher"})
-        with tracing.dispatch_span(tm.get(), msg.headers, request):
+        with tracing.dispatch_span(tm.get(), msg.headers, request,
+                                   apis.of(request.api).operation):
             await self._decide(request, msg)
 
     async def _decide(self, request: Request, msg: Msg) -> None:

@@ -13,12 +13,12 @@ from aiohttp import web
 from multidict import MultiMapping
 
 from edge.auth import authorization, single
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.errors import invalid_request
 from tidegate.validation.generation import Validated
 from tidegate.validation.messages import quota_user
 from tidegate.wire.anthropic import forwarded_headers
 from tidegate.wire.protocol import Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 
 __all__ = ["count_tokens_response", "credentials", "prepare"]
 

@@ -27,11 +27,16 @@ from edge.auth import authorization
 from edge.body import deadline as body_deadline
 from edge.continuation import deciding_fields
 from edge.errors import error_response, from_http_exception
+from edge.message_batches import register as register_message_batches
 from edge.publish import build_request, may_use, models_for, publish_request
 from edge.relay import Relay
 from edge.sse_writer import SseWriter
 from edge.state import STATE, EdgeState, session_tick, set_keepalive
 from edge.ws import websocket
+from tidegate import apis
+from tidegate.apis.chat import DIALECT as CHAT
+from tidegate.apis.dialect import Dialect
+from tidegate.apis.messages import DIALECT as MESSAGES
 from tidegate.broker import broker
 from tidegate.config import EdgeConfig
 from tidegate.control.prices import COST_OPT_IN
@@ -51,7 +56,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     # Anthropic's clients read errors in Anthropic's shape (edge.errors).
-    api = Api.MESSAGES if is_messages_path(request.path) else Api.CHAT
+    api = MESSAGES.api if is_messages_path(request.path) else CHAT.api
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -88,16 +93,14 @@ def build_app(state: EdgeState) -> web.Application:
     app = web.Application(middlewares=[errors_middleware],
                           client_max_size=state.config.edge.max_body_bytes)
     app[STATE] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/v1/messages", messages)
+    for dialect in apis.ALL:  # /v1/chat/completions ... /v1/messages
+        app.router.add_post(f"/v1{dialect.path}", _generation_route(dialect))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/ws", websocket)
     app.router.add_get("/v1/models", list_models)
     files.register(app, state)
     batches.register(app, state)
+    register_message_batches(app, state)
     app.router.add_get("/v1/streams/{request_id}", get_stream)
     app.router.add_post("/v1/streams/{request_id}/cancel", cancel_stream)
     app.router.add_get("/v1/responses/{response_id}", get_response)
@@ -165,25 +168,14 @@ async def cancel_response(http: web.Request) -> web.StreamResponse:
     return await background.cancel(http, state, principal.tenant)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, Api.CHAT)
+def _generation_route(dialect: Dialect) -> Handler:
+    """The handler of ``dialect``'s endpoint (Anthropic's Messages too:
+    edge.anthropic, docs/anthropic.md)."""
+    async def generate(request: web.Request) -> web.StreamResponse:
+        return await _generate(request, dialect.api)
 
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, Api.COMPLETIONS)
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, Api.RESPONSES)
-
-
-async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, Api.EMBEDDINGS)
-
-
-async def messages(request: web.Request) -> web.StreamResponse:
-    """Anthropic's Messages API (edge.anthropic, docs/anthropic.md)."""
-    return await _generate(request, Api.MESSAGES)
+    generate.__name__ = generate.__qualname__ = f"generate{dialect.path.replace('/', '_')}"
+    return generate
 
 
 async def count_tokens(http: web.Request) -> web.StreamResponse:
@@ -257,9 +249,10 @@ async def _replayed(http: web.Request, state: EdgeState, request_id: str,
 async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
                            rt: instrument.RequestTelemetry) -> web.StreamResponse:
     config = state.config
+    dialect = apis.of(api)
     set_keepalive(http.transport, config.edge)
     principal = state.keys.authenticate(anthropic.credentials(http.headers)
-                                        if api is Api.MESSAGES
+                                        if dialect.anthropic
                                         else authorization(http.headers))
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
@@ -271,14 +264,14 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
                              max_response_bytes=config.edge.max_response_bytes)
     grace = resume.resume_grace(http.headers, state.tenants, principal.tenant, valid.model,
                                 config)
-    if valid.api is Api.RESPONSES and valid.body.get("background") is True:
+    if dialect.background and valid.body.get("background") is True:
         # Served from the stream log (edge.background): resumable, and it
         # generates to its end whether or not anyone reads.
         if not valid.stream:
             return await background.create(http, state, principal, valid, rt, keyed_id)
         grace = background.grace(state)
     request = build_request(state, principal, valid, rt.carrier, grace, keyed_id)
-    if api is Api.MESSAGES:
+    if dialect.anthropic:
         request = anthropic.prepare(request, http.headers)
     if http.headers.get("x-tidegate-cost", "").strip().lower() == "include":
         # Opt-in: the final usage chunk carries the cost (docs/spend.md).
@@ -309,7 +302,7 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
                 raise idempotency.in_use(window)
             return await _replayed(http, state, request_id, principal.tenant)
         headers = {"x-request-id": request_id, "x-tidegate-request-seq": str(seq)}
-        if api is Api.MESSAGES:
+        if dialect.anthropic:
             headers["request-id"] = request_id  # where Anthropic's SDK looks for it
         if request.resumable:
             headers["x-tidegate-resumable"] = "true"

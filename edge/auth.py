@@ -1,19 +1,14 @@
 """API key authentication at the edge.
 
-Keys are compared by SHA-256 digest, never as plain strings. The table holds
-two kinds: static keys from the config (``auth.keys``, ``auth.dev_key``; tenant
-``default``, any model) and keys from the NATS KV bucket ``<P>_KEYS``, which
-:func:`tidegate.control.keys.watch_keys` feeds in with :meth:`KeyTable.apply` and
-:meth:`KeyTable.remove` as they are created and revoked. A static key stays
-valid whatever the bucket says: it is the operator's way in.
+Keys are compared by SHA-256 digest, never as plain strings. Static keys
+(``auth.keys``, ``auth.dev_key``: tenant ``default``, any model) always stay
+valid; keys from ``<P>_KEYS`` arrive and leave through
+:func:`tidegate.control.keys.watch_keys`. A :class:`Principal` is what the
+pipeline knows of the caller: tenant, user, allowed models, a loggable key id.
 
-A :class:`Principal` is what the rest of the pipeline knows about the caller:
-tenant, user, the models the key may use and a key id that is safe to log.
-
-A connection that outlives one request (a WebSocket) holds on to its key's
-digest, asks :meth:`KeyTable.check` again per generation, and registers a
-listener with :meth:`KeyTable.watch` so a revoke or change reaches it at once,
-even while it is idle (docs/websocket.md).
+A connection that outlives one request (a WebSocket) re-checks its key per
+generation (:meth:`KeyTable.check`) and hears a revoke at once through
+:meth:`KeyTable.watch`. Docs: docs/keys-and-policies.md.
 """
 
 from __future__ import annotations

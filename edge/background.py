@@ -1,30 +1,15 @@
 """The Responses API's background mode, served by tidegate from the stream log.
 
-OpenAI's contract, for every backend (none needs a background mode of its
-own), on any edge, for ``resume.retention``:
+Any backend, any edge, for ``resume.retention``: ``POST /v1/responses`` with
+``background: true`` runs as a resumable request no connection has to read
+(answered at once, status ``queued``, once admitted; with ``stream: true`` the
+creator gets the live events). ``GET /v1/responses/{id}`` is its state now;
+``?stream=true&starting_after=N`` replays the events after N, then the live
+tail; ``POST .../cancel`` cancels it, idempotently.
 
-* ``POST /v1/responses`` with ``background: true`` runs as a resumable
-  request (``docs/resume.md``) that no connection has to read: the worker
-  writes everything to the stream log and generates to the end (its grace is
-  ``edge.request_timeout``). Without ``stream`` the edge answers at once, once
-  the dispatcher admitted it (a quota refusal is still a real 429), with the
-  response object in status ``queued``; with ``stream: true`` the creating
-  connection gets the live events, and dropping it does not stop the work.
-* ``GET /v1/responses/{id}``: the response's state now (``queued``,
-  ``in_progress``, ``completed`` / ``incomplete`` / ``failed`` with the whole
-  response, or ``cancelled``), from a snapshot of the log, without waiting.
-* ``GET /v1/responses/{id}?stream=true&starting_after=N``: the events whose
-  ``sequence_number`` is above N, replayed from the log, then the live tail
-  (``edge.logreader``), each once, ending after the terminal event.
-* ``POST /v1/responses/{id}/cancel``: cancels it (the worker closes the
-  backend connection), idempotently; answers the response object.
-
-Ids: ``resp_`` + the request id (96 random bits). The worker renames the
-backend's own response id to it inside the events of a background stream
-(``workers.backends.responses_sse``), so the id a client reads in
-``response.created`` is the one it retrieves with. Another tenant's id, an
-unknown or expired one, and one of a request that was not a background
-response all answer 404 ``response_not_found``.
+Ids are ``resp_`` + the request id; the worker renames the backend's own id to
+it inside the events. Another tenant's, an unknown or an expired id answers 404
+``response_not_found``. Docs: docs/resume.md.
 """
 
 from __future__ import annotations
@@ -45,9 +30,10 @@ from edge.errors import from_info, sse_error_event
 from edge.logreader import valid_id
 from edge.publish import build_request, publish_request
 from edge.state import session_tick
+from tidegate import apis
 from tidegate.errors import ApiError, invalid_request, unavailable
 from tidegate.wire import streamlog
-from tidegate.wire.protocol import Admission, Api, Error, ErrorInfo, Head, Status
+from tidegate.wire.protocol import Admission, Error, ErrorInfo, Head, Status
 from tidegate.wire.streamlog import LogCursor, LogEnd, LogEvent, LogOpen
 
 if TYPE_CHECKING:
@@ -195,7 +181,7 @@ async def _read_log(state: EdgeState, request_id: str,
         open_ = await state.streamlog.lookup(request_id, tenant)
     except ApiError as error:
         raise not_found() if error.status == 404 else error from None
-    if open_.api != int(Api.RESPONSES):
+    if not _background_api(open_.api):
         raise not_found()
     subjects = state.config.nats.subjects
     subject, stream = streamlog.subject(subjects, request_id), state.streamlog.stream
@@ -290,8 +276,8 @@ async def _stream(http: web.Request, state: EdgeState, request_id: str, tenant: 
     except ApiError as error:
         raise not_found() if error.status == 404 else error from None
     async with state.streamlog.read(request_id, tenant, 0) as reader:
-        if reader.open.api != int(Api.RESPONSES) or not reader.open.stream:
-            raise not_found() if reader.open.api != int(Api.RESPONSES) else invalid_request(
+        if not _background_api(reader.open.api) or not reader.open.stream:
+            raise not_found() if not _background_api(reader.open.api) else invalid_request(
                 "This background response was not created with stream=true; retrieve it "
                 "without stream.", param="stream", code="invalid_value")
         response = web.StreamResponse(status=200, headers={**_SSE_HEADERS,
@@ -344,3 +330,10 @@ async def cancel(http: web.Request, state: EdgeState, tenant: str) -> web.Respon
     if body["status"] in ("queued", "in_progress"):
         body["status"] = "cancelled"  # the log's end follows within milliseconds
     return web.json_response(body)
+
+
+def _background_api(api: int) -> bool:
+    """Whether a log's request came in on an API that runs in the background
+    (the Responses API): only those are background responses to read."""
+    dialect = apis.find(api)
+    return dialect is not None and dialect.background

@@ -1,22 +1,14 @@
 """The deadline every request body read at the edge runs under.
 
-A client that trickles its body (one byte every two seconds) would otherwise
-hold a handler, a connection and, for an upload, a half-written object for as
-long as it likes. Every body read (JSON bodies, multipart uploads, the batch
-create body) therefore runs inside :func:`deadline`:
+Every body read (JSON bodies, uploads, the batch create body) runs inside
+:func:`deadline`: ``edge.body_timeout`` seconds, plus one second per
+``edge.body_min_rate`` bytes received so far, so an honest large upload keeps
+earning time and a trickle gets 408 ``request_timeout``.
 
-* the body may take ``edge.body_timeout`` seconds, plus one second for every
-  ``edge.body_min_rate`` bytes that have arrived so far. A large honest upload
-  keeps earning time as it flows; a trickle falls behind and gets 408
-  ``request_timeout``. ``body_min_rate = 0`` leaves the fixed deadline alone.
-* Progress is read from the payload stream's byte count
-  (``StreamReader.total_bytes``), not per chunk: one timer handle re-checks it
-  when the current deadline comes, so the read loop pays nothing per chunk.
-
-Bytes are counted as the edge takes them off the socket. An upload whose
-handler is slow to pass chunks on (a slow object-store publish) is paused by
-aiohttp's read buffer and counts as slow too; the base ``body_timeout`` is the
-slack for that.
+Invariant: nothing is paid per chunk; one timer re-checks the stream's byte
+count (``StreamReader.total_bytes``) when the deadline comes. A handler slow to
+pass chunks on pauses the read and counts as slow too; ``body_timeout`` is the
+slack for that. Docs: docs/security.md#connections-edgeguardpy.
 """
 
 from __future__ import annotations

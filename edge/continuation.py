@@ -1,19 +1,13 @@
 """What an edge keeps of a stream so another worker can continue it when the
-first one dies after output (docs/resume.md, "Continuation").
+first one dies after output.
 
-The delivered text has to live somewhere the dead worker is not. The edge
-already holds every chunk it writes, for the length of one write; with
-``failover = "continue"`` it keeps a reference to each chunk's bytes instead
-of dropping it (:meth:`Delivered.add`: one list append per chunk, no copy,
-no parse). Only when a worker dies are those bytes read: the SSE events are
-parsed once, their text joined (:meth:`Delivered.text`), and the edge hands
-that (with a Responses stream's seam: its next sequence_number, its ids)
-to the worker that runs the redelivered job (``Continue``), which asks
-the backend to continue it.
-
-What cannot be continued keeps today's ending (a retryable ``worker_lost``),
-decided per request up front (:func:`continuable`) or from the delivered
-events (a tool call started, more than one choice).
+With ``failover = "continue"`` the edge keeps a reference to each chunk it
+writes (:meth:`Delivered.add`: one append, no copy, no parse). Only when a
+worker dies are they read: the text is joined (:meth:`Delivered.text`) and sent
+with a Responses stream's seam to the worker that runs the redelivered job
+(``Continue``). What cannot be continued (decided up front by
+:func:`continuable`, or from the events: a tool call started, several choices)
+ends with a retryable ``worker_lost``. Docs: docs/resume.md#continuation.
 """
 
 from __future__ import annotations
@@ -24,15 +18,17 @@ from typing import Any, Protocol
 
 from edge.endings import worker_lost
 from edge.session import Session
-from tidegate.config import Config, ModelConfig
-from tidegate.wire import streamlog
-from tidegate.wire.delivered import (
+from tidegate import apis
+from tidegate.apis.chat import DIALECT as CHAT
+from tidegate.apis.delivered import (
     joined_text,
     responses_continuable,
     responses_seam,
-    sse_events,
     text_continuable,
 )
+from tidegate.config import Config, ModelConfig
+from tidegate.wire import streamlog
+from tidegate.wire.delivered import sse_events
 from tidegate.wire.protocol import DUPLICATE_DELIVERY, Api, Cancel, Request
 
 log = logging.getLogger("tidegate.edge")
@@ -51,9 +47,7 @@ def continuable(request: Request, model: ModelConfig | None) -> bool:
     (edge.relay)."""
     if model is None or model.failover != "continue" or not request.stream:
         return False
-    if request.api is Api.RESPONSES:
-        return responses_continuable(request)
-    return text_continuable(request)
+    return text_continuable(request) or responses_continuable(request)
 
 
 _DECIDING = ("n", "logprobs", "top_logprobs", "tools", "functions", "echo", "background",
@@ -88,7 +82,7 @@ class Delivered:
 
     __slots__ = ("api", "first_id", "folded", "parts", "pending", "size", "tokens", "whole")
 
-    def __init__(self, api: Api = Api.CHAT) -> None:
+    def __init__(self, api: Api = CHAT.api) -> None:
         self.api = api
         self.parts: list[bytes] = []
         self.size = 0  # bytes in parts
@@ -103,7 +97,7 @@ class Delivered:
             return
         self.parts.append(data)
         self.size += len(data)
-        if self.size > FOLD_AT and self.api is not Api.RESPONSES:
+        if self.size > FOLD_AT and apis.of(self.api).choice_chunks:
             self._fold()
 
     def _fold(self) -> None:
@@ -129,7 +123,7 @@ class Delivered:
         events = sse_events(self.parts) if self.whole else None
         if events is None:
             return None
-        if api is Api.RESPONSES:
+        if apis.of(api).numbered_events:  # Responses: its seam
             return responses_seam(events)
         got = joined_text(api, events)
         if got is None:

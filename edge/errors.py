@@ -1,18 +1,11 @@
 """The one place where errors become HTTP responses or SSE error events.
 
-Every client-visible failure is an OpenAI-style error object::
-
-    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
-
-On Anthropic's Messages API (``Api.MESSAGES``, paths under ``/v1/messages``)
-the same errors are written in Anthropic's shape instead
-(``tidegate.wire.anthropic``: ``{"type": "error", "error": {...}}``, 503 as
-529 ``overloaded_error``, a stream's last event ``event: error``).
-
-Before any byte of a response is written it is an HTTP response with the
-right status (and ``Retry-After`` when retrying helps); afterwards it is a
-final SSE event ``data: {"error": {...}}``, and the stream ends without
-``data: [DONE]`` so no client mistakes it for a complete answer.
+Every client-visible failure is an OpenAI error object
+``{"error": {"message", "type", "param", "code"}}``; on Anthropic's Messages API
+the same errors take Anthropic's shape (``tidegate.wire.anthropic``; 503 as 529
+``overloaded_error``). Before the first byte of a response it is a real HTTP
+status (with ``Retry-After`` when retrying helps); afterwards a final SSE error
+event, and the stream ends without ``data: [DONE]``. Docs: docs/errors.md.
 """
 
 from __future__ import annotations
@@ -22,6 +15,8 @@ import math
 
 from aiohttp import web
 
+from tidegate import apis
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.errors import ApiError
 from tidegate.wire import anthropic
 from tidegate.wire.protocol import Api, ErrorInfo
@@ -48,12 +43,12 @@ def to_info(error: ApiError) -> ErrorInfo:
                      error.retry_after)
 
 
-def error_response(error: ApiError, api: Api = Api.CHAT) -> web.Response:
+def error_response(error: ApiError, api: Api = CHAT.api) -> web.Response:
     headers = {}
     if error.retry_after > 0:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
     status, body = error.status, error.to_json()
-    if api is Api.MESSAGES:
+    if apis.of(api).anthropic:
         status, body = anthropic.error_body(status, error.message)
         if status == anthropic.OVERLOADED and "Retry-After" not in headers:
             headers["Retry-After"] = "1"
@@ -61,8 +56,8 @@ def error_response(error: ApiError, api: Api = Api.CHAT) -> web.Response:
                         headers=headers)
 
 
-def sse_error_event(error: ApiError, api: Api = Api.CHAT) -> bytes:
-    if api is Api.MESSAGES:
+def sse_error_event(error: ApiError, api: Api = CHAT.api) -> bytes:
+    if apis.of(api).anthropic:
         return anthropic.error_event(error.status, error.message)
     payload = error.payload()
     if error.retryable:

@@ -26,6 +26,7 @@ from edge.grpc_writer import GrpcWriter, MessageSink
 from edge.publish import build_request, models_for, publish_request
 from edge.relay import Relay
 from edge.state import EdgeState, session_tick
+from tidegate import apis
 from tidegate.errors import ApiError, invalid_request
 from tidegate.telemetry import logs
 from tidegate.validation.jsonbody import parse_object
@@ -33,12 +34,12 @@ from tidegate.validation.responses import validate_request
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire.protocol import Api
 
-ROUTES: dict[int, Api] = {
-    pb.ROUTE_CHAT_COMPLETIONS: Api.CHAT,
-    pb.ROUTE_COMPLETIONS: Api.COMPLETIONS,
-    pb.ROUTE_RESPONSES: Api.RESPONSES,
-    pb.ROUTE_EMBEDDINGS: Api.EMBEDDINGS,
-}
+# Each gRPC route is its HTTP endpoint's dialect (docs/grpc.md).
+ROUTES: dict[int, Api] = {route: dialect.api for route, dialect in (
+    (pb.ROUTE_CHAT_COMPLETIONS, apis.by_path("/v1/chat/completions")),
+    (pb.ROUTE_COMPLETIONS, apis.by_path("/v1/completions")),
+    (pb.ROUTE_RESPONSES, apis.by_path("/v1/responses")),
+    (pb.ROUTE_EMBEDDINGS, apis.by_path("/v1/embeddings"))) if dialect is not None}
 
 # HTTP status -> gRPC status (docs/grpc.md). A retryable error (broker down,
 # worker lost, edge draining) is UNAVAILABLE whatever its HTTP status, except
@@ -247,7 +248,7 @@ async def run_generation(state: EdgeState, principal: Principal, req: pb.Generat
                              models_for(state, principal),
                              max_depth=config.edge.max_json_depth,
                              max_response_bytes=config.edge.max_response_bytes)
-    if valid.api is Api.RESPONSES and valid.body.get("background") is True:
+    if apis.of(valid.api).background and valid.body.get("background") is True:
         raise invalid_request("Background responses are not served over gRPC; use POST "
                               "/v1/responses.", code="unsupported_parameter",
                               param="background")

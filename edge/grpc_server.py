@@ -1,24 +1,15 @@
 """The gRPC ingress (``edge.grpc_port``; protocol: docs/grpc.md).
 
-grpcio's asyncio server in the edge process, beside aiohttp, on the same
-event loop and :class:`edge.state.EdgeState`: the same keys, quotas, queue
-mode, flow control, traces, metrics and usage log as the HTTP routes, since
-each generation is an ordinary request (``edge.grpc_calls.run_generation``).
+grpcio's asyncio server in the edge process, on the same loop and
+:class:`edge.state.EdgeState` as the HTTP routes: each generation is an ordinary
+request (``edge.grpc_calls.run_generation``). Serves ``Gateway/Generate`` (here),
+``Gateway/Session`` (``edge.grpc_session``), ``grpc.health.v1.Health`` (SERVING
+while ``/readyz`` would be 200) and reflection.
 
-* ``tidegate.v1.Gateway/Generate``: one generation per call (here).
-* ``tidegate.v1.Gateway/Session``: many on one call (``edge.grpc_session``).
-* ``grpc.health.v1.Health``: SERVING while ``/readyz`` would answer 200
-  (NATS connected, streams present, not draining), for the whole server
-  ("") and the Gateway service.
-* Server reflection (``grpcurl list`` works without the proto).
-
-The client's deadline (``grpc-timeout``) bounds the request: it caps the
-queue deadline in the envelope, and when it passes the relay is cancelled,
-which cancels the work upstream as an SSE disconnect does; so does a client
-cancel (grpcio cancels the handler's task). Drain (:meth:`GrpcIngress.drain`):
-health turns NOT_SERVING, new calls are refused by ``server.stop``'s GOAWAY,
-resumable generations get ``Reconnect`` (through the edge's session drain),
-the rest run on for ``edge.shutdown_timeout``.
+The client's deadline caps the request's; its passing or a client cancel
+cancels the work upstream, as an SSE disconnect does. Drain
+(:meth:`GrpcIngress.drain`): health NOT_SERVING, new calls refused, resumable
+generations get ``Reconnect``, the rest run on for ``edge.shutdown_timeout``.
 """
 
 from __future__ import annotations
@@ -55,10 +46,10 @@ from edge.grpc_calls import (
 from edge.grpc_session import SessionCall, run_session
 from edge.listen import cannot_listen, ensure_free
 from edge.state import EdgeState
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.broker import broker
 from tidegate.errors import ApiError, unavailable
 from tidegate.wire import gateway_pb2 as pb
-from tidegate.wire.protocol import Api
 
 log = logging.getLogger("tidegate.edge")
 
@@ -205,7 +196,7 @@ class GrpcIngress:
         metadata: dict[str, str] = {}
         with contextlib.suppress(ApiError):
             metadata = metadata_of(context)
-        api = Api.CHAT
+        api = CHAT.api
         with contextlib.suppress(ApiError):
             api = api_of(req) if req is not None else api
         rt = instrument.RequestTelemetry(state.telemetry, metadata, api)

@@ -1,19 +1,14 @@
 """``tidegate.v1.Gateway/Session``: many generations on one bidirectional call.
 
-The WebSocket protocol's semantics (docs/websocket.md) in protobuf: each
-``SessionRequest`` names a generation by the client's ``id``; ``generate``
-starts one (an ordinary request: ``edge.grpc_calls.run_generation``),
-``cancel`` ends it (its work upstream is cancelled, and ``Cancelled`` is its
-last message), ``resume`` attaches to a resumable stream of the caller's
-tenant from its log. Every message the server sends carries its
-generation's id; a generation's failure is an ``Error`` message, never the
-call's end. The call itself ends with a status only for what concerns all
-of it: a key revoked (UNAUTHENTICATED), a reader too slow (UNAVAILABLE).
+The WebSocket protocol's semantics in protobuf: each ``SessionRequest`` names
+a generation by the client's ``id``; ``generate`` starts one, ``cancel`` ends
+it (``Cancelled`` is its last message), ``resume`` attaches to a resumable
+stream of the caller's tenant. A generation's failure is an ``Error`` message;
+the call ends with a status only for what concerns all of it (key revoked,
+reader too slow).
 
-Tasks (STYLE 6): the reader and one task per generation; when the call ends
-(client cancel, deadline, the client's half-close once its generations are
-done, a failure) every generation still running is cancelled, and its relay
-cancels the work upstream as an SSE disconnect does.
+Tasks: the reader and one per generation; when the call ends every running
+generation is cancelled, and so is its work upstream. Docs: docs/grpc.md#session.
 """
 
 from __future__ import annotations
@@ -42,9 +37,9 @@ from edge.logreader import Draining, LogReader
 from edge.relay import Relay
 from edge.state import EdgeState
 from edge.writer import CANCEL_CODES, cancel_error
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.errors import ApiError, invalid_request, unavailable
 from tidegate.wire import gateway_pb2 as pb
-from tidegate.wire.protocol import Api
 from tidegate.wire.streamlog import LogEvent
 
 log = logging.getLogger("tidegate.edge")
@@ -247,7 +242,7 @@ class SessionCall:
     async def _generation(self, gen: Generation, req: pb.GenerateRequest) -> None:
         """One generation, start to end. Never raises (but CancelledError)."""
         state = self.state
-        api = Api.CHAT
+        api = CHAT.api
         with contextlib.suppress(ApiError):
             api = api_of(req)
         rt = instrument.RequestTelemetry(state.telemetry, self.metadata, api)

@@ -1,24 +1,15 @@
 """One gRPC generation's messages: the relay's stream, protobuf messages out.
 
-:class:`edge.relay.Relay` drives a generation as it drives an SSE stream;
-:class:`GrpcWriter` says only where bytes go, as
-:class:`edge.ws_writer.WsWriter` does for a socket:
+:class:`GrpcWriter` is where :class:`edge.relay.Relay` puts bytes for a gRPC
+generation: chunk bytes become a ``Chunk``'s ``data`` unparsed; SSE comments
+write nothing (HTTP/2 keepalive does liveness; a queue position is
+``Queued``); admission sends ``Accepted``, the end ``Done``; a failure is left in
+:attr:`GrpcWriter.failure` for the call to end with.
 
-* chunk bytes (whole SSE events from the worker, or a non-streaming
-  request's JSON body) become the ``data`` of a ``Chunk`` message as they are;
-  nothing is parsed or re-encoded;
-* SSE comments (``: ping``, the queue note) write nothing: liveness is
-  HTTP/2's (keepalive pings), and the queue position goes out as ``Queued``;
-* admission sends ``Accepted``, the end ``Done`` with usage; a failure is
-  left in :attr:`GrpcWriter.failure` for the call to end with a status
-  (Generate) or an ``Error`` message (Session).
-
-Backpressure is HTTP/2's per-stream flow control: ``sink.send`` awaits the
-call's write, which completes only when the message fits the peer's window,
-and the relay acks the worker only after it. A reader that stops reading
-stops the acks, and the worker stops at its window (the backend with it). A
-write that does not complete within ``edge.slow_client_timeout`` drops the
-call (:class:`edge.endings.SlowClient`), as a socket that does not drain.
+Backpressure is HTTP/2 flow control: ``sink.send`` completes only when the
+message fits the peer's window, and the relay acks the worker after it. A write
+stuck past ``edge.slow_client_timeout`` drops the call
+(:class:`edge.endings.SlowClient`). Docs: docs/grpc.md.
 """
 
 from __future__ import annotations

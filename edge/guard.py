@@ -1,32 +1,16 @@
 """Connection-level defences of the edge's HTTP/1.1 server.
 
-aiohttp parses HTTP and bounds the request line, header size and header
-count (``edge.max_line_size``, ``edge.max_field_size``, ``edge.max_headers``),
-but it has no deadline for a request's header block and no connection caps.
-:class:`GuardedHandler` (aiohttp's ``RequestHandler`` with these added) and
-:class:`GuardedSite` (a ``TCPSite`` that creates it) supply them:
+aiohttp bounds the request line and headers but has no header deadline and no
+connection caps; :class:`GuardedHandler` and :class:`GuardedSite` add them:
 
-* **Header deadline (slowloris).** A connection must deliver its first
-  complete header block (up to the blank line) within ``edge.header_timeout``
-  seconds, or it gets a 408 and is closed. Requests after the first on a
-  kept-alive connection are bounded by ``edge.idle_timeout`` (aiohttp's
-  keep-alive timeout) and the per-IP cap.
-* **Caps.** At most ``edge.max_connections`` connections per edge and
-  ``edge.max_connections_per_ip`` per client address; past either the
-  connection gets a complete ``503`` with ``Retry-After`` and an OpenAI error
-  body, written before anything of it is parsed, and is closed.
-* **Errors in OpenAI form.** A request aiohttp cannot parse (line too long,
-  too many headers, CRLF injection, bad method) gets a 400 with an OpenAI
-  error body instead of aiohttp's text page, logged at a rate limit instead
-  of one traceback per bad request.
-* **No header value is echoed.** aiohttp's parse errors quote up to 100
-  bytes of the offending line, enough to hold a whole API key. The answer and
-  the log name the line instead (the header's name, or the request line)
-  and the limit; quoted bytes in any other parse error are cut out.
+* a first complete header block within ``edge.header_timeout`` or 408 (slowloris);
+* at most ``edge.max_connections`` per edge and ``edge.max_connections_per_ip``
+  per address, past which a complete 503 is written before anything is parsed;
+* parse errors as OpenAI 400 bodies, logged at a rate limit;
+* no header value echoed (a parse error could quote an API key).
 
-Only the inbound side is touched: responses are written by aiohttp as before,
-so the per-chunk path is unchanged. The body deadline (``edge.body_timeout``)
-is applied where the body is read (``edge.app._read_body``).
+Only the inbound side is touched, so the per-chunk path is unchanged; the body
+deadline lives where bodies are read. Docs: docs/security.md#connections-edgeguardpy.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
-"""``Idempotency-Key``: a generation a client may send again without it
-running twice (docs/resume.md, "Sending a request again").
+"""``Idempotency-Key``: a generation a client may send again without it running twice.
 
-A client whose connection broke before the response's headers came (its
-edge died, a proxy reset it) cannot tell whether the request was published:
-without a key, sending it again may run it twice (two generations, two
-charges). With a key, the request id is a function of the tenant and the
-key, so both tries are one request:
+With a key, the request id is a function of the tenant and the key, so both
+tries are one request:
 
-* a resumable request whose stream log exists was sent before: the client
-  gets its stream from the log, from its first event (``Idempotent-Replayed:
-  true``), whether it still runs, has ended within its grace, or had not
-  started. The log is opened before the request is published, so a log
-  without its request (the first edge died between the two) gets the
-  request published again while the stream's duplicate window still drops
-  a second copy;
-* any other request sent again while JetStream's duplicate window
-  (``streams.duplicate_window``, 120 s) remembers its id gets 409
-  ``idempotency_key_in_use``: it runs, or ran, once, and its answer went to
-  the first connection;
-* after the window (and, for a resumable request, once its log is gone), the
-  key names a new request.
+* a resumable request whose log exists gets its stream from the log, from its
+  first event (``Idempotent-Replayed: true``); a log without its request (the
+  first edge died in between) gets the request published again;
+* any other request sent again within ``streams.duplicate_window`` gets 409
+  ``idempotency_key_in_use``;
+* after the window (and the log) the key names a new request.
 
-The key is the client's, up to 255 printable ASCII characters; the tenant
-is part of the id, so two tenants' keys never meet. The WebSocket and gRPC
-transports carry no key (each generation there has its own id, and a
-resumable one resumes by it).
+Keys are up to 255 printable ASCII characters. WebSocket and gRPC carry none.
+Docs: docs/resume.md#sending-a-request-again-idempotency-key.
 """
 
 from __future__ import annotations

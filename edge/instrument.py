@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from tidegate import apis
 from tidegate.errors import ApiError
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry import tracing
@@ -50,7 +51,8 @@ class RequestTelemetry:
         self.span: Span | None = None
         if tel.tracing:
             self.span = tel.tracer.start_span(
-                tracing.operation(api), context=tracing.extract(headers), kind=SpanKind.SERVER)
+                apis.of(api).operation, context=tracing.extract(headers),
+                kind=SpanKind.SERVER)
             self.carrier = tracing.inject(self.span)
         else:
             self.carrier = tracing.untraced_carrier(headers)
@@ -62,8 +64,9 @@ class RequestTelemetry:
     def started_request(self, request: Request) -> None:
         self.model = request.model
         if self.span is not None:
-            self.span.update_name(tracing.span_name(request))
-            self.span.set_attributes(tracing.request_attributes(request))
+            operation = apis.of(request.api).operation
+            self.span.update_name(tracing.span_name(request, operation))
+            self.span.set_attributes(tracing.request_attributes(request, operation))
 
     def on_first_byte(self) -> None:
         if self.first_byte_at:

@@ -1,50 +1,17 @@
 """The edge's reader of resumable streams: replay, then live tail, from any edge.
 
-This is the one API every resumable reader uses: SSE resume
-(``GET /v1/streams/{id}``, ``edge.resume``), WebSocket resume, the Responses
-API's background mode / ``starting_after``, and batch results. Usage::
+The one API of every resumable reader (SSE and WebSocket resume, background
+responses, batch results): ``async with state.streamlog.read(request_id,
+tenant, after=n) as reader``, then ``reader.open`` (the :class:`LogOpen`) and
+``async for item in reader``: :class:`LogEvent` s with ``id > after``, each
+once, in order, then exactly one :class:`LogEnd`. Unknown, expired or another
+tenant's stream: 404 ``stream_not_found``.
 
-    async with state.streamlog.read(request_id, principal.tenant, after=n) as reader:
-        reader.open          # LogOpen: tenant, stream (SSE or JSON body), api, created_ms
-        async for item in reader:
-            if isinstance(item, LogEvent):
-                ...          # item.id (1, 2, 3, ...), item.data: one SSE event,
-                             # b"data: {...}\\n\\n" without an "id:" line
-            else:            # LogEnd, always the last item
-                ...          # item.done (Done: usage) or item.error (ErrorInfo)
-
-``read`` raises :class:`tidegate.errors.ApiError` 404 ``stream_not_found``
-when the stream is unknown, expired, or another tenant's (never 403: that
-would tell the caller it exists). The iterator yields exactly the events
-with ``id > after``, each once, in order: first what the log already holds,
-then what the worker writes while the reader waits. The seam is exact
-because both come from one source, the JetStream log, read by one ordered
-consumer; event ids count events the same way on every edge
-(``tidegate.wire.streamlog``). ``after`` beyond the last event so far just
-waits for the live tail. ``await reader.next(within)`` is the same with a
-bound: ``None`` when nothing came within ``within`` seconds (write a
-keep-alive then). The iterator always ends with one :class:`LogEnd`, also
-when the worker died (``worker_lost``, after the edge's usual silence limit)
-or the stream was never picked up (``no_worker_available``).
-
-At the edge's drain a reader that follows a client ends with the reconnect
-event, which names ``reader.last_id`` as the event to resume after. So
-``last_id`` must be exactly the last event the client was given:
-``await reader.next_unless_draining(within)`` is ``next`` that answers
-:data:`DRAINING` instead of an item once the edge drains, and never hands out
-an item after that. Nothing cancels a read to stop it (a cancelled read could
-take a message off the subscription and lose it, or, with Python 3.11's
-``wait_for``, finish anyway and count an event nobody wrote): the fetch of
-the next log message is one task that outlives a ``next`` call which
-returned without it.
-
-While a reader is inside the ``async with``, it counts as a reader of the
-stream: it attaches to the worker (``Attach`` every
-``resume.attach_interval``) and detaches on exit, so a stream with a reader
-keeps generating and one without stops after its grace.
-
-Memory: the consumer delivers into a bounded subscription queue (its
-limits below); what the client has not read stays in the log, in JetStream.
+Invariants: replay and tail come from one ordered consumer, so the seam is
+exact; ``next_unless_draining`` never hands out an item after the drain, so
+``reader.last_id`` is the last event the client got; a read is never cancelled
+(the fetch task outlives a ``next`` that timed out). Inside the ``async with``
+the reader is attached to the worker. Docs: docs/resume.md#the-log.
 """
 
 from __future__ import annotations

@@ -90,6 +90,16 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/batches", "This tenant's batches", query=_PAGE),
     Route("GET", "/v1/batches/{batch_id}", "A batch"),
     Route("POST", "/v1/batches/{batch_id}/cancel", "Cancel a batch"),
+    Route("POST", "/v1/messages/batches", "Create an Anthropic Message Batch",
+          "MessageBatchRequest", anthropic=True),
+    Route("GET", "/v1/messages/batches", "This tenant's Message Batches", anthropic=True,
+          query=(("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                 ("after_id", {"type": "string"}), ("before_id", {"type": "string"}))),
+    Route("GET", "/v1/messages/batches/{batch_id}", "A Message Batch", anthropic=True),
+    Route("POST", "/v1/messages/batches/{batch_id}/cancel", "Cancel a Message Batch",
+          anthropic=True),
+    Route("GET", "/v1/messages/batches/{batch_id}/results", "A Message Batch's results",
+          ok=("application/binary",), anthropic=True),
     Route("GET", "/healthz", "Liveness", keyless=True),
     Route("GET", "/readyz", "Readiness (503 while not ready)", keyless=True),
     Route("GET", "/openapi.json", "This description", keyless=True),
@@ -97,7 +107,8 @@ ROUTES: tuple[Route, ...] = (
           ok=("text/plain",), keyless=True),
 )
 
-_ID_PATTERNS = {"file_id": "^file-[0-9a-f]{32}$", "batch_id": "^batch_[0-9a-f]{32}$"}
+_ID_PATTERNS = {"file_id": "^file-[0-9a-f]{32}$", "batch_id": "^batch_[0-9a-f]{32}$",
+                "msgbatch_id": "^msgbatch_[0-9a-f]{32}$"}
 
 
 def operations(config: Config) -> Iterator[Route]:
@@ -107,11 +118,16 @@ def operations(config: Config) -> Iterator[Route]:
             yield route
 
 
+def _id_pattern(path: str, name: str) -> dict[str, str]:
+    if path.startswith("/v1/messages/batches/"):
+        name = "msgbatch_id"
+    return {"pattern": _ID_PATTERNS[name]} if name in _ID_PATTERNS else {}
+
+
 def _parameters(route: Route) -> list[dict[str, Any]]:
     params: list[dict[str, Any]] = [
         {"name": name, "in": "path", "required": True,
-         "schema": {"type": "string", "minLength": 1,
-                    **({"pattern": _ID_PATTERNS[name]} if name in _ID_PATTERNS else {})}}
+         "schema": {"type": "string", "minLength": 1, **_id_pattern(route.path, name)}}
         for name in re.findall(r"\{(\w+)\}", route.path)]
     params += [{"name": name, "in": "query", "schema": schema} for name, schema in route.query]
     params += [{"name": name, "in": "header", "schema": schema} for name, schema in route.headers]
@@ -156,7 +172,7 @@ def document(config: Config) -> dict[str, Any]:
                                 "Integers are written without a fraction (1, not 1.0)."},
         "paths": paths,
         "components": {
-            "schemas": request_schemas(max_tokens),
+            "schemas": request_schemas(max_tokens, config.batch.max_lines),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "x-api-key": {"type": "apiKey", "in": "header",
                                               "name": "x-api-key"}},

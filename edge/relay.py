@@ -1,19 +1,15 @@
 """One request's response, from session messages to its client.
 
-The stream's state without I/O (phases and their transition table,
-sequence numbers, gaps, the clock's rules) is :class:`edge.stream.StreamState`,
-which :class:`Relay` extends with what its answers ask for: publishes to
-NATS (acks, retransmits, cancels, hand-backs) and writes, which go through
-the stream's :class:`edge.writer.Writer` (SSE, a WebSocket generation, a
-gRPC generation). The relay never touches a socket itself. An edge cut from
-NATS releases its streams (``tidegate.broker.link``).
+:class:`Relay` extends :class:`edge.stream.StreamState` (the state without
+I/O) with what its answers ask for: publishes to NATS (acks, retransmits,
+cancels, hand-backs) and writes through the stream's :class:`edge.writer.Writer`.
+The relay never touches a socket itself.
 
-Hot path: a batch of chunk messages becomes one write of their bytes, which
-the edge never parses. Acks go back cumulatively, after the write has
-drained, at most once per half window (``tidegate.wire.flow.AckPolicy``). Once a
-stream is flowing, most chunks do not even wake the relay: the NATS callback
-hands them to the writer's socket at once (:meth:`Relay._direct`), and the
-relay wakes only for acks, ticks, a full socket buffer and the other messages.
+Hot path: a batch of chunk messages is one write of their bytes, never parsed;
+acks go back after the write drained, at most once per half window. Once a
+stream flows, the NATS callback writes most chunks itself
+(:meth:`Relay._direct`) and the relay wakes only for acks, ticks, a full
+socket buffer and other messages. Docs: docs/lifecycle.md#the-edges-relay.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ from edge.errors import from_info, to_info
 from edge.session import BAD_INPUT, Session
 from edge.stream import Due, Phase, StreamState
 from edge.writer import CANCEL_CODES, RawWrite, Writer
+from tidegate import apis
 from tidegate.broker.link import Link
 from tidegate.broker.liveness import WorkerWatch
 from tidegate.config import DEFAULT_FAILOVER, Config, ModelConfig
@@ -43,7 +40,6 @@ from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
     Ack,
     Admission,
-    Api,
     Cancel,
     Chunk,
     Continue,
@@ -135,7 +131,7 @@ class Relay(StreamState):
         # needs none).
         session.resumable = request.resumable and request.stream
         self.ids = (streamlog.EventIds(
-            b"" if request.api is Api.RESPONSES
+            b"" if apis.of(request.api).numbered_events
             else streamlog.retry_field(ctx.config.resume.retry_ms))
             if session.resumable and out.numbers_events else None)
 

@@ -29,6 +29,8 @@ from edge.endings import reconnect_event
 from edge.errors import sse_error_event
 from edge.logreader import Draining, LogReader, StreamLog, not_found, valid_id
 from edge.session import SessionTable
+from tidegate import apis
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.config import Config, ModelConfig
 from tidegate.control.tenants import TenantTable
 from tidegate.errors import ApiError, invalid_request
@@ -125,7 +127,7 @@ async def replay(http: web.Request, streamlog_: StreamLog, config: Config, reque
         await response.prepare(http)
         await _follow(http, response, reader, config.session.heartbeat_interval,
                       config.edge.slow_client_timeout, config.resume.retry_ms,
-                      Api(reader.open.api) if reader.open.api in set(Api) else Api.CHAT)
+                      Api(reader.open.api) if reader.open.api in set(Api) else CHAT.api)
         return response
 
 
@@ -142,7 +144,7 @@ async def _follow(http: web.Request, response: web.StreamResponse, reader: LogRe
     item once the edge drains (``next_unless_draining``), and every item it
     handed out was written before the next read, so that id is the last
     event this client got, and resuming after it loses none."""
-    own_end = api >= Api.RESPONSES
+    own_end = not apis.of(api).done_marker
     retry = b"" if own_end else streamlog.retry_field(retry_ms)  # in the first event's block
     while True:
         try:

@@ -1,24 +1,16 @@
 """Per-request session state at the edge: the mailbox the NATS callback fills.
 
-One wildcard subscription per edge process (``<p>.out.<edge>.*``) receives the
-messages of every open request; :class:`SessionTable` routes each to its
-:class:`Session` by the subject's last token. That costs one dict lookup per
-message instead of a SUB/UNSUB round trip per request, and the edge is always
-subscribed before it publishes (the invariant that no early answer is lost).
-Workers send most of their messages multiplexed, many sessions' in one NATS
-message on ``<p>.out.<edge>.mux`` (``tidegate.wire.mux``); the table unpacks those
-and routes each the same way.
+One wildcard subscription per edge (``<p>.out.<edge>.*``) receives every open
+request's messages; :class:`SessionTable` routes each to its :class:`Session`
+by the subject's last token, and unpacks the workers' mux batches
+(``tidegate.wire.mux``) the same way. Invariant: the edge is subscribed before
+it publishes, so no early answer is lost.
 
-Hot path: a session whose relay is streaming and keeping up installs a
-``direct`` writer, and a chunk that arrives with nothing queued before it is
-written to the client socket right here in the NATS callback, without waking
-the relay task (see ``Relay._direct``). Anything else (a gap, a full socket
-buffer, an ack due, any other message) queues and wakes the relay, and the
-relay removes ``direct`` while it holds taken messages, so the socket always
-gets chunks in sequence order.
-
-A session is woken either by messages or by its periodic tick, which is how
-timeouts and ``: ping`` comments are driven without arming a timer per chunk.
+Hot path: a session whose relay keeps up installs a ``direct`` writer, and a
+chunk with nothing queued before it is written from the NATS callback without
+waking the relay; anything else queues and wakes it, so the socket gets chunks
+in sequence order. A session wakes for messages or its periodic tick (timeouts,
+``: ping``): no timer per chunk. Docs: docs/lifecycle.md#the-edges-relay.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """One HTTP response of the relay: SSE for a stream, one JSON body otherwise.
 
-Headers go out only when they must: with the first chunk, or, for a stream
-that waits long before it (queueing, prefill), with the first ``: ping`` the
-relay writes to keep proxies from dropping the connection (one heartbeat
-in), or once a resumable stream is admitted. Until then every failure is a
-real HTTP status with an OpenAI error body; afterwards a final SSE error
-event (``edge.errors``).
+Headers go out with the first chunk, the first ``: ping`` of a long wait, or the
+admission of a resumable stream; until then a failure is a real HTTP status,
+afterwards a final SSE error event (``edge.errors``).
 
 Backpressure: the socket's user-space buffer is capped at the stream's high
-water (a quarter of its ack window, at least 4 KiB), and a write past it
-waits for the client to drain, so the relay's ack, and the worker, wait
-with it. A client that does not drain within edge.slow_client_timeout is
-disconnected (:class:`edge.endings.SlowClient`).
-
-The direct path (:meth:`SseWriter.raw`): a chunk's bytes go to the socket
-from the NATS callback as one ``transport.write`` of aiohttp's own chunked
-frame, when the response takes raw frames (``edge.raw_http``).
+water (a quarter of its ack window, at least 4 KiB); a write past it waits for
+the client to drain, and the relay's ack and the worker wait with it. A client
+that does not drain within ``edge.slow_client_timeout`` is disconnected. The
+direct path (:meth:`SseWriter.raw`) writes aiohttp's own chunked frame from the
+NATS callback (``edge.raw_http``). Docs: docs/lifecycle.md#credit-window-flow-control.
 """
 
 from __future__ import annotations
@@ -28,9 +22,10 @@ from edge.endings import SlowClient, reconnect_event
 from edge.errors import error_response, sse_error_event
 from edge.raw_http import payload_writer, takes_raw_chunks
 from edge.writer import RawWrite, Writer
+from tidegate import apis
 from tidegate.config import Config
 from tidegate.errors import ApiError
-from tidegate.wire.protocol import Api, Request
+from tidegate.wire.protocol import Request
 
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {
@@ -133,7 +128,7 @@ class SseWriter(Writer):
                                 headers=self.headers)
         # A Responses or Messages stream ends with its own terminal event
         # (response.completed, message_stop), never [DONE]: their APIs send none.
-        await self.write(_DONE if self.api < Api.RESPONSES else b"", last=True)
+        await self.write(_DONE if apis.of(self.api).done_marker else b"", last=True)
         return self.response()
 
     async def fail(self, error: ApiError) -> web.StreamResponse:

@@ -1,29 +1,17 @@
 """One response's stream state, without I/O: phases, sequence numbers, clocks.
 
-:class:`StreamState` is what the edge knows of one request between the
-worker and the client: which phase it is in, the next session message it
-takes, a gap in them, and what its clock says at each tick. It reads no
-socket and publishes nothing; :class:`edge.relay.Relay` (SSE and plain JSON)
-and its WebSocket and gRPC subclasses stand on it and do the I/O its
-answers ask for. So every rule below is tested without a socket
-(``tests/test_stream_state.py``).
-
-Phases, and the messages that move them (:data:`TRANSITIONS`; a message
-not listed leaves the phase as it is)::
+:class:`StreamState` is what the edge knows of one request: its phase, the next
+session message, a gap, what its clock says at each tick. :class:`edge.relay.Relay`
+extends it and does the I/O its answers ask for, so every rule is tested without
+a socket (``tests/test_stream_state.py``). Phases (:data:`TRANSITIONS`)::
 
     WAITING --Status(admitted|queued)--> ADMITTED --Head--> STREAMING --Done--> (end)
-       |  \\________________Head (its Status lost)________________/^  |
-       +------ Status(rejected) / Error / timeout / worker lost / client gone --> (end)
+       +--Head (its Status lost)--------------------------^
+       +-- rejected / Error / timeout / worker lost / client gone --> (end)
 
-The ends are exceptions the relay turns into the client's last words: an
-:class:`tidegate.errors.ApiError` (a status, or a final error event once the
-headers are out) or :class:`edge.endings.Reconnect` (a resumable stream is
-sent to resume on another edge).
-
-Hot path: a chunk costs :meth:`StreamState.check_seq`'s one comparison on
-the relay's path, and the direct writer compares ``expected_seq`` itself;
-the relay inherits this class (not holds it) so both stay one attribute
-read on ``self``.
+Ends are exceptions: an :class:`tidegate.errors.ApiError` or
+:class:`edge.endings.Reconnect`. The relay inherits (not holds) the state so a
+chunk's check stays one attribute read on ``self``. Docs: docs/lifecycle.md.
 """
 
 from __future__ import annotations

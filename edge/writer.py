@@ -1,24 +1,16 @@
 """The socket side of one relay: where a stream's bytes go, and how its
 beginning and its ends look on the wire.
 
-:class:`edge.relay.Relay` decides (sequence, acks, phases, deadlines,
-continuation, cancel); a :class:`Writer` writes. Three exist, one per client
-transport, and none of them knows about workers, acks or phases:
+:class:`edge.relay.Relay` decides (sequence, acks, phases, deadlines, cancel); a
+:class:`Writer` writes, knowing nothing of workers or acks. One per transport:
+:class:`edge.sse_writer.SseWriter`, :class:`edge.ws_writer.WsWriter`,
+:class:`edge.grpc_writer.GrpcWriter` (the last two on
+:class:`edge.generation_writer.GenerationWriter`).
 
-* :class:`edge.sse_writer.SseWriter`: an HTTP response, SSE or one JSON body;
-* :class:`edge.ws_writer.WsWriter`: one generation's frames on a WebSocket;
-* :class:`edge.grpc_writer.GrpcWriter`: one generation's protobuf messages on
-  a gRPC call.
-
-The two that carry many generations on one connection derive from
-:class:`edge.generation_writer.GenerationWriter` (the ``accepted`` and
-``queued`` messages SSE has no room for).
-
-The hot path: a writer that can take a chunk's bytes straight to its socket
-from the NATS callback returns a :data:`RawWrite` from :meth:`Writer.raw`;
-the relay checks the stream's side of it (the next seq, no ack due) and the
-writer its socket's (room under high water), so that neither knows the
-other's state.
+Hot path: a writer that can take a chunk straight to its socket from the NATS
+callback returns a :data:`RawWrite` from :meth:`Writer.raw`; the relay checks
+the stream's side (next seq, no ack due), the writer its socket's (room under
+high water). Docs: docs/lifecycle.md#the-edges-relay.
 """
 
 from __future__ import annotations

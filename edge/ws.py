@@ -1,25 +1,15 @@
 """``GET /v1/ws``: the WebSocket ingress (protocol: docs/websocket.md).
 
-A thin adapter. The frame protocol is sans-I/O in :mod:`tidegate.wire.ws`;
-each generation is an ordinary request of its own (validated, published and
-relayed by the same code as SSE: ``edge.publish.build_request``,
-``edge.publish.publish_request``, :class:`edge.relay.Relay`, writing
-through :class:`edge.ws_writer.WsWriter`), so quotas, queue mode, cancel
-and flow control are exactly those of SSE.
+A thin adapter: the frame protocol is sans-I/O in :mod:`tidegate.wire.ws`, and
+each generation is an ordinary request (``edge.publish``, :class:`edge.relay.Relay`
+writing through :class:`edge.ws_writer.WsWriter`), so quotas, queue mode,
+cancel and flow control are exactly those of SSE.
 
-Tasks (STYLE 6): one ``asyncio.TaskGroup`` per socket owns the keepalive and
-one task per generation; the handler's own task reads frames. When the
-reader ends (close, error, eviction), every generation still running is
-cancelled, and its relay cancels the work upstream as an SSE disconnect does.
-
-The key is checked again for every ``request`` and ``resume`` frame, as HTTP
-checks it per request, and the socket follows its key: a revoke (through the
-key table's listener) or the key's expiry (a timer) closes it with 4401 at
-once, idle or not, and cancels its generations.
-
-Close codes (:class:`tidegate.wire.ws.CloseCode`): 4401 bad, missing, revoked
-or expired key, 4408 no auth message in time, 1009 a frame over ``ws.max_message_bytes``
-(aiohttp's reader enforces it), 1011 pings unanswered, 1012 edge restart.
+Tasks: one ``asyncio.TaskGroup`` per socket owns the keepalive and one task per
+generation; when the reader ends, every running generation is cancelled, and
+its work upstream. The key is checked per ``request``/``resume`` frame, and a
+revoke or expiry closes the socket with 4401 at once. Close codes:
+:class:`tidegate.wire.ws.CloseCode`.
 """
 
 from __future__ import annotations
@@ -45,13 +35,15 @@ from edge.relay import Relay
 from edge.state import STATE, EdgeState, session_tick, set_keepalive
 from edge.writer import cancel_error
 from edge.ws_writer import WsWriter
+from tidegate import apis
+from tidegate.apis import WEBSOCKET_PATHS
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.errors import ApiError, unavailable
 from tidegate.telemetry import logs
 from tidegate.validation.generation import validate_body
 from tidegate.validation.jsonbody import parse_object
 from tidegate.validation.messages import validate_messages_body
 from tidegate.wire import ws as wire
-from tidegate.wire.protocol import Api
 from tidegate.wire.ws import CloseCode, KeepaliveAction
 
 log = logging.getLogger("tidegate.edge")
@@ -218,7 +210,8 @@ class WsSocket:
                             await self.ws.pong(msg.data)
                         continue
                     event = self.conn.receive(wire.parse_client_frame(
-                        msg.data, binary=msg.type is not WSMsgType.TEXT, loads=self._loads))
+                        msg.data, WEBSOCKET_PATHS, binary=msg.type is not WSMsgType.TEXT,
+                        loads=self._loads))
                     if isinstance(event, wire.Ping):
                         await self._send_quietly(wire.PONG)
                         continue
@@ -280,7 +273,8 @@ class WsSocket:
                 if kind is WSMsgType.PONG:
                     continue
                 event = self.conn.receive(wire.parse_client_frame(
-                    msg.data, binary=kind is not WSMsgType.TEXT, loads=self._loads))
+                    msg.data, WEBSOCKET_PATHS, binary=kind is not WSMsgType.TEXT,
+                    loads=self._loads))
                 await self._on_event(event)
         finally:
             self._read_ended.set()
@@ -366,7 +360,7 @@ class WsSocket:
         a failure is this generation's error frame, not the socket's end."""
         state = self.state
         assert self.principal is not None
-        api = event.api if isinstance(event, wire.StartRequest) else Api.CHAT
+        api = event.api if isinstance(event, wire.StartRequest) else CHAT.api
         rt = instrument.RequestTelemetry(state.telemetry, self.http.headers, api)
         if rt.span is not None:
             rt.span.set_attribute("tidegate.transport", "websocket")
@@ -405,7 +399,7 @@ class WsSocket:
         state = self.state
         assert self.principal is not None
         models = models_for(state, self.principal)
-        valid = (validate_messages_body(event.body, models) if event.api is Api.MESSAGES
+        valid = (validate_messages_body(event.body, models) if apis.of(event.api).anthropic
                  else validate_body(event.body, event.api, models))
         headers: object = self.http.headers
         if event.resumable is not None or event.resume_grace is not None:
@@ -419,7 +413,7 @@ class WsSocket:
         grace = resume.resume_grace(headers, state.tenants, self.principal.tenant, valid.model,
                                     state.config)
         request = build_request(state, self.principal, valid, rt.carrier, grace)
-        if request.api is Api.MESSAGES:
+        if apis.of(request.api).anthropic:
             request = anthropic.prepare(request, self.http.headers)
         rt.started_request(request)
         del valid

@@ -1,18 +1,12 @@
 """The WebSocket ``resume`` frame: a resumable stream's log, as frames.
 
-``{"type": "resume", "id": ..., "request_id": ..., "after": N}`` attaches to
-a resumable stream with the rules of ``GET /v1/streams/{request_id}``
-(``edge.resume``): the caller's tenant only (another tenant's id is 404
-``stream_not_found``, never 403), from any edge, on any socket; the events
-after N, then the live tail, from the stream log (``edge.logreader``).
-Each log event becomes one ``chunk`` frame whose ``seq`` is the event's id,
-the same number the live generation's frames carried, so a client that
-resumes after the last ``seq`` it saw neither loses nor repeats one.
-
-When the edge drains, the replay ends with a ``reconnect`` frame whose
-``after`` is the last event sent here (the reader hands out none after the
-drain: ``LogReader.next_unless_draining``), so the client resumes exactly
-after it on another edge.
+``{"type": "resume", "id": ..., "request_id": ..., "after": N}`` follows the
+rules of ``GET /v1/streams/{request_id}``: the caller's tenant only (404
+otherwise), any edge, any socket; the events after N, then the live tail
+(``edge.logreader``). Each event is one ``chunk`` frame whose ``seq`` is the
+event's id, so a client resuming after its last ``seq`` neither loses nor
+repeats one. At the edge's drain the replay ends with a ``reconnect`` frame
+naming the last event sent. Docs: docs/websocket.md#resume.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """One WebSocket generation's frames: the relay's stream, frames instead of SSE.
 
-:class:`edge.relay.Relay` drives a generation as it drives an SSE stream
-(phases, sequence checks, acks after the write drained, deadlines,
-worker-lost detection and upstream cancel are its code, run once per
-generation); :class:`WsWriter` says only where bytes go:
+:class:`edge.relay.Relay` drives the generation as an SSE stream; :class:`WsWriter`
+says where bytes go: chunk bytes are spliced into ``chunk`` frames
+(:class:`tidegate.wire.ws.ChunkFramer`, never parsed); SSE comments write
+nothing (the queue position is a ``queued`` frame); admission sends ``accepted``,
+the end ``done``, a failure ``error``, a cancel ``cancelled``. A continued
+generation's ``seq`` runs on across the seam.
 
-* chunk bytes (whole SSE events from the worker) are spliced into ``chunk``
-  frames by :class:`tidegate.wire.ws.ChunkFramer`, never parsed;
-* SSE comments (``: ping``, the queue note) write nothing: liveness is the
-  socket's business (``edge.ws.WsSocket``), and the queue position goes out
-  as a ``queued`` frame;
-* admission sends ``accepted``, the end ``done`` with usage, a failure an
-  ``error`` frame with the generation's id, an explicit cancel ``cancelled``.
-
-A generation whose worker dies mid-stream is continued as an SSE stream is
-(docs/resume.md, "Continuation"; the relay's ``delivered`` keeps the chunk
-bytes on both write paths): the framer's ``seq`` runs on across the seam,
-and ``done`` counts every token the client received.
-
-Backpressure is per generation, as for SSE: each generation keeps its own
-credit window, and acks only after its write left the socket buffer below
-the high-water mark. Every generation of a socket shares that one buffer, so
-a client that stops reading stops the acks of all of them, and each backend
-is slowed; one that does not drain within ``edge.slow_client_timeout``
-loses the socket (:class:`edge.endings.SlowClient`).
+Backpressure is per generation, over one shared socket buffer: a client that
+stops reading stops every generation's acks; one that does not drain within
+``edge.slow_client_timeout`` loses the socket. Docs: docs/websocket.md#backpressure.
 """
 
 from __future__ import annotations

@@ -118,4 +118,49 @@ WEATHER = {"name": "get_weather", "description": "The weather somewhere",
            "input_schema": {"type": "object", "properties": {"query": {"type": "string"}},
                             "required": ["query"]}}
 ARGUMENTS = '{"query":"aaabbbccc"}'  # what the fake's tool call writes (fake_messages)
-BETA = "claude-code-20250219,interleaved-thinking-2025-05-14"
+# What Claude Code 2.1.332 (tests/test_claude_code.py runs it) sends as
+# anthropic-beta on /v1/messages.
+BETA = ("claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
+        "per-turn-control-2026-07-01,mid-conversation-tool-changes-2026-07-01,"
+        "thinking-token-count-2026-05-13,advanced-tool-use-2025-11-20,effort-2025-11-24")
+CLAUDE_CODE_HEADERS = {
+    "anthropic-version": "2023-06-01",
+    "anthropic-beta": BETA,
+    "anthropic-dangerous-direct-browser-access": "true",
+    "x-app": "cli",
+    "user-agent": "claude-cli/2.1.332 (external, sdk-cli)",
+    "x-claude-code-session-id": "00611efb-fb3c-45ec-8ba3-d72cc34c67f8",
+    "x-stainless-lang": "js",
+    "x-stainless-retry-count": "0",
+    "x-stainless-timeout": "600",
+}
+
+
+def claude_code_body(model: str, turns: list[dict[str, Any]], tools: list[dict[str, Any]],
+                     session: str) -> dict[str, Any]:
+    """A /v1/messages body in the shape Claude Code 2.1.332 sends (its fields,
+    their order and kinds of value, texts shortened): a billing line and
+    cached system blocks, a ``system`` turn after the first user turn (the
+    environment), ``thinking`` adaptive, ``context_management`` clearing
+    thinking, ``output_config.effort``, ``metadata.user_id`` as a JSON text,
+    a tool with ``defer_loading``."""
+    first, *rest = turns
+    environment = {"role": "system", "content": [
+        {"type": "text", "text": "# Environment\n - Primary working directory: /tmp/x",
+         "cache_control": {"type": "ephemeral"}}]}
+    user_id = json.dumps({"device_id": "62246ef7", "account_uuid": "", "session_id": session},
+                         separators=(",", ":"))
+    return {"model": model, "messages": [first, environment, *rest],
+            "system": [{"type": "text",
+                        "text": "x-anthropic-billing-header: cc_version=2.1.332.1c9; "
+                                "cc_entrypoint=sdk-cli;"},
+                       {"type": "text", "text": "You are Claude Code.",
+                        "cache_control": {"type": "ephemeral"}}],
+            "tools": [*tools, {"name": "DeferredToolPlaceholder", "description": "Later",
+                               "input_schema": {"type": "object", "properties": {}},
+                               "defer_loading": True}],
+            "metadata": {"user_id": user_id}, "max_tokens": 128000,
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                              "keep": "all"}]},
+            "output_config": {"effort": "medium"}, "stream": True}

@@ -325,7 +325,7 @@ async def usage_records(config: tgconfig.Config) -> list[UsageRecord]:
     """Every record on the pipeline's ``<P>_USAGE`` stream, oldest first (its
     retention keeps them for billing, so reading does not take them from the
     dispatchers). Read message by message: small test streams only."""
-    nc = await nats.connect(config.nats.url)
+    nc = await nats.connect(config.nats.url.split(","))
     try:
         js = nc.jetstream()
         stream = config.nats.subjects.usage_stream

@@ -19,7 +19,6 @@ from tidegate.wire.affinity import (
     prompt_chars,
     reusable_chars,
 )
-from tidegate.wire.protocol import Api
 
 
 def chat(*messages: tuple[str, Any], **extra: Any) -> dict[str, Any]:
@@ -41,15 +40,15 @@ def turns(system: str, users: list[str]) -> list[dict[str, Any]]:
 
 
 def test_stable_across_the_turns_of_one_chat() -> None:
-    keys = {affinity_key(Api.CHAT, body) for body in turns("be brief", ["hi", "more", "why"])}
+    keys = {affinity_key("messages", body) for body in turns("be brief", ["hi", "more", "why"])}
     assert len(keys) == 1
     assert None not in keys
 
 
 def test_different_across_chats() -> None:
-    a = affinity_key(Api.CHAT, chat(("system", "be brief"), ("user", "plan a trip")))
-    b = affinity_key(Api.CHAT, chat(("system", "be brief"), ("user", "write a poem")))
-    c = affinity_key(Api.CHAT, chat(("system", "be verbose"), ("user", "plan a trip")))
+    a = affinity_key("messages", chat(("system", "be brief"), ("user", "plan a trip")))
+    b = affinity_key("messages", chat(("system", "be brief"), ("user", "write a poem")))
+    c = affinity_key("messages", chat(("system", "be verbose"), ("user", "plan a trip")))
     assert len({a, b, c}) == 3
 
 
@@ -57,50 +56,50 @@ def test_prompt_cache_key_overrides_the_prefix() -> None:
     one = chat(("user", "hello"), prompt_cache_key="conv-1")
     other = chat(("user", "something else entirely"), prompt_cache_key="conv-1")
     plain = chat(("user", "hello"))
-    assert affinity_key(Api.CHAT, one) == affinity_key(Api.CHAT, other)
-    assert affinity_key(Api.CHAT, one) != affinity_key(Api.CHAT, plain)
+    assert affinity_key("messages", one) == affinity_key("messages", other)
+    assert affinity_key("messages", one) != affinity_key("messages", plain)
     # A key of "" is no key: the prefix decides.
-    assert affinity_key(Api.CHAT, chat(("user", "hello"), prompt_cache_key="")) == \
-        affinity_key(Api.CHAT, plain)
+    assert affinity_key("messages", chat(("user", "hello"), prompt_cache_key="")) == \
+        affinity_key("messages", plain)
 
 
 def test_user_is_mixed_in_only_when_asked() -> None:
     alice = chat(("user", "hello"), user="alice")
     bob = chat(("user", "hello"), user="bob")
-    assert affinity_key(Api.CHAT, alice) == affinity_key(Api.CHAT, bob)
-    assert affinity_key(Api.CHAT, alice, user=True) != affinity_key(Api.CHAT, bob, user=True)
+    assert affinity_key("messages", alice) == affinity_key("messages", bob)
+    assert affinity_key("messages", alice, user=True) != affinity_key("messages", bob, user=True)
 
 
 def test_content_parts_and_roles() -> None:
     parts = chat(("user", [{"type": "text", "text": "hello"}, {"type": "image_url"}]))
-    assert affinity_key(Api.CHAT, parts) == affinity_key(Api.CHAT, chat(("user", "hello")))
+    assert affinity_key("messages", parts) == affinity_key("messages", chat(("user", "hello")))
     # The role is part of the prefix: the same text as system or user differs.
-    assert affinity_key(Api.CHAT, chat(("system", "x"))) != \
-        affinity_key(Api.CHAT, chat(("user", "x")))
+    assert affinity_key("messages", chat(("system", "x"))) != \
+        affinity_key("messages", chat(("user", "x")))
 
 
 def test_no_text_no_key() -> None:
-    assert affinity_key(Api.CHAT, {"messages": []}) is None
-    assert affinity_key(Api.CHAT, {"messages": "nope"}) is None
-    assert affinity_key(Api.CHAT, chat(("assistant", "I start"))) is None
-    assert affinity_key(Api.CHAT, chat(("user", ""))) is None
-    assert affinity_key(Api.COMPLETIONS, {"prompt": ""}) is None
-    assert affinity_key(Api.COMPLETIONS, {}) is None
+    assert affinity_key("messages", {"messages": []}) is None
+    assert affinity_key("messages", {"messages": "nope"}) is None
+    assert affinity_key("messages", chat(("assistant", "I start"))) is None
+    assert affinity_key("messages", chat(("user", ""))) is None
+    assert affinity_key("prompt", {"prompt": ""}) is None
+    assert affinity_key("prompt", {}) is None
 
 
 def test_completions_prompts() -> None:
     long = "x" * 100 + "tail"
-    assert affinity_key(Api.COMPLETIONS, {"prompt": long}) is not None
-    assert affinity_key(Api.COMPLETIONS, {"prompt": [long, "b"]}) == \
-        affinity_key(Api.COMPLETIONS, {"prompt": long})
-    assert affinity_key(Api.COMPLETIONS, {"prompt": [1, 2, 3]}) == \
-        affinity_key(Api.COMPLETIONS, {"prompt": [[1, 2, 3]]})
+    assert affinity_key("prompt", {"prompt": long}) is not None
+    assert affinity_key("prompt", {"prompt": [long, "b"]}) == \
+        affinity_key("prompt", {"prompt": long})
+    assert affinity_key("prompt", {"prompt": [1, 2, 3]}) == \
+        affinity_key("prompt", {"prompt": [[1, 2, 3]]})
 
 
 def test_only_the_bounded_prefix_counts() -> None:
     head = "s" * PREFIX_BYTES
-    a = affinity_key(Api.CHAT, chat(("system", head + "one"), ("user", "q")))
-    b = affinity_key(Api.CHAT, chat(("system", head + "two"), ("user", "other")))
+    a = affinity_key("messages", chat(("system", head + "one"), ("user", "q")))
+    b = affinity_key("messages", chat(("system", head + "two"), ("user", "other")))
     assert a == b  # everything past the bound is not hashed
 
 
@@ -114,7 +113,7 @@ def test_bounded_work_for_a_huge_prompt() -> None:
         runs = []
         for _ in range(7):
             started = time.perf_counter()
-            affinity_key(Api.CHAT, body)
+            affinity_key("messages", body)
             runs.append(time.perf_counter() - started)
         return min(runs)
 
@@ -130,8 +129,8 @@ def test_hostile_shapes_give_a_key_or_none_never_raise() -> None:
                  {"messages": [{"role": "user", "content": {"a": 1}}]},
                  {"prompt": [None]}, {"prompt": [True]}, {"prompt_cache_key": 7},
                  {"messages": [{"role": "user", "content": "\ud800"}]}):
-        affinity_key(Api.CHAT, body)
-        affinity_key(Api.COMPLETIONS, body)
+        affinity_key("messages", body)
+        affinity_key("prompt", body)
 
 
 text = st.text(max_size=40)
@@ -139,15 +138,15 @@ text = st.text(max_size=40)
 
 @given(system=text, users=st.lists(text.filter(bool), min_size=1, max_size=6))
 def test_property_every_turn_shares_the_first_turns_key(system: str, users: list[str]) -> None:
-    keys = {affinity_key(Api.CHAT, body) for body in turns(system, users)}
+    keys = {affinity_key("messages", body) for body in turns(system, users)}
     assert len(keys) == 1
 
 
 @given(a=text.filter(bool), b=text.filter(bool))
 def test_property_different_first_messages_differ(a: str, b: str) -> None:
     if a != b:
-        assert affinity_key(Api.CHAT, chat(("user", a))) != \
-            affinity_key(Api.CHAT, chat(("user", b)))
+        assert affinity_key("messages", chat(("user", a))) != \
+            affinity_key("messages", chat(("user", b)))
 
 
 # -- the route ---------------------------------------------------------------
@@ -291,5 +290,5 @@ def test_property_route_goes_only_to_a_replica_with_room(
 def test_the_first_user_message_ends_the_prefix() -> None:
     # A turn that adds a user message without an answer in between (a client
     # that sends two in a row) still reaches the replica holding the first.
-    assert affinity_key(Api.CHAT, chat(("user", "a"), ("user", "b"))) == \
-        affinity_key(Api.CHAT, chat(("user", "a")))
+    assert affinity_key("messages", chat(("user", "a"), ("user", "b"))) == \
+        affinity_key("messages", chat(("user", "a")))

@@ -364,11 +364,11 @@ def test_names_print_as_text_and_csv_cells_never_as_formulas() -> None:
     import io
 
     from tidegate.control.admin import UsageError as Usage
-    from tidegate.control.admin import _table, check_name, csv_safe
+    from tidegate.control.admin import check_name, csv_safe, print_table
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        _table(["TENANT"], [["ac\x1b[31mme"]])
+        print_table(["TENANT"], [["ac\x1b[31mme"]])
     assert "\x1b" not in out.getvalue()
     assert "ac\\x1b[31mme" in out.getvalue()
     assert [csv_safe(v) for v in ("=HYPERLINK(1)", "+1", "-1", "@a", "\tx", "acme")] == [

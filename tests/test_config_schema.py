@@ -1,6 +1,6 @@
 """The config schema walked key by key: every key refuses a bad value at start.
 
-Keys are enumerated from the dataclasses (``tidegate.config.sections``,
+Keys are enumerated from the dataclasses (``tidegate.config.schema.walk``,
 through every section and into ``models[0]``), so a key added without a check
 fails :func:`test_every_key_has_a_bad_value`: give it one in ``BAD`` (what the
 check refuses), or, when every value of its type is valid, a reason in
@@ -17,13 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tidegate import config as tgconfig
-from tidegate.config import Config, ModelConfig
+from tidegate.config import Config, ModelConfig, schema
 from tidegate.errors import ConfigError
 from tidegate.run.preflight import preflight
 
@@ -107,7 +106,7 @@ BAD: dict[str, Any] = {
     "models[0].max_output_tokens": 0,
     "models[0].simulator.ttft": -1.0, "models[0].simulator.tokens_per_second": 0.0,
     "models[0].simulator.length": 0, "models[0].simulator.embedding_dimensions": 8193,
-    "models[0].simulator.prefill_per_char": -1.0,
+    "models[0].simulator.prefill_per_char": -1.0, "models[0].simulator.tool_arguments": "[]",
     "models[0].queue.ttft_p99": -1.0, "models[0].queue.window": 0.0,
     "models[0].queue.enter_after": 0, "models[0].queue.exit_after": 0,
     "models[0].queue.exit_ratio": 1.5, "models[0].queue.max_queued": 0,
@@ -119,23 +118,12 @@ BAD: dict[str, Any] = {
 # Keys for which every value of the type is valid, and why.
 ANY_VALUE: dict[str, str] = {
     "models[0].upstream_model": "any name the backend knows; empty is the model's name",
+    "models[0].simulator.tool_call": "any tool name (a request that lists none gets text); "
+                                     "empty is off",
 }
 
 
-def keys(cls: type[Any] = Config, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(key, type)`` of every leaf key, ``models`` walked as ``models[0]``."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp, name = hints[f.name], f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(tp):
-            yield from keys(tp, f"{name}.")  # type: ignore[arg-type]
-        elif cls is Config and f.name == "models":
-            yield from keys(ModelConfig, "models[0].")
-        else:
-            yield name, tp
-
-
-KEYS = dict(keys())
+KEYS = {key.name: key.type for key in schema.walk()}
 
 
 def _closed(tp: Any) -> bool:

@@ -4,7 +4,7 @@ OpenAPI description it serves, against a real pipeline (docs/security.md, "Schem
 schemathesis makes requests of every operation of ``GET /openapi.json``, data
 that fits the schemas (deep: model names filled in, as a key's holder has
 them) and data that does not, with a fixed, derandomized budget per operation
-(``TIDEGATE_FUZZ_EXAMPLES``, default 12; the long run in docs/security.md sets
+(``TIDEGATE_FUZZ_EXAMPLES``, default 8; the long run in docs/security.md sets
 more). Hypothesis sends WebSocket frame sequences, valid and not, on
 authenticated sockets (``TIDEGATE_FUZZ_WS_EXAMPLES``, default 50). Invariants:
 never a 5xx but a documented overload (503, or Anthropic's 529, with
@@ -35,15 +35,16 @@ from edge.openapi import document
 from tests.pipeline import Pipeline
 from tests.test_openapi import _integral
 from tidegate import config as tgconfig
+from tidegate.apis import WEBSOCKET_PATHS as PATHS
 from tidegate.broker import broker
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
 from tidegate.validation.schemas import MODEL_NAME
-from tidegate.wire.ws import MAX_ID_LENGTH, PATHS
+from tidegate.wire.ws import MAX_ID_LENGTH
 
 pytestmark = pytest.mark.pipeline
 
-EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_EXAMPLES", "8"))
 WS_EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_WS_EXAMPLES", "50"))
 PREFIX = "fz" + uuid.uuid4().hex[:8]
 TENANT = "fuzz"

@@ -1,7 +1,7 @@
 """The house's floors, read from the code's own imports (every ``import``,
 lazy and ``TYPE_CHECKING`` ones included): each package imports only its
 own floor's modules or lower ones, the tiers never import each other, and no
-modules import each other in a circle. docs/architecture.md ("Layers")
+modules import each other in a circle. docs/map.md ("Layers")
 names the floors; a new package gets its line in FLOORS or fails here.
 """
 
@@ -25,6 +25,7 @@ FLOORS = {
     "tidegate.config": 3,
     "tidegate.telemetry": 4,
     "tidegate.validation": 4,
+    "tidegate.apis": 5,  # one module per API dialect (its knowledge, asked, not branched on)
     "tidegate.broker": 5,
     "tidegate.control": 6,
     "edge": 7,

@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import nats
+import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
 
 from tidegate import config as tgconfig
-from tidegate.broker import broker
+from tidegate.broker import broker, patient
 from tidegate.wire import streamlog
-from tidegate.wire.mux import Outbox
+from tidegate.wire.mux import Outbox, StoredOutbox, decode_mux
 from tidegate.wire.protocol import Api, Done, Request, decode_session
 from workers import resumable
 from workers.job_context import JobContext
@@ -116,3 +117,54 @@ async def test_a_jobs_end_is_stored_again_by_the_worker_when_its_plain_copy_was_
         assert isinstance(decode_session((await js.get_last_msg(name, subject)).data), Done)
         info = await js.stream_info(name, subjects_filter=subject)
         assert info.state.messages == 1
+
+
+async def _stored_entries(js: JetStreamContext, stream: str, subject: str) -> list[bytes]:
+    """Every entry on ``subject`` in the log's stream, in stream order."""
+    state = (await js.stream_info(stream)).state
+    out: list[bytes] = []
+    for seq in range(state.first_seq or 1, state.last_seq + 1):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            msg = await js.get_msg(stream, seq)
+            if msg.subject == subject and msg.data:
+                out.extend(message for _, message in decode_mux(msg.data))
+    return out
+
+
+async def test_entries_put_while_the_log_has_no_leader_land_once_in_order(
+        module_nats_url: str) -> None:
+    """The worker's log outbox (StoredOutbox) holds what reaches a log with
+    no leader and stores it once the stream is back: a later reader reads
+    every entry once, in order, and no stream_gap. A plain publish outbox
+    loses entries 6-15 here."""
+    config = _config(module_nats_url)
+    nc = await nats.connect(module_nats_url)
+    try:
+        js = nc.jetstream()
+        await broker.ensure_streams(js, config)
+        name = streamlog.stream_name(config.nats.subjects)
+        subject = streamlog.subject(config.nats.subjects, "r" + uuid.uuid4().hex[:23])
+
+        async def store(subj: str, payload: bytes, msg_id: str) -> None:
+            await patient.publish(js, nc, subj, payload, {"Nats-Msg-Id": msg_id}, 60.0)
+
+        outbox = StoredOutbox(store)
+        outbox.start()
+        try:
+            for i in range(1, 6):
+                outbox.put(subject, "r", b"%d" % i)
+            await outbox.flush()
+            await js.delete_stream(name)  # from here on, nobody leads the log
+            for i in range(6, 16):
+                outbox.put(subject, "r", b"%d" % i)
+                await asyncio.sleep(0.05)  # several batches, each one waiting
+            await broker.ensure_streams(js, config)
+            for i in range(16, 21):
+                outbox.put(subject, "r", b"%d" % i)
+            await outbox.flush()
+        finally:
+            await outbox.close()
+        # 1-5 went with the deleted stream; every later entry once, in order.
+        assert await _stored_entries(js, name, subject) == [b"%d" % i for i in range(6, 21)]
+    finally:
+        await nc.close()

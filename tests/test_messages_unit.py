@@ -36,7 +36,20 @@ def _with(**fields: Any) -> bytes:
     (_with(messages="hi"), "messages"),
     (_with(messages=[]), "messages"),
     (_with(messages=[1]), "messages[0]"),
-    (_with(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+    (_with(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    (_with(messages=[{"role": "system", "content": [{"type": "image"}]}]),
+     "messages[0].content"),
+    (_with(messages=[{"role": "system", "content": 3}]), "messages[0].content"),
+    (_with(thinking={"type": 5}), "thinking"),
+    (_with(thinking="adaptive"), "thinking"),
+    (_with(thinking={"type": "enabled", "budget_tokens": "many"}), "thinking.budget_tokens"),
+    (_with(thinking={"type": "adaptive", "display": 1}), "thinking.display"),
+    (_with(context_management=[]), "context_management"),
+    (_with(context_management={"edits": {}}), "context_management.edits"),
+    (_with(context_management={"edits": [{"keep": "all"}]}), "context_management.edits[0]"),
+    (_with(output_config="high"), "output_config"),
+    (_with(output_config={"effort": 3}), "output_config.effort"),
+    (_with(output_config={"format": "json"}), "output_config.format"),
     (_with(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     (_with(messages=[{"role": "user", "content": [{"text": "x"}]}]), "messages[0].content[0]"),
     (_with(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),
@@ -76,6 +89,87 @@ def test_hostile_bodies_are_400(raw: bytes, param: str | None) -> None:
         assert caught.value.param == param
 
 
+# What Claude Code 2.1.332 sends (tests/test_claude_code.py runs the real one).
+TODAY = {"model": "m", "max_tokens": 4096, "stream": True,
+         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1"},
+                    {"type": "text", "text": "You are Claude Code.",
+                     "cache_control": {"type": "ephemeral"}}],
+         "messages": [
+             {"role": "user", "content": [
+                 {"type": "text", "text": "<system-reminder>...</system-reminder>"},
+                 {"type": "text", "text": "Say hello", "cache_control": {"type": "ephemeral"}}]},
+             {"role": "system", "content": [{"type": "text", "text": "# Environment",
+                                             "cache_control": {"type": "ephemeral"}}]},
+             {"role": "assistant", "content": [
+                 {"type": "thinking", "thinking": "", "signature": "c2ln"},
+                 {"type": "text", "text": "Hello"}]},
+             {"role": "user", "content": "again"}],
+         "tools": [{"name": "Bash", "input_schema": {"type": "object"}},
+                   {"name": "Later", "input_schema": {"type": "object"}, "defer_loading": True}],
+         "metadata": {"user_id": '{"device_id":"d","account_uuid":"","session_id":"s"}'},
+         "thinking": {"type": "adaptive", "display": "omitted"},
+         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+         "output_config": {"effort": "medium"},
+         "cache_control": {"type": "ephemeral"}}
+
+
+def test_todays_claude_code_body_validates_and_translates() -> None:
+    """A ``system`` turn in ``messages`` folds into the one system message; the
+    thinking block, ``thinking``, ``context_management`` (clearing thinking),
+    ``output_config.effort`` and every ``cache_control`` stay away from a chat
+    backend; the JSON text in ``metadata.user_id`` gives its device as the quota user."""
+    valid = validate_messages(json.dumps(TODAY).encode(), MODELS)
+    assert valid.body == TODAY
+    for thinking in ({"type": "enabled", "budget_tokens": 2048}, {"type": "disabled"},
+                     {"type": "a-later-kind"}):
+        validate_messages(json.dumps({**TODAY, "thinking": thinking}).encode(), MODELS)
+    assert quota_user(TODAY) == "d"
+    chat = to_chat(TODAY, "up", stream=True)
+    assert chat["messages"] == [
+        {"role": "system",
+         "content": "x-anthropic-billing-header: cc_version=2.1\nYou are Claude Code."
+                    "\n\n# Environment"},
+        {"role": "user", "content": "<system-reminder>...</system-reminder>Say hello"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "again"}]
+    assert [t["function"]["name"] for t in chat["tools"]] == ["Bash", "Later"]
+    assert not {"thinking", "context_management", "output_config", "cache_control",
+                "metadata", "response_format"} & set(chat)
+    assert "cache_control" not in json.dumps(chat)
+
+
+def test_output_format_is_a_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    expected = {"type": "json_schema",
+                "json_schema": {"name": "output", "schema": schema, "strict": True}}
+    for body in ({**OK, "output_config": {"effort": "low",
+                                          "format": {"type": "json_schema", "schema": schema}}},
+                 {**OK, "output_format": {"type": "json_schema", "schema": schema}}):
+        assert to_chat(body, "up", stream=False)["response_format"] == expected
+    strict = {**OK, "tools": [{"name": "f", "input_schema": schema, "strict": True}]}
+    assert to_chat(strict, "up", stream=False)["tools"][0]["function"]["strict"] is True
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015"},
+                                       {"type": "clear_tool_uses_20250919"}]}},
+     "context_management.edits[1]"),
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "x"}]},
+     "mcp_servers"),
+    ({"container": "container_1"}, "container"),
+    ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
+    ({"output_format": {"type": "json_schema"}}, "output_format"),
+])
+def test_what_changes_the_answer_untranslated_is_400_naming_it(fields: dict[str, Any],
+                                                                param: str) -> None:
+    validate_messages(json.dumps({**OK, **fields}).encode(), MODELS)  # the edge lets it by
+    with pytest.raises(BackendError) as caught:
+        to_chat({**OK, **fields}, "up", stream=False)
+    assert caught.value.status == 400
+    assert caught.value.param == param
+    assert "cannot be translated" in str(caught.value)
+
+
 def test_unknown_model_is_404_and_count_tokens_needs_no_max_tokens() -> None:
     with pytest.raises(ApiError) as caught:
         validate_messages(_with(model="other"), MODELS)
@@ -88,6 +182,11 @@ def test_unknown_model_is_404_and_count_tokens_needs_no_max_tokens() -> None:
 @pytest.mark.parametrize(("user", "quota"), [
     ("user_ab12-x", "user_ab12-x"), ("a.b", ""), ("a b", ""), ("*", ""), (">", ""),
     ("", ""), ("x" * 129, ""), (None, ""), ("ü", ""),
+    # Claude Code's JSON text: its account, else its device; never its session.
+    ('{"device_id":"d1ab","account_uuid":"","session_id":"s-1"}', "d1ab"),
+    ('{"device_id":"d1ab","account_uuid":"a-9","session_id":"s-1"}', "a-9"),
+    ('{"device_id":"a.b","account_uuid":""}', ""), ('{"session_id":"s-1"}', ""),
+    ('{"device_id":' + "[" * 5000, ""), ("{" + " " * 2000 + "}", ""), ("{x", ""),
 ])
 def test_quota_user_is_a_safe_token_or_none(user: Any, quota: str) -> None:
     assert quota_user({"metadata": {"user_id": user}}) == quota

@@ -21,12 +21,14 @@ from bench.fake_backend import FakeBackend
 from tests.messages_pipeline import (  # noqa: F401
     ARGUMENTS,
     BETA,
+    CLAUDE_CODE_HEADERS,
     FAKE_TOKENS,
     HELLO,
     SIM,
     WEATHER,
     anthropic_error,
     chat_only,
+    claude_code_body,
     client,
     native,
     pipeline,
@@ -35,6 +37,7 @@ from tests.messages_pipeline import (  # noqa: F401
 )
 from tests.pipeline import DEV_KEY, Pipeline, usage_of
 from tests.poll import eventually
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.wire.protocol import Api
 
 pytestmark = pytest.mark.pipeline
@@ -44,8 +47,6 @@ pytestmark = pytest.mark.pipeline
 
 
 async def test_count_tokens_is_labelled_an_estimate(client: anthropic.AsyncAnthropic) -> None:
-    from tidegate.wire.tokens import estimate_prompt_tokens
-
     body: dict[str, Any] = {"model": "sim", "system": "Be brief", "messages": HELLO,
                             "tools": [WEATHER]}
     raw = await client.messages.with_raw_response.count_tokens(**body)
@@ -212,17 +213,8 @@ async def test_batch_lines_with_url_v1_messages(pipeline: Pipeline) -> None:
 
 
 # -- Claude Code's traffic ------------------------------------------------------------------
-
-CLAUDE_CODE_HEADERS = {
-    "anthropic-version": "2023-06-01",
-    "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
-                      "fine-grained-tool-streaming-2025-05-14",
-    "anthropic-dangerous-direct-browser-access": "true",
-    "x-app": "cli",
-    "user-agent": "claude-cli/2.0.0 (external, cli)",
-    "x-stainless-lang": "js",
-    "x-stainless-retry-count": "0",
-}
+# The shape of today's client (tests/messages_pipeline.claude_code_body); the
+# real one runs in tests/test_claude_code.py where it is installed.
 
 
 def _assemble(raw: bytes) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
@@ -254,33 +246,31 @@ def _assemble(raw: bytes) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
     return [blocks[i] for i in sorted(blocks)], stop, usage
 
 
+_TOOLS = [{"name": "Bash", "description": "Run a command", "input_schema": {
+    "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
+    {"name": "Read", "description": "Read a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}]
+
+
 async def test_claude_code_tool_loop(pipeline: Pipeline, chat_only: FakeBackend) -> None:
-    """Traffic as Claude Code sends it (its headers, ``?beta=true``, system
-    blocks with cache_control, metadata.user_id, tools, streaming): two user
-    questions, each a tool loop (tool_use, tool_result, text), over
-    translation."""
+    """Traffic as Claude Code sends it (its headers, ``?beta=true``, a system
+    turn inside ``messages``, thinking, context_management, output_config,
+    cache_control, tools, streaming): two user questions, each a tool loop
+    (tool_use, tool_result, text), over translation. The system turn folds
+    into the one system message a chat backend gets."""
     marker = uuid.uuid4().hex
-    user_id = f"user_{marker}_account__session_{uuid.uuid4()}"
-    tools = [{"name": "Bash", "description": "Run a command", "input_schema": {
-        "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
-        {"name": "Read", "description": "Read a file", "input_schema": {
-            "type": "object", "properties": {"path": {"type": "string"}}}}]
-    system = [{"type": "text", "text": "You are Claude Code.",
-               "cache_control": {"type": "ephemeral"}}]
+    session = str(uuid.uuid4())
     turns: list[dict[str, Any]] = []
     headers = {**CLAUDE_CODE_HEADERS, "x-api-key": DEV_KEY}
     stops = []
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session_http:
         for question in (f"list files {marker}", f"and now? {marker}"):
             turns.append({"role": "user", "content": [
                 {"type": "text", "text": question, "cache_control": {"type": "ephemeral"}}]})
             for _ in range(2):
-                async with session.post(
+                async with session_http.post(
                         f"{pipeline.url}/v1/messages?beta=true", headers=headers,
-                        json={"model": "chat-only", "max_tokens": 32000, "stream": True,
-                              "temperature": 1, "system": system, "tools": tools,
-                              "metadata": {"user_id": user_id},
-                              "messages": turns}) as resp:
+                        json=claude_code_body("chat-only", turns, _TOOLS, session)) as resp:
                     assert resp.status == 200, await resp.text()
                     assert resp.headers["content-type"].startswith("text/event-stream")
                     content, stop, usage = _assemble(await resp.read())
@@ -298,10 +288,47 @@ async def test_claude_code_tool_loop(pipeline: Pipeline, chat_only: FakeBackend)
     assert stops == ["tool_use", "end_turn", "tool_use", "end_turn"]
     sent = [r.body for r in chat_only.records if marker in json.dumps(r.body)]
     assert len(sent) == 4
-    assert sent[-1]["messages"][0] == {"role": "system", "content": "You are Claude Code."}
+    assert sent[-1]["messages"][0] == {
+        "role": "system", "content": "x-anthropic-billing-header: cc_version=2.1.332.1c9; "
+                                     "cc_entrypoint=sdk-cli;\nYou are Claude Code.\n\n"
+                                     "# Environment\n - Primary working directory: /tmp/x"}
     assert [m["role"] for m in sent[-1]["messages"]] == [
         "system", "user", "assistant", "tool", "assistant", "user", "assistant", "tool"]
-    assert sent[-1]["user"] == user_id
+    assert sent[-1]["user"] == claude_code_body("", [{}], [], session)["metadata"]["user_id"]
+    assert not {"thinking", "context_management", "output_config"} & set(sent[-1])
+    assert "cache_control" not in json.dumps(sent[-1])
+
+
+async def test_claude_code_passthrough_is_untouched(pipeline: Pipeline,
+                                                    native: FakeBackend) -> None:
+    """The same body on a Messages passthrough model reaches the backend as
+    sent (``model`` aside), with Claude Code's beta list unchanged."""
+    marker = uuid.uuid4().hex
+    body = claude_code_body("native", [{"role": "user", "content": marker}], _TOOLS, marker)
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{pipeline.url}/v1/messages?beta=true", json=body,
+            headers={**CLAUDE_CODE_HEADERS, "x-api-key": DEV_KEY}) as resp:
+        assert resp.status == 200, await resp.text()
+        _, stop, _ = _assemble(await resp.read())
+    assert stop == "end_turn"
+    [record] = [r for r in native.records if marker in json.dumps(r.body)]
+    assert record.body == {**body, "model": "fake-model"}
+    assert record.headers["anthropic-beta"] == BETA
+
+
+async def test_claude_code_count_tokens(pipeline: Pipeline) -> None:
+    """count_tokens as Claude Code calls it for /context: ``?beta=true``, the
+    token-counting beta, a bearer key, a body of model, messages and tools."""
+    headers = {**CLAUDE_CODE_HEADERS, "Authorization": f"Bearer {DEV_KEY}",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                                 "context-management-2025-06-27,token-counting-2024-11-01"}
+    for tools in ([], _TOOLS[:1]):
+        body = {"model": "sim", "messages": [{"role": "user", "content": "foo"}], "tools": tools}
+        status, got, answer = await post(pipeline, body, headers,
+                                         "/v1/messages/count_tokens?beta=true")
+        assert status == 200, answer
+        assert answer == {"input_tokens": estimate_prompt_tokens(Api.MESSAGES, body)}
+        assert got["x-tidegate-token-count"] == "estimate"
 
 
 def _raw(pipeline: Pipeline, headers: bytes, body: bytes) -> tuple[int, bytes]:

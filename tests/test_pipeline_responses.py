@@ -31,11 +31,11 @@ from tests.pipeline import (
     threaded_fake_backend,
     wait_for,
 )
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import ModelConfig, SimulatorConfig
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.simulator import SimulatorBackend
 from workers.backends.simulator_responses import embed
 

@@ -18,10 +18,10 @@ import nats
 import pytest
 
 from tests.pipeline import Pipeline
+from tidegate.apis import reservation
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
 from tidegate.wire.protocol import Api
-from tidegate.wire.tokens import reservation
 
 pytestmark = pytest.mark.pipeline
 

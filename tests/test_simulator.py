@@ -17,9 +17,9 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
 from tests.pipeline import serve_app
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import DEFAULT_MAX_OUTPUT_TOKENS, ModelConfig, SimulatorConfig
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import create_backend
 from workers.backends.simulator import SimulatorBackend, SimulatorStream, TextPlan
 from workers.backends.simulator import plan as sim_plan

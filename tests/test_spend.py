@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from dispatcher.admission import QuotaAdmission
 from dispatcher.quota import BudgetCharge, Limits, QuotaStore, Scope, connect
 from tests.servers import ServerHandle
+from tidegate.apis import estimate_prompt_tokens, reservation
 from tidegate.config import SpendConfig, from_dict
 from tidegate.control.budgets import MAX_AMOUNT, Budget, BudgetSet, period_window
 from tidegate.control.policies import PolicySet
@@ -34,7 +35,6 @@ from tidegate.control.prices import (
 )
 from tidegate.errors import ConfigError, ProtocolError
 from tidegate.wire.protocol import Admission, Api, Request, UsageRecord
-from tidegate.wire.tokens import estimate_prompt_tokens, reservation
 
 NY = zoneinfo.ZoneInfo("America/New_York")
 

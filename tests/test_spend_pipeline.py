@@ -19,11 +19,11 @@ import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, threaded_fake_backend, usage_of
 from tests.poll import eventually
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.control.budgets import Budget, ensure_budgets_bucket, set_budget
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.prices import Price, ensure_prices_bucket, format_money, set_price
 from tidegate.wire.protocol import Api
-from tidegate.wire.tokens import estimate_prompt_tokens
 
 pytestmark = pytest.mark.pipeline
 

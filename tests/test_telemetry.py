@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge.instrument import RequestTelemetry
+from tidegate import apis
 from tidegate.config import LoggingConfig
 from tidegate.control.queue_stats import _created_ms
 from tidegate.control.workers_registry import SlotInfo, WorkerInfo
@@ -184,7 +185,8 @@ def test_untraced_carrier_keeps_the_clients_or_makes_one() -> None:
 
 
 def test_genai_attributes() -> None:
-    attrs = tracing.request_attributes(request(api=Api.COMPLETIONS))
+    completion = request(api=Api.COMPLETIONS)
+    attrs = tracing.request_attributes(completion, apis.of(completion.api).operation)
     assert attrs[tm.OPERATION] == "text_completion"
     assert attrs[tm.MODEL] == "m"
     assert attrs["gen_ai.request.max_tokens"] == 5
@@ -308,7 +310,7 @@ def test_dispatch_span_is_the_jobs_parent_and_passes_through_when_off() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tel = Telemetry(provider.get_tracer("t"), NoOpMeter("t"), tracing=True)
     incoming = {"traceparent": TRACEPARENT, "Nats-Msg-Id": "r1"}
-    with tracing.dispatch_span(tel, incoming, request()) as span:
+    with tracing.dispatch_span(tel, incoming, request(), "chat") as span:
         assert span is not None
         headers = tracing.job_headers(incoming)
     (finished,) = exporter.get_finished_spans()
@@ -320,7 +322,7 @@ def test_dispatch_span_is_the_jobs_parent_and_passes_through_when_off() -> None:
     assert finished.attributes["gen_ai.request.model"] == "m"
 
     off = telemetry.noop()
-    with tracing.dispatch_span(off, incoming, request()) as span:
+    with tracing.dispatch_span(off, incoming, request(), "chat") as span:
         assert span is None
         assert tracing.job_headers(incoming) == {"traceparent": TRACEPARENT}
     assert tracing.job_headers(None) == {}

@@ -40,6 +40,9 @@ ROUTES: list[tuple[str, str, str, bool]] = [
     ("DELETE", "/v1/files/{file_id}", "file", True),
     ("GET", "/v1/batches/{batch_id}", "batch", False),
     ("POST", "/v1/batches/{batch_id}/cancel", "batch", True),
+    ("GET", "/v1/messages/batches/{batch_id}", "message_batch", False),
+    ("GET", "/v1/messages/batches/{batch_id}/results", "message_batch", False),
+    ("POST", "/v1/messages/batches/{batch_id}/cancel", "message_batch", True),
 ]
 
 
@@ -105,6 +108,12 @@ async def _ids(session: aiohttp.ClientSession, base: str, key: str) -> dict[str,
             "completion_window": "24h"}) as resp:
         assert resp.status == 200, await resp.text()
         ids["batch"] = (await resp.json())["id"]
+    async with session.post(f"{base}/v1/messages/batches", headers=_auth(key), json={
+            "requests": [{"custom_id": "c1", "params": {
+                "model": "sim", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "x"}]}}]}) as resp:
+        assert resp.status == 200, await resp.text()
+        ids["message_batch"] = (await resp.json())["id"]
     async with session.post(f"{base}/v1/responses", headers=_auth(key), json={
             "model": "sim", "input": "walk", "background": True}) as resp:
         assert resp.status == 200, await resp.text()
@@ -138,7 +147,7 @@ async def test_every_id_route_is_404_for_another_tenant(pipeline: Pipeline) -> N
         await _ready(session, base, key_a)
         await _ready(session, base, key_b)
         ids = await _ids(session, base, key_a)
-        for kind in ("file", "batch", "response", "stream"):
+        for kind in ("file", "batch", "message_batch", "response", "stream"):
             assert _random_bits(ids[kind]) >= 96, (kind, ids[kind])
         try:
             for method, template, kind, _ in ROUTES:

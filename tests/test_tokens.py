@@ -18,13 +18,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tidegate.apis import completion_cap, estimate_prompt_tokens, reservation
 from tidegate.wire.protocol import Api
-from tidegate.wire.tokens import (
-    completion_cap,
-    estimate_prompt_tokens,
-    estimate_text_tokens,
-    reservation,
-)
+from tidegate.wire.tokens import estimate_text_tokens
 
 SAMPLES: dict[str, tuple[str, dict[str, int]]] = {
     "english": (

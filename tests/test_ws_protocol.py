@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tidegate.apis import WEBSOCKET_PATHS as PATHS
 from tidegate.errors import ApiError
 from tidegate.wire import ws
 from tidegate.wire.protocol import Api
@@ -17,7 +18,7 @@ from tidegate.wire.protocol import Api
 
 
 def parse(frame: Any) -> ws.ClientEvent:
-    return ws.parse_client_frame(json.dumps(frame).encode())
+    return ws.parse_client_frame(json.dumps(frame).encode(), PATHS)
 
 
 def code_of(event: ws.ClientEvent) -> str | None:
@@ -41,8 +42,8 @@ def test_completions_path() -> None:
 
 def test_text_str_and_bytes_parse_alike() -> None:
     raw = '{"type": "cancel", "id": "x"}'
-    assert ws.parse_client_frame(raw) == ws.parse_client_frame(raw.encode())
-    assert ws.parse_client_frame(raw) == ws.CancelRequest("x")
+    assert ws.parse_client_frame(raw, PATHS) == ws.parse_client_frame(raw.encode(), PATHS)
+    assert ws.parse_client_frame(raw, PATHS) == ws.CancelRequest("x")
 
 
 @pytest.mark.parametrize(("frame", "expected"), [
@@ -86,7 +87,7 @@ def test_other_frames(frame: dict[str, Any], expected: ws.ClientEvent) -> None:
     (b'{"type": "resume", "id": "q", "request_id": "r", "after": true}', "invalid_frame", "q"),
 ])
 def test_malformed_frames(raw: bytes, code: str, id: str | None) -> None:
-    event = ws.parse_client_frame(raw)
+    event = ws.parse_client_frame(raw, PATHS)
     assert code_of(event) == code
     assert isinstance(event, ws.Invalid)
     assert event.id == id
@@ -94,8 +95,8 @@ def test_malformed_frames(raw: bytes, code: str, id: str | None) -> None:
 
 
 def test_binary_frame() -> None:
-    assert code_of(ws.parse_client_frame(b'{"type": "ping"}', binary=True)) == "binary_frame"
-    assert code_of(ws.parse_client_frame(None)) == "binary_frame"
+    assert code_of(ws.parse_client_frame(b'{"type": "ping"}', PATHS, binary=True)) == "binary_frame"
+    assert code_of(ws.parse_client_frame(None, PATHS)) == "binary_frame"
 
 
 def test_id_too_long_is_refused_and_not_echoed() -> None:
@@ -109,8 +110,9 @@ def test_id_too_long_is_refused_and_not_echoed() -> None:
 
 @given(st.binary(max_size=200))
 def test_parse_never_raises(raw: bytes) -> None:
-    assert isinstance(ws.parse_client_frame(raw), ws.Auth | ws.StartRequest | ws.CancelRequest
-                      | ws.ResumeRequest | ws.Ping | ws.Pong | ws.Invalid)
+    assert isinstance(ws.parse_client_frame(raw, PATHS),
+                      ws.Auth | ws.StartRequest | ws.CancelRequest | ws.ResumeRequest | ws.Ping
+                      | ws.Pong | ws.Invalid)
 
 
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),

@@ -1,30 +1,14 @@
 """A redelivered job that continues what its dead first worker delivered
-(docs/resume.md, "Continuation"; the edge's side is edge/continuation.py).
+(the edge's side is edge/continuation.py).
 
-The edge's go-ahead is a ``Continue`` with the text the client received and
-how many content events carried it. The job then runs :func:`continued` of
-its request instead of the request itself:
-
-* chat: the messages plus that text as a trailing assistant message, with
-  ``continue_final_message: true`` and ``add_generation_prompt: false`` so
-  vLLM and SGLang continue the message instead of starting a new one
-  (llama.cpp's llama-server continues a trailing assistant message by
-  itself, but without the two fields its streamed first delta repeats the
-  whole message: tests/test_llama_server.py; the simulator's deterministic
-  mode continues it);
-* completions: the prompt plus the text;
-* Responses: the input (a text becomes one user message) plus the text as
-  a trailing assistant message; Responses has no ``continue_final_message``,
-  so whether the backend continues the message or starts a new one is its
-  own (docs/backends.md); the simulator's deterministic mode continues it;
-* ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` reduced
-  by the delivered events (at least 1); stop sequences and every other field
-  kept.
-
-The backend's new stream opens like any chat stream, with a role chunk the
-client already has: :class:`ContinuedStream` drops it, so the seam shows no
-repeated event. A Responses stream's new opening and numbering are the
-client's old ones again: :class:`ContinuedResponses` splices it.
+The edge's go-ahead is a ``Continue`` with the text the client received; the job
+runs :func:`continued` of its request: chat gets the text as a trailing
+assistant message with ``continue_final_message`` (vLLM, SGLang; llama-server
+continues by itself), completions the prompt plus the text, Responses the text
+as a trailing assistant item; the output cap is reduced by the delivered events
+(at least 1), every other field kept. :class:`ContinuedStream` drops the new
+stream's role chunk, and :class:`ContinuedResponses` splices a Responses
+stream's numbering, so the seam repeats nothing. Docs: docs/resume.md#continuation.
 """
 
 from __future__ import annotations
@@ -35,28 +19,18 @@ import re
 import time
 from typing import Any
 
+from tidegate import apis
 from tidegate.control.prices import PRICE_EXTRA, cost_member
-from tidegate.wire.protocol import Api, Continue, Request
+from tidegate.wire.protocol import Continue, Request
 from workers.backends import BackendStream, Usage
-
-_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def continued(request: Request, text: str, tokens: int) -> Request:
     """``request`` as it continues ``text`` (see the module docstring)."""
     body = dict(request.body)
-    if request.api is Api.CHAT:
-        body["messages"] = [*body.get("messages", ()), {"role": "assistant", "content": text}]
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
-    elif request.api is Api.RESPONSES:
-        given = body.get("input")
-        items = [{"role": "user", "content": given}] if isinstance(given, str) else list(
-            given if isinstance(given, list) else ())
-        body["input"] = [*items, {"role": "assistant", "content": text}]
-    elif isinstance(body.get("prompt"), str):
-        body["prompt"] = body["prompt"] + text
-    for key in _LIMITS:
+    dialect = apis.of(request.api)
+    dialect.continue_body(body, text)
+    for key in dialect.cap_fields:
         limit = body.get(key)
         if isinstance(limit, int) and not isinstance(limit, bool):
             body[key] = max(1, limit - tokens)
@@ -70,14 +44,11 @@ def spent(origin: tuple[Request, str, int] | None) -> bool:
     worker sent every token and died before the last chunk. Asking the
     backend for the minimum of one token would add one past the limit;
     :class:`Closing` writes the end instead."""
-    if origin is None or origin[0].api not in (Api.CHAT, Api.COMPLETIONS):
+    if origin is None or not apis.of(origin[0].api).choice_chunks:
         return False
     request, _, tokens = origin
-    body = request.body
-    limit = body.get("max_completion_tokens") if request.api is Api.CHAT else None
-    if limit is None:
-        limit = body.get("max_tokens")
-    return isinstance(limit, int) and not isinstance(limit, bool) and tokens >= limit
+    limit = apis.of(request.api).output_cap(request.body)
+    return limit is not None and tokens >= limit
 
 
 def closing(origin: tuple[Request, str, int] | None, go: Continue | None) -> BackendStream | None:
@@ -97,7 +68,7 @@ class Closing:
     __slots__ = ("_data", "usage")
 
     def __init__(self, request: Request, response_id: str) -> None:
-        chat = request.api is Api.CHAT
+        chat = apis.of(request.api).openai_chat
         head = {"id": response_id, "object": "chat.completion.chunk" if chat else
                 "text_completion", "created": int(time.time()), "model": request.model}
         end = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"} if chat
@@ -170,7 +141,7 @@ def continued_stream(stream: BackendStream, request: Request,
     docstring). Chat and completions: its usage (the final ``include_usage``
     chunk, ``Done`` and the usage record) counts the dead worker's delivered
     events too, so the client, the quota and the usage log see one response."""
-    if request.api is Api.RESPONSES:
+    if apis.of(request.api).numbered_events:  # Responses: its seam, not joined text
         return ContinuedResponses(stream, go, request.body.get("max_output_tokens"))
     return JoinedStream(stream, request, Usage(completion_tokens=go.tokens), go.response_id)
 
@@ -193,7 +164,7 @@ class JoinedStream:
 
     def __init__(self, stream: BackendStream, request: Request, before: Usage,
                  response_id: str = "") -> None:
-        self._stream = ContinuedStream(stream, request.api is Api.CHAT, response_id)
+        self._stream = ContinuedStream(stream, apis.of(request.api).openai_chat, response_id)
         self._before = before
         self._cost = request.extra.get(PRICE_EXTRA)
 

@@ -1,44 +1,17 @@
 """Fencing: a worker that has lost NATS stops generating.
 
-A worker cut from NATS (a partition, a dead switch port, a link that still
-sends but no longer receives) cannot deliver what its backends generate: its
-chunks, heartbeats and acks go nowhere, and once the edges or JetStream give
-its streams to another worker, two generators would run, one of them burning
-a GPU for nobody. So the worker fences itself: every job it runs is cancelled
-(which closes the backend response, so the backend aborts the generation and
-frees its KV cache), and it starts no new one until NATS is back.
+A worker cut from NATS cannot deliver, and once its streams move elsewhere two
+generators would run. So it cancels every job (closing the backend response)
+and starts none until NATS is back. The loss is known with no traffic per
+stream: the client's own PINGs (``nats.max_pings_out`` unanswered) or a closed
+socket start :data:`GRACE`, and :meth:`Fence.watch` polls ``is_connected`` every
+:data:`POLL` s in case the callback is late; a reconnect within the grace (to
+another cluster node) keeps the jobs.
 
-How the loss is known (no extra traffic per stream):
-
-* the NATS client's own PINGs (``nats.ping_interval``): ``nats.max_pings_out``
-  unanswered and the client declares the connection stale, drops it and
-  reconnects; its disconnect callback (``on_link(False)``) starts the
-  :data:`GRACE`. A link that sends but does not receive fails the same way:
-  the PONGs never come;
-* a closed socket (a node that died, a RST) starts the grace at once,
-  through the same callback;
-* still disconnected when the grace ends: fenced. A worker whose NATS node
-  died reconnects to another within milliseconds (25 ms measured) and keeps
-  its jobs: the edges ask for what was lost in transit (Retransmit) and the
-  streams go on. Fencing at the disconnect itself cancelled every job of a
-  worker on a killed node (tests/test_nats_cluster.py);
-* :meth:`Fence.watch` also polls ``is_connected`` every :data:`POLL` s, so a
-  disconnect whose callback is late (nats-py closes the old transport before
-  calling it, which can wait on unsent bytes) still starts the grace.
-
-Bound (docs/reliability.md, "Partitions"): a worker stops its backend calls at
-most ``nats.ping_interval x (nats.max_pings_out + 1) + GRACE + POLL`` after
-its link was cut silently (4.75 s by default), ``GRACE`` after its socket
-closed when no reconnect follows.
-
-What a fenced job does (``FENCED``, workers/job.py): nothing more on NATS. No
-usage record, no error event, no ack or nak: none of it could arrive, and
-what arrived after the heal would be stale (the edge has given up on this
-worker, or the stream goes on elsewhere). JetStream redelivers the job after
-``worker.ack_wait``; the edge follows the rules for a lost worker.
-
-Unfenced when the client has reconnected: a reconnect is a fresh handshake
-(CONNECT, PING, PONG), so the new link works both ways.
+Bound: backend calls stop at most ``ping_interval x (max_pings_out + 1) + GRACE
++ POLL`` after a silent cut. A fenced job does nothing more on NATS (no usage,
+error, ack or nak); JetStream redelivers it. Unfenced on reconnect.
+Docs: docs/reliability.md#partitions.
 """
 
 from __future__ import annotations

@@ -1,44 +1,17 @@
 """One job: call the backend, stream its output to the edge under flow control.
 
-Per job: the backend relay (this coroutine) and two helper tasks it starts and
-cancels, a watchdog (heartbeats while the backend is silent, and the ack
-timeout) and an in-progress ack task (so JetStream does not redeliver a long
-but healthy generation). Cancelling the job task closes the backend response
-at once, which is what makes the backend abort the generation and free its KV
-cache.
+Per job: this coroutine relays the backend, and two helper tasks it owns run a
+watchdog (heartbeats, the ack timeout) and in-progress acks. Cancelling the job
+closes the backend response, so the backend aborts and frees its KV cache.
+Plain tasks, not a TaskGroup: on 3.11 a cancelled group holds the job in a cycle.
 
-Plain tasks, not ``asyncio.TaskGroup``: on Python 3.11 a task group that a
-cancellation passes through keeps the exception in a frame that its own
-traceback holds, a reference cycle that only the cyclic GC frees, and with it
-the whole job (request, message, stream, transport): about 80 objects per
-cancelled job. After a mass disconnect those piled up until one full
-collection of close to a million objects stopped the worker for 0.7-0.8 s,
-delaying every cancel that arrived meanwhile (`docs/benchmarks.md`, (c)).
+A job that stops before output is handed back (nak) for another worker; one
+with output ends with a retryable error, unless the edge continues it
+(workers/continuation.py) or another replica does (workers/replica_continuation.py).
+Why jobs end and what each side is told: docs/lifecycle.md#a-workers-job.
 
-Why a job ends early, and what the edge and JetStream are told:
-
-=====================  ==============================  =====================
-cancel reason          edge                            job message
-=====================  ==============================  =====================
-client gone (edge)     nothing (it asked)              ack
-``ack_timeout``        Error (it may still listen)     ack
-``worker_shutdown``    nothing / Error if output sent  nak / ack
-redelivered, no edge   nothing                         ack
-=====================  ==============================  =====================
-
-A job that stops before sending output is handed back (nak) so another worker
-runs it transparently; one with output ends with a retryable error, unless its
-edge continues it elsewhere (``Continue``, workers/continuation.py). A backend
-replica that fails mid-stream while the job lives is the job's own to hide:
-it goes on on another replica (workers/replica_continuation.py).
-
-Sequence numbers: Head is 1, every later message takes the next one, assigned
-and handed to NATS with no ``await`` in between (wire order = seq order).
-
-Telemetry, all outside the per-chunk path: one span per job (a child of the
-previous hop's), whose context replaces ``request.extra["traceparent"]`` so
-the backend's HTTP request names it; events at the first chunk and a cancel;
-usage, TTFT, TPOT, duration once at the end; stall time once per stall.
+Invariant: seq numbers are assigned and handed to NATS with no ``await`` in
+between (wire order = seq order). Telemetry stays off the per-chunk path.
 """
 
 from __future__ import annotations
@@ -53,6 +26,7 @@ from typing import Any, cast
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from tidegate import apis
 from tidegate.control import prices
 from tidegate.errors import ApiError, BackendError
 from tidegate.telemetry import telemetry as tm
@@ -162,7 +136,7 @@ class Job:
         self.stall_time = 0.0
         self.price: prices.Price | None = None  # the model's price, taken when the job starts
         self.span: Span | None = None
-        self.attrs = {tm.MODEL: request.model, tm.OPERATION: tracing.operation(request.api)}
+        self.attrs = {tm.MODEL: request.model, tm.OPERATION: apis.of(request.api).operation}
         # Every message to the edge goes one way, so the wire order is the seq order.
         self.outbox = ctx.outbox if request.mux else None
         self._end: asyncio.Future[None] | None = None  # set by a PushStream's end()
@@ -230,9 +204,9 @@ class Job:
             return
         request = self.request
         span = self.span = tel.tracer.start_span(
-            tracing.span_name(request), kind=SpanKind.CLIENT,
+            tracing.span_name(request, self.attrs[tm.OPERATION]), kind=SpanKind.CLIENT,
             context=tracing.parent_of(self.msg.headers, request),
-            attributes={**tracing.request_attributes(request),
+            attributes={**tracing.request_attributes(request, self.attrs[tm.OPERATION]),
                         tracing.ATTEMPT: self.msg.metadata.num_delivered})
         # The backend's HTTP request continues this job's span, not the edge's.
         self.request = dataclasses.replace(request,

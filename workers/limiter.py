@@ -1,100 +1,17 @@
 """Adaptive concurrency for one backend (sans-I/O).
 
-A worker pulls a job only when it has a free slot, so its number of slots is
-how many streams it runs against the backend at once, and everything beyond
-waits in JetStream as queue depth. :class:`AdaptiveLimit` sizes those slots
-from the latency the backend shows, in the spirit of Envoy's adaptive
-concurrency filter and Netflix's concurrency-limits (gradient): a backend
-with capacity to spare answers as fast at 200 streams as at 4, one that is
-saturated (a GPU batch past its sweet spot, a llama.cpp with all its parallel
-slots taken) answers slower the more it is given.
+A worker's slots are how many streams it runs against its backend;
+:class:`AdaptiveLimit` sizes them from the latency the backend shows, as
+Envoy's adaptive concurrency and Netflix's gradient limiter do. Signals, per
+job: time per output token (at the end) and time to first byte beyond one
+whole generation (at the first chunk), each against its uncongested baseline.
+A window over ``tolerance`` scales its samples' concurrency down towards
+``target``; one under ``target`` grows (doubling in slow start, at most +25 %
+after) if the slots were in use; in between nothing moves. Several workers
+on one backend settle at one worker's fixed point; a 429/503 halves the limit.
 
-Signals, both per job, never per chunk:
-
-* **time per output token** (TPOT), at the job's end: the decode step time,
-  what grows when a GPU batch gets too large; independent of how the bytes
-  were cut into chunks, of the prompt's length and of the response's length;
-* **time to first byte** (TTFB), at the job's first chunk: prefill plus any
-  wait inside the backend, what grows when the backend queues requests it
-  cannot run yet. It reacts within one TTFB instead of one whole response.
-
-Each is compared with its **uncongested baseline**, the lowest window mean
-seen (a mean over a window, not one lucky sample) at a concurrency near the
-one it was first measured at (``_Signal``: a window "faster" at a much higher
-concurrency measured a lagging reader, not the backend). The congestion ratio ``c``
-of a window is the worse of two:
-
-* TPOT over its baseline;
-* TTFB's excess over its baseline **beyond one whole generation**, as a
-  fraction of a generation (``1 + max(0, excess - gen) / gen``, with ``gen``
-  the baseline TPOT times the mean output tokens per job). A backend that
-  queues what it cannot run (Ollama's NUM_PARALLEL, a full llama.cpp or
-  vLLM) makes a request wait whole generations for a slot; everything below
-  one generation is what a loaded path adds without costing the backend any
-  throughput: the worker's own event loop starting a burst of jobs, a busy
-  machine, the backend parsing more requests at once. Measured on a 2-core
-  box where a backend with spare capacity showed first bytes 5-27 times its
-  baseline at a steady per-token pace: counting that as congestion cut the
-  limit to 17 streams while the backend served 150 at full speed
-  (docs/benchmarks.md, "Adaptive concurrency"). So the gateway leaves at most
-  about one generation's worth of queue inside the backend, and TTFB alone
-  cannot shrink the limit of a backend whose decode pace is unharmed unless
-  its requests wait longer than they take. In slow start (and before any
-  job completed), TTFB's excess beyond 100 ms counts, a third as strictly
-  as TPOT: doubling outruns completions (a job past the knee takes longer
-  than a doubling), so first bytes are the only timely signal there, and
-  leaving slow start at most halves the limit. Where the backend reports its
-  own queue and it is empty (:attr:`AdaptiveLimit.backend_idle`), a first
-  byte is no sample: it is late for its prefill, not for a queue.
-
-**Concurrency per sample.** Each sample also carries the concurrency it was
-measured under: the time average of this worker's in-flight jobs over the
-sample's interval, from a running integral of in-flight x time (O(1) per
-event). A decision scales *that* concurrency, not the current limit::
-
-    c > tolerance:            limit = min(limit, x * target / c)   (at most halving)
-    c < target, slow start:   limit = max(limit, 2 u)
-    c < target, afterwards:   limit = max(limit, u * (1 + 0.25 h))
-    otherwise (dead band):    unchanged
-
-where ``x`` is the window's mean sample concurrency, ``u`` the concurrency
-in use (the limit when the samples saw every slot taken, else the highest
-sample concurrency), ``target`` sits below
-``tolerance`` (the band between them is what keeps the limit still) and ``h``
-(0..1) is how far below ``target`` the latency is. Because ``x`` is what the
-samples saw, late samples (a response that ran while the limit was higher)
-give the same answer as fresh ones instead of pushing the limit down again,
-and growth needs demand: a worker that runs 10 streams under a limit of 100
-does not grow its limit to 1000. The limit never shrinks for lack of load.
-
-**Several workers on one backend.** Every worker runs its own controller; the
-latency they see is the backend's, caused by all of them. With ``X`` the
-backend's total concurrency and ``c(X)`` its congestion, each worker sets
-``limit_i = x_i * target / c(X)`` and the sum is ``X * target / c(X)``: the
-same fixed point as one worker holding everything, whatever the number of
-workers (for a backend whose step time grows linearly past ``K`` streams,
-``c = X / K`` and the sum settles between ``target x K`` and ``tolerance x
-K``). Growth is multiplicative in each worker's own concurrency, so it also
-sums to the total's, and the limit is kept as a real number (the slots are
-it rounded), so small shares grow by fractions instead of whole streams,
-which would add up per worker. A shared
-counter (Redis, the registry) would add a round trip per job and a new way to
-fail, and the registry is seconds old; the latency signal is already shared.
-
-**Baseline drift.** The baseline only goes down, so a backend that became
-slower for good (a longer prompt mix, a neighbour on its GPU) would keep the
-limit at its floor; when the limit is at ``min_limit`` and a window is still
-congested, that window's latency becomes the baseline: what the backend does
-at the lowest concurrency allowed is by definition uncongested. (Workers that
-share the backend all back off on the same signal, so by the time one sits at
-its floor the others have come down too.)
-
-**Overload.** A 429 or 503 from the backend halves the limit (from the
-current in-flight count), at most once per window.
-
-Time is passed in by the caller (``now``, seconds, one monotonic clock); the
-controller never reads a clock or sleeps. Every method is O(1) and allocates
-nothing beyond float arithmetic.
+Invariants: time is passed in (``now``), no clock or sleep here; every method
+is O(1). How it decides, in full: docs/lifecycle.md#adaptive-concurrency.
 """
 
 from __future__ import annotations

@@ -1,48 +1,24 @@
 """A stream whose backend replica fails mid-stream, while its worker lives,
-goes on on another replica of the model from the text already sent
-(docs/resume.md, "Continuation", "A replica that fails mid-stream").
+goes on on another replica of the model from the text already sent.
 
-The worker-side twin of the edge's continuation after a worker death
-(``edge/continuation.py``), and it reuses the same request rewrite
-(:func:`workers.continuation.continued`) and seam
-(:class:`workers.continuation.ContinuedStream`). Here the worker is alive
-and itself holds what it sent, so no one else is asked:
-
-* **What is kept, and when.** Only for a job that could go on
-  (:func:`continuable`: the model's ``failover = "continue"``, several
-  replicas, a streamed chat or completions request for one choice, no
-  logprobs, no tools, not resumable), the job keeps a reference to every
-  chunk's bytes it sends (one ``list.append`` per chunk, no copy, no parse:
-  :class:`Sent`); other jobs keep ``None`` and pay one ``is not None`` test.
-* **On failure only** are those bytes read (:meth:`Sent.text`): the SSE
-  events parsed once, their text joined, the content events counted.
-* **The continuation** is the request as it was before any continuation,
-  with everything sent so far (an edge's ``Continue`` text, then this
-  job's) as the trailing assistant text, the limit reduced by as many
-  events; it opens on a replica other than the failed one whose breaker
-  allows a job (``workers.replicas.open_on_replicas``). Its opening role
-  chunk is dropped, and :class:`JoinedStream` makes its usage the whole
-  response's: the final ``include_usage`` chunk and ``Done`` count every
-  completion token the client received, and the prompt tokens of both
-  calls (what the backends read, and what the usage record charges).
-* **The seam**: the same job goes on, so the sequence numbers simply
-  continue; the chunks the failed replica's stream held but had not sent
-  are not sent, the continuation regenerates them.
-
-What is not continued keeps the ending it had (the backend's retryable
-error event): one replica only (or every other one's breaker open), a
-request :func:`continuable` refuses, delivered events that cannot be
-continued as text (a tool call, several choices), or an error that is about
-the request rather than the replica (``workers.replicas.replica_failure``;
-an idle timeout of a slow backend is not one).
+The worker-side twin of the edge's continuation, with the same rewrite
+(:func:`workers.continuation.continued`). Only a job :func:`continuable` allows
+(``failover = "continue"``, several replicas, one streamed chat or completions
+choice, no logprobs, tools or resume) keeps a reference to each chunk it sends
+(:class:`Sent`: one append, no copy); only on failure are they parsed. The
+continuation opens on another replica whose breaker allows it; its role chunk
+is dropped, :class:`JoinedStream` makes its usage the whole response's, and
+the seq numbers simply go on. Anything else keeps its retryable error event.
+Docs: docs/resume.md#a-replica-that-fails-mid-stream.
 """
 
 from __future__ import annotations
 
 import logging
 
+from tidegate.apis.delivered import joined_text, text_continuable
 from tidegate.errors import BackendError
-from tidegate.wire.delivered import joined_text, sse_events, text_continuable
+from tidegate.wire.delivered import sse_events
 from tidegate.wire.protocol import Api, Request
 from workers.backends import Backend, BackendStream, Usage
 from workers.continuation import Closing, JoinedStream, continued, spent

@@ -1,29 +1,16 @@
 """The replicas of one model in one worker, each behind a circuit breaker.
 
-A model with several backends (``base_urls``, docs/routing.md) is served by a
-worker through one backend client per replica. When a replica dies (its
-process killed, its host gone), every job that reaches it fails at once with
-"connection refused". Two things keep that from reaching clients
-(docs/backends.md, "Replica failover"):
+A model with several ``base_urls`` has one backend client per replica:
 
-* **Failover before the first byte.** A job whose backend call fails before
-  any output (connection refused or reset, a 5xx status: errors that say
-  nothing about the request itself) runs on another replica of the model,
-  within the same job: the edge sees nothing but the delay. Errors about the
-  request (400, 429, 504 of a backend that is merely slow) are answered as
-  before. With one replica, or every other one open, the client gets the
-  error it got before.
-* **A breaker per replica** (:class:`Breaker`, sans-I/O): ``failures``
-  consecutive failures open it; while open, jobs for that replica go to
-  another one first; after ``cooldown`` (doubling on each failed probe, up to
-  ``max_cooldown``) it lets one job through as a half-open probe, whose
-  success closes it. Its state goes into the worker registry with the
-  replica's slots (``tidegate.control.workers_registry.ReplicaSlot.breaker``),
-  where dispatchers' routing and ``tidegate status`` read it.
+* failover before the first byte: a call that fails for the replica's sake
+  (refused, reset, 5xx) runs on another replica within the same job; errors
+  about the request (400, 429, a slow backend's 504) are answered as they are;
+* a :class:`Breaker` per replica (sans-I/O): ``failures`` in a row open it,
+  after ``cooldown`` (doubling up to ``max_cooldown``) one job probes it; its
+  state goes into the worker registry for routing and ``tidegate status``.
 
-A job that fails over keeps the slot of the replica that pulled it (slots
-are per replica pulling, not per replica running), and gives no latency
-sample to either adaptive limit: its numbers are neither replica's alone.
+A job that fails over keeps the pulling replica's slot and gives neither
+adaptive limit a sample. Docs: docs/backends.md.
 """
 
 from __future__ import annotations

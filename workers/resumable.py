@@ -1,28 +1,16 @@
 """A resumable stream's job: the stream log's writer, readers and grace.
 
 :class:`ResumableJob` is a :class:`workers.job.Job` that also writes every
-message it sends its edge (``Head``, chunks, heartbeats, ``Done``, ``Error``)
-to the stream log, ``<p>.log.<request_id>`` in the ``<P>_STREAMLOG``
-JetStream stream (format: ``tidegate.wire.streamlog``). Log entries go
-through an outbox, batched per loop iteration, as plain publishes: JetStream
-stores them, and nothing waits for a publish ack (the log is a second copy
-for readers that come later; the live path does not wait on it).
+message it sends to ``<p>.log.<request_id>`` in ``<P>_STREAMLOG``, through the
+worker's :class:`~tidegate.wire.mux.StoredOutbox`: each batch stored before the
+next, so the log loses no entry, and the live path never waits on it.
 
-Readers and grace. The connection that made the request is the original
-reader; it acks as today, and while it reads, the credit window works as
-for any job (a slow client slows the backend). Other readers (a resumed
-connection on any edge) send ``Attach`` every ``resume.attach_interval``
-and ``Detach`` when they leave. Once the original reader is gone (its edge
-sent ``Detach``, or stopped acking for the ack timeout) or another reader
-attached (the client moved), the window stops limiting: output goes on at
-the backend's pace into the log, which holds it for whoever reads it, so a
-slow or gone reader is held in the log, not in a process. When no reader is
-left the job generates on for the request's grace, then cancels itself
-(``resume_grace``) and the log ends with a ``stream_abandoned`` error.
-
-The log's size per stream is bounded by ``resume.max_stream_bytes``: past
-it, the log ends with a ``resume_log_full`` error entry (the live
-connection goes on), and a job without its original reader stops.
+Readers: while the original connection reads, the credit window works as for
+any job. Once it is gone or another reader attached, output goes on at the
+backend's pace into the log. With no reader left, the job generates on for its
+grace, then ends the log with ``stream_abandoned``. Past
+``resume.max_stream_bytes`` the log ends with ``resume_log_full``.
+Docs: docs/resume.md#the-log.
 """
 
 from __future__ import annotations
@@ -35,20 +23,20 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from tidegate.broker import broker, liveness, patient
-from tidegate.errors import ProtocolError
-from tidegate.wire import streamlog
-from tidegate.wire.delivered import (
+from tidegate import apis
+from tidegate.apis.delivered import (
     joined_text,
     responses_continuable,
     responses_seam,
-    sse_events,
     text_continuable,
 )
+from tidegate.broker import broker, liveness, patient
+from tidegate.errors import ProtocolError
+from tidegate.wire import streamlog
+from tidegate.wire.delivered import sse_events
 from tidegate.wire.flow import first_seq
 from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
-    Api,
     Continue,
     Done,
     Error,
@@ -151,16 +139,12 @@ class ResumableJob(Job):
         ack, retried while the log's stream has no leader
         (``tidegate.broker.patient``, for ``edge.publish_patience``).
 
-        Log entries are plain publishes (nothing waits on them), and
-        JetStream drops, without a word, what reaches a stream whose leader
-        died and whose followers have not elected another yet (seconds). A
-        log that lost its last entries so keeps no end: every later reader
-        would wait for its silence limit, then end with ``worker_lost``.
-        This copy lands after the plain one (the outbox is flushed first,
-        and one connection keeps order): readers skip it as a duplicate
-        (``LogCursor``) when the first landed. Entries lost before the end
-        still end a reader at the gap (``stream_gap``), at once. One acked
-        publish per resumable job, none per chunk."""
+        The log outbox stores every entry, the end too, unless its patience
+        ran out (then a reader ends at the gap, ``stream_gap``, at once);
+        this copy keeps the end when the outbox is not the worker's stored
+        one (tests give it a plain one) and costs one acked publish per
+        resumable job. It lands after the first (the outbox is flushed
+        first): readers skip it as a duplicate (``LogCursor``)."""
         outbox = self._log_outbox
         assert outbox is not None
         await outbox.flush()
@@ -202,29 +186,17 @@ class ResumableJob(Job):
     async def _edge_still_waiting(self) -> bool:
         """Whether this redelivered copy runs, from its edge's word and its log.
 
-        An edge's hand-back in the log (``LogHandBack``: it found the
-        worker of the log's last ``Head`` dead, after output) is that edge's
-        word, and the copy continues at once. Otherwise the edge's word comes
-        first (a background response has no edge): a ``Cancel`` (the first
-        copy lives: ``DUPLICATE_DELIVERY``) ends this task inside the wait;
-        ``Ack`` seq 0 (its client has nothing yet) runs it again, without
-        reading the log again (which a NATS node's death may make unreadable
-        for seconds); a ``Continue``, or no word within
-        ``worker.resume_timeout`` (its client left, or its edge died), leave
-        it to the log:
+        The edge's word comes first (a ``Cancel``, the first copy alive, ends
+        this task inside the wait), unless the log holds that edge's hand-back
+        (``LogHandBack``); a background response has no edge::
 
-        * no output of the dead attempt: it runs again, and every reader gets
-          the whole stream from this worker (``LogCursor`` follows a second
-          ``Head`` before output);
-        * output, and the edge's ``Continue`` or hand-back (``failover =
-          "continue"``, a continuable request): it continues the text of the
-          log's events, which every reader has or will read (a second
-          ``Head`` after output is a continuation to ``LogCursor``);
-        * output otherwise, or an end, or a log it cannot read: it does not
-          run (a second run would repeat events readers have); readers end
-          with ``worker_lost`` at their silence limit, the edge's client at
-          once (edge.relay).
+            edge's word                     the dead attempt's log          this copy
+            Ack seq 0                       not read again                  runs again
+            Continue, hand-back or none     no output                       runs again
+            Continue or hand-back           output, continuable             continues it
+            anything else                   output, an end, or unreadable   does not run
 
+        A copy that does not run leaves readers to end with ``worker_lost``.
         Its ``Head`` reaches the log only if it runs."""
         read = await self._read_log()
         if read is None or not _handed_back(read[0]):
@@ -310,8 +282,8 @@ class ResumableJob(Job):
         parsed = sse_events(events)
         if parsed is None:
             return False
-        if request.api is Api.RESPONSES:
-            # Its seam, as an edge builds it from what it delivered: the
+        if apis.of(request.api).numbered_events:
+            # A Responses stream's seam, as an edge builds it from what it delivered: the
             # continuation numbers its events on and keeps the client's ids.
             seam = responses_seam(parsed)
             if seam is None:

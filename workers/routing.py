@@ -1,22 +1,15 @@
-"""Serving one replica of a model with several (docs/routing.md): the worker's part.
+"""Serving one replica of a model with several: the worker's part.
 
-A worker serving replica R of model M pulls from two consumers with one set of
-slots: R's own queue (jobs the dispatcher routed to R as their conversation's
-home) and M's shared queue. The own queue always keeps a pull request
-outstanding while a slot is free, for as many jobs as it said it holds at its
-last delivery, so routed jobs start at once; the shared queue gets every other
-free slot. Pull requests cannot be taken back, so
-when routed jobs fill the slots while the shared queue's requests are still
-out, those may deliver too: in-flight can pass the slot count by the shared
-requests outstanding, for at most their expiry (``SHARED_PULL_EXPIRES``,
-0.25 s, in workers/service.py). Such a job runs at once on its replica; it
-never waits behind it.
+A worker of replica R of model M pulls from R's own queue (jobs routed to R)
+and M's shared queue with one set of slots; the own queue always keeps a pull
+outstanding while a slot is free. Pulls cannot be taken back, so in-flight may
+pass the slot count by the shared pulls outstanding, for at most
+``SHARED_PULL_EXPIRES``.
 
-Before running a job that carries ``Tg-Claim`` (it may exist twice: routed,
-and a fallback copy), the worker claims its request id for that copy with an
-atomic KV create; the copy that loses is dropped. A job with an affinity key
-makes this replica the key's home (a plain publish to the KV subject: soft
-state, never worth a round trip on the job's start).
+A job carrying ``Tg-Claim`` (routed, maybe with a fallback copy) is claimed by an
+atomic KV create before it runs; the losing copy is dropped. A job with an
+affinity key makes this replica its home (a plain publish: soft state).
+Docs: docs/routing.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
 """Worker process: one pool of job slots per served model.
 
-A worker pulls a job only when it has a free slot for that model (``fetch``
-asks for exactly the number of free slots), so queued work stays in JetStream,
-visible as consumer ``num_pending``, where any worker can take it, instead of
-piling up in one process.
+A worker pulls only for its free slots, so queued work stays in JetStream for
+any worker. Slots are ``max_streams``, or, with ``"auto"``, what the model's
+:class:`~workers.limiter.AdaptiveLimit` allows now.
 
-Every job gets the worker's control subject (``<p>.ctl.<worker>``) in its Head;
-the edge sends acks and cancels there, and one subscription demultiplexes them
-by request id. Cancel tombstones in the ``<P>_CANCELS`` KV bucket reach jobs
-whose edge never learned the control subject, and stop queued jobs from
-starting at all.
-
-Stop (SIGTERM): stop pulling, let in-flight jobs finish within
-``worker.shutdown_timeout``, then end the rest: a job that has sent no output
-is handed back to JetStream for another worker; one that has ends with a
-retryable error event.
-
-Slots: a model with a pinned ``max_streams`` has that many; one with
-``max_streams = "auto"`` has as many as its :class:`~workers.limiter.AdaptiveLimit`
-allows at the moment, from the backend's latency (docs/lifecycle.md,
-"Adaptive concurrency"). The pool tells the limiter when a job takes and
-frees a slot; the job reports its latency samples itself.
-
-Fleet view: every few seconds the worker puts its slots and in-flight jobs
-per model into the ``<P>_WORKERS`` KV bucket (``tidegate.control.workers_registry``),
-which dispatchers and ``tidegate status`` read; the same numbers are the
-``tidegate.worker.slots`` gauge of this process, and the limit is
-``tidegate.worker.concurrency_limit``.
+Every job's Head names the worker's control subject; one subscription
+demultiplexes the edges' acks and cancels, and ``<P>_CANCELS`` tombstones reach
+the rest. Stop: no more pulls, in-flight jobs get ``worker.shutdown_timeout``,
+then a job without output is handed back and one with output ends with a
+retryable error. Every few seconds the slots go into ``<P>_WORKERS``
+(``tidegate status``, routing) and the ``tidegate.worker.slots`` gauge.
+Docs: docs/lifecycle.md#a-workers-job.
 """
 
 from __future__ import annotations
@@ -40,7 +24,7 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate.broker import broker, poison
+from tidegate.broker import broker, patient, poison
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.broker.pull import Credit, Puller
 from tidegate.config import Config, ModelConfig
@@ -54,7 +38,7 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.affinity import ROUTE_HEADER, prompt_chars
 from tidegate.wire.cancels import CancelRegistry
-from tidegate.wire.mux import Outbox, batch_limit
+from tidegate.wire.mux import Outbox, StoredOutbox, batch_limit
 from tidegate.wire.protocol import (
     Ack,
     Attach,
@@ -483,11 +467,15 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                         batch_limit(config.worker.coalesce_bytes, nc.max_payload),
                         config.worker.coalesce_delay)
         outbox.start()
-    # Resumable streams' log entries are batched even with coalescing off.
-    log_outbox = outbox
-    if log_outbox is None:
-        log_outbox = Outbox(nc.publish, batch_limit(128 << 10, nc.max_payload))
-        log_outbox.start()
+    # Resumable streams' log entries: batched even with coalescing off, and
+    # stored before the next batch of a log goes (StoredOutbox).
+
+    async def store(subject: str, payload: bytes, msg_id: str) -> None:
+        await patient.publish(js, nc, subject, payload, {"Nats-Msg-Id": msg_id},
+                              config.edge.publish_patience)
+
+    log_outbox = StoredOutbox(store, batch_limit(128 << 10, nc.max_payload))
+    log_outbox.start()
     prices = PriceBook(config)
     prices_kv = await ensure_prices_bucket(js, config)
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
@@ -568,7 +556,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
         for backend in [*backends.values(), *replica_backends.values()]:
             await backend.aclose()
         await log_outbox.close()  # the last jobs' Done and Error messages (and log entries)
-        if outbox is not None and outbox is not log_outbox:
+        if outbox is not None:
             await outbox.close()
         await broker.close(nc)
         log.info("worker %s stopped", worker_id)

@@ -22,6 +22,7 @@ from typing import Any
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from tidegate import apis
 from tidegate.broker import objects
 from tidegate.config import Config, ModelConfig
 from tidegate.control.batches import Stores, bucket_names
@@ -40,15 +41,12 @@ from tidegate.wire.batch import (
     error_line,
     parse_line,
 )
-from tidegate.wire.protocol import Api, Request
+from tidegate.wire.protocol import Request
 
 log = logging.getLogger("tidegate.batch")
 BAD_LINE = BadInput("dispatcher", log)
 
 OK, FAILED = b"o", b"e"
-_API = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS,
-        "/v1/responses": Api.RESPONSES, "/v1/embeddings": Api.EMBEDDINGS,
-        "/v1/messages": Api.MESSAGES}
 # What a batch line may not ask for: a batch result is one JSON body.
 _STREAM_KEYS = ("stream", "stream_options")
 
@@ -126,7 +124,10 @@ def check_body(line: BatchLine, endpoint: str, models: Mapping[str, ModelConfig]
     ``invalid_value``), so such a line fails validation instead of failing
     its release (issue 24: ``max_tokens`` 2^64 crashed the dispatcher)."""
     body = {k: v for k, v in line.body.items() if k not in _STREAM_KEYS}
-    valid = validate_request(json.dumps(body).encode(), _API[endpoint], models)
+    dialect = apis.by_path(endpoint)
+    if dialect is None:  # the edge admits a batch of tidegate.wire.batch.ENDPOINTS only
+        raise invalid_request(f"endpoint {endpoint!r} is not served here")
+    valid = validate_request(json.dumps(body).encode(), dialect.api, models)
     template = Request(id="-", reply="-", model=valid.model.name, api=valid.api, stream=False,
                        body=valid.body, created_ms=0, deadline_ms=0, window_bytes=0,
                        window_msgs=0, klass="batch")

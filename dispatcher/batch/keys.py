@@ -1,24 +1,14 @@
 """The per-key rules a batch line is held to, as the edge holds a request.
 
-A batch is created with one API key (``BatchRecord.key_id``) but its lines run
-long after the edge checked that key, so the runner checks each line again,
-at validation and again at release (the key may change in between):
+Lines run long after the edge checked the batch's key, so the runner checks
+each line again at validation and at release: the key must still exist
+(``revoked_api_key``), not have expired (``expired_api_key``), and allow the
+line's model (``model_not_allowed``), by the edge's own rule. A failed check
+ends lines not yet released; running lines finish.
 
-* the key must still exist: a revoked key (deleted from ``<P>_KEYS``, or a
-  record nobody can read, which the edge also treats as revoked) ends every
-  line not yet released with a ``revoked_api_key`` 401 in the error file; lines
-  already running finish (their backend work is paid for, and cancelling
-  them would lose answers the key was entitled to when they started);
-* it must not have expired (``expired_api_key``, likewise);
-* it must allow the line's model (``model_not_allowed``, 403), with the same
-  rule as the edge's ``build_request``: the model's name or an alias is in
-  the key's list, or the list is empty.
-
-:class:`BatchKeys` follows the keys bucket live (``tidegate.control.keys.
-watch_keys``, the edge's reader), so a revoke applies to the next release
-round. Keys from the config file (``auth.keys``, ``auth.dev_key``) are not in
-KV: they allow every model and never expire. Until the bucket's replay is
-done, :meth:`BatchKeys.check` answers ``None`` for *unknown* (release waits).
+:class:`BatchKeys` follows the keys bucket live; config keys allow every model
+and never expire. Until the bucket's replay is done, :meth:`BatchKeys.check`
+answers ``None`` (unknown: release waits). Docs: docs/batch.md#per-key-rules.
 """
 
 from __future__ import annotations

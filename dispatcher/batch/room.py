@@ -1,35 +1,16 @@
 """How many batch lines a model may start now: the batch share rule (sans-I/O).
 
-The runner (``dispatcher.batch.release``) reads the facts (live slots from the worker
-registry, jobs running and waiting from the model's worker consumers, its own
-lines in flight) and asks :func:`batch_room`. Kept apart so the rule is tested
-on numbers, without servers.
+The runner reads the facts (slots, jobs running and waiting, its own lines) and
+asks :func:`batch_room`, so the rule is tested on numbers:
 
-The rule, in order:
+1. a job waiting for a worker (the runner's own unpulled lines are no such job:
+   :func:`others_wait`), or the model in queue mode: **0**;
+2. no interactive job running: **every free slot**;
+3. interactive jobs running: at most ``share`` of the slots they leave free,
+   rounded up, less the batch lines already held.
 
-1. A job waiting for a worker, or the model in queue mode: **0**. Batch never
-   puts a job in front of an interactive one (the caller checks both and
-   passes ``waiting``). The runner's own lines released and not yet pulled
-   are no such job (:func:`others_wait`): counted as waiting, a worker slow to
-   pull (a busy machine) held the batch back at releases where no other job
-   waited. (With the runner's lost wake-up fixed too, the batch's throughput
-   against interactive's beside two CPU hogs went from 0.935-0.954 to
-   0.956-0.962, three runs each, tests/test_promises_batch_bench.py.)
-2. No interactive job running on the model: batch may take **every free
-   slot** (idle GPU time is what batch is for).
-3. Interactive jobs running: batch may hold at most ``share`` of the slots
-   interactive jobs leave free, rounded up (so a batch never starves while a
-   slot is free), minus the batch lines it already holds. The share shrinks
-   as interactive load grows (fewer slots left free) and comes back whole when
-   it leaves.
-
-Why rule 3, when rule 1 already keeps interactive jobs out of the queue: a
-free slot is not free capacity. A GPU batch past its sweet spot slows every
-stream in it, and the gateway's own CPU relays batch answers too; filling all
-free slots with batch lines added 103-129 ms to the interactive TTFT p99 at 50
-streams on the 2-core bench machine (docs/benchmarks.md, scenario (j)) although
-no interactive job ever waited behind a batch line; a share of 0.05 kept it
-within 20 ms in 5 of 6 runs.
+Rule 3 because a free slot is not free capacity: the backend and the gateway's
+CPU slow every stream they carry. Docs: docs/batch.md#scheduling-spare-capacity-only.
 """
 
 from __future__ import annotations

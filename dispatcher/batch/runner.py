@@ -1,40 +1,17 @@
 """The batch runner: turns batches into requests of class ``batch``, only into
 spare capacity, and collects their answers exactly once per line.
 
-One runner at a time leads (a lease in the ``<P>_BATCHES`` bucket, renewed by
-compare-and-set; every dispatcher runs a runner, the others stand by). The
-leader:
+One runner leads (a lease in ``<P>_BATCHES``; the others stand by). It
+validates new batches, releases lines as ``Request`` s on
+``<p>.req.batch.<tenant>`` while the model has room (``dispatcher.batch.room``),
+tenants round robin, reads each line's answer on its own inbox, retries
+transient failures, records every final answer once, and ends the batch
+(``completed``, ``expired``, ``cancelled``).
 
-* validates new batches (``validating``: every line, errors naming it) and
-  moves them ``in_progress``, or ``failed``;
-* releases lines as ``Request`` s on ``<p>.req.batch.<tenant>``: through the
-  same dispatchers (quotas, queue mode), workers and backends as interactive
-  traffic; a line is released only while its model has a free worker slot
-  and **no job waits for a worker** (the model's worker consumer has nothing
-  pending) and the model is not in queue mode, so an interactive request
-  waits at most for one slot to turn over, never behind the batch; while
-  interactive jobs run, batch holds only ``batch.share_under_load`` of the
-  slots they leave free (``dispatcher.batch.room``). Lines of
-  different tenants are released round robin (then batch by batch);
-* reads each line's session messages on its own inbox (``<p>.out.batch.*``,
-  ``dispatcher.batch.session``), retries transient failures (5xx, worker lost,
-  silence) up to ``batch.max_retries`` and rate-limit rejections until the
-  window ends, and records every final answer once (``dispatcher.batch.files``);
-* ends a batch: ``completed`` when every line has a result, ``expired`` at
-  ``expires_at`` (done lines in the output, the rest ``batch_expired`` in the
-  error file), ``cancelled`` after a cancel (running lines cancelled upstream,
-  partial results kept); output files are written while ``finalizing``.
-
-Crash safety: all durable state is in KV (batch records, one entry per
-finished line) and the object store. A successor (lease expired: after
-``batch.lease`` seconds) takes a new *epoch*, reloads the finished lines and
-releases the rest again under new request ids (``line_request_id``), so a line
-whose answer was lost with its runner runs again, and one that was answered is
-never written twice.
-
-The runner's parts: ``dispatcher.batch.lease`` (leadership),
-``dispatcher.batch.release`` (capacity and release), ``dispatcher.batch.collect``
-(collection: settle and record) and ``dispatcher.batch.state`` (what they share).
+Crash safety: all durable state is in KV and the object store; a successor
+takes a new epoch and releases unfinished lines under new request ids, so a
+lost answer runs again and none is written twice. Parts: ``dispatcher.batch.lease``,
+``.release``, ``.collect``, ``.state``. Docs: docs/batch.md#exactly-once-whatever-dies.
 """
 
 from __future__ import annotations
@@ -334,7 +311,8 @@ class Runner(Leadership, Release):
                  S.COMPLETED if len(run.done) >= record.counts.total else S.EXPIRED)
         completed, failed = await bf.write_outputs(stores, record, run.done,
                                                    expired=final is S.EXPIRED)
-        counts = Counts(record.counts.total, completed, failed)
+        expired = record.counts.total - len(run.done) if final is S.EXPIRED else 0
+        counts = Counts(record.counts.total, completed, failed, expired)
 
         def end(current: BatchRecord) -> BatchRecord | None:
             if current.terminal:

@@ -1,27 +1,14 @@
 """One attempt at one batch line, seen from the runner: sans-I/O.
 
-The batch runner is a client of the pipeline like an edge: it publishes the
-line's :class:`~tidegate.wire.protocol.Request` and reads the session
-messages on its own inbox. :class:`LineSession` turns those messages (and the
-clock) into what the runner must send (acks to the worker) and, at the end,
-one :class:`Outcome`. No I/O here; ``dispatcher.batch.release`` and
-``dispatcher.batch.collect`` move the bytes.
-
-How it differs from the edge's relay, and why:
-
-* The body is collected whole (a batch line is a non-streaming request), and
-  a job redelivered after its worker died (``Head.attempt > 1``) is simply
-  restarted: nothing reached a client, so the partial body is dropped and
-  the worker gets the go-ahead (``Ack seq 0``). The edge cannot do that once
-  it wrote output; the runner always can.
-* A worker found dead by the runner's liveness probe (its control subject
-  has no subscriber: ``tidegate.broker.liveness``) gets a ``-NAK`` for its job
-  at once (:meth:`LineSession.worker_lost`), so another worker restarts the
-  line in about a second instead of after ``worker.ack_wait``.
-* Every failure is classified for the retry policy: ``RETRY`` (5xx, worker
-  lost, a sequence gap, nobody answered), ``WAIT`` (a retryable rejection
-  such as a rate limit: tried again after ``retry_after``, without counting
-  as a failure), ``ERROR`` (a 4xx answer: final, into the error file).
+The runner is a client of the pipeline like an edge. :class:`LineSession` turns
+the line's session messages and the clock into what the runner must send (acks)
+and, at the end, one :class:`Outcome`. Unlike the edge's relay: the body is
+collected whole, so a redelivered job (``Head.attempt > 1``) is simply
+restarted (``Ack seq 0``); a worker the liveness probe finds dead gets a
+``-NAK`` at once (:meth:`LineSession.worker_lost`); every failure is classified
+for the retry policy: ``RETRY`` (5xx, worker lost, gap, silence), ``WAIT`` (a
+retryable rejection, after ``retry_after``), ``ERROR`` (4xx, final).
+Docs: docs/batch.md#failures-per-line.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Whether this process's NATS link is up, and for how long it has not been.
 
-The edge asks it once per session tick per stream (``edge/relay.py``): an edge
-cut from NATS (a partition) gets nothing from its workers and can send them
-nothing, so after :attr:`Link.grace` its streams are released instead of
-waiting out the worker-silence limit (``session.heartbeat_interval x
-session.worker_lost_after``, 45 s by default): a resumable stream's client is
-sent to resume on another edge (``event: reconnect``), any other gets a clean
-retryable ``broker_unavailable`` error.
+The edge asks once per session tick per stream (``edge/relay.py``): an edge cut
+from NATS gets nothing from its workers, so after :attr:`Link.grace` its streams
+are released (a resumable one with ``event: reconnect``, any other with a
+retryable ``broker_unavailable``) instead of waiting out the worker-silence limit.
 
-The client's state is read, not a callback's: nats-py marks the connection
-RECONNECTING the moment it gives up on it (a closed socket at once; a silent
-cut after ``nats.max_pings_out`` unanswered PINGs), before it calls any
-callback, and a reconnect to another node of the cluster within the grace
-hides the blip entirely.
+Invariant: the client's state is read, not a callback's. nats-py marks the
+connection RECONNECTING the moment it gives up on it, and a reconnect to another
+cluster node within the grace hides the blip. Docs: docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,17 @@
 """Which workers a process follows, and whether they are still connected.
 
-Two followers use it: each edge (the workers its open streams come from)
-and the dispatcher's batch runner (the workers running its lines: a dead
-one's jobs are handed back the same way, ``dispatcher.batch.collect``).
+Followers: each edge (the workers its open streams come from) and the batch
+runner (the workers running its lines). Once per ``session.liveness_interval``
+per followed *worker* (not per stream), an empty request goes to the worker's
+control subject ``<p>.ctl.<worker>``:
 
-A worker's streams reach an edge as core NATS messages; when the worker dies,
-nothing arrives any more, and silence alone cannot tell a dead worker from a
-long prefill. The heartbeat rule (``session.worker_lost_after`` heartbeats,
-45 s by default) was the only judge before this module.
+* "no responders" for :data:`CONFIRM_AFTER`: the subscription is gone, the
+  worker is dead; every follower is told (``worker_lost``) and acts at once.
+* a timeout: the worker is subscribed and alive (it never replies). A slow or
+  stopped worker is never declared dead by this rule; the heartbeat rule
+  still applies to it.
 
-The broker knows better: a worker killed outright (SIGKILL, OOM, node loss)
-loses its NATS connection, and the server drops its subscriptions, among them
-its control subject ``<p>.ctl.<worker>``. A request to a subject nobody
-subscribes to is answered at once by the server with a "no responders"
-status. So the edge, for each *worker* (not each stream) its open streams
-follow, sends an empty request to that worker's control subject every
-``session.liveness_interval`` (0.2 s by default):
-
-* no responders: the subscription is gone, the worker is dead once every
-  probe for :data:`CONFIRM_AFTER` (0.6 s) says so (a subscription dropped
-  and made again in between, as a reconnect does, is not a death), then
-  every follower is told (``worker_lost``: an edge's
-  ``edge.session.Session``, a batch line's ``LineFollower``) and acts at
-  once (see ``edge.continuation.worker_gone``: a job is handed back to
-  JetStream with a ``nak`` so another worker runs it now, not after
-  ``worker.ack_wait``).
-* the request times out: the worker is subscribed and its connection alive.
-  It sends no reply (workers ignore an empty control message; their
-  credentials cannot publish to an edge inbox anyway), so a timeout is the
-  normal answer of a live worker, and a *slow* worker (a long prefill, a GC
-  pause, a stopped process, a saturated box) is the same: it is never
-  declared dead by this rule. The server itself drops a stopped client only
-  after its ping limit (minutes); the heartbeat rule still applies to it.
-
-Why this and not the alternatives (docs/lifecycle.md, "Fast death
-detection"): a short-TTL KV entry per worker costs a replicated JetStream
-write per worker per fraction of a second, and judges a worker paused for
-longer than its TTL dead though its connection is fine; the server's
-disconnect advisories live in the system account, which tiers should not be
-given, and come per connection, not per subscription. A probe costs one core
-NATS message (and a "no responders" status only once) per followed worker per
-interval, nothing per stream and nothing per chunk.
+Docs: docs/lifecycle.md#fast-death-detection.
 """
 
 from __future__ import annotations

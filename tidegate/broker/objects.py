@@ -1,21 +1,14 @@
 """Streaming reads and writes of JetStream Object Store objects.
 
-The files of the batch API live in an Object Store bucket (``<P>_FILES``), in
-the store's own format (chunks on ``$O.<bucket>.C.<nuid>``, a rolled-up meta
-message on ``$O.<bucket>.M.<name>``), so ``nats object ls/get`` and nats-py's
-``ObjectStore`` read them. Only the data path is ours, because nats-py's
-cannot stream: its ``put`` reads a *synchronous* reader in a thread (an
-aiohttp upload is an async stream), and its ``get`` collects the whole
-object into one ``bytes`` or pushes chunks through an ordered consumer
-with no bound on how many queue in the client.
+The batch API's files live in ``<P>_FILES`` in the store's own format, so
+``nats object ls/get`` read them; only the data path is ours, because nats-py's
+cannot stream (its ``put`` wants a synchronous reader, its ``get`` collects
+the object or queues chunks without bound).
 
-* :func:`put` takes an async iterator of chunks and publishes each
-  ``chunk_size`` slice with an acked JetStream publish before reading more:
-  the broker's ack is the backpressure, and the process holds one chunk.
-* :func:`read` fetches one chunk per direct get (``next_by_subj``), yielded
-  before the next is asked for: a slow client paces the reads.
-
-Both check the SHA-256 digest the format records.
+Invariants: :func:`put` publishes each ``chunk_size`` slice with an acked
+publish before reading more (the ack is the backpressure: one chunk in
+memory); :func:`read` fetches one chunk per direct get, so a slow client paces
+the reads. Both check the recorded SHA-256 digest.
 """
 
 from __future__ import annotations

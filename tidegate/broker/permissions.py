@@ -1,46 +1,16 @@
-"""NATS permissions per tier: the ONE ACCESS table, derived from tidegate.wire.subjects.
+"""NATS permissions per tier: the one access table, derived from tidegate.wire.subjects.
 
 Every tier connects as its own NATS user (``edge``, ``dispatcher``, ``worker``,
-``admin``) with its own inbox prefix (``_INBOX_<tier>``), and the server
-enforces what each may publish and subscribe to. :func:`access` is the table
-(tier -> the exact JetStream API subjects, other publishes and subscribes it
-uses), built from a :class:`~tidegate.wire.subjects.Subjects` so a custom
-prefix gets the same rules; :func:`server_config` turns it into nats-server's
-``authorization`` block and ``tidegate nats-config`` writes it with one
-credentials file per tier. docs/security.md shows the table in prose.
+``admin``) with its own inbox prefix. :func:`access` is the table (tier -> the
+JetStream API subjects, publishes and subscribes it uses); :func:`server_config`
+turns it into nats-server's ``authorization`` block.
 
-How the rules are shaped, and why:
-
-* **Everything is an allow list, the JetStream API included.** Each tier
-  names the API subjects it calls (``STREAM.INFO.TG_JOBS``,
-  ``CONSUMER.MSG.NEXT.TG_JOBS.*``, ``DIRECT.GET.KV_TG_KEYS.>``, ...). A deny
-  list over ``$JS.API.>`` missed whole verbs (a new stream mirroring
-  ``KV_TG_POLICIES``, ``STREAM.UPDATE`` adding a source to ``TG_JOBS``,
-  ``CONSUMER.DELETE``); an allow list cannot miss what it never grants.
-* **Only admin creates, updates or deletes** streams, consumers and buckets
-  (:data:`ADMIN_VERBS`): ``tidegate setup`` (tidegate.control.provision) does it
-  before the tiers start, and a tier with restricted credentials only binds to
-  what exists.
-* **Reading is a grant of its own** (:meth:`_Grants.read`): message gets and
-  *ephemeral* ordered consumers on the no-name ``CONSUMER.CREATE.<stream>``
-  subject, where the server refuses a durable, so a reader can neither change
-  nor delete the tiers' durable consumers. An edge never reads the jobs,
-  requests, usage or policies; a worker never reads keys or policies.
-* **Subscribe is an allow list per tier**: its own inbox (API replies, KV
-  watches and pull deliveries land there) and the core subjects its role reads.
-
-Known gap (nats-server issue 8274): a push consumer's deliver subject is not
-checked against its creator's publish permissions, so a tier that may create
-an ephemeral reader can have the server deliver that stream's messages to a
-subject it could not publish to (an edge: a log entry it wrote, into another
-edge's output). docs/security.md says what that exposes;
-tests/test_nats_walk.py pins it.
-
-ADDING A FEATURE: a new subject, stream, KV bucket or object store gets its
-line in :func:`access` (and its creation in tidegate.control.provision) and
-nowhere else; ``tests/test_nats_walk.py`` walks the whole
-``$JS.API.>`` surface with each tier's credentials and fails on anything the
-table does not name.
+Invariants: everything is an allow list, the JetStream API included; only
+admin creates, updates or deletes streams, consumers and buckets; reading is
+a grant of its own (ephemeral ordered consumers only). A new subject, stream
+or bucket gets its line in :func:`access` and nowhere else:
+``tests/test_nats_walk.py`` walks ``$JS.API.>`` with each tier's credentials
+and fails on anything the table does not name. Docs: docs/security.md.
 """
 
 from __future__ import annotations

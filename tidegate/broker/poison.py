@@ -1,27 +1,15 @@
 """Poison messages: one message a tier cannot process must not stop it.
 
-The rule for every JetStream consumer a tier runs (the dispatcher's requests,
-the worker's jobs): a handler that raises is either *transient* (the broker,
-Redis or the network failed: the message is fine and is redelivered) or
-*poison* (the message itself makes the handler fail: decoding passed, but a
-field's type or range breaks something later, e.g. an integer msgpack cannot
-encode). A poison message is redelivered to the same failure forever
-(the dispatcher's consumer has ``max_deliver = -1``) and each copy holds an
-ack-pending slot until ``ack_wait``: enough of them wedge the consumer. So a
-poison message is
+A handler that raises on a JetStream message is either *transient* (the broker,
+Redis or the network failed: the message is redelivered) or *poison* (the
+message itself breaks the handler, and would be redelivered to the same failure
+forever, holding an ack-pending slot each time). A poison message is answered
+with an error where someone waits (best effort), terminated (``AckTerm``) and
+counted in ``tidegate.broker.bad_messages`` (reason ``poison``), rate-limited
+in the log.
 
-* answered with an error where someone waits (the edge on ``request.reply``;
-  best effort: a failure to answer never stops the termination),
-* terminated (``AckTerm``): JetStream never delivers it again,
-* counted in ``tidegate.broker.bad_messages`` (reason ``poison``) and logged,
-  rate-limited, with the exception.
-
-The tier's caller decides what is transient (:data:`TRANSIENT` plus its own
-errors, e.g. the dispatcher's ``QuotaUnavailable``). Everything else is a bug
-or hostile input; both end the same way, which is what keeps one tenant's
-message from taking a tier down. Lives in the core (``tidegate.broker``)
-because the dispatcher and the worker both use it and tiers never import each
-other.
+The caller names what is transient (:data:`TRANSIENT` plus its own errors);
+everything else, bug or hostile input, ends the same way. Docs: docs/reliability.md.
 """
 
 from __future__ import annotations

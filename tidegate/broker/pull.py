@@ -1,18 +1,13 @@
 """Continuous pull from a durable JetStream consumer, one message at a time.
 
-Why not ``PullSubscription.fetch``: once a lingering fetch has its first
-message, nats.py waits for the *whole* batch (or the expiry) before returning
-any of them, so with a batch of 64 and 10 requests arriving, those 10 sit in
-memory for up to the fetch timeout. That was most of tidegate's TTFT overhead
-under load. Here every message is handed to its handler the moment it
-arrives.
+Unlike ``PullSubscription.fetch``, which holds a batch's first messages until
+the whole batch or the expiry arrives, every message is handed to its handler
+the moment it arrives.
 
-Credit: the puller keeps ``capacity`` messages either requested (pull
-requests outstanding at the server) or being handled, never more: a worker
-asks exactly for its free slots, so queued work stays in JetStream where any
-worker can take it. When a pull request expires, the server's 408 status says
-how many of its messages were not delivered (``Nats-Pending-Messages``), and
-that credit is requested again.
+Invariant (credit): the puller keeps at most ``capacity`` messages requested
+or being handled, so a worker asks exactly for its free slots and queued work
+stays in JetStream for any worker. An expired pull request's undelivered
+credit (``Nats-Pending-Messages``) is requested again.
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
-"""The ``tidegate`` command.
-
-Subcommands::
-
-    tidegate up          everything on one machine (embedded NATS + Redis)
-    tidegate edge        the HTTP/SSE front door
-    tidegate dispatcher  admission, quotas, fairness
-    tidegate worker      backend calls (``--model`` to serve a subset)
-    tidegate config      print the effective config as TOML
-    tidegate bench       the benchmark suite (docs/benchmarks.md)
-    tidegate chaos       streaming load against a local fleet while SIGKILLing it
-    tidegate keys        create, list and revoke API keys (NATS KV)
-    tidegate policy      set, list and delete quota policies (NATS KV)
-    tidegate price       set, list and delete prices per model (NATS KV)
-    tidegate budget      set, list and delete budgets in money (NATS KV)
-    tidegate usage       sum the usage log by tenant, key, model or day
-    tidegate batches     list, show and cancel batches of every tenant (NATS KV)
-    tidegate tenant      set, list and delete per-tenant settings (resumable streams)
-    tidegate status      live view of models, workers, queues, batches (``--json`` once)
-    tidegate console     the operator console in a browser (docs/console.md)
-    tidegate version
+"""The ``tidegate`` command: the parser and each command's function.
 
 Each command group has its module: ``tidegate.cli.tiers`` (up, edge,
-dispatcher, worker), ``tidegate.cli.common`` (the common flags, config,
+dispatcher, worker), ``tidegate.cli.common`` (common flags, config,
 nats-config), ``tidegate.cli.admin`` (keys, policy, tenant, batches),
-``tidegate.cli.spend`` (price, budget, usage) and
-``tidegate.cli.tools`` (bench, chaos, status, console); this one builds the parser and
-maps each command to its function.
+``tidegate.cli.spend`` (price, budget, usage), ``tidegate.cli.tools`` (bench,
+chaos, status, console). ``tidegate --help`` lists them; docs/reference/cli.md
+is generated from this parser.
 
 Flags become ``overrides`` for :func:`tidegate.config.load`, so they win over
-the file and the environment. Tier modules are imported inside their
-subcommand: ``tidegate config`` must work even where a tier cannot import.
-
-Error contract: a :class:`~tidegate.errors.ConfigError` prints
-``tidegate: error: <message naming the key>`` and exits 2; any other
-:class:`~tidegate.errors.TidegateError` prints its message and exits 1. Neither
-ever shows a traceback: they are the user's to fix, not bugs.
+the file and the environment. Tier modules are imported inside their command,
+so ``tidegate config`` works where a tier cannot import. Error contract: a
+:class:`~tidegate.errors.ConfigError` prints ``tidegate: error: <message>`` and
+exits 2, any other :class:`~tidegate.errors.TidegateError` exits 1; never a traceback.
 """
 
 from __future__ import annotations
@@ -44,11 +21,11 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from tidegate.cli.admin import _admin_parsers, _cmd_batches, _cmd_keys, _cmd_policy, _cmd_tenant
-from tidegate.cli.common import _cmd_config, _cmd_nats_config, _cmd_setup, _common
+from tidegate.cli.admin import admin_parsers, cmd_batches, cmd_keys, cmd_policy, cmd_tenant
+from tidegate.cli.common import add_common, cmd_config, cmd_nats_config, cmd_setup
 from tidegate.cli.spend import cmd_budget, cmd_price, cmd_usage, spend_parsers
-from tidegate.cli.tiers import _cmd_dispatcher, _cmd_edge, _cmd_up, _cmd_worker
-from tidegate.cli.tools import _cmd_bench, _cmd_chaos, _cmd_console, _cmd_status
+from tidegate.cli.tiers import cmd_dispatcher, cmd_edge, cmd_up, cmd_worker
+from tidegate.cli.tools import cmd_bench, cmd_chaos, cmd_console, cmd_status
 from tidegate.errors import ConfigError, TidegateError
 
 PROG = "tidegate"
@@ -76,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run everything on this machine",
                         description="Start an embedded NATS and Redis (unless URLs are given), "
                                     "a dispatcher, workers and an edge; stop them on Ctrl-C.")
-    _common(up)
+    add_common(up)
     up.add_argument("--data-dir", metavar="DIR", default=".tidegate",
                     help="state, logs and the dev key (default: ./.tidegate)")
     up.add_argument("--host", help="edge listen address (default: config edge.host)")
@@ -114,22 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how long every child may take to become ready (default: 60)")
 
     edge = sub.add_parser("edge", help="run the edge tier (HTTP, SSE)")
-    _common(edge)
+    add_common(edge)
     edge.add_argument("--host", help="listen address")
     edge.add_argument("--port", type=int, help="listen port")
 
     dispatcher = sub.add_parser("dispatcher", help="run the dispatcher tier")
-    _common(dispatcher)
+    add_common(dispatcher)
 
     worker = sub.add_parser("worker", help="run the worker tier")
-    _common(worker)
+    add_common(worker)
     worker.add_argument("--model", action="append", default=[], metavar="NAME",
                         help="serve only this configured model (repeatable; default: all)")
 
     cfg = sub.add_parser("config", help="print the effective config as TOML",
                          description="Validate the config (file + environment + flags) and "
                                      "print it as TOML; exit 2 if it is invalid.")
-    _common(cfg)
+    add_common(cfg)
 
     bench = sub.add_parser("bench", help="run the benchmark suite on this machine",
                            description="Measure tidegate against the fake backend directly "
@@ -192,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="live view of models, workers, queues and rates",
         description="Models (workers, slots, queue depth, oldest waiting job, queue mode, "
                     "rates) and live workers, read from NATS and Redis. Ctrl-C quits.")
-    _common(status)
+    add_common(status)
     status.add_argument("--json", action="store_true",
                         help="print one JSON document (rates over --interval) and exit")
     status.add_argument("--once", action="store_true",
@@ -211,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tenant and batch admin. Sign in with an admin key (`tidegate keys "
                     "create --admin`). Runs with the admin NATS credentials; see "
                     "docs/console.md.")
-    _common(console)
+    add_common(console)
     console.add_argument("--host", default="127.0.0.1",
                          help="address to listen on (default: 127.0.0.1)")
     console.add_argument("--port", type=int, default=8090, help="port (default: 8090)")
@@ -221,14 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a tidegate up's data dir: show its processes (default: the "
                               "--config file's directory)")
 
-    _admin_parsers(sub)
+    admin_parsers(sub)
     spend_parsers(sub)
     natscfg = sub.add_parser(
         "nats-config", help="write nats-server users and per-tier credentials",
         description="Write DIR/auth.conf (an authorization block: one user per tier with "
                     "least-privilege permissions) and DIR/<tier>.creds.toml; see "
                     "docs/security.md.")
-    _common(natscfg)
+    add_common(natscfg)
     natscfg.add_argument("--out", metavar="DIR", default=".tidegate/nats-auth",
                          help="where to write (default: .tidegate/nats-auth)")
     natscfg.add_argument("--rotate", action="store_true",
@@ -240,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "{tier} = admin). With per-tier credentials the tiers may not create "
                     "them: run this before starting them and after changing models or "
                     "limits (tidegate up runs it itself). Idempotent; see docs/security.md.")
-    _common(setup)
+    add_common(setup)
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -256,25 +233,25 @@ def _cmd_version(_args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {
-    "up": _cmd_up,
-    "edge": _cmd_edge,
-    "dispatcher": _cmd_dispatcher,
-    "worker": _cmd_worker,
-    "config": _cmd_config,
+    "up": cmd_up,
+    "edge": cmd_edge,
+    "dispatcher": cmd_dispatcher,
+    "worker": cmd_worker,
+    "config": cmd_config,
     "version": _cmd_version,
-    "bench": _cmd_bench,
-    "chaos": _cmd_chaos,
-    "keys": _cmd_keys,
-    "policy": _cmd_policy,
-    "batches": _cmd_batches,
-    "tenant": _cmd_tenant,
+    "bench": cmd_bench,
+    "chaos": cmd_chaos,
+    "keys": cmd_keys,
+    "policy": cmd_policy,
+    "batches": cmd_batches,
+    "tenant": cmd_tenant,
     "price": cmd_price,
     "budget": cmd_budget,
     "usage": cmd_usage,
-    "status": _cmd_status,
-    "console": _cmd_console,
-    "nats-config": _cmd_nats_config,
-    "setup": _cmd_setup,
+    "status": cmd_status,
+    "console": cmd_console,
+    "nats-config": cmd_nats_config,
+    "setup": cmd_setup,
 }
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tidegate.cli.common import _common, load_config
+from tidegate.cli.common import add_common, load_config
 
 
-def _name(value: str) -> str:
+def checked_name(value: str) -> str:
     from tidegate.control.admin import name_problem
 
     problem = name_problem(value)
@@ -55,16 +55,17 @@ def _duration(value: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _admin_parsers(sub: Any) -> None:
+def admin_parsers(sub: Any) -> None:
     keys = sub.add_parser("keys", help="create, list and revoke API keys",
                           description="API keys live hashed in the NATS KV bucket TG_KEYS; "
                                       "edges pick up changes within a second. See "
                                       "docs/keys-and-policies.md.")
     keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (once)")
-    _common(create)
-    create.add_argument("--tenant", required=True, type=_name, help="tenant the key bills to")
-    create.add_argument("--user", type=_name, help="user within the tenant (optional)")
+    add_common(create)
+    create.add_argument("--tenant", required=True, type=checked_name,
+                        help="tenant the key bills to")
+    create.add_argument("--user", type=checked_name, help="user within the tenant (optional)")
     create.add_argument("--models", type=_models, default=(), metavar="A,B",
                         help="models the key may use (default: all)")
     create.add_argument("--json", action="store_true", help="print the key and record as JSON")
@@ -76,7 +77,7 @@ def _admin_parsers(sub: Any) -> None:
                              "(`tidegate console`, docs/console.md)")
     rotate = keys_sub.add_parser(
         "rotate", help="replace a key: a new one now, the old one expires after --overlap")
-    _common(rotate)
+    add_common(rotate)
     rotate.add_argument("key_id", metavar="KEY_ID", type=_key_id,
                         help="the key id shown by `keys create` / `keys list`")
     rotate.add_argument("--overlap", type=_duration, default=3600.0, metavar="DURATION",
@@ -85,10 +86,10 @@ def _admin_parsers(sub: Any) -> None:
                         help="the new key's lifetime (default: never)")
     rotate.add_argument("--json", action="store_true", help="print JSON")
     listing = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
-    _common(listing)
+    add_common(listing)
     listing.add_argument("--json", action="store_true", help="print JSON")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its key id")
-    _common(revoke)
+    add_common(revoke)
     revoke.add_argument("key_id", metavar="KEY_ID", type=_key_id,
                         help="the key id shown by `keys create` / `keys list`")
 
@@ -103,16 +104,16 @@ def _admin_parsers(sub: Any) -> None:
                     "Limits left out are unlimited; give at least one.")
     pdelete = policy_sub.add_parser("delete", help="delete the policy of one scope")
     for p in (pset, pdelete):
-        _common(p)
+        add_common(p)
         # No string defaults: argparse would run them through the type check.
-        p.add_argument("--tenant", type=_name, help="tenant (default: any)")
-        p.add_argument("--model", type=_name, help="model (default: any)")
-        p.add_argument("--user", type=_name, help="user of --tenant (default: any)")
+        p.add_argument("--tenant", type=checked_name, help="tenant (default: any)")
+        p.add_argument("--model", type=checked_name, help="model (default: any)")
+        p.add_argument("--user", type=checked_name, help="user of --tenant (default: any)")
     pset.add_argument("--rpm", type=_limit, metavar="N", help="requests per minute")
     pset.add_argument("--tpm", type=_limit, metavar="N", help="tokens per minute")
     pset.add_argument("--concurrency", type=_limit, metavar="N", help="concurrent streams")
     plist = policy_sub.add_parser("list", help="list policies")
-    _common(plist)
+    add_common(plist)
     plist.add_argument("--json", action="store_true", help="print JSON")
     _tenant_parsers(sub)
 
@@ -143,17 +144,19 @@ def _tenant_parsers(sub: Any) -> None:
                                         "second. See docs/resume.md.")
     tenant_sub = tenant.add_subparsers(dest="tenant_command", metavar="ACTION", required=True)
     tset = tenant_sub.add_parser("set", help="set a tenant's settings (replacing them)")
-    _common(tset)
-    tset.add_argument("tenant", metavar="TENANT", type=_name)
+    add_common(tset)
+    tset.add_argument("tenant", metavar="TENANT", type=checked_name,
+                      help="the tenant the settings are for")
     tset.add_argument("--resumable", type=_on_off, required=True, metavar="on|off",
                       help="every streaming request of the tenant is resumable")
     tset.add_argument("--grace", type=_seconds, metavar="SECONDS",
                       help="the tenant's resume grace (default: resume.grace)")
     tdelete = tenant_sub.add_parser("delete", help="delete a tenant's settings")
-    _common(tdelete)
-    tdelete.add_argument("tenant", metavar="TENANT", type=_name)
+    add_common(tdelete)
+    tdelete.add_argument("tenant", metavar="TENANT", type=checked_name,
+                         help="the tenant whose settings to delete")
     tlist = tenant_sub.add_parser("list", help="list tenant settings")
-    _common(tlist)
+    add_common(tlist)
     tlist.add_argument("--json", action="store_true", help="print JSON")
 
     batches = sub.add_parser("batches", help="list, show and cancel batches",
@@ -162,14 +165,14 @@ def _tenant_parsers(sub: Any) -> None:
     batches_sub = batches.add_subparsers(dest="batches_command", metavar="ACTION",
                                          required=True)
     blist = batches_sub.add_parser("list", help="list batches, newest first")
-    _common(blist)
-    blist.add_argument("--tenant", type=_name, help="only this tenant's")
+    add_common(blist)
+    blist.add_argument("--tenant", type=checked_name, help="only this tenant's")
     blist.add_argument("--status", help="only batches in this status (e.g. in_progress)")
     blist.add_argument("--json", action="store_true", help="print JSON")
     for action, text in (("show", "print one batch as JSON"),
                          ("cancel", "cancel a batch (as its tenant's API call would)")):
         p = batches_sub.add_parser(action, help=text)
-        _common(p)
+        add_common(p)
         p.add_argument("batch_id", metavar="BATCH_ID", help="batch_...")
 
 
@@ -188,7 +191,7 @@ def _audit_to_stderr() -> None:
         audit.propagate = False
 
 
-def _cmd_keys(args: argparse.Namespace) -> int:
+def cmd_keys(args: argparse.Namespace) -> int:
     from tidegate.cli import keys as commands
 
     _audit_to_stderr()
@@ -203,7 +206,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return commands.keys_revoke(config, args.key_id)
 
 
-def _cmd_policy(args: argparse.Namespace) -> int:
+def cmd_policy(args: argparse.Namespace) -> int:
     _audit_to_stderr()
     from tidegate.cli import keys as commands
 
@@ -216,7 +219,7 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     return commands.policy_delete(config, args.tenant or "", args.model or "", args.user or "")
 
 
-def _cmd_batches(args: argparse.Namespace) -> int:
+def cmd_batches(args: argparse.Namespace) -> int:
     _audit_to_stderr()
     from tidegate.control import batch_admin
 
@@ -229,7 +232,7 @@ def _cmd_batches(args: argparse.Namespace) -> int:
     return batch_admin.batches_cancel(config, args.batch_id)
 
 
-def _cmd_tenant(args: argparse.Namespace) -> int:
+def cmd_tenant(args: argparse.Namespace) -> int:
     _audit_to_stderr()
     from tidegate.cli import tenants
 

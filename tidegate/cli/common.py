@@ -14,7 +14,7 @@ from tidegate import config as tgconfig
 from tidegate.config import Config
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="PATH",
                    help="TOML config file (default: $TIDEGATE_CONFIG, else built-in defaults)")
     p.add_argument("--nats-url", metavar="URL", help="NATS server URL(s), comma-separated")
@@ -62,7 +62,7 @@ def redacted(config: Config) -> Config:
         redis=dataclasses.replace(config.redis, url=url(config.redis.url)))
 
 
-def _cmd_config(args: argparse.Namespace) -> int:
+def cmd_config(args: argparse.Namespace) -> int:
     config = redacted(load_config(args))  # an invalid config prints nothing
     sys.stdout.write("# secrets (API keys, URL passwords) redacted\n")
     sys.stdout.write(tgconfig.dump_toml(config))
@@ -70,7 +70,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_nats_config(args: argparse.Namespace) -> int:
+def cmd_nats_config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tidegate.broker import natsconfig
@@ -84,7 +84,7 @@ def _cmd_nats_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_setup(args: argparse.Namespace) -> int:
+def cmd_setup(args: argparse.Namespace) -> int:
     from tidegate.control import provision
 
     config = load_config(args)

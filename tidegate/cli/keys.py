@@ -17,7 +17,14 @@ from tidegate.config import Config
 from tidegate.control import keys as tgkeys
 from tidegate.control import operations
 from tidegate.control import policies as tgpolicies
-from tidegate.control.admin import NotFound, UsageError, _table, _timestamp, canonical_model, run
+from tidegate.control.admin import (
+    NotFound,
+    UsageError,
+    canonical_model,
+    print_table,
+    run,
+    timestamp_text,
+)
 
 
 def keys_create(config: Config, tenant: str, user: str = "", models: Sequence[str] = (),
@@ -38,7 +45,7 @@ def keys_create(config: Config, tenant: str, user: str = "", models: Sequence[st
         print(f"tenant:  {record.tenant}")
         print(f"user:    {record.user or '-'}")
         print(f"models:  {','.join(record.models) or 'all'}")
-        print(f"expires: {_timestamp(record.expires) if record.expires else 'never'}")
+        print(f"expires: {timestamp_text(record.expires) if record.expires else 'never'}")
         if record.admin:
             print("admin:   yes (may use the operator console)")
     print("Store the key now: it is not shown again (tidegate keeps only its SHA-256 "
@@ -61,13 +68,13 @@ def keys_list(config: Config, as_json: bool = False) -> int:
         print(f"no API keys in {config.nats.subjects.keys_bucket}")
         return 0
     now = time.time()
-    _table(["KEY_ID", "TENANT", "USER", "MODELS", "ADMIN", "CREATED", "EXPIRES", "LAST_USED"],
+    print_table(["KEY_ID", "TENANT", "USER", "MODELS", "ADMIN", "CREATED", "EXPIRES", "LAST_USED"],
            [[r.key_id, r.tenant, r.user or "-", ",".join(r.models) or "all",
              "yes" if r.admin else "no",
-             _timestamp(r.created),
-             ("expired " if r.expired(now) else "") + _timestamp(r.expires)
+             timestamp_text(r.created),
+             ("expired " if r.expired(now) else "") + timestamp_text(r.expires)
              if r.expires else "never",
-             _timestamp(last_used[r.key_id]) if r.key_id in last_used else "never"]
+             timestamp_text(last_used[r.key_id]) if r.key_id in last_used else "never"]
             for r in records])
     return 0
 
@@ -93,7 +100,7 @@ def keys_rotate(config: Config, key_id: str, overlap: float, expires_in: float =
         print(f"key:     {key}")
         print(f"key_id:  {new.key_id}")
         print(f"tenant:  {new.tenant}")
-        print(f"replaces {old.key_id}, which stops working at {_timestamp(old.expires)}")
+        print(f"replaces {old.key_id}, which stops working at {timestamp_text(old.expires)}")
     print("Store the key now: it is not shown again.", file=sys.stderr)
     return 0
 
@@ -141,7 +148,7 @@ def policy_list(config: Config, as_json: bool = False) -> int:
     if not policies:
         print(f"no policies in {config.nats.subjects.policies_bucket}")
         return 0
-    _table(["TENANT", "MODEL", "USER", "RPM", "TPM", "CONCURRENCY"],
+    print_table(["TENANT", "MODEL", "USER", "RPM", "TPM", "CONCURRENCY"],
            [[p.tenant or "*", p.model or "*", p.user or "*", *(_limit(v) for v in
              (p.rpm, p.tpm, p.concurrency))] for p in policies])
     return 0

@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from tidegate.cli.admin import _name  # one rule for every name flag
-from tidegate.cli.common import _common, load_config
+from tidegate.cli.admin import checked_name  # one rule for every name flag
+from tidegate.cli.common import add_common, load_config
 from tidegate.config import Config
 
 BY = ("tenant", "key", "model", "day", "user")
@@ -50,8 +50,9 @@ def spend_parsers(sub: Any) -> None:
                                        "are in spend.currency. See docs/spend.md.")
     price_sub = price.add_subparsers(dest="price_command", metavar="ACTION", required=True)
     pset = price_sub.add_parser("set", help="set a model's price (replacing it)")
-    _common(pset)
-    pset.add_argument("model", metavar="MODEL", type=_name)
+    add_common(pset)
+    pset.add_argument("model", metavar="MODEL", type=checked_name,
+                      help="the model the prices are for")
     pset.add_argument("--input", type=_amount, default="0", metavar="AMOUNT",
                       help="per million input tokens")
     pset.add_argument("--cached-input", type=_amount, metavar="AMOUNT",
@@ -62,10 +63,11 @@ def spend_parsers(sub: Any) -> None:
                       help="per request")
     pdel = price_sub.add_parser("delete", help="delete a model's stored price (the "
                                                "config's applies again)")
-    _common(pdel)
-    pdel.add_argument("model", metavar="MODEL", type=_name)
+    add_common(pdel)
+    pdel.add_argument("model", metavar="MODEL", type=checked_name,
+                      help="the model whose prices to delete")
     plist = price_sub.add_parser("list", help="list stored prices")
-    _common(plist)
+    add_common(plist)
     plist.add_argument("--json", action="store_true", help="print JSON")
 
     budget = sub.add_parser("budget", help="set, list and delete budgets in money",
@@ -78,11 +80,11 @@ def spend_parsers(sub: Any) -> None:
         description="Scope: --tenant, alone or with one of --model, --user, --key.")
     bdel = budget_sub.add_parser("delete", help="delete a budget")
     for p in (bset, bdel):
-        _common(p)
-        p.add_argument("--tenant", type=_name, required=True, help="tenant")
-        p.add_argument("--model", type=_name, help="only this model's spend")
-        p.add_argument("--user", type=_name, help="only this user's spend")
-        p.add_argument("--key", type=_name, metavar="KEY_ID", help="only this key's spend")
+        add_common(p)
+        p.add_argument("--tenant", type=checked_name, required=True, help="tenant")
+        p.add_argument("--model", type=checked_name, help="only this model's spend")
+        p.add_argument("--user", type=checked_name, help="only this user's spend")
+        p.add_argument("--key", type=checked_name, metavar="KEY_ID", help="only this key's spend")
         p.add_argument("--per", default="month", metavar="PERIOD",
                        help="day, week, month (calendar, spend.timezone) or "
                             "rolling:<duration>, e.g. rolling:24h (default: month)")
@@ -90,19 +92,19 @@ def spend_parsers(sub: Any) -> None:
                                                                      "spend.currency")
     bset.add_argument("--soft", action="store_true", help="alert only, never refuse")
     blist = budget_sub.add_parser("list", help="list budgets")
-    _common(blist)
+    add_common(blist)
     blist.add_argument("--json", action="store_true", help="print JSON")
 
     usage = sub.add_parser("usage", help="sum the usage log by tenant, key, model or day",
                            description="Reads the usage stream TG_USAGE (kept for "
                                        "streams.usage_max_age) from --since on, in constant "
                                        "memory. See docs/spend.md.")
-    _common(usage)
+    add_common(usage)
     usage.add_argument("--by", choices=BY, default="tenant", help="group by (default: tenant)")
     usage.add_argument("--since", default="24h", metavar="WHEN",
                        help="a duration back from now (24h, 7d) or a date/time "
                             "(2026-12-01, 2026-12-01T08:00:00+00:00); default 24h")
-    usage.add_argument("--tenant", type=_name, help="only this tenant's records")
+    usage.add_argument("--tenant", type=checked_name, help="only this tenant's records")
     out = usage.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print JSON")
     out.add_argument("--csv", action="store_true", help="print CSV")
@@ -155,7 +157,7 @@ def cmd_price(args: argparse.Namespace) -> int:
     if not stored:
         print(f"no prices in {tgprices.bucket_name(config)}")
         return 0
-    admin._table(["MODEL", "INPUT/M", "CACHED/M", "OUTPUT/M", "REQUEST"],
+    admin.print_table(["MODEL", "INPUT/M", "CACHED/M", "OUTPUT/M", "REQUEST"],
                  [[p.model, p.input, p.cached, p.output, p.request] for p in stored])
     return 0
 
@@ -185,7 +187,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
         if not found:
             print(f"no budgets in {tgbudgets.bucket_name(config)}")
             return 0
-        admin._table(["TENANT", "MODEL", "USER", "KEY", "AMOUNT", "PERIOD", "SOFT"],
+        admin.print_table(["TENANT", "MODEL", "USER", "KEY", "AMOUNT", "PERIOD", "SOFT"],
                      [[b.tenant, b.model or "*", b.user or "*", b.key or "*",
                        f"{b.as_dict()['amount']} {config.spend.currency}",
                        f"rolling {b.window:g}s" if b.period == "rolling" else b.period,
@@ -382,7 +384,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     elif not rows:
         print("no usage records in that range")
     else:
-        admin._table([args.by.upper(), "REQUESTS", "PROMPT", "CACHED", "COMPLETION",
+        admin.print_table([args.by.upper(), "REQUESTS", "PROMPT", "CACHED", "COMPLETION",
                       f"COST ({currency})"], [list(row.values()) for row in rows])
     if report.skipped:
         print(f"tidegate: note: {report.skipped} records skipped (unreadable, or past "

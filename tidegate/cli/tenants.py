@@ -42,7 +42,7 @@ def cli_list(config: Config, as_json: bool = False) -> int:
     if not tenants:
         print(f"no tenant settings in {bucket_name(config)}")
         return 0
-    admin._table(["TENANT", "RESUMABLE", "GRACE"],
+    admin.print_table(["TENANT", "RESUMABLE", "GRACE"],
                  [[t.tenant, "on" if t.resumable else "off",
                    "-" if t.grace is None else f"{t.grace:g}s"] for t in tenants])
     return 0

@@ -29,7 +29,7 @@ def _run_tier(tier: str, serve: Serve, config: Config) -> int:
     return run_service(instrumented(serve, tier), config)
 
 
-def _cmd_edge(args: argparse.Namespace) -> int:
+def cmd_edge(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
     from edge.service import serve
@@ -37,7 +37,7 @@ def _cmd_edge(args: argparse.Namespace) -> int:
     return _run_tier("edge", serve, config)
 
 
-def _cmd_dispatcher(args: argparse.Namespace) -> int:
+def cmd_dispatcher(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
     from dispatcher.service import serve
@@ -45,7 +45,7 @@ def _cmd_dispatcher(args: argparse.Namespace) -> int:
     return _run_tier("dispatcher", serve, config)
 
 
-def _cmd_worker(args: argparse.Namespace) -> int:
+def cmd_worker(args: argparse.Namespace) -> int:
     config = load_config(args)
     logs.setup(config.logging)
     from workers.service import serve
@@ -53,7 +53,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return _run_tier("worker", serve, config)
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
+def cmd_up(args: argparse.Namespace) -> int:
     from tidegate.run import launcher, planning
 
     options = planning.UpOptions(

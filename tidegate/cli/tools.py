@@ -34,7 +34,7 @@ def _load_bench() -> None:
         filter(None, [str(root), os.environ.get("PYTHONPATH")]))
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(args: argparse.Namespace) -> int:
     _load_bench()
     from bench import runner
 
@@ -47,7 +47,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_chaos(args: argparse.Namespace) -> int:
+def cmd_chaos(args: argparse.Namespace) -> int:
     _load_bench()
     from bench import chaos
 
@@ -68,7 +68,7 @@ def _data_dir(args: argparse.Namespace) -> Path | None:
         Path(config_path).parent if config_path else None)
 
 
-def _cmd_console(args: argparse.Namespace) -> int:
+def cmd_console(args: argparse.Namespace) -> int:
     from tidegate.run import console
     from tidegate.telemetry import logs
 
@@ -81,7 +81,7 @@ def _cmd_console(args: argparse.Namespace) -> int:
     return console.run(config, args.host, args.port, _data_dir(args), args.interval)
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def cmd_status(args: argparse.Namespace) -> int:
     from tidegate.run import status
 
     if args.interval is not None and args.interval <= 0:

@@ -1,22 +1,13 @@
 """Typed configuration: one TOML file plus environment overrides, validated once.
 
 Every component gets a frozen dataclass; nothing reads the environment or a
-dict after :func:`load` returns. Unknown keys are errors (a typo must not be
-silently ignored), and every message names the key: ``models[1].max_streams:
-must be >= 1, got 0``.
+dict after :func:`load` returns. Unknown keys are errors, and every message
+names the key (``models[1].max_streams: must be >= 1, got 0``).
 
-Precedence, lowest to highest: built-in defaults < TOML file < environment.
-
-Environment:
-
-* ``TIDEGATE_CONFIG`` - path of the TOML file (when ``--config`` is not given).
-* ``TIDEGATE_NATS_URL``, ``TIDEGATE_REDIS_URL`` - broker and quota store URLs.
-* ``TIDEGATE_DEV_KEY`` - an API key accepted by the edge (tenant ``default``).
-* ``TIDEGATE__<SECTION>__<KEY>=<value>`` - any scalar key of a section, e.g.
-  ``TIDEGATE__EDGE__PORT=9000``. The value is read as a TOML value when it parses
-  as one (numbers, booleans, ``["a", "b"]``) and as a plain string otherwise.
-
-See ``docs/configuration.md`` for every key with its default and reason.
+Precedence: built-in defaults < TOML file < environment (``TIDEGATE_CONFIG``,
+``TIDEGATE_NATS_URL``, ``TIDEGATE_REDIS_URL``, ``TIDEGATE_DEV_KEY`` and
+``TIDEGATE__<SECTION>__<KEY>=<value>``, read as a TOML value when it parses
+as one). Docs: docs/configuration.md#where-values-come-from.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from tidegate.config.check import _check
+from tidegate.config.check import check_values
 from tidegate.config.sections import (
     DEFAULT_FAILOVER,
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -103,7 +94,7 @@ def load(path: str | os.PathLike[str] | None = None,
 
 def from_dict(raw: Mapping[str, Any]) -> Config:
     config: Config = _build(Config, raw, "")
-    _check(config)
+    check_values(config)
     return config
 
 

@@ -4,6 +4,7 @@ cannot express, each message naming the key (run by :func:`tidegate.config.from_
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import zoneinfo
 
@@ -49,7 +50,7 @@ def _http_url(name: str, url: str) -> None:
                           f"\"http://127.0.0.1:8000/v1\", got {url!r}")
 
 
-def _check(config: Config) -> None:
+def check_values(config: Config) -> None:
     """Cross-field and range checks that types alone cannot express."""
     e, s, w = config.edge, config.session, config.worker
     if e.edge_id and not all(c.isascii() and (c.isalnum() or c in "-_") for c in e.edge_id):
@@ -327,6 +328,13 @@ def _check(config: Config) -> None:
         if not 1 <= m.simulator.embedding_dimensions <= 8192:
             raise ConfigError(f"{where}.simulator.embedding_dimensions: must be in "
                               f"[1, 8192], got {m.simulator.embedding_dimensions}")
+        try:
+            arguments = json.loads(m.simulator.tool_arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ConfigError(f"{where}.simulator.tool_arguments: must be a JSON object, got "
+                              f"{m.simulator.tool_arguments[:80]!r}")
 
 
 def _check_spend(config: Config) -> None:

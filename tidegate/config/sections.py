@@ -36,7 +36,7 @@ class SimulatorConfig:
     """The built-in model: deterministic text at a configurable pace."""
 
     ttft: float = 0.05  # seconds before the first token
-    tokens_per_second: float = 50.0
+    tokens_per_second: float = 50.0  # pace of the output after the first token
     length: int = 64  # tokens generated when the request sets no max_tokens
     embedding_dimensions: int = 256  # vector size when an embeddings request sets none
     # A prefix-cache model (docs/routing.md): the first token also waits this
@@ -45,6 +45,11 @@ class SimulatorConfig:
     # Token i is a function of (prompt, i) and a trailing assistant message is
     # continued (workers/backends/greedy.py): byte-exact continuation checks.
     deterministic: bool = False
+    # Test only (workers/backends/simulator_tools.py): a chat, Messages or
+    # Responses request that lists a tool of this name, its last turn not a
+    # tool's result, is answered with a call of it, these arguments (a JSON object).
+    tool_call: str = ""
+    tool_arguments: str = "{}"  # test only: that call's arguments, a JSON object as text
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +71,9 @@ class QueueModeConfig:
 class ModelConfig:
     """One model that clients can name, and how workers reach it."""
 
-    name: str
-    backend: BackendKind = "simulator"
-    aliases: tuple[str, ...] = ()
+    name: str  # the name clients send as "model" (required)
+    backend: BackendKind = "simulator"  # "openai": any OpenAI-compatible server at base_url
+    aliases: tuple[str, ...] = ()  # more names clients may use for this model
     base_url: str = ""  # OpenAI-compatible base, e.g. http://127.0.0.1:8000/v1
     # Several replicas of one model (instead of base_url): each has its own
     # queue besides the model's shared one, see docs/routing.md.
@@ -87,7 +92,7 @@ class ModelConfig:
     # may exceed its uncongested baseline by this factor before the worker
     # backs off. Larger trades latency for throughput.
     latency_tolerance: float = 1.3
-    connect_timeout: float = 10.0
+    connect_timeout: float = 10.0  # seconds to open a connection to the backend
     first_byte_timeout: float = 300.0  # backend silence before its first byte
     idle_timeout: float = 120.0  # backend silence between two chunks
     # Tokens reserved against quotas for the completion when the request sets
@@ -113,9 +118,9 @@ class ModelConfig:
     # input and output tokens, and per request. price_cached_input < 0 means
     # "the input price". The KV bucket <P>_PRICES overrides them per model.
     price_input: float = 0.0
-    price_cached_input: float = -1.0
-    price_output: float = 0.0
-    price_request: float = 0.0
+    price_cached_input: float = -1.0  # per million cached input tokens
+    price_output: float = 0.0  # per million output tokens
+    price_request: float = 0.0  # per request, whatever its tokens
     # A worker that dies mid-request (docs/resume.md, "Continuation"):
     # "continue" (the default) - its job runs again elsewhere, continuing the
     # delivered text; "restart" - a job with no output yet runs again, one
@@ -190,8 +195,10 @@ def replica_name(url: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EdgeConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
+    """The HTTP front door: listen address, limits, timeouts, drain, metrics port."""
+
+    host: str = "127.0.0.1"  # listen address; 0.0.0.0 to accept remote connections
+    port: int = 8080  # the API port (HTTP, SSE, WebSocket)
     edge_id: str = ""  # unique per process; generated when empty
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     admission_timeout: float = 30.0  # no dispatcher answer within this: 503
@@ -213,8 +220,8 @@ class EdgeConfig:
     # TCP keepalive on client sockets (seconds idle before probing, seconds
     # between probes, probes before the kernel drops the connection); 0 = off.
     keepalive_idle: int = 60
-    keepalive_interval: int = 10
-    keepalive_count: int = 6
+    keepalive_interval: int = 10  # seconds between keepalive probes
+    keepalive_count: int = 6  # unanswered probes before the kernel drops the connection
     # SO_REUSEPORT on the listening socket: several edge processes on one host
     # share one port and the kernel spreads connections across them.
     reuse_port: bool = False
@@ -222,8 +229,8 @@ class EdgeConfig:
     max_json_depth: int = 64  # deeper JSON bodies get 400 invalid_json
     header_timeout: float = 10.0  # first request's headers must arrive within this (slowloris)
     body_timeout: float = 30.0  # the whole body must arrive within this, else 408
-    # ... plus one second per this many bytes received (uploads), so a large
-    # honest body keeps earning time and a trickle does not (edge/body.py).
+    # body_timeout grows by one second per this many bytes received (uploads),
+    # so a large honest body keeps earning time and a trickle does not (edge/body.py).
     body_min_rate: float = 16384.0
     idle_timeout: float = 75.0  # an idle kept-alive connection is closed after this
     max_line_size: int = 8190  # request line bytes
@@ -233,15 +240,15 @@ class EdgeConfig:
     max_connections_per_ip: int = 1_000  # open connections per client address (0 = no cap)
     # HTTPS: PEM certificate chain and key; both empty = plain HTTP.
     tls_cert: str = ""
-    tls_key: str = ""
+    tls_key: str = ""  # PEM private key of tls_cert
     # GET /metrics is served without a key, so not on the API port: on a port
     # of its own (with GET /healthz), bound to metrics_host. 0 = no metrics
     # server. $TIDEGATE_METRICS_PORT / $TIDEGATE_METRICS_HOST, when set, win
     # (tidegate up gives each edge its own). metrics_public: also serve
     # /metrics on the API port, keyless, as before (opt-in).
     metrics_host: str = "127.0.0.1"
-    metrics_port: int = DEFAULT_EDGE_METRICS_PORT
-    metrics_public: bool = False
+    metrics_port: int = DEFAULT_EDGE_METRICS_PORT  # the metrics server's port
+    metrics_public: bool = False  # also serve /metrics on the API port, keyless
     # The gRPC ingress (docs/grpc.md) listens on this port of ``host``, with
     # the same TLS; 0 = no gRPC server (the default; `tidegate up` turns it on).
     grpc_port: int = 0
@@ -262,14 +269,14 @@ class GrpcConfig:
     # work upstream is cancelled, as for a dropped socket). Client pings more
     # often than min_ping_interval are refused (GOAWAY too_many_pings).
     keepalive_time: float = 30.0
-    keepalive_timeout: float = 20.0
-    min_ping_interval: float = 10.0
+    keepalive_timeout: float = 20.0  # a keepalive PING unanswered this long closes
+    min_ping_interval: float = 10.0  # client pings more often than this are refused
     # A connection lives at most max_connection_age seconds (then GOAWAY, so
     # clients rebalance across edges), its calls get max_connection_age_grace
     # more to finish; an idle one closes after max_connection_idle. 0 = never.
     max_connection_age: float = 0.0
-    max_connection_age_grace: float = 0.0
-    max_connection_idle: float = 0.0
+    max_connection_age_grace: float = 0.0  # 0: edge.shutdown_timeout
+    max_connection_idle: float = 0.0  # a connection with no call this long is closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,9 +291,9 @@ class WsConfig:
     # way, then every ping_interval while still idle; a ping unanswered for
     # pong_timeout is missed, and max_missed_pongs misses in a row close the socket.
     idle_before_ping: float = 30.0
-    ping_interval: float = 20.0
-    pong_timeout: float = 20.0
-    max_missed_pongs: int = 2
+    ping_interval: float = 20.0  # between pings while the socket stays idle
+    pong_timeout: float = 20.0  # a ping unanswered this long is one miss
+    max_missed_pongs: int = 2  # misses in a row before the socket is closed (1011)
     # Also send {"type": "ping"} text frames (browsers cannot see protocol pings).
     app_pings: bool = False
     # permessage-deflate: ~50 KiB of zlib state per socket and CPU per frame.
@@ -313,9 +320,11 @@ class SessionConfig:
 
 @dataclass(frozen=True, slots=True)
 class NatsConfig:
-    url: str = "nats://127.0.0.1:4222"
-    subject_prefix: str = "tg"
-    connect_timeout: float = 5.0
+    """The broker every tier connects to."""
+
+    url: str = "nats://127.0.0.1:4222"  # several servers of a cluster: comma-separated
+    subject_prefix: str = "tg"  # of every subject and, upper-cased, every stream name
+    connect_timeout: float = 5.0  # one connection attempt; tiers retry forever
     request_timeout: float = 5.0  # JetStream publish / API calls
     # Every client PINGs its server this often; with max_pings_out PINGs
     # unanswered the link is stale: the client drops it and reconnects, and a
@@ -323,7 +332,7 @@ class NatsConfig:
     # "Partitions"). Bound on noticing a silent cut: ping_interval x
     # (max_pings_out + 1).
     ping_interval: float = 1.0
-    max_pings_out: int = 2
+    max_pings_out: int = 2  # unanswered PINGs before the link is stale
     # Per-tier login written by `tidegate nats-config` (a TOML file: user,
     # password, inbox_prefix); "{tier}" is replaced by the connecting tier's
     # name (edge, dispatcher, worker, admin). Empty: connect without auth.
@@ -331,8 +340,8 @@ class NatsConfig:
     # TLS to NATS: CA bundle to verify the server, optional client cert + key.
     # A tls:// URL or tls_ca turns TLS on.
     tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
+    tls_cert: str = ""  # client certificate, when the server asks for one
+    tls_key: str = ""  # the client certificate's private key
 
     @property
     def subjects(self) -> Subjects:
@@ -341,28 +350,32 @@ class NatsConfig:
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    url: str = "redis://127.0.0.1:6379/0"
-    timeout: float = 2.0
+    """The quota store, for dispatchers only (quotas, budgets, queue mode)."""
+
+    url: str = "redis://127.0.0.1:6379/0"  # a Redis Cluster: redis+cluster://h:p,h:p
+    timeout: float = 2.0  # connect and command timeout of every Redis call
 
 
 @dataclass(frozen=True, slots=True)
 class StreamsConfig:
     """JetStream stream limits. A full requests stream is load shedding: 503."""
 
-    replicas: int = 1
-    storage: StorageKind = "file"
-    requests_max_msgs: int = 100_000
-    requests_max_bytes: int = 1 << 30
-    jobs_max_msgs: int = 100_000
-    jobs_max_bytes: int = 1 << 30
+    replicas: int = 1  # copies of every stream in a NATS cluster (at most 5)
+    storage: StorageKind = "file"  # "memory": faster, lost when a NATS server restarts
+    requests_max_msgs: int = 100_000  # TG_REQUESTS bound; past it, 503 overloaded
+    requests_max_bytes: int = 1 << 30  # TG_REQUESTS bound in bytes
+    jobs_max_msgs: int = 100_000  # TG_JOBS bound
+    jobs_max_bytes: int = 1 << 30  # TG_JOBS bound in bytes
     duplicate_window: float = 120.0  # Nats-Msg-Id dedup window, seconds
     max_age: float = 3600.0  # a request older than this is useless to anyone
     usage_max_age: float = 86400.0  # usage records are kept this long for billing consumers
-    usage_max_bytes: int = 1 << 30
+    usage_max_bytes: int = 1 << 30  # TG_USAGE bound; the oldest records go first
 
 
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
+    """Admission: quotas, queue mode, job publication."""
+
     batch: int = 64  # requests pulled per fetch
     # Redis (quota store) unreachable: "closed" rejects with 503 (no request
     # runs unmetered), "open" admits without quotas. Either way it is logged.
@@ -371,22 +384,24 @@ class DispatcherConfig:
     # milliseconds, so this can be short; it must stay well below
     # edge.admission_timeout or clients time out just as their request is retried.
     ack_wait: float = 10.0
-    fetch_timeout: float = 1.0
+    fetch_timeout: float = 1.0  # pull request expiry, seconds
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
+    """Backend calls: pulling jobs, streaming output back, drain."""
+
     # JetStream redelivers a job after this without progress (in-progress acks
     # go every third of it). Below heartbeat_interval x (worker_lost_after - 1)
     # so a job whose worker died before its first chunk restarts elsewhere
     # before its edge gives up.
     ack_wait: float = 20.0
-    max_deliver: int = 5
+    max_deliver: int = 5  # deliveries of one job before it is given up
     read_bytes: int = 16 << 10  # largest chunk message (whole SSE events) to the edge
     # Messages to one edge within one loop iteration go as one NATS message of
     # at most this many bytes (tidegate.mux); 0 = one NATS message each.
     coalesce_bytes: int = 128 << 10
-    # ... and a batch's first message waits up to this long (seconds) for
+    # The first message of such a batch waits up to this long (seconds) for
     # others to join it: fewer NATS messages and edge wake-ups per chunk at
     # moderate load, for at most this much added latency per chunk (measured:
     # 2 ms cut CPU per chunk by 20 % at 50 streams, docs/benchmarks.md).
@@ -411,7 +426,7 @@ class RoutingConfig:
     """Session affinity across a model's replicas (docs/routing.md). Models
     with one replica are not affected."""
 
-    affinity: AffinityMode = "auto"
+    affinity: AffinityMode = "auto"  # "off": every job goes to the shared queue
     home_ttl: float = 600.0  # a conversation's home is forgotten after this idle time
     # A job routed to its home that no worker claimed within this also goes to
     # the shared queue (a stale registry, a replica that just died).
@@ -468,18 +483,24 @@ class SpendConfig:
 
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
+    """Keys from the config (keys in NATS KV: tidegate keys, docs/keys-and-policies.md)."""
+
     keys: tuple[str, ...] = ()  # static API keys, tenant "default"
-    dev_key: str = ""
+    dev_key: str = ""  # one more static key; tidegate up writes one to its data dir
 
 
 @dataclass(frozen=True, slots=True)
 class LoggingConfig:
-    level: str = "INFO"
-    json: bool = False
+    """Every tier's log lines, on stderr."""
+
+    level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR or CRITICAL
+    json: bool = False  # one JSON object per line instead of plain text
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    """The whole config: one TOML file, a table per section."""
+
     edge: EdgeConfig = field(default_factory=EdgeConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
     ws: WsConfig = field(default_factory=WsConfig)

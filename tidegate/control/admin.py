@@ -202,11 +202,11 @@ def parse_duration(value: str) -> float:
     return total
 
 
-def _timestamp(created: float) -> str:
+def timestamp_text(created: float) -> str:
     return datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> None:
+def print_table(header: list[str], rows: list[list[Any]]) -> None:
     cells = [[shown(cell) for cell in row] for row in [header, *rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     for row in cells:

@@ -17,7 +17,7 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from tidegate.config import Config
-from tidegate.control.admin import NotFound, UsageError, _table, _timestamp, run
+from tidegate.control.admin import NotFound, UsageError, print_table, run, timestamp_text
 from tidegate.control.batches import open_stores
 from tidegate.wire.batch import BATCH_PREFIX, BatchRecord, valid_id
 
@@ -58,9 +58,9 @@ def batches_list(config: Config, as_json: bool = False, tenant: str = "",
     if not batches:
         print("no batches")
         return 0
-    _table(["BATCH", "TENANT", "STATUS", "DONE/TOTAL", "FAILED", "CREATED"],
+    print_table(["BATCH", "TENANT", "STATUS", "DONE/TOTAL", "FAILED", "CREATED"],
            [[b.id, b.tenant, b.status, f"{b.counts.completed + b.counts.failed}/"
-             f"{b.counts.total}", b.counts.failed, _timestamp(b.created_at)] for b in batches])
+             f"{b.counts.total}", b.counts.failed, timestamp_text(b.created_at)] for b in batches])
     return 0
 
 

@@ -1,19 +1,15 @@
 """Where the batch API keeps its state: KV buckets and the files' Object Store.
 
-* ``<P>_FILES`` (Object Store): file contents, object name = file id.
-* ``<P>_FILEMETA`` (KV): :class:`FileRecord` per file id (tenant, name, size).
-* ``<P>_BATCHES`` (KV): :class:`BatchRecord` per batch id, plus the runner's
-  leadership lease under :data:`LEASE_KEY`.
-* ``<P>_BATCHOUT`` (KV): one entry per finished line, key ``<batch>.<line>``,
-  created with ``create`` (first writer wins): this is what makes the output
-  exactly one line per ``custom_id`` however often a line ran.
+``<P>_FILES`` (Object Store): file contents. ``<P>_FILEMETA`` (KV): a
+:class:`FileRecord` per file. ``<P>_BATCHES`` (KV): a :class:`BatchRecord` per
+batch, plus the runner's lease under :data:`LEASE_KEY`. ``<P>_BATCHOUT`` (KV):
+one entry per finished line, created first-writer-wins, which makes the output
+one line per ``custom_id`` however often a line ran.
 
-Every lookup by a client is scoped to its tenant: another tenant's id reads as
-missing (the routes answer 404, never 403, so ids do not even leak existence).
-Batch records change by compare-and-set on the KV revision
-(:func:`update_batch`), because the edge (cancel) and the runner (progress)
-write the same record. An unreadable entry (any tier's credentials can write
-one) is skipped by every listing and reads as missing by id (``Stores._readable``).
+Invariants: every client lookup is scoped to its tenant (another tenant's id
+reads as missing: 404, never 403); batch records change by compare-and-set
+(:func:`update_batch`); an unreadable entry is skipped by listings and reads as
+missing by id. Docs: docs/batch.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""Budgets in money: what they are, which apply to a request, their periods
-and their KV bucket (docs/spend.md).
+"""Budgets in money: what they are, which apply to a request, their periods, their bucket.
 
-A :class:`Budget` caps what one *scope* may spend, in ``spend.currency``, per
-*period*: a calendar ``day``, ``week`` (from Monday) or ``month`` in the time
-zone ``spend.timezone``, or a ``rolling`` window of ``window`` seconds. A
-*soft* budget never refuses; it only alerts (every budget alerts at the
-fractions ``spend.alert_at``). Scopes::
+A :class:`Budget` caps what one scope (tenant, tenant x key, tenant x user,
+tenant x model) may spend in ``spend.currency`` per period: a calendar
+``day``, ``week`` or ``month`` in ``spend.timezone``, or a ``rolling`` window.
+A *soft* budget only alerts (at the fractions ``spend.alert_at``).
 
-    tenant            --tenant T
-    tenant x key      --tenant T --key KEY_ID
-    tenant x user     --tenant T --user U
-    tenant x model    --tenant T --model M
-
-Budgets live in the KV bucket ``<P>_BUDGETS`` keyed by :attr:`Budget.budget_id`
-(``tenant.<t>.model.<m>.user.<u>.key.<k>.per.<period>``, tokens from
-:func:`tidegate.wire.subjects.encode_token`, ``=`` for "any"), so one scope
-may have one budget per period kind (say a daily and a monthly cap). The
-dispatchers enforce them in the same Redis script as the token quotas
-(``dispatcher.quota``); :class:`BudgetSet` is their sans-I/O index.
+Budgets live in ``<P>_BUDGETS`` keyed by :attr:`Budget.budget_id`, so a scope
+has at most one budget per period kind. Dispatchers enforce them in the same
+Redis script as the token quotas (``dispatcher.quota``); :class:`BudgetSet` is
+their sans-I/O index. Docs: docs/spend.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """The operator's changes to control data, checked and audited in one place.
 
-``tidegate keys|policy|tenant|batches`` (the CLI, :mod:`tidegate.control.admin`)
-and the browser console (:mod:`tidegate.run.console`) both call these, so the
-two accept exactly the same input and leave exactly the same audit line.
+The CLI (``tidegate keys|policy|tenant|batches``) and the browser console both
+call these, so they accept the same input and leave the same audit line.
 
-Each function takes a JetStream context, checks its input (bad input raises
-:class:`~tidegate.control.admin.UsageError`, a missing key, policy, tenant or
-batch :class:`~tidegate.control.admin.NotFound`), makes the change, and logs
-one line on the ``tidegate.audit`` logger at INFO, after the change and only
-when it happened::
-
-    audit by=cli action=keys.create key_id=0123456789ab tenant=acme user=-
-        models=all admin=no expires=never
-
-(one line in the log; wrapped here).
-
-``by`` names who did it: ``cli`` or ``console:<key_id>`` (the admin key the
-console request carried). Values are ``repr``-quoted when they hold a space,
-``=`` or a control character, so a tenant name cannot forge another field.
-The line never holds a key, only its id.
+Each function checks its input (:class:`~tidegate.control.admin.UsageError`,
+:class:`~tidegate.control.admin.NotFound`), makes the change, then logs one
+line on ``tidegate.audit`` at INFO, only when the change happened, e.g.
+``audit by=cli action=keys.create key_id=0123456789ab tenant=acme ...``.
+``by`` is ``cli`` or ``console:<key_id>``. Values holding a space, ``=`` or a
+control character are ``repr``-quoted, so no field can be forged; the line
+never holds a key, only its id. Docs: docs/security.md.
 """
 
 from __future__ import annotations

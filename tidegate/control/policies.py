@@ -1,24 +1,14 @@
 """Quota policies: what they are, which apply to a request, and their KV bucket.
 
-A :class:`Policy` sets limits (requests per minute, tokens per minute,
-concurrent streams; 0 = unlimited) for one *scope*: a tenant, a model, a user
-of a tenant, or a combination. An empty scope field means "any". A request is
-subject to every policy whose set fields all match it, and must fit within all
-of them.
+A :class:`Policy` sets limits (requests and tokens per minute, concurrent
+streams; 0 = unlimited) for one scope: a tenant, a model, a user of a tenant,
+or a combination; an empty field means "any". A request must fit within every
+policy whose set fields all match it.
 
-Scopes, and the flags that set them (``tidegate policy set``)::
-
-    tenant            --tenant T
-    model             --model M            (every tenant)
-    tenant x model    --tenant T --model M
-    user              --tenant T --user U  (a user belongs to a tenant)
-    tenant x model x user                  --tenant T --model M --user U
-
-Policies live in the KV bucket ``<P>_POLICIES``, keyed by :attr:`Policy.scope_id`
-(``tenant.<t>.model.<m>.user.<u>``, each value a subject token from
-:func:`tidegate.wire.subjects.encode_token`, ``=`` for "any"), with the policy as
-JSON. :class:`PolicySet` is the sans-I/O index that dispatchers keep in sync
-with :func:`watch_policies`.
+Policies live in ``<P>_POLICIES`` keyed by :attr:`Policy.scope_id`
+(``tenant.<t>.model.<m>.user.<u>``, ``=`` for "any"), as JSON;
+:class:`PolicySet` is the sans-I/O index dispatchers keep in sync with
+:func:`watch_policies`. Docs: docs/keys-and-policies.md.
 """
 
 from __future__ import annotations

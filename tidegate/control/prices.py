@@ -1,19 +1,14 @@
-"""Prices per model and the cost of a request (docs/spend.md).
+"""Prices per model and the cost of a request.
 
-A :class:`Price` says what one model costs, in the one currency of
-``spend.currency``: per million input tokens, per million *cached* input
-tokens (prompt tokens the backend served from its prefix cache, reported as
-``usage.prompt_tokens_details.cached_tokens``), per million output tokens, and
-per request. Prices come from the config (``models[].price_*``) and from the
-NATS KV bucket ``<P>_PRICES`` (``tidegate price set``), which wins per model
-and is watched by every worker and dispatcher, so a price change applies to
-the next request without a restart, like quota policies.
+A :class:`Price` is what one model costs in ``spend.currency``: per million
+input, cached input and output tokens, and per request. Prices come from the
+config (``models[].price_*``) and from the ``<P>_PRICES`` bucket (``tidegate
+price set``), which wins per model and is watched, so a change applies to the
+next request without a restart.
 
-Money is counted in **nano-units** (10^-9 of the currency) as integers: exact
-in Redis (``INCRBY``, 64-bit) and in the quota scripts, which never hold it in
-a Lua number (a double, exact only to 2^53 nano-units) but as a decimal string
-and a pair (units, nano-units). The cost of a request is rounded half up to
-the nano-unit once, from exact decimals.
+Invariant: money is counted in integer nano-units (10^-9 of the currency),
+exact in Redis and in the quota scripts (never a Lua double); a request's cost
+is rounded half up once, from exact decimals. Docs: docs/spend.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Queue depth per model, read from JetStream, and the live-worker registry.
 
-Where the numbers come from (one model's jobs are ``<p>.job.<model>`` in
-``<P>_JOBS``, a work-queue stream, pulled through the ``workers_<model>``
-consumer):
+One model's jobs are ``<p>.job.<model>`` in ``<P>_JOBS``, pulled through
+``workers_<model>``: ``waiting`` is the consumer's ``num_pending``, ``running``
+its ``num_ack_pending``, ``depth`` their sum, ``oldest_age`` the age of the
+first job never delivered (its envelope's ``created_ms``). Before any worker
+made the consumer, the stream's per-subject count stands in for ``waiting``.
 
-* ``waiting`` = the consumer's ``num_pending``: jobs no worker has picked up;
-* ``running`` = ``num_ack_pending``: jobs a worker holds and has not acked;
-* ``depth`` = their sum (what "queue depth" means in alerts);
-* ``oldest_age``: the first job of the subject after the consumer's
-  ``delivered.stream_seq`` is the oldest one never delivered. One stream
-  message get fetches it, and its envelope's ``created_ms`` (the edge's
-  clock) gives the age the client has waited so far;
-* before any worker created the consumer, the stream's per-subject count
-  stands in for ``waiting`` (everything in a work-queue stream is unacked).
-
-A :class:`QueueStats` polls all of it every few seconds and keeps the last
-:class:`Snapshot`; the metric gauges read that snapshot, so a scrape never
-waits for NATS. ``tidegate status`` takes snapshots directly.
+A :class:`QueueStats` polls every few seconds and keeps the last
+:class:`Snapshot`; gauges read that snapshot, so a scrape never waits for NATS.
+Docs: docs/observability.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Usage by tenant, key and model over an hour, a day and a month; and the
-recent TTFT and token rate per model. Sans-I/O: fed the ``<P>_USAGE``
-stream's :class:`~tidegate.wire.protocol.UsageRecord` s with their stream
-time by whoever reads the stream (the console, :mod:`tidegate.run.console`).
+"""Usage by tenant, key and model over an hour, a day and a month, and recent TTFT
+and token rate per model (sans-I/O, fed ``<P>_USAGE`` records by the console).
 
-Counts are kept in buckets, not per record, so a month of traffic costs a
-bounded amount of memory: one bucket per minute for the last day (the hour
-and day windows) and one per hour for the last 31 days (the month window).
-A window's sums are over whole buckets, so "the last hour" starts at a minute
-boundary and "the last month" (30 days) at an hour boundary.
-
-What counts as a request: every record a worker published for a job it ran
-(outcome ``done``, ``error`` or ``cancelled``, the latter with the tokens its
-partial output cost). ``dropped`` records (a job not run) are no request and
-cost no tokens; a redelivered job that ran twice counts twice, as it was
-charged twice. The month reaches back only as far as the stream keeps
-records (``streams.usage_max_age``).
+Invariant: memory is bounded: one bucket per minute for the last day and one
+per hour for the last 31 days; a window sums whole buckets. Every record of a
+job that ran counts as a request (``done``, ``error``, ``cancelled``);
+``dropped`` records count nothing; a redelivered job that ran twice counts
+twice, as it was charged twice. Docs: docs/console.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Clusters on one machine: a 3-node JetStream cluster and a 3-primary Redis Cluster.
 
-Used by the test suite's cluster fixtures and by ``tidegate chaos``, so a
-node can be SIGKILLed and restarted the way a real cluster member would be.
+Used by the test suite's cluster fixtures and by ``tidegate chaos``.
 
-Invariants:
-
-* Every node has its own ports (client, cluster route / cluster bus, monitor)
-  and its own state dir, so a restarted node comes back with its identity
-  (JetStream store, Redis ``nodes.conf``) on the same ports.
-* ``start()`` returns only once the whole cluster serves: JetStream has a
-  meta leader and every node reports healthy (NATS); every slot is assigned
-  and every node says ``cluster_state:ok`` (Redis). On failure everything
-  started is stopped before the error propagates.
-* Node restarts go through :class:`~tidegate.run.servers.ManagedProcess`, so
-  the same argv, ports and store are reused.
+Invariants: every node has its own ports and state dir, so a restarted node
+(through :class:`~tidegate.run.servers.ManagedProcess`) comes back with its
+identity on the same ports; ``start()`` returns only once the whole cluster
+serves (a JetStream meta leader and every node healthy; every Redis slot
+assigned and ``cluster_state:ok``), and on failure stops everything it started.
+Docs: docs/deploy.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """``tidegate console``: the operator console, one page in a browser.
 
-Why a process of its own and not a route of the edge: the console changes
-keys, policies and tenant settings, which needs the ``admin`` NATS user
-(tidegate.broker.permissions), and reads Redis and every stream, as
-``tidegate status`` does. The edge faces the internet with a narrow NATS user
-that may not write a key; giving it admin rights for a page few people open
-would widen what a compromised edge can do. So the console runs beside the
-stack (``tidegate up`` starts one), bound to 127.0.0.1 unless told otherwise,
-and reuses ``status``'s reader (:mod:`tidegate.run.console_data`) and the
-CLI's checked, audited operations (:mod:`tidegate.control.operations`).
+A process of its own, not an edge route: it needs the ``admin`` NATS user,
+which an internet-facing edge must not hold. ``tidegate up`` starts one,
+bound to 127.0.0.1 unless told otherwise; it reuses ``status``'s reader and
+the CLI's audited operations (:mod:`tidegate.control.operations`).
 
-Access, CSRF and what the page holds:
-
-* Every ``/console/api/`` call carries ``Authorization: Bearer <key>``; the
-  key must be an admin key (``tidegate keys create --admin``), looked up in
-  the keys bucket per call (a revoke takes effect at once). No key or an
-  unknown one: 401; a tenant key (the dev key included): 403.
-* No cookie is ever set, so a cross-site page cannot ride on a signed-in
-  browser; changes are ``POST`` with a JSON body (a cross-site form cannot
-  send one without a CORS preflight, which this server never grants), and a
-  request whose ``Origin`` is not this server's is refused (403).
-* A ``Host`` that is not one of this console's names is refused first (403:
-  DNS rebinding, :func:`trusted_host`).
-* The page, its script and its style are static files served from the
-  package (nothing from a CDN); the key the operator types stays in the tab's
-  ``sessionStorage``. A ``Content-Security-Policy`` allows only this origin's
-  script, style and fetches, no inline script, no framing.
+Invariants: every ``/console/api/`` call carries an admin key, looked up per
+call (401 without, 403 for a tenant key); no cookie is ever set; changes are
+JSON ``POST`` s from this server's ``Origin`` only; a foreign ``Host`` is refused
+(DNS rebinding, :func:`trusted_host`); page, script and style are packaged
+files under a Content-Security-Policy of this origin only. Docs: docs/console.md.
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
 """``tidegate up``: the whole gateway on one machine, as supervised child processes.
 
-Two steps, so the CLI can set up logging from the effective config in between:
+:func:`~tidegate.run.planning.prepare` turns the options into a
+:class:`~tidegate.run.planning.Plan` (the effective config, ports, dev key);
+:class:`Launcher` runs it: embedded nats-server and redis-server unless URLs
+were given, then dispatchers, workers and edges, each ``python -m tidegate
+<tier> --config <data-dir>/tidegate.toml`` with every ``TIDEGATE_*`` variable
+stripped, so each child sees exactly the config the launcher validated.
 
-1. :func:`~tidegate.run.planning.prepare` turns the command-line options into a
-   :class:`~tidegate.run.planning.Plan`: the effective
-   :class:`~tidegate.config.Config` (file + environment + flags + the embedded
-   servers' URLs + the dev key + the served models), the ports of the embedded
-   servers and of the edge(s). It has no side effect beyond the data dir
-   (created) and the dev key file (created once).
-2. :class:`Launcher` runs the plan: embedded nats-server (JetStream state in
-   ``<data-dir>/nats``) and redis-server when no external URL was given, then
-   the dispatchers, workers and edges (``--dispatchers/--workers/--edges N``,
-   one dispatcher and one edge by default), each ``python -m tidegate <tier>
-   --config <data-dir>/tidegate.toml``. That file is the effective config from
-   :func:`~tidegate.config.dump_toml`, and the children's environment is
-   stripped of every ``TIDEGATE_*`` config variable, so each child sees exactly
-   the config the launcher validated, nothing re-applied on top.
-
-Supervision invariants:
-
-* Every child is a :class:`~tidegate.run.servers.ManagedProcess`: own process
-  group, ``PR_SET_PDEATHSIG``, log in ``<data-dir>/logs/<name>.log``.
-* A child that exits on its own is restarted (:mod:`tidegate.run.supervisor`:
-  backoff, logged, counted in ``<data-dir>/processes.json`` which ``tidegate
-  status`` shows). Only a crash loop, or an embedded server that does not come
-  back, stops the whole: the launcher names the child, prints its log tail,
-  stops the rest and exits 1.
-* Several edges share one port with ``SO_REUSEPORT`` (``edge.reuse_port``):
-  the kernel spreads client connections across them.
-* SIGINT/SIGTERM/SIGHUP stop every child in dependency order (edge first so
-  open streams drain while workers still run, then workers, dispatcher, redis,
-  nats), each wave SIGTERM, a bounded wait, SIGKILL; exit 0. A second signal
-  SIGKILLs every child at once.
-* One launcher per data dir (a lock file): two would share a JetStream store.
-
-Metrics: every edge, the dispatcher and each worker get a free port of their
-own (``TIDEGATE_METRICS_PORT`` in their environment, on ``edge.metrics_host``;
-never an edge's API port, where ``/metrics`` would need no key), and the
-banner lists all of them.
+Invariants: every child is a :class:`~tidegate.run.servers.ManagedProcess`; an
+exited child is restarted (:mod:`tidegate.run.supervisor`), and only a crash
+loop stops the whole (exit 1, with the child's log tail); a signal stops the
+children in dependency order (edges first, so streams drain); one launcher per
+data dir (a lock file). Each tier gets its own metrics port. Docs: docs/deploy.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Running one tier as a process: event loop, signals, exit code.
 
-Every tier exposes ``async def serve(config: Config, stop: asyncio.Event) -> None``
-(``edge.service``, ``dispatcher.service``, ``workers.service``). The contract:
-
-* ``serve`` runs until ``stop`` is set, then shuts down in order (stop taking
-  work, let in-flight work finish within its configured deadline, close) and
-  returns. Returning early is allowed and means the tier is done.
-* The first SIGINT/SIGTERM sets ``stop``. A second one means the operator will
-  not wait: the process exits at once (code 128 + signal number) without
-  further cleanup.
+Every tier exposes ``async def serve(config: Config, stop: asyncio.Event)``:
+it runs until ``stop`` is set, then stops taking work, lets in-flight work
+finish within its deadline, closes and returns. The first SIGINT/SIGTERM sets
+``stop``; a second exits at once (128 + signal number).
 
 :func:`run_service` maps the outcome to an exit code: 0 for a normal return,
 2 for a :class:`~tidegate.errors.ConfigError`, 1 for any other
-:class:`~tidegate.errors.TidegateError` (logged as one line, no traceback,
-since it is an expected failure such as a port in use), also when a
-TaskGroup wrapped them, and 1 for anything else (logged with its traceback,
-since that is a bug).
+:class:`~tidegate.errors.TidegateError` (one log line, no traceback, also
+inside a TaskGroup) and 1 for anything else (logged with its traceback: a bug).
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Locating and running child processes: nats-server, redis-server and the tiers.
 
-Used by ``tidegate up`` (:mod:`tidegate.run.launcher`) and by the test suite, so the
-fixtures start servers exactly the way a developer's machine does.
+Used by ``tidegate up`` and by the test suite, so fixtures start servers the
+way a developer's machine does.
 
-Invariants:
-
-* A :class:`ManagedProcess` owns exactly one child. ``start()`` returns only once
-  the child is ready (its readiness probe succeeded), or raises
-  :class:`~tidegate.errors.TidegateError` with the tail of the child's log, after
-  the child has been killed: a failed start leaves no process behind.
-* ``stop()`` is SIGTERM, a bounded wait, then SIGKILL; it always reaps the child
-  and then kills whatever is left in the child's process group, so no orphan
-  survives and the port is free when it returns.
-* Every child runs in its own process group (a Ctrl-C at the terminal reaches
-  only the parent, which then stops the children in its own order) and, on
-  Linux, with ``PR_SET_PDEATHSIG`` so it dies if the parent dies without
-  cleaning up. The death signal fires when the *thread* that forked the child
-  exits, so start children from a long-lived thread (the main thread).
-* Nothing here ever touches a port it did not pick: servers default to free
-  ports, and a ``preferred`` port is used only when it is free.
+Invariants: a :class:`ManagedProcess` owns one child; ``start()`` returns once
+its readiness probe succeeded, or kills it and raises
+:class:`~tidegate.errors.TidegateError` with its log tail. ``stop()`` is
+SIGTERM, a bounded wait, SIGKILL, then the process group: no orphan survives.
+Each child has its own process group and ``PR_SET_PDEATHSIG`` (which fires
+when the forking *thread* exits: start children from a long-lived thread).
+Nothing touches a port it did not pick.
 """
 
 from __future__ import annotations
@@ -467,6 +458,29 @@ def stop_all(procs: Iterable[ManagedProcess], timeout: float) -> list[ManagedPro
 # --------------------------------------------------------------------------
 
 
+SYNC_ALWAYS = "always"
+SYNC_CONF = "tidegate-sync.conf"
+
+
+def _with_sync_interval(data_dir: Path, extra_args: Sequence[str], interval: str) -> list[str]:
+    """``extra_args`` with a ``-c`` config that sets JetStream's sync_interval.
+
+    nats-server takes one ``-c`` and has no flag for it, so the written config
+    includes the caller's own ``-c`` file (by a relative path: nats-server
+    joins an include to the including file's directory, absolute or not).
+    """
+    args = list(extra_args)
+    lines = [f"jetstream {{ sync_interval: {interval} }}"]
+    if "-c" in args:
+        at = args.index("-c")
+        own = Path(args[at + 1]).resolve()
+        del args[at:at + 2]
+        lines.insert(0, f'include "{os.path.relpath(own, data_dir.resolve())}"')
+    conf = data_dir / SYNC_CONF
+    conf.write_text("\n".join(lines) + "\n")
+    return [*args, "-c", str(conf)]
+
+
 class NatsServer(ManagedProcess):
     """``nats-server`` with JetStream, bound to ``host`` on a free (or given) port.
 
@@ -477,6 +491,11 @@ class NatsServer(ManagedProcess):
     anyone with the users, connections and subscriptions (``tidegate up``'s
     default, docs/security.md); readiness then comes from the server's own
     "Server is ready" line, logged once JetStream and the client port are up.
+
+    ``sync_interval`` is JetStream's fsync policy, ``"always"`` by default:
+    nothing is acknowledged before it is on disk, so an ack survives every
+    node losing power at once (docs/reliability.md, "Durability"). ``None``
+    leaves nats-server's own default (fsync every two minutes).
     """
 
     def __init__(
@@ -492,6 +511,7 @@ class NatsServer(ManagedProcess):
         extra_args: Sequence[str] = (),
         start_timeout: float = 15.0,
         gomaxprocs: int | None = None,
+        sync_interval: str | None = SYNC_ALWAYS,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
@@ -499,6 +519,8 @@ class NatsServer(ManagedProcess):
         # The monitor binds to ``host`` too (nats-server's http_host defaults to it).
         self.monitor_port: int | None = (monitor_port or free_port(host)) if monitor else None
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if sync_interval is not None:
+            extra_args = _with_sync_interval(self.data_dir, extra_args, sync_interval)
         monitoring = ["-m", str(self.monitor_port)] if self.monitor_port else []
         argv = [binary or find_nats_server(), "-a", host, "-p", str(self.port),
                 "-js", "-sd", str(self.data_dir), *monitoring, *extra_args]

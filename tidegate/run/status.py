@@ -1,31 +1,16 @@
-"""``tidegate status``: what the fleet is doing now, from NATS and Redis.
+"""``tidegate status``: what the fleet is doing now, from NATS and Redis (read-only).
 
-Read-only. Sources:
+Sources: JetStream per model (waiting, running, oldest job, deliveries:
+:mod:`tidegate.control.queue_stats`); the ``<P>_WORKERS`` registry (live
+workers, slots, jobs; the adaptive limits of ``max_streams = "auto"``); Redis
+(queue mode and its fair queue, ``?`` without Redis); the state file of a
+``tidegate up`` (children, pids, restarts). Rates are the difference of two
+samples.
 
-* JetStream: per model, the worker consumer's ``num_pending`` (waiting) and
-  ``num_ack_pending`` (running), the oldest waiting job's age, and deliveries
-  (:mod:`tidegate.control.queue_stats`); the requests consumer's backlog; stream
-  counters for rates;
-* the ``<P>_WORKERS`` KV registry: live workers, their slots and jobs in
-  flight (:mod:`tidegate.control.workers_registry`); for a model with
-  ``max_streams = "auto"`` the slots are the workers' adaptive limits, and
-  the model's total is the limit in front of its backend;
-* Redis: queue mode per model (``mode``, ``limit``, ``p99_ms``) and the
-  number of requests held in its fair queue, as the dispatchers keep them
-  (:mod:`dispatcher.queueing`). Without Redis those columns say ``?``;
-* the state file of a ``tidegate up`` in the config file's directory (its data
-  dir): every child process, pid and restart count (:mod:`tidegate.run.supervisor`).
-
-Rates (requests, jobs started and finished per second) are the difference of
-two samples: the live view's refresh interval, or one interval for
-``--json``, which prints one document and exits.
-
-The view (:mod:`tidegate.run.status_view`) fits the terminal's width at every
-refresh, wrapping or stacking columns rather than cutting cells. A NATS that
-goes away while the view watches (the stack stopped or restarted) is a line
-saying so, and the view reconnects every interval until it is back; only a
-NATS missing at the start, or during ``--json``/``--once``, ends the command,
-with a one-line error and exit code 1.
+The view (:mod:`tidegate.run.status_view`) fits the terminal's width. A NATS
+that goes away while the view watches is a line saying so, and the view
+reconnects; only a NATS missing at the start or in ``--json``/``--once`` ends
+the command (exit 1). Docs: docs/observability.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Plain-text tables that fit a terminal's width, and ``tidegate status``'s view.
 
-No dependency and no ellipsis: a table that does not fit is laid out again,
-never cut. :func:`render_table` tries, in order, until every line fits
-``width``:
-
-1. every column on one line, full headers;
-2. short headers (``Column.short``: "wait" for "waiting");
-3. wrappable columns (``Column.wrap``: model names, lists) wrapped onto more
-   lines, at spaces and after ``/`` and ``,``, down to their longest word;
-4. panels: the columns split into groups printed one under the other, each
-   repeating the first (key) column, the way R prints a wide data frame
-   (fewest panels; then unwrapped cells and full headers where that costs
-   no extra panel);
-5. one block per row, ``header  value`` per line (psql's ``\\x``), values
-   wrapped; only a word longer than the whole line is broken inside.
-
-So at any width every character of every cell is printed, and a reader finds
-a row's values by its key. The layout is chosen per table, from the cells, so
-a wide terminal (200 columns) keeps the one-line-per-row table.
+Invariant: no cell is ever cut. :func:`render_table` tries, in order, until
+every line fits ``width``: one line per row with full headers; short headers
+(``Column.short``); wrapped columns (``Column.wrap``); panels of column groups,
+each repeating the key column; one block per row, ``header  value`` per line.
 
 :func:`render` turns :func:`tidegate.run.status.document`'s output into the
 view; ``--json`` prints that document itself, so the two never disagree.

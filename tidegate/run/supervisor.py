@@ -1,23 +1,14 @@
 """Restarting the children of ``tidegate up``: backoff, crash loops, a state file.
 
-:class:`Supervisor` is polled by the launcher's main loop (:meth:`Supervisor.tick`).
-Invariants:
+:class:`Supervisor` is polled by the launcher's loop (:meth:`Supervisor.tick`).
 
-* A child that exits while the stack is not stopping is restarted: a tier
-  (edge, dispatcher, worker) after a backoff, an embedded server (nats, redis)
-  at once, waited for until ready. Every exit is logged with its code and
-  counted; the counts are in the state file and ``tidegate status``.
-* Backoff doubles from ``RestartPolicy.backoff_initial`` up to
-  ``backoff_max`` for a child that keeps dying soon after its start, and is
-  back at the start once a child has run ``stable_after`` seconds: a child
-  that dies once a day restarts at once every time.
-* The stack stops only for what a restart cannot fix: one child exiting
-  ``crash_limit`` times within ``crash_window`` seconds (a crash loop: bad
-  config, a port taken, a bug at start-up), or an embedded server that is not
-  ready again within the launcher's ready timeout (the tiers cannot work
-  without it). :meth:`tick` then returns the message to print.
-* The state file (``<data-dir>/processes.json``) is replaced atomically
-  (write + rename), so a reader never sees half a document.
+Invariants: a child that exits while the stack runs is restarted (a tier after
+a backoff that doubles up to ``backoff_max`` and resets after
+``stable_after`` seconds; an embedded server at once, waited for until ready).
+The stack stops only for a crash loop (``crash_limit`` exits within
+``crash_window``) or an embedded server that does not come back; :meth:`tick`
+then returns the message. The state file ``<data-dir>/processes.json`` is
+replaced atomically. Docs: docs/deploy.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Logging setup for tidegate processes: stdlib logging, plain or JSON lines.
 
-Library code only *gets* loggers (``logging.getLogger("tidegate.edge")`` or
-:func:`get`) and passes context with ``extra=``::
+Library code only gets loggers (``logging.getLogger("tidegate.edge")`` or
+:func:`get`) and passes context with ``extra=``; only the CLI calls
+:func:`setup`, once per process. Both formats show every ``extra`` field.
 
-    log.info("stream done", extra={"request_id": rid, "session": sid, "tenant": t})
-
-Only the CLI calls :func:`setup`, once per process, before the service starts.
-Both formats show every ``extra`` field, so the request/session id is on each
-line that has one: the plain format appends ``key=value`` pairs, the JSON format
-writes one object per line with ``ts``, ``level``, ``logger``, ``msg`` and the
-extras as top-level keys (``exc`` holds a traceback when there is one).
-
-Request context: the edge handler, the dispatcher and a worker's job call
-:func:`bind` once per request. From then on every line logged in that task
-(and in tasks it starts) carries ``request_id``, ``session`` (the same id:
-session id == request id), ``tenant`` and ``trace_id``, added by a filter on
-the handler, so no call site has to pass them. An ``extra=`` field of the same
-name wins.
-
-Levels: the configured level applies to tidegate's own loggers (``tidegate.*``
-and the tier packages ``edge``, ``dispatcher``, ``workers``); third-party
-libraries log at WARNING and above unless the configured level is stricter, so
-``level = "DEBUG"`` does not drown tidegate's lines in aiohttp's.
+:func:`bind`, called once per request by the edge, the dispatcher and a job,
+puts ``request_id``, ``session``, ``tenant`` and ``trace_id`` on every line of
+that task and its children (an ``extra=`` of the same name wins). The
+configured level applies to tidegate's loggers; third-party libraries log at
+WARNING and above. Docs: docs/observability.md.
 """
 
 from __future__ import annotations

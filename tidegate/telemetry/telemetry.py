@@ -1,40 +1,16 @@
-"""Traces and metrics: the OpenTelemetry SDK, set up once per process from the
-standard ``OTEL_*`` environment variables.
+"""Traces and metrics: the OpenTelemetry SDK, set up once per process from ``OTEL_*``.
 
-What is on, by environment:
+With no variable set, metrics are served on ``/metrics`` and tracing is off (no
+span objects, no export thread). ``OTEL_EXPORTER_OTLP_ENDPOINT`` exports spans
+(and pushes metrics) over OTLP; ``OTEL_TRACES_EXPORTER=none`` /
+``OTEL_METRICS_EXPORTER=none`` turn one export off; ``OTEL_SDK_DISABLED=true``
+turns everything off. Every standard exporter variable works unchanged.
 
-=========================================  =====================================
-variables                                  effect
-=========================================  =====================================
-none                                       metrics on ``/metrics`` (Prometheus
-                                           text); tracing **off** (no-op tracer,
-                                           no span objects, no export thread)
-``OTEL_EXPORTER_OTLP_ENDPOINT`` or         spans exported over OTLP
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``     (``OTEL_EXPORTER_OTLP_PROTOCOL``:
-                                           ``http/protobuf``, the default, or
-                                           ``grpc``); sampler from
-                                           ``OTEL_TRACES_SAMPLER``
-``OTEL_EXPORTER_OTLP_ENDPOINT`` or         metrics pushed over OTLP as well,
-``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``    every ``OTEL_METRIC_EXPORT_INTERVAL``
-``OTEL_TRACES_EXPORTER=none`` /            turn that export off although an
-``OTEL_METRICS_EXPORTER=none``             endpoint is set
-``OTEL_SDK_DISABLED=true``                 everything off, ``/metrics`` empty
-                                           (the benchmark's "off" case)
-``OTEL_SERVICE_NAME``,                     resource: the default service name is
-``OTEL_RESOURCE_ATTRIBUTES``               ``tidegate-<tier>``
-=========================================  =====================================
-
-The exporters read their own variables (headers, timeouts, compression,
-certificates), so every standard knob works unchanged.
-
-Cost model: nothing here runs per chunk. Metrics are recorded once per
-request, per job, per stall or per cancel; gauges (streams, slots, queue
-depth) are observed only when someone scrapes or the OTLP reader collects.
-
-Library code gets the process's :class:`Telemetry` with :func:`get`; only a
-tier's entry point calls :func:`setup` (see ``tidegate.telemetry.observability``), the
-same split as ``tidegate.telemetry.logs``. Before :func:`setup`, :func:`get` returns a
-no-op telemetry, so unit tests and embedders pay nothing and need nothing.
+Invariant: nothing here runs per chunk; metrics are recorded once per request,
+job, stall or cancel, and gauges are observed only at collection. Library code
+gets the process's :class:`Telemetry` with :func:`get` (a no-op before
+:func:`setup`); only a tier's entry point calls :func:`setup`.
+Docs: docs/observability.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """W3C trace context across the broker, and GenAI span attributes.
 
 One trace per request: the edge starts it (continuing the client's
-``traceparent`` when it sent one) and hands the context on in two places:
+``traceparent``) and hands it on in the NATS headers of every publish and in
+``Request.extra["traceparent"]`` (the worker's fallback parent, and what the
+backend receives). With tracing off the edge still makes up an unsampled
+``traceparent``, so every tier's log lines carry one trace id per request.
 
-* the NATS headers of every publish (``traceparent``, ``tracestate``), so the
-  dispatcher's span is a child of the edge's and the worker's a child of the
-  dispatcher's;
-* ``Request.extra["traceparent"]``, which travels inside the envelope through
-  both streams: the worker's fallback parent when a hop did not forward the
-  header, and what the OpenAI backend sends to the model server (the worker
-  replaces it with its own span's context first).
-
-With tracing off, the edge still makes up a ``traceparent`` (not sampled), so
-log lines of every tier carry one trace id per request at the cost of two
-random numbers per request, and a model server that traces joins the
-client's trace when the client sent one.
-
-Span shape (GenAI semantic conventions): edge ``{operation} {model}`` (SERVER),
+Spans follow the GenAI conventions: edge ``{operation} {model}`` (SERVER),
 dispatcher ``dispatch {model}`` (CONSUMER), worker ``{operation} {model}``
-(CLIENT: the worker is the GenAI client of the model server). Events
-``gen_ai.first_token`` and ``tidegate.cancel``; never a span per chunk, but a
-``tidegate.chunks`` attribute.
+(CLIENT); never a span per chunk. Docs: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.telemetry import Telemetry
-from tidegate.wire.protocol import Api, Request
+from tidegate.wire.protocol import Request
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -54,16 +42,6 @@ REPLICA = "tidegate.replica"  # the backend replica a job was routed to ("" = sh
 ROUTE_REASON = "tidegate.route.reason"  # why (tidegate.wire.affinity.Reason)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-# OpenTelemetry GenAI operation names; a Responses or Messages call is a chat turn there.
-_OPERATIONS = {Api.CHAT: "chat", Api.COMPLETIONS: "text_completion", Api.RESPONSES: "chat",
-               Api.EMBEDDINGS: "embeddings", Api.MESSAGES: "chat"}
-
-
-def operation(api: Api) -> str:
-    """``gen_ai.operation.name`` of an endpoint."""
-    return _OPERATIONS.get(api, "chat")
-
-
 # --------------------------------------------------------------------------
 # Propagation
 # --------------------------------------------------------------------------
@@ -133,15 +111,16 @@ def set_route(replica: str | None, reason: str) -> None:
 
 @contextlib.contextmanager
 def dispatch_span(tel: Telemetry, headers: Mapping[str, str] | None,
-                  request: Request) -> Iterator[Span | None]:
+                  request: Request, operation: str) -> Iterator[Span | None]:
     """The dispatcher's span for one request, current while the block runs
-    (so :func:`job_headers` names it); ``None`` with tracing off."""
+    (so :func:`job_headers` names it); ``None`` with tracing off.
+    ``operation`` is its dialect's ``gen_ai.operation.name``."""
     if not tel.tracing:
         yield None
         return
     span = tel.tracer.start_span(f"dispatch {request.model}", kind=SpanKind.CONSUMER,
                                  context=parent_of(headers, request),
-                                 attributes=request_attributes(request))
+                                 attributes=request_attributes(request, operation))
     with use_span(span, end_on_exit=True):
         yield span
 
@@ -162,15 +141,16 @@ def span_trace_id(span: Span) -> str:
 # --------------------------------------------------------------------------
 
 
-def span_name(request: Request) -> str:
-    return f"{operation(request.api)} {request.model}"
+def span_name(request: Request, operation: str) -> str:
+    return f"{operation} {request.model}"
 
 
-def request_attributes(request: Request) -> dict[str, Any]:
+def request_attributes(request: Request, operation: str) -> dict[str, Any]:
     """Span attributes known when a request starts (no prompt content: it
-    may be sensitive, and it is large)."""
+    may be sensitive, and it is large); ``operation`` is its dialect's
+    ``gen_ai.operation.name`` (``tidegate.apis``)."""
     attrs: dict[str, Any] = {
-        tm.OPERATION: operation(request.api),
+        tm.OPERATION: operation,
         tm.MODEL: request.model,
         REQUEST_ID: request.id,
         TENANT: request.tenant,

@@ -32,7 +32,6 @@ class Validated:
     include_usage: bool
 
 
-_json_type = json_type  # the name sibling validators import
 
 # OpenAI's bound on the number of stop strings. It documents no length; real
 # stop strings are a delimiter or a role tag, and a backend may scan each one
@@ -59,22 +58,22 @@ def validate_body(body: dict[str, Any], api: Api,
                   models: Mapping[str, ModelConfig]) -> Validated:
     """:func:`validate` for a body already parsed (a WebSocket request frame's,
     parsed with the same strict, depth-bounded parser)."""
-    model = _model(body, models)
+    model = model_for(body, models)
     if api is Api.CHAT:
         _messages(body)
-        _token_limit(body, "max_completion_tokens", model)
+        check_token_limit(body, "max_completion_tokens", model)
         check_chat(body)
     else:
         _prompt(body)
         check_completion(body)
-    stream = _optional_bool(body, "stream") or False
+    stream = optional_bool(body, "stream") or False
     include_usage = _stream_options(body, stream)
-    _token_limit(body, "max_tokens", model)
-    _optional_number(body, "temperature", 0.0, 2.0)
-    _optional_number(body, "top_p", 0.0, 1.0)
-    _optional_number(body, "presence_penalty", -2.0, 2.0)
-    _optional_number(body, "frequency_penalty", -2.0, 2.0)
-    n = _optional_int(body, "n", minimum=1)
+    check_token_limit(body, "max_tokens", model)
+    check_number(body, "temperature", 0.0, 2.0)
+    check_number(body, "top_p", 0.0, 1.0)
+    check_number(body, "presence_penalty", -2.0, 2.0)
+    check_number(body, "frequency_penalty", -2.0, 2.0)
+    n = optional_int(body, "n", minimum=1)
     if n is not None and n != 1:
         raise invalid_request("tidegate supports only n=1 (one choice per request).", param="n",
                               code="unsupported_value")
@@ -82,13 +81,13 @@ def validate_body(body: dict[str, Any], api: Api,
     return Validated(api=api, model=model, body=body, stream=stream, include_usage=include_usage)
 
 
-def _model(body: dict[str, Any], models: Mapping[str, ModelConfig]) -> ModelConfig:
+def model_for(body: dict[str, Any], models: Mapping[str, ModelConfig]) -> ModelConfig:
     if "model" not in body or body["model"] is None:
         raise invalid_request("You must provide a model parameter.", param="model",
                               code="missing_required_parameter")
     name = body["model"]
     if not isinstance(name, str):
-        raise invalid_request(f"'model' must be a string, got {_json_type(name)}.",
+        raise invalid_request(f"'model' must be a string, got {json_type(name)}.",
                               param="model", code="invalid_type")
     model = models.get(name)
     if model is None:
@@ -112,7 +111,7 @@ def _messages(body: dict[str, Any]) -> None:
                               code="missing_required_parameter")
     messages = body["messages"]
     if not isinstance(messages, list):
-        raise invalid_request(f"'messages' must be an array, got {_json_type(messages)}.",
+        raise invalid_request(f"'messages' must be an array, got {json_type(messages)}.",
                               param="messages", code="invalid_type")
     if not messages:
         raise invalid_request("'messages' must contain at least one message.",
@@ -120,7 +119,7 @@ def _messages(body: dict[str, Any]) -> None:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise invalid_request(f"'{where}' must be an object, got {_json_type(message)}.",
+            raise invalid_request(f"'{where}' must be an object, got {json_type(message)}.",
                                   param=where, code="invalid_type")
         role = message.get("role")
         if not isinstance(role, str):
@@ -134,9 +133,9 @@ def _messages(body: dict[str, Any]) -> None:
         if content is not None and not isinstance(content, str | list):
             raise invalid_request(
                 f"'{where}.content' must be a string or an array of content parts, got "
-                f"{_json_type(content)}.", param=f"{where}.content", code="invalid_type")
+                f"{json_type(content)}.", param=f"{where}.content", code="invalid_type")
         if isinstance(content, list):
-            _content_parts(content, f"{where}.content")
+            check_content_parts(content, f"{where}.content")
         if content is None and role in ("system", "developer", "user"):
             raise invalid_request(f"'{where}.content' is required for role {role!r}.",
                                   param=f"{where}.content", code="missing_required_parameter")
@@ -163,7 +162,7 @@ _PART_OBJECTS: dict[str, dict[str, bool]] = {
 _DETAIL = ("auto", "low", "high")
 
 
-def _content_parts(parts: list[Any], where: str) -> None:
+def check_content_parts(parts: list[Any], where: str) -> None:
     for j, part in enumerate(parts):
         at = f"{where}[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -181,7 +180,7 @@ def _content_parts(parts: list[Any], where: str) -> None:
                                       param=f"{at}.{kind}", code="missing_required_parameter")
             if not isinstance(payload, dict):
                 raise invalid_request(f"'{at}.{kind}' must be an object, got "
-                                      f"{_json_type(payload)}.", param=f"{at}.{kind}",
+                                      f"{json_type(payload)}.", param=f"{at}.{kind}",
                                       code="invalid_type")
             _string_fields(payload, f"{at}.{kind}", _PART_OBJECTS[kind])
 
@@ -195,7 +194,7 @@ def _string_fields(obj: dict[str, Any], at: str, spec: dict[str, bool]) -> None:
                                       code="missing_required_parameter")
             continue
         if not isinstance(value, str):
-            raise invalid_request(f"'{at}.{name}' must be a string, got {_json_type(value)}.",
+            raise invalid_request(f"'{at}.{name}' must be a string, got {json_type(value)}.",
                                   param=f"{at}.{name}", code="invalid_type")
         if name == "detail" and value not in _DETAIL:
             raise invalid_request(f"'{at}.detail' must be one of {', '.join(_DETAIL)}, got "
@@ -215,22 +214,22 @@ def _prompt(body: dict[str, Any]) -> None:
                           param="prompt", code="invalid_type")
 
 
-def _optional_bool(body: dict[str, Any], key: str) -> bool | None:
+def optional_bool(body: dict[str, Any], key: str) -> bool | None:
     value = body.get(key)
     if value is None:
         return None
     if not isinstance(value, bool):
-        raise invalid_request(f"'{key}' must be a boolean, got {_json_type(value)}.",
+        raise invalid_request(f"'{key}' must be a boolean, got {json_type(value)}.",
                               param=key, code="invalid_type")
     return value
 
 
-def _optional_int(body: dict[str, Any], key: str, *, minimum: int) -> int | None:
+def optional_int(body: dict[str, Any], key: str, *, minimum: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_request(f"'{key}' must be an integer, got {_json_type(value)}.",
+        raise invalid_request(f"'{key}' must be an integer, got {json_type(value)}.",
                               param=key, code="invalid_type")
     if value < minimum:
         raise invalid_request(f"'{key}' must be >= {minimum}, got {value}.", param=key,
@@ -238,11 +237,11 @@ def _optional_int(body: dict[str, Any], key: str, *, minimum: int) -> int | None
     return value
 
 
-def _token_limit(body: dict[str, Any], key: str, model: ModelConfig) -> None:
+def check_token_limit(body: dict[str, Any], key: str, model: ModelConfig) -> None:
     """A client's output token limit, bounded by the model's
     ``max_output_tokens``: a worker sizes per-request state by it (and a
     backend would run it), so a limit no model can reach is refused here."""
-    value = _optional_int(body, key, minimum=1)
+    value = optional_int(body, key, minimum=1)
     if value is not None and value > model.max_output_tokens:
         raise invalid_request(
             f"'{key}' must be <= {model.max_output_tokens} for model '{model.name}' (its "
@@ -250,12 +249,12 @@ def _token_limit(body: dict[str, Any], key: str, model: ModelConfig) -> None:
             param=key, code="invalid_value")
 
 
-def _optional_number(body: dict[str, Any], key: str, low: float, high: float) -> None:
+def check_number(body: dict[str, Any], key: str, low: float, high: float) -> None:
     value = body.get(key)
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid_request(f"'{key}' must be a number, got {_json_type(value)}.",
+        raise invalid_request(f"'{key}' must be a number, got {json_type(value)}.",
                               param=key, code="invalid_type")
     if not low <= value <= high:
         raise invalid_request(f"'{key}' must be between {low:g} and {high:g}, got {value}.",
@@ -267,7 +266,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     if options is None:
         return False
     if not isinstance(options, dict):
-        raise invalid_request(f"'stream_options' must be an object, got {_json_type(options)}.",
+        raise invalid_request(f"'stream_options' must be an object, got {json_type(options)}.",
                               param="stream_options", code="invalid_type")
     if not stream:
         raise invalid_request("The 'stream_options' parameter is only allowed when 'stream' "

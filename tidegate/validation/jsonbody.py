@@ -1,28 +1,15 @@
 """Strict, bounded JSON parsing of request bodies (sans-I/O).
 
-msgspec's decoder is the parser (measured against orjson and the stdlib on
-representative chat bodies, see docs/security.md): it is the fastest of the
-three, it rejects everything that is not RFC 8259 JSON (``NaN``,
-``Infinity``, numbers that overflow a double such as ``1e999``, lone
-surrogates, invalid UTF-8, trailing bytes) and it keeps integers exact, so an
-integer too large for the wire is refused with a clear message instead of
-being silently rounded (orjson turns integers past 64 bits into floats).
+msgspec is the parser: it refuses everything that is not RFC 8259 JSON
+(``NaN``, ``1e999``, lone surrogates, invalid UTF-8, trailing bytes) and keeps
+integers exact, so one too large for the wire is refused, not rounded.
 
-Invariants this module keeps:
-
-* Nesting is bounded by ``max_depth`` and every refusal names the limit. The
-  bound also keeps every later step (msgpack encoding, whose own recursion
-  limit is 511, and every validator) far from a recursion limit, so the
-  200,000-level body of the issue is a 400, not a 500.
-* Duplicate keys of the top-level object are refused: they are the fields
-  tidegate itself reads (``model``, ``stream``, ...), and a client should learn
-  its body is ambiguous rather than get whichever value a parser keeps.
-  Nested objects keep the last value (what the backend receives is what the
-  edge validated, since the edge re-encodes the parsed body: there is no
-  second parser to disagree with).
-* The common body pays almost nothing extra: the depth walk runs only when
-  the body has more brackets than the limit, and the duplicate check is a
-  byte count per top-level key.
+Invariants: nesting is bounded by ``max_depth`` (every refusal names the
+limit), which keeps later steps far from any recursion limit; duplicate
+top-level keys are refused (nested objects keep the last value, and the edge
+re-encodes what it validated); the common body pays almost nothing, since the
+depth walk runs only when the body has more brackets than the limit.
+Docs: docs/security.md.
 """
 
 from __future__ import annotations

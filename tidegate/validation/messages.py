@@ -5,11 +5,16 @@ As there, only what tidegate depends on, or whose wrong type would make a
 worker's translation or a backend fail confusingly, is checked, with a 400
 naming the field (``param``; the edge writes it in Anthropic's error shape).
 ``max_tokens`` is required, as Anthropic requires it, and bounded by the
-model's ``max_output_tokens``. Unknown fields pass on untouched.
+model's ``max_output_tokens``. ``system`` turns inside ``messages`` (today's
+Claude Code sends them), ``thinking``, ``context_management`` and
+``output_config`` are checked for shape only: whether a backend can honour
+them is the worker's to say (docs/anthropic.md, "Request fields"). Unknown
+fields pass on untouched.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,26 +23,28 @@ from tidegate.errors import invalid_request
 from tidegate.validation.generation import (
     DEFAULT_MAX_DEPTH,
     Validated,
-    _json_type,
-    _model,
-    _optional_bool,
-    _optional_int,
-    _optional_number,
-    _token_limit,
+    check_number,
     check_stop_lengths,
+    check_token_limit,
+    model_for,
+    optional_bool,
+    optional_int,
     parse_json,
 )
+from tidegate.validation.jsonbody import json_type
 from tidegate.wire.protocol import Api
 
 __all__ = ["quota_user", "validate_messages", "validate_messages_body"]
 
-_ROLES = ("user", "assistant")
+_ROLES = ("user", "assistant", "system")
 # Anthropic documents no bound on stop_sequences; each becomes a backend stop
 # string that is matched on every token, so tidegate sets one (docs/anthropic.md).
 MAX_STOP_SEQUENCES = 16
 _CHOICES = ("auto", "any", "tool", "none")
 # Block types and the string fields each must carry.
 _BLOCK_STRINGS = {"text": ("text",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}
+# Longer than Claude Code's JSON ids (about 150 characters); bounds the parse.
+_MAX_USER_JSON = 1024
 _USER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
@@ -52,12 +59,12 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
                            count_tokens: bool = False) -> Validated:
     """:func:`validate_messages` for a body already parsed (a WebSocket
     request frame's, parsed with the same strict, depth-bounded parser)."""
-    model = _model(body, models)
+    model = model_for(body, models)
     if not count_tokens:
         if body.get("max_tokens") is None:
             raise invalid_request("max_tokens: Field required.", param="max_tokens",
                                   code="missing_required_parameter")
-        _token_limit(body, "max_tokens", model)
+        check_token_limit(body, "max_tokens", model)
     _turns(body)
     _system(body)
     stops = body.get("stop_sequences")
@@ -70,21 +77,24 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
                                   f"entries, got {len(stops)}.", param="stop_sequences",
                                   code="invalid_value")
         check_stop_lengths(stops, "stop_sequences")
-    _optional_number(body, "temperature", 0.0, 1.0)
-    _optional_number(body, "top_p", 0.0, 1.0)
-    _optional_int(body, "top_k", minimum=0)
+    check_number(body, "temperature", 0.0, 1.0)
+    check_number(body, "top_p", 0.0, 1.0)
+    optional_int(body, "top_k", minimum=0)
     _tools(body)
     _tool_choice(body)
+    _thinking(body)
+    _objects(body, "context_management", "edits")
+    _output_config(body)
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
-            raise invalid_request(f"'metadata' must be an object, got {_json_type(metadata)}.",
+            raise invalid_request(f"'metadata' must be an object, got {json_type(metadata)}.",
                                   param="metadata", code="invalid_type")
         user = metadata.get("user_id")
         if user is not None and not isinstance(user, str):
             raise invalid_request("'metadata.user_id' must be a string.",
                                   param="metadata.user_id", code="invalid_type")
-    stream = bool(_optional_bool(body, "stream")) and not count_tokens
+    stream = bool(optional_bool(body, "stream")) and not count_tokens
     return Validated(api=Api.MESSAGES, model=model, body=body, stream=stream,
                      include_usage=False)
 
@@ -93,9 +103,18 @@ def quota_user(body: Mapping[str, Any]) -> str:
     """``metadata.user_id`` as a quota user (docs/anthropic.md), or "" when
     there is none or it is not usable as one: a quota scope's user is a NATS
     subject token and part of Redis keys, so only letters, digits, ``_`` and
-    ``-``, at most 128 of them (Claude Code's ids are)."""
+    ``-``, at most 128 of them. Claude Code sends a JSON object as text
+    (``{"device_id": ..., "account_uuid": ..., "session_id": ...}``): its
+    account, else its device, is the user (the session changes every run)."""
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if isinstance(user, str) and user.startswith("{") and len(user) <= _MAX_USER_JSON:
+        try:
+            ids = json.loads(user)
+        except (ValueError, RecursionError):
+            ids = None
+        if isinstance(ids, dict):
+            user = ids.get("account_uuid") or ids.get("device_id")
     if isinstance(user, str) and 0 < len(user) <= 128 and _USER_CHARS.issuperset(user):
         return user
     return ""
@@ -112,17 +131,20 @@ def _turns(body: dict[str, Any]) -> None:
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
-            raise invalid_request(f"'{where}' must be an object, got {_json_type(turn)}.",
+            raise invalid_request(f"'{where}' must be an object, got {json_type(turn)}.",
                                   param=where, code="invalid_type")
         if turn.get("role") not in _ROLES:
-            raise invalid_request(f"'{where}.role' must be 'user' or 'assistant'.",
+            raise invalid_request(f"'{where}.role' must be 'user', 'assistant' or 'system'.",
                                   param=f"{where}.role", code="invalid_value")
         content = turn.get("content")
+        if turn["role"] == "system":
+            _system_text(content, f"{where}.content")
+            continue
         if isinstance(content, str):
             continue
         if not isinstance(content, list):
             raise invalid_request(f"'{where}.content' must be a string or an array of content "
-                                  f"blocks, got {_json_type(content)}.",
+                                  f"blocks, got {json_type(content)}.",
                                   param=f"{where}.content", code="invalid_type")
         _blocks(content, f"{where}.content", turn["role"])
 
@@ -154,14 +176,80 @@ def _blocks(blocks: list[Any], where: str, role: str) -> None:
 
 
 def _system(body: dict[str, Any]) -> None:
-    system = body.get("system")
-    if system is None or isinstance(system, str):
+    if body.get("system") is not None:
+        _system_text(body["system"], "system")
+
+
+def _system_text(system: Any, where: str) -> None:
+    """A system prompt: a string or text blocks (the top-level ``system`` or
+    a ``system`` turn's content)."""
+    if isinstance(system, str):
         return
     if not isinstance(system, list) or not all(
             isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
             for b in system):
-        raise invalid_request("'system' must be a string or an array of text blocks.",
-                              param="system", code="invalid_type")
+        raise invalid_request(f"'{where}' must be a string or an array of text blocks.",
+                              param=where, code="invalid_type")
+
+
+def _thinking(body: dict[str, Any]) -> None:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return
+    # Its type is not checked against the ones known today (enabled,
+    # adaptive, disabled): translation drops it whatever it is, and a
+    # passthrough backend knows its own.
+    if not isinstance(thinking, dict) or not isinstance(thinking.get("type"), str):
+        raise invalid_request("'thinking' must be an object with a string 'type' (enabled, "
+                              "adaptive, disabled).", param="thinking", code="invalid_type")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
+        raise invalid_request("'thinking.budget_tokens' must be an integer >= 1.",
+                              param="thinking.budget_tokens", code="invalid_value")
+    display = thinking.get("display")
+    if display is not None and not isinstance(display, str):
+        raise invalid_request("'thinking.display' must be a string.", param="thinking.display",
+                              code="invalid_type")
+
+
+def _objects(body: dict[str, Any], key: str, items: str) -> None:
+    """``body[key]``, when there, is an object whose ``items`` (when there) is
+    an array of objects each with a string ``type``."""
+    value = body.get(key)
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid_request(f"'{key}' must be an object, got {json_type(value)}.",
+                              param=key, code="invalid_type")
+    listed = value.get(items)
+    if listed is None:
+        return
+    if not isinstance(listed, list):
+        raise invalid_request(f"'{key}.{items}' must be an array.", param=f"{key}.{items}",
+                              code="invalid_type")
+    for i, item in enumerate(listed):
+        if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+            raise invalid_request(f"'{key}.{items}[{i}]' must be an object with a string "
+                                  "'type'.", param=f"{key}.{items}[{i}]", code="invalid_type")
+
+
+def _output_config(body: dict[str, Any]) -> None:
+    config = body.get("output_config")
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise invalid_request(f"'output_config' must be an object, got {json_type(config)}.",
+                              param="output_config", code="invalid_type")
+    effort = config.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise invalid_request("'output_config.effort' must be a string.",
+                              param="output_config.effort", code="invalid_type")
+    output_format = config.get("format")
+    if output_format is not None and (not isinstance(output_format, dict)
+                                      or not isinstance(output_format.get("type"), str)):
+        raise invalid_request("'output_config.format' must be an object with a string "
+                              "'type'.", param="output_config.format", code="invalid_type")
 
 
 def _tools(body: dict[str, Any]) -> None:
@@ -169,7 +257,7 @@ def _tools(body: dict[str, Any]) -> None:
     if tools is None:
         return
     if not isinstance(tools, list):
-        raise invalid_request(f"'tools' must be an array, got {_json_type(tools)}.",
+        raise invalid_request(f"'tools' must be an array, got {json_type(tools)}.",
                               param="tools", code="invalid_type")
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"

@@ -2,17 +2,11 @@
 bodies (sans-I/O), beside ``tidegate.validation.generation``'s chat and completions.
 
 :func:`validate_request` is the edge's one entry point for every generation
-endpoint: it hands chat and completions to :func:`tidegate.validation.generation.validate`
-and checks the two newer bodies here, with the same OpenAI-style 400s
-(``param`` names the field). As there, only the fields tidegate depends on, or
-whose wrong type would make a backend fail confusingly, are checked; unknown
-fields (``reasoning``, ``text``, ``truncation``, vendor extensions) pass
-through to the backend untouched.
-
-Responses: ``background: true`` is tidegate's own (``edge.background``): it is
-kept in the body for the record but the backend never runs a background job
-of its own (``workers.backends.openai`` drops the field).
-Embeddings: ``stream`` must not be true (embeddings have no stream).
+endpoint: chat and completions go to :func:`tidegate.validation.generation.validate`,
+the newer two are checked here, with the same OpenAI-style 400s (``param`` names
+the field). Only fields tidegate depends on are checked; unknown fields pass
+through. ``background: true`` is tidegate's own (``edge.background``) and never
+reaches a backend; an embeddings body may not ask to ``stream``.
 """
 
 from __future__ import annotations
@@ -25,16 +19,16 @@ from tidegate.errors import invalid_request
 from tidegate.validation.generation import (
     DEFAULT_MAX_DEPTH,
     Validated,
-    _content_parts,
-    _json_type,
-    _model,
-    _optional_bool,
-    _optional_int,
-    _optional_number,
-    _token_limit,
+    check_content_parts,
+    check_number,
+    check_token_limit,
+    model_for,
+    optional_bool,
+    optional_int,
     parse_json,
     validate,
 )
+from tidegate.validation.jsonbody import json_type
 from tidegate.validation.messages import validate_messages
 from tidegate.wire.protocol import Api
 
@@ -73,21 +67,21 @@ def validate_request(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
 def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
                        max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
     body = parse_json(raw, max_depth)
-    model = _model(body, models)
+    model = model_for(body, models)
     _input(body)
     _optional_str(body, "instructions")
-    _token_limit(body, "max_output_tokens", model)
-    _optional_int(body, "max_tool_calls", minimum=1)
-    _optional_number(body, "temperature", 0.0, 2.0)
-    _optional_number(body, "top_p", 0.0, 1.0)
-    top_logprobs = _optional_int(body, "top_logprobs", minimum=0)
+    check_token_limit(body, "max_output_tokens", model)
+    optional_int(body, "max_tool_calls", minimum=1)
+    check_number(body, "temperature", 0.0, 2.0)
+    check_number(body, "top_p", 0.0, 1.0)
+    top_logprobs = optional_int(body, "top_logprobs", minimum=0)
     if top_logprobs is not None and top_logprobs > 20:
         raise invalid_request(f"'top_logprobs' must be <= 20, got {top_logprobs}.",
                               param="top_logprobs", code="invalid_value")
     _tools(body)
     _tool_choice(body)
     for key in ("parallel_tool_calls", "store"):
-        _optional_bool(body, key)
+        optional_bool(body, key)
     for key in ("previous_response_id", "user", "prompt_cache_key", "safety_identifier",
                 "service_tier"):
         _optional_str(body, key)
@@ -102,18 +96,18 @@ def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
                                     and all(isinstance(i, str) for i in include)):
         raise invalid_request("'include' must be an array of strings.", param="include",
                               code="invalid_type")
-    stream = _optional_bool(body, "stream") or False
+    stream = optional_bool(body, "stream") or False
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
             raise invalid_request(f"'stream_options' must be an object, got "
-                                  f"{_json_type(options)}.", param="stream_options",
+                                  f"{json_type(options)}.", param="stream_options",
                                   code="invalid_type")
         if not stream:
             raise invalid_request("The 'stream_options' parameter is only allowed when "
                                   "'stream' is true.", param="stream_options",
                                   code="invalid_value")
-    _optional_bool(body, "background")
+    optional_bool(body, "background")
     # Usage always arrives with response.completed: nothing to ask the backend for.
     return Validated(api=Api.RESPONSES, model=model, body=body, stream=stream,
                      include_usage=False)
@@ -123,19 +117,19 @@ def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
                         max_depth: int = DEFAULT_MAX_DEPTH,
                         max_response_bytes: int = _DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
     body = parse_json(raw, max_depth)
-    model = _model(body, models)
+    model = model_for(body, models)
     _embedding_input(body)
     encoding = body.get("encoding_format")
     if encoding is not None and encoding not in _ENCODINGS:
         raise invalid_request(f"'encoding_format' must be one of {', '.join(_ENCODINGS)}, got "
                               f"{encoding!r}.", param="encoding_format", code="invalid_value")
-    dimensions = _optional_int(body, "dimensions", minimum=1)
+    dimensions = optional_int(body, "dimensions", minimum=1)
     if dimensions is None and model.backend == "simulator":
         dimensions = model.simulator.embedding_dimensions
     if dimensions is not None:  # else the backend model's own size, unknown here
         check_embeddings_size(body, dimensions, max_response_bytes, "edge.max_response_bytes")
     _optional_str(body, "user")
-    if _optional_bool(body, "stream"):
+    if optional_bool(body, "stream"):
         raise invalid_request("Embeddings cannot be streamed; send the request without "
                               "'stream'.", param="stream", code="unsupported_value")
     return Validated(api=Api.EMBEDDINGS, model=model, body=body, stream=False,
@@ -189,11 +183,11 @@ def _input(body: dict[str, Any]) -> None:
         return
     if not isinstance(value, list):
         raise invalid_request(f"'input' must be a string or an array of input items, got "
-                              f"{_json_type(value)}.", param="input", code="invalid_type")
+                              f"{json_type(value)}.", param="input", code="invalid_type")
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise invalid_request(f"'{where}' must be an object, got {_json_type(item)}.",
+            raise invalid_request(f"'{where}' must be an object, got {json_type(item)}.",
                                   param=where, code="invalid_type")
         kind = item.get("type")
         if kind is not None and not isinstance(kind, str):
@@ -209,10 +203,10 @@ def _input(body: dict[str, Any]) -> None:
         if (kind in (None, "message") and "role" in item
                 and not isinstance(content, str | list)):
             raise invalid_request(f"'{where}.content' must be a string or an array of content "
-                                  f"parts, got {_json_type(content)}.",
+                                  f"parts, got {json_type(content)}.",
                                   param=f"{where}.content", code="invalid_type")
         if isinstance(content, list):
-            _content_parts(content, f"{where}.content")
+            check_content_parts(content, f"{where}.content")
 
 
 def _tools(body: dict[str, Any]) -> None:
@@ -220,7 +214,7 @@ def _tools(body: dict[str, Any]) -> None:
     if tools is None:
         return
     if not isinstance(tools, list):
-        raise invalid_request(f"'tools' must be an array, got {_json_type(tools)}.",
+        raise invalid_request(f"'tools' must be an array, got {json_type(tools)}.",
                               param="tools", code="invalid_type")
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
@@ -273,7 +267,7 @@ def _is_token(value: Any) -> bool:
 def _optional_str(body: dict[str, Any], key: str) -> None:
     value = body.get(key)
     if value is not None and not isinstance(value, str):
-        raise invalid_request(f"'{key}' must be a string, got {_json_type(value)}.",
+        raise invalid_request(f"'{key}' must be a string, got {json_type(value)}.",
                               param=key, code="invalid_type")
 
 
@@ -281,5 +275,5 @@ def _optional_object(body: dict[str, Any], key: str, *, allow_str: bool = False)
     value = body.get(key)
     if value is None or isinstance(value, dict) or (allow_str and isinstance(value, str)):
         return
-    raise invalid_request(f"'{key}' must be an object, got {_json_type(value)}.", param=key,
+    raise invalid_request(f"'{key}' must be an object, got {json_type(value)}.", param=key,
                           code="invalid_type")

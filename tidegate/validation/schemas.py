@@ -253,17 +253,22 @@ _BLOCK: Schema = {"anyOf": [
 ]}
 
 
+_SYSTEM: Schema = {"anyOf": [_STRING, {"type": "array", "items": _obj(
+    {"type": {"const": "text"}, "text": _STRING}, ("type", "text"))}]}
+
+
 def anthropic_messages(max_tokens: int, *, count_tokens: bool = False) -> Schema:
     required = ("model", "messages") if count_tokens else ("model", "max_tokens", "messages")
     return _obj({
         "model": _MODEL,
         "max_tokens": _int(1, max_tokens),
-        "messages": {"type": "array", "minItems": 1, "items": _obj({
-            "role": {"enum": list(messages._ROLES)},
-            "content": {"anyOf": [_STRING, {"type": "array", "items": _BLOCK}]}},
-            ("role", "content"))},
-        "system": {"anyOf": [_STRING, {"type": "array", "items": _obj(
-            {"type": {"const": "text"}, "text": _STRING}, ("type", "text"))}]},
+        "messages": {"type": "array", "minItems": 1, "items": {"anyOf": [
+            _obj({"role": {"enum": [r for r in messages._ROLES if r != "system"]},
+                  "content": {"anyOf": [_STRING, {"type": "array", "items": _BLOCK}]}},
+                 ("role", "content")),
+            # a system turn holds what the top-level system does
+            _obj({"role": {"const": "system"}, "content": _SYSTEM}, ("role", "content"))]}},
+        "system": _SYSTEM,
         "stop_sequences": _stop_strings(messages.MAX_STOP_SEQUENCES),
         "temperature": _number(0.0, 1.0),
         "top_p": _number(0.0, 1.0),
@@ -295,10 +300,22 @@ def batch_create() -> Schema:
     }, ("input_file_id", "endpoint", "completion_window"))
 
 
-def request_schemas(max_tokens: int) -> dict[str, Schema]:
+def message_batch(max_requests: int) -> Schema:
+    return _obj({"requests": {"type": "array", "minItems": 1, "maxItems": max_requests,
+                              "items": _obj({
+                                  "custom_id": {"type": "string",
+                                                "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                  "params": {"$ref": "#/components/schemas/MessagesRequest"}},
+                                  ("custom_id", "params"))}},
+                ("requests",), description="Each custom_id unique in the batch.")
+
+
+def request_schemas(max_tokens: int, max_batch_requests: int) -> dict[str, Schema]:
     """Every request body schema by its component name; ``max_tokens`` is the
-    largest output token limit of any configured model."""
+    largest output token limit of any configured model, ``max_batch_requests``
+    the most requests a Message Batch may hold (``batch.max_lines``)."""
     return {
+        "MessageBatchRequest": message_batch(max_batch_requests),
         "ChatCompletionRequest": chat(max_tokens),
         "CompletionRequest": completions(max_tokens),
         "ResponseRequest": responses(max_tokens),

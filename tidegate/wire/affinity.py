@@ -1,37 +1,17 @@
 """Session affinity, sans-I/O: the key a request's prefix cache lives under, and
 which backend replica a request should go to.
 
-vLLM, SGLang and llama.cpp keep the KV cache of recent prompts per replica: a
-turn that reaches the replica which served the conversation's earlier turns
-skips most of its prefill. Routing on a key that is the same for every turn of
-one conversation, and different across conversations, keeps a conversation on
-one replica while it is warm there.
+:func:`affinity_key`: the client's ``prompt_cache_key`` when it sends one; else
+a hash of the conversation's stable prefix (system/developer messages and the
+first user message; the start of a completion prompt), at most
+``prefix_bytes`` bytes, with ``user`` mixed in when ``routing.key_user`` says
+so. No usable text, no key: the shared queue.
 
-The key (:func:`affinity_key`), in order:
-
-1. OpenAI's ``prompt_cache_key`` when the client sends a non-empty string: the
-   client knows its conversations best.
-2. Otherwise a hash of the conversation's *stable prefix*: for chat, the
-   ``system``/``developer`` messages and the first ``user`` message (what turn
-   1 already has and every later turn repeats); for completions, the start of
-   the prompt. At most ``prefix_bytes`` bytes of text are hashed, so a huge
-   prompt costs bounded work, once per request at the dispatcher, never per
-   chunk.
-3. ``user`` is mixed in when configured (``routing.key_user``), so two users
-   who send the same opening message still get their own keys.
-
-No usable text gives no key (``None``): the request goes to the shared queue.
-
-The decision (:func:`choose`) takes the key's home (the replica that last
-served it, soft state with a TTL, read by the caller) and the replicas' load,
-and answers with a :class:`Route`: a replica's own queue, or the model's shared
-queue, and why. A full home is still chosen when the wait for one of its slots
-is expected to be shorter than the prefill its cache saves
-(:meth:`ReplicaLoad.worth_waiting`, from the request's :func:`reusable_chars`).
-A key with no home goes to the replica with the best rendezvous score
-weighted by its headroom (free slots and, where the backend reports it,
-KV-cache headroom), so new conversations spread evenly, and two dispatchers
-that see the same new key at once pick the same replica.
+:func:`choose` answers with a :class:`Route` (a replica's queue or the shared
+one, and why): the key's home while it has room, or while the wait for its
+slot is shorter than the prefill its cache saves (:meth:`ReplicaLoad.worth_waiting`);
+a key without a home goes to the best rendezvous score weighted by headroom, so
+two dispatchers pick the same replica. Docs: docs/routing.md.
 """
 
 from __future__ import annotations
@@ -43,7 +23,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tidegate.wire.protocol import Api
 from tidegate.wire.subjects import encode_token
 
 #: Bytes of prefix text hashed at most (``routing.prefix_bytes``'s default).
@@ -65,9 +44,11 @@ CLAIM_FALLBACK = "fallback"
 _PREAMBLE_ROLES = frozenset({"system", "developer"})
 
 
-def affinity_key(api: Api, body: Mapping[str, Any], *, user: bool = False,
+def affinity_key(field: str | None, body: Mapping[str, Any], *, user: bool = False,
                  prefix_bytes: int = PREFIX_BYTES) -> str | None:
-    """The request's affinity key (hex, 64 bits), or ``None`` when it has none."""
+    """The request's affinity key (hex, 64 bits), or ``None`` when it has none.
+    ``field`` holds its prompt (its dialect's ``affinity_field``): ``"messages"``
+    is read as chat turns, another as completions' prompt, None as nothing."""
     h = hashlib.blake2b(digest_size=8)
     cache_key = body.get("prompt_cache_key")
     if isinstance(cache_key, str) and cache_key:
@@ -75,10 +56,10 @@ def affinity_key(api: Api, body: Mapping[str, Any], *, user: bool = False,
         h.update(cache_key[:prefix_bytes].encode("utf-8", "surrogatepass"))
     else:
         budget = _Budget(h, prefix_bytes)
-        if api is Api.CHAT:
+        if field == "messages":
             _chat_prefix(body.get("messages"), budget)
-        else:
-            _prompt_prefix(body.get("prompt"), budget)
+        elif field is not None:
+            _prompt_prefix(body.get(field), budget)
         if budget.used == 0:
             return None
     if user:

@@ -1,29 +1,17 @@
 """The batch API's data model, sans-I/O: files, batches, their status machine, lines.
 
-Nothing here touches NATS or sockets; the edge routes (``edge.files``,
-``edge.batches``), the runner (``dispatcher.batch.runner``) and the CLI share it.
+Shared by the edge routes, the runner (``dispatcher.batch.runner``) and the CLI.
 
-* :class:`BatchStatus` and :data:`TRANSITIONS`: the batch's status machine as
-  an enum plus a transition table. Every status change goes through
-  :meth:`BatchRecord.moved`, which refuses a move the table does not allow and
-  stamps the matching ``*_at`` timestamp::
-
-      validating -> in_progress -> finalizing -> completed
-          |              |             +-------> expired
-          |              +--> finalizing (expiry) -> expired
-          +--> failed    +--> cancelling -> cancelled
-          +--> cancelling
-
-* :class:`FileRecord` / :class:`BatchRecord`: what the ``<P>_FILES`` and
-  ``<P>_BATCHES`` KV buckets hold (JSON), and their OpenAI JSON shapes.
-* :class:`LineSplitter` and :class:`LineValidator`: an input file, chunk by
-  chunk, into numbered lines, and each line checked the way OpenAI does
-  (JSON object, unique ``custom_id``, ``method`` POST, ``url`` equal to the
-  batch's endpoint, a ``body`` object), errors naming the line.
+* :class:`BatchStatus` and :data:`TRANSITIONS`: the status machine as an enum
+  plus a transition table; every change goes through :meth:`BatchRecord.moved`,
+  which refuses a move the table does not allow and stamps its ``*_at`` time.
+* :class:`FileRecord` / :class:`BatchRecord`: the KV records and their OpenAI shapes.
+* :class:`LineSplitter` / :class:`LineValidator`: an input file into numbered
+  lines, each checked as OpenAI does, errors naming the line.
 * :func:`output_line` / :func:`error_line`: OpenAI's output file format.
 
-Ids carry 128 random bits (``secrets.token_hex(16)``), so one tenant cannot
-guess another's.
+Ids carry 128 random bits, so one tenant cannot guess another's.
+Docs: docs/batch.md#status-machine.
 """
 
 from __future__ import annotations
@@ -147,7 +135,8 @@ class LineError:
 class Counts:
     total: int = 0
     completed: int = 0
-    failed: int = 0
+    failed: int = 0  # expired lines included (OpenAI counts them as failed)
+    expired: int = 0  # lines the window ended before they ran (Anthropic counts them apart)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,27 +1,17 @@
 """Credit-window flow control between a worker and an edge (sans-I/O).
 
-The worker may have at most ``max_bytes`` bytes **and** ``max_msgs`` messages
-sent but not yet acknowledged for one stream. The edge acknowledges
-cumulatively, only after the bytes were written to the client socket *and*
-drained, so a client that stops reading stops the acks, the window fills, the
-worker stops reading the backend, and TCP pushes back on the backend. Nothing
-in between buffers more than one window.
+The worker may have at most ``max_bytes`` bytes and ``max_msgs`` messages of a
+stream unacknowledged. The edge acks cumulatively, only after the bytes were
+written to the client socket and drained, so a client that stops reading stops
+the worker and, through TCP, the backend; nothing buffers more than one window.
 
-Two halves:
-
-* :class:`SendWindow` (worker side) tracks what is in flight.
-* :class:`AckPolicy` (edge side) decides when to send an ack: once half of
-  either window has been written since the last ack. Acking every message would
-  cost one NATS publish per chunk on the hot path. At half, the window fills
-  only if the worker sends the other half before the ack reaches it (one NATS
-  round trip, about a millisecond: 32 KiB per millisecond is far beyond any
-  token stream), and a typical response (tens of chunks, a few KiB) costs one
-  ack instead of the two or three a quarter window asked for. Every ack is a
-  NATS message through the server and a wake-up of the worker; on a loaded
-  machine they were a tenth of all messages per request.
+:class:`SendWindow` (worker) tracks what is in flight; :class:`AckPolicy` (edge)
+acks once half of either window was written since the last ack: one ack per
+typical response, and the window fills only if the worker sends the other
+half within one NATS round trip.
 
 Invariant (property-tested): a sender that only sends when :meth:`SendWindow.open`
-has at most ``max_msgs`` messages and ``max_bytes + one message`` bytes in flight.
+has at most ``max_msgs`` messages and ``max_bytes`` + one message in flight.
 """
 
 from __future__ import annotations

@@ -1,45 +1,24 @@
 """Many sessions' messages in one NATS message: the worker -> edge hot path.
 
-A worker relaying 200 streams to one edge at 10 ms per token would otherwise
-send 20,000 NATS messages a second, and every one costs a publish in the
-worker, routing in nats-server, and a parse, message object and callback in
-the edge. :class:`Outbox` instead collects what a worker's jobs send towards
-each edge during one event-loop iteration and publishes it as one message on
-the edge's mux subject (``Subjects.edge_mux``)::
+:class:`Outbox` collects what a worker's jobs send towards each edge during one
+event-loop iteration (or up to ``worker.coalesce_delay``) and publishes it as
+one message on the edge's mux subject::
 
     [VERSION, Kind.MUX, request_id, message, request_id, message, ...]
 
-Each ``message`` is a complete session message (``protocol.decode_session``
-reads it), so the per-session protocol (sequence numbers, flow control, which
-counts session messages, not NATS messages) is unchanged; only the transport
-is shared.
-
-Invariants:
-
-* Order: an edge gets one request's messages in the order they were put.
-  Batches for one subject are published in order, each batch keeps put order,
-  and one NATS connection preserves publish order to a subscriber.
-* Bounded latency: with no ``delay`` a batch waits only for the rest of the
-  current loop iteration (the flusher yields once, so every job woken in this
-  iteration adds to it), never for a timer. Under load an iteration carries
-  more, so the cost per chunk falls as the load rises. At moderate load an
-  iteration carries one chunk, and every chunk costs a NATS message and a
-  wake-up of the edge: a ``delay`` (``worker.coalesce_delay``) lets a batch's
-  oldest message wait that long for others, so chunks of many streams that
-  arrive within it travel together. No message waits longer than ``delay``
-  plus one loop iteration, and a batch cut at ``max_bytes`` leaves at once.
-  One timer per batch, not per stream.
-* Bounded: a batch is cut at ``max_bytes`` of payload (one message larger
-  than that goes alone), so no NATS message approaches the server's
-  max_payload. What waits in the outbox is bounded by the flow-control
-  windows of the jobs that put it.
+Each ``message`` is a complete session message, so the per-session protocol is
+unchanged; only the transport is shared. Invariants: one request's messages
+reach its edge in put order; no message waits longer than ``delay`` plus one
+loop iteration (one timer per batch, not per stream); a batch is cut at
+``max_bytes`` (a larger message goes alone). Docs: docs/architecture.md#flow-control.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -167,6 +146,9 @@ class Outbox:
             self._open = {}
             self._sizes = {}
         self._full = []
+        await self._send(batches)
+
+    async def _send(self, batches: list[tuple[str, list[Any]]]) -> None:
         for subject, batch in batches:
             try:
                 await self._publish(subject, _pack(batch))
@@ -177,6 +159,52 @@ class Outbox:
                 continue
             self.published += 1
             self.frames += (len(batch) - 2) // 2
+
+
+# A JetStream publish that returns once the stream stored it (subject,
+# payload, Nats-Msg-Id), or raises once it gives up.
+StoredPublish = Callable[[str, bytes, str], Awaitable[Any]]
+
+
+class StoredOutbox(Outbox):
+    """An :class:`Outbox` whose batches JetStream acknowledges: a resumable
+    stream's log (``workers.resumable``). A batch for a subject goes out only
+    once the one before it was stored, so the log holds every entry once, in
+    order, even across an election that drops what reaches a leaderless
+    stream: the publish is retried (``tidegate.broker.patient``) under its
+    ``Nats-Msg-Id``, and what is put meanwhile waits for the next batch. The
+    wait costs a round trip per batch, not per message; subjects go out
+    concurrently; the live path (another outbox) never waits on it."""
+
+    def __init__(self, publish: StoredPublish, max_bytes: int = 128 << 10) -> None:
+        super().__init__(_no_plain_publish, max_bytes)
+        self._stored = publish
+        self._ids = f"{secrets.token_hex(6)}."  # this outbox's Nats-Msg-Ids
+        self._count = 0
+
+    async def _send(self, batches: list[tuple[str, list[Any]]]) -> None:
+        by_subject: dict[str, list[list[Any]]] = {}
+        for subject, batch in batches:
+            by_subject.setdefault(subject, []).append(batch)
+        await asyncio.gather(*(self._send_in_order(subject, in_order)
+                               for subject, in_order in by_subject.items()))
+
+    async def _send_in_order(self, subject: str, batches: list[list[Any]]) -> None:
+        for batch in batches:
+            self._count += 1
+            try:
+                await self._stored(subject, _pack(batch), f"{self._ids}{self._count}")
+            except Exception as exc:  # out of patience, or the connection is closing:
+                # a reader of this log ends at the gap (stream_gap), at once
+                log.warning("could not store %d messages to %s: %s",
+                            (len(batch) - 2) // 2, subject, exc)
+                continue
+            self.published += 1
+            self.frames += (len(batch) - 2) // 2
+
+
+async def _no_plain_publish(subject: str, payload: bytes) -> None:
+    raise AssertionError("a StoredOutbox publishes through its StoredPublish")
 
 
 def _settle(future: asyncio.Future[None]) -> None:

@@ -1,24 +1,17 @@
 """Wire envelopes: every message tidegate puts on NATS, with one encode/decode each.
 
-Sans-I/O: bytes in, typed messages out. Nothing here imports asyncio or nats.
-
-Two shapes, chosen by how often they are sent:
+Sans-I/O: bytes in, typed messages out; nothing here imports asyncio or nats.
 
 * :class:`Request` travels once per request (edge -> ``<P>_REQUESTS`` ->
-  dispatcher -> ``<P>_JOBS`` -> worker). It is a msgpack **map** with a ``v``
-  field, so fields can be added without breaking older readers.
-* Session messages (:class:`Status`, :class:`Head`, :class:`Chunk`,
-  :class:`Heartbeat`, :class:`Done`, :class:`Error`, and the edge's
-  :class:`Ack` / :class:`Cancel`) are msgpack **arrays** ``[v, kind, seq, ...]``.
-  :class:`Chunk` is on the per-chunk hot path; an array with a small-int kind
-  decodes in well under a microsecond and carries no key strings.
+  dispatcher -> ``<P>_JOBS`` -> worker): a msgpack map with a ``v`` field, so
+  fields can be added without breaking older readers.
+* Session messages (:class:`Status`, :class:`Head`, :class:`Chunk`, ...,
+  the edge's :class:`Ack` / :class:`Cancel`) are msgpack arrays
+  ``[v, kind, seq, ...]``: no key strings on the per-chunk path.
 
-Sequence numbers: every session message carries ``seq``. The worker numbers its
-messages 1, 2, 3, ... per request (:class:`Head` is 1). Dispatcher
-:class:`Status` messages precede the worker's stream and carry ``seq = 0``.
-The edge's :class:`Ack` carries the highest worker ``seq`` it has written to the
-client socket (cumulative). A resumed stream (``Last-Event-ID``) restarts from
-a worker ``seq``.
+``seq``: the worker numbers its messages 1, 2, 3, ... per request (``Head`` is
+1), dispatcher ``Status`` messages carry 0, and an ``Ack`` carries the highest
+seq written to the client. Docs: docs/architecture.md#session-protocol.
 """
 
 from __future__ import annotations

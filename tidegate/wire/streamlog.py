@@ -1,28 +1,16 @@
 """The stream log of resumable streams: names, entries, event ids (sans-I/O).
 
-A resumable stream (docs/resume.md) is written, as it is produced, to the
-JetStream stream ``<P>_STREAMLOG`` under the subject ``<p>.log.<request_id>``.
-Any edge can then replay it and follow its live tail; see ``edge.resume`` for
-the reader. Entries, in the order JetStream stored them:
+A resumable stream is written, as it is produced, to ``<P>_STREAMLOG`` under
+``<p>.log.<request_id>``; any edge replays it and follows its tail
+(``edge.logreader``). Entries: first a :class:`LogOpen` (tenant and request
+shape, written by the accepting edge before it publishes the request; a log
+without it is not served), then the worker's session messages, byte for byte,
+one or a mux batch per log message.
 
-1. :class:`LogOpen`, written by the edge that accepted the request, before it
-   publishes the request: the tenant (the resume and cancel routes answer 404
-   to any other) and the request's shape. A log without it is not served.
-2. The worker's session messages, the very bytes it sends the edge
-   (``tidegate.wire.protocol``): ``Head``, ``Chunk``, ``Heartbeat``, ``Done``,
-   ``Error``. One log message holds one of them, or several of the same
-   request as a mux batch (``tidegate.wire.mux``: the worker's outbox batches
-   per subject and loop iteration, so a fast stream costs one stored message
-   per iteration, not one per chunk).
-
-Event ids. Every SSE event of a resumable stream gets ``id: N``, N counting
-the stream's events from 1. A ``Chunk`` may carry several events (the worker
-coalesces), so ids count *events*, not messages: a client that received half
-of a chunk before its connection broke resumes after the last event it got,
-neither losing nor repeating one. The live relay and every log reader number
-events with the same :class:`EventIds` over the same chunks, which is what
-makes the seam between what one connection got and what the next replays
-exact. The chunk bytes are not touched: ``id:`` goes in front of each event.
+Event ids count *events*, not messages (a chunk may carry several), from 1.
+The live relay and every log reader number them with the same :class:`EventIds`
+over the same chunks, so the seam between one connection and the next replay
+is exact. Docs: docs/resume.md#the-log.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
-"""NATS subject and stream names, in one place.
+"""NATS subject and stream names, from a configurable prefix (``tg``); nowhere else::
 
-Every subject tidegate uses is built here from a configurable prefix (``tg`` by
-default), so a second tidegate deployment can share a NATS account without
-colliding, and no other module formats subjects by hand.
+    <p>.req.<class>.<tenant>    JetStream <P>_REQUESTS  edge -> dispatcher
+    <p>.job.<model>[.<replica>] JetStream <P>_JOBS      dispatcher -> workers
+    <p>.out.<edge>.<request>    core NATS               worker/dispatcher -> edge
+    <p>.out.<edge>.mux          core NATS               workers -> edge, many sessions
+    <p>.ctl.<worker>            core NATS               edge -> worker (acks, cancel)
+    <p>.load.<model>            core NATS               workers -> dispatchers
+    <p>.usage.<model>           JetStream <P>_USAGE     worker/edge -> dispatchers
+    KV <P>_CANCELS, _KEYS, _POLICIES, _WORKERS, _AFFINITY, _CLAIMS
 
-Subject map (``<p>`` is the prefix)::
-
-    <p>.req.<class>.<tenant>     JetStream  <P>_REQUESTS  edge -> dispatcher
-    <p>.job.<model>              JetStream  <P>_JOBS      dispatcher -> workers
-    <p>.job.<model>.<replica>    JetStream  <P>_JOBS      dispatcher -> one replica's workers
-    <p>.out.<edge>.<request>     core NATS                worker/dispatcher -> edge
-    <p>.out.<edge>.mux           core NATS                workers -> edge, many sessions
-    <p>.ctl.<worker>             core NATS                edge -> worker (acks, cancel)
-    <p>.load.<model>             core NATS                workers -> dispatchers: replica load
-    KV <P>_CANCELS, key <request>  JetStream KV (TTL)     edge -> dispatchers, workers
-    <p>.usage.<model>            JetStream  <P>_USAGE     worker/edge -> dispatchers
-    KV <P>_KEYS, <P>_POLICIES    JetStream KV (watched)   CLI -> edges, dispatchers
-    KV <P>_WORKERS, key <worker>  JetStream KV (TTL)     workers -> dispatchers, status
-    KV <P>_AFFINITY, <P>_CLAIMS  JetStream KV (TTL)     routing: homes, and which copy runs
-
-Free-form names (models, tenants) are mapped into one subject token with
-:func:`encode_token`, a reversible escape: the decoded token is always the
-original string, so a subject can be read back into the model it names.
+Free-form names map into one token with :func:`encode_token`, a reversible escape,
+so two deployments can share an account. Docs: docs/architecture.md#subjects-and-streams.
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """The WebSocket frame protocol of ``GET /v1/ws`` (sans-I/O; docs/websocket.md).
 
-Bytes in, typed events out; typed calls in, bytes out. Nothing here imports
-asyncio, aiohttp or nats: the edge's socket adapter (``edge/ws.py``) moves
-data between the socket and these objects.
+Bytes in, typed events out; nothing here imports asyncio, aiohttp or nats.
 
-* :func:`parse_client_frame` turns one client text frame into a client event
-  (:class:`Auth`, :class:`StartRequest`, :class:`CancelRequest`,
-  :class:`ResumeRequest`, :class:`Ping`, :class:`Pong`) or an
-  :class:`Invalid` carrying the error frame to answer. A bad frame never
-  raises: the socket survives every malformed message.
-* :class:`Connection` is one socket's state machine (an enum plus a
-  transition table) and its registry of live generation ids, which is where
-  the socket-level rules live: auth first, unique ids, ``max_concurrent``.
-* The server frame builders return JSON text payloads. :class:`ChunkFramer`
-  splices the worker's chunk bytes (complete SSE events, ``data: {...}\\n\\n``)
-  into ``{"type": "chunk", ..., "data": <those bytes>}`` by slicing: the
-  chunk's JSON is never parsed or re-encoded, exactly as on the SSE path.
-* :func:`encode_text_frame` is RFC 6455 server framing (unmasked, FIN set),
-  so the adapter can hand a whole batch of frames to the transport in one
-  write, from the NATS callback, as the SSE relay does with chunked frames.
-* :class:`Keepalive` decides when to ping and when a silent peer is gone.
+* :func:`parse_client_frame`: one client text frame into a client event or an
+  :class:`Invalid` carrying the error frame to answer; a bad frame never raises.
+* :class:`Connection`: one socket's state machine (enum plus transition table)
+  and its live generation ids: auth first, unique ids, ``max_concurrent``.
+* :class:`ChunkFramer` splices the worker's chunk bytes into a ``chunk`` frame
+  by slicing: the chunk's JSON is never parsed, as on the SSE path.
+* :func:`encode_text_frame`: RFC 6455 server framing, so a batch of frames is
+  one transport write.
+* :class:`Keepalive`: when to ping and when a silent peer is gone.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any
@@ -37,9 +28,6 @@ from tidegate.wire.protocol import Api
 # The longest client id accepted: ids are echoed in every frame of their
 # generation, so an unbounded one would multiply into every chunk.
 MAX_ID_LENGTH = 128
-
-PATHS: dict[str, Api] = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS,
-                         "/v1/messages": Api.MESSAGES}
 
 
 class CloseCode(IntEnum):
@@ -128,9 +116,11 @@ def _stdlib_loads(data: bytes | str) -> Any:
         raise _frame_error(f"The frame is not valid JSON: {exc}.", "invalid_json") from None
 
 
-def parse_client_frame(data: bytes | str | None, *, binary: bool = False,
+def parse_client_frame(data: bytes | str | None, paths: Mapping[str, Api], *,
+                       binary: bool = False,
                        loads: Callable[[bytes | str], Any] = _stdlib_loads) -> ClientEvent:
-    """One client frame -> its event. Never raises.
+    """One client frame -> its event. Never raises. ``paths`` are the
+    request paths a ``request`` frame may name (``tidegate.apis.WEBSOCKET_PATHS``).
 
     ``loads`` parses the JSON and raises :class:`ApiError` for bad input; the
     edge passes its strict, depth-bounded body parser (``tidegate.validation.jsonbody``), so
@@ -174,9 +164,9 @@ def parse_client_frame(data: bytes | str | None, *, binary: bool = False,
     if kind == "resume":
         return _resume(frame, echo)
     path = frame.get("path")
-    api = PATHS.get(path) if isinstance(path, str) else None
+    api = paths.get(path) if isinstance(path, str) else None
     if api is None:
-        return Invalid(_frame_error(f"Unknown 'path': expected one of {', '.join(PATHS)}.",
+        return Invalid(_frame_error(f"Unknown 'path': expected one of {', '.join(paths)}.",
                                     "unknown_path", "path"), echo)
     body = frame.get("body")
     if not isinstance(body, dict):

@@ -1,27 +1,17 @@
 """The contract of a model backend: the seam between a worker and whatever
-generates tokens.
+generates tokens (the simulator, the OpenAI-compatible client, test fakes).
 
-A worker only ever talks to :class:`Backend` and :class:`BackendStream`; the
-built-in simulator and the OpenAI-compatible HTTP client are two
-implementations, and tests can add fakes.
+:meth:`BackendStream.read`:
 
-Contract of :meth:`BackendStream.read`:
-
-* It returns bytes that the edge writes to the client **as they are**. For a
-  streaming request these are one or more complete SSE events
-  (``data: {...}\\n\\n``); for a non-streaming request, a slice of the final JSON
-  body. It never returns a partial SSE event, and never ``data: [DONE]`` (the
-  edge writes that itself once the worker reports ``Done``).
-* It returns ``b""`` exactly once, at the end; :attr:`BackendStream.usage` is
-  final from then on.
-* ``max_bytes`` bounds the bytes read from the backend in one call, so the
-  worker's flow-control window bounds what is buffered. A single SSE event
-  larger than ``max_bytes`` is still returned whole.
-* Errors raise :class:`tidegate.errors.BackendError`. :meth:`Backend.open`
-  raises before anything was sent, so the edge can answer with the HTTP
-  status; :meth:`read` raises mid-stream.
-* :meth:`BackendStream.aclose` closes the backend connection at once. That is
-  what makes vLLM and friends abort the generation and free its KV cache.
+* returns bytes the edge writes as they are: whole SSE events for a stream
+  (never a partial event, never ``data: [DONE]``), a slice of the JSON body
+  otherwise;
+* returns ``b""`` exactly once, at the end; :attr:`BackendStream.usage` is then final;
+* reads at most ``max_bytes`` from the backend per call (one larger event whole),
+  so the flow-control window bounds what is buffered;
+* raises :class:`tidegate.errors.BackendError` (from :meth:`Backend.open` before
+  anything was sent). :meth:`BackendStream.aclose` closes the connection at
+  once, which makes the backend abort and free its KV cache.
 """
 
 from __future__ import annotations

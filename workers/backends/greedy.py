@@ -2,26 +2,14 @@
 a function of (prompt, i) only, and a trailing assistant message is continued
 from where it ends.
 
-The simulator (``simulator.deterministic = true``) and the bench's fake
-backend (``FakeConfig.deterministic``, ``--deterministic``) answer with it, so
-a stream that a worker or backend death interrupted and that tidegate then
-continued elsewhere can be checked **byte-exact** against an uninterrupted
-run (docs/resume.md, "Continuation"):
-
-* the *base prompt* is the chat messages without a trailing assistant
-  message (or the completions prompt); its hash seeds the answer;
-* piece ``i`` is one word of :data:`WORDS`, picked by a 64-bit mix of (seed,
-  i), with a leading space after the first; no generator state, so piece
-  ``i`` costs the same whatever came before;
-* a trailing assistant message ``prefix`` that is the start of the answer
-  (what was delivered before the interruption: whole pieces, or a piece cut
-  inside) is continued: the first piece is the rest of the cut piece, if
-  any, then the next ones. A prefix that is not the answer's start (someone
-  else's text) is ignored, and the answer starts from piece 0.
-* Without a token limit the answer is ``length`` pieces *including* those of
-  the prefix, as a model that stops at the same place; with one, the limit
-  counts the new pieces (the continuation's request carries the limit
-  reduced by what was delivered).
+The simulator (``simulator.deterministic``) and the bench's fake backend answer
+with it, so a stream continued after a failure can be checked byte-exact
+against an uninterrupted run. The base prompt (without a trailing assistant
+message) seeds the answer; piece ``i`` is one word of :data:`WORDS`; a trailing
+assistant message that is the answer's start is continued (from inside a cut
+piece if need be), any other is ignored. Without a token limit the answer is
+``length`` pieces including the prefix's; with one, the limit counts new
+pieces. Docs: docs/resume.md#continuation.
 """
 
 from __future__ import annotations

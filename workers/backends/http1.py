@@ -1,29 +1,16 @@
 """A small HTTP/1.1 client for the worker's per-chunk path.
 
-Why not aiohttp's client here: relaying a streamed response through it costs,
-per chunk, a StreamReader feed, a waiter future, a task step and a chain of
-coroutine resumes before the worker sees the bytes; and per request a
-ClientRequest, a connector lookup, a timer and a response object with lazy
-header structures. On this project's 2-core benchmark that was about 14 us per
-relayed chunk against 8.5 us for this module (``docs/benchmarks.md``). Here
-the body is *pushed*: the connection's ``data_received`` decodes the HTTP
+The body is *pushed*: the connection's ``data_received`` decodes the HTTP
 framing and calls the consumer synchronously, so a chunk reaches the NATS
-outbox in the same callback that read it from the socket.
+outbox in the callback that read it, without aiohttp's per-chunk reader,
+future and task steps. It does: ``Content-Length`` requests;
+``Content-Length``, chunked or close-delimited responses; keep-alive pooling
+(:data:`KEEPALIVE`); TLS; one retry of a reused connection the server closed.
+Not: redirects, proxies, cookies, compression, HTTP/2 (no model server needs them).
 
-What it does: one request at a time per connection, requests with
-``Content-Length``, responses with ``Content-Length``, ``Transfer-Encoding:
-chunked`` (extensions and trailers skipped), or bodies delimited by
-the connection's close, keep-alive pooling (idle connections are reused for
-:data:`KEEPALIVE` seconds), TLS for ``https://`` URLs, and one retry on a fresh
-connection when a reused one turns out to have been closed by the server
-before it answered (the keep-alive race). What it does not: redirects,
-proxies, cookies, compression (it asks for ``identity``), HTTP/2. The model
-backends it talks to (vLLM, Ollama, llama.cpp, TGI, OpenAI) need none of them.
-
-Invariants: a connection goes back to the pool only after a complete response
-body was read and neither side asked to close; a response whose consumer
-stops early is closed, never reused. Bytes that arrive while the consumer has
-paused reading are kept, at most one socket read of them.
+Invariants: a connection returns to the pool only after a complete body with
+neither side asking to close; a response whose consumer stops early is closed;
+bytes arriving while the consumer paused are kept, at most one socket read.
 """
 
 from __future__ import annotations

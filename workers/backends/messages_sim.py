@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
+from tidegate.apis import estimate_prompt_tokens
+from tidegate.apis.chat import DIALECT as CHAT
+from tidegate.wire.protocol import Request
 from workers.backends.base import BackendStream, Usage
 from workers.backends.messages_sse import MessagesTranslator
 from workers.backends.messages_translate import to_chat, to_message
@@ -27,7 +28,7 @@ class TranslatedStream:
         self._stream = request.stream
         self._id = "msg_" + request.id
         self._model = str(request.body.get("model", request.model))
-        prompt = estimate_prompt_tokens(Api.MESSAGES, request.body)
+        prompt = estimate_prompt_tokens(request.api, request.body)
         self._translator = MessagesTranslator(prompt_tokens=prompt, model=request.model,
                                               message_id=self._id, client_model=self._model)
         self._usage = self._translator.usage if request.stream else Usage(prompt_tokens=prompt)
@@ -46,7 +47,7 @@ class TranslatedStream:
         limit = body.get("max_tokens")
         if isinstance(limit, int) and limit >= length:
             del body["max_tokens"]
-        return dataclasses.replace(request, api=Api.CHAT, body=body, include_usage=True)
+        return dataclasses.replace(request, api=CHAT.api, body=body, include_usage=True)
 
     @property
     def usage(self) -> Usage:

@@ -1,24 +1,16 @@
-"""Sans-I/O streams of ``POST /v1/messages`` (docs/anthropic.md), each with
-the parser interface of ``workers.backends.sse.SSEPassthrough`` (``feed``,
-``flush``, ``done``, ``events``, ``usage``, ``finish_reason``), chosen once
-per job by ``workers.backends.openai``:
+"""Sans-I/O streams of ``POST /v1/messages``, with the parser interface of
+``workers.backends.sse.SSEPassthrough``, chosen once per job:
 
-* :class:`MessagesTranslator` (translation mode): a chat/completions stream
-  in, Anthropic's events out: ``message_start``, one ``ping``, per content
-  block ``content_block_start`` / ``content_block_delta`` (``text_delta``, or
-  ``input_json_delta`` for a tool call's arguments) / ``content_block_stop``,
-  then ``message_delta`` (``stop_reason``, ``stop_sequence`` and the usage
-  the backend counted) and ``message_stop``. Every chat chunk is parsed as
-  JSON: translation pays that per chunk (docs/benchmarks.md).
-* :class:`MessagesPassthrough`: a backend's own Messages stream, relayed
-  **byte for byte** (``event:`` and ``data:`` lines; comments, ``id:`` and
-  ``retry:`` are dropped). Only ``message_start`` and ``message_delta`` (the
-  usage and stop reason) and ``error`` are parsed, each found by a byte search
-  on its type; ``message_stop`` ends the stream.
+* :class:`MessagesTranslator`: a chat/completions stream in, Anthropic's events
+  out (``message_start``, ``ping``, content blocks with ``text_delta`` or
+  ``input_json_delta``, ``message_delta`` with stop reason and usage,
+  ``message_stop``); every chat chunk is parsed as JSON.
+* :class:`MessagesPassthrough`: a backend's own Messages stream, byte for byte
+  (comments, ``id:``, ``retry:`` dropped); only ``message_start``,
+  ``message_delta`` and ``error`` are parsed, found by a byte search.
 
 Usage is counted once: the backend's final numbers replace the running count
-(one token per text delta, so a cancelled stream still reconciles what it
-produced), never add to it.
+(one token per text delta), never add to it. Docs: docs/anthropic.md#streams.
 """
 
 from __future__ import annotations

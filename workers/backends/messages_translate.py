@@ -1,21 +1,13 @@
 """Anthropic Messages requests as chat completions, and chat completions back
-as Messages (sans-I/O): the translation mode of ``POST /v1/messages`` for a
-backend that serves only ``/chat/completions`` (docs/anthropic.md).
+as Messages (sans-I/O): the translation mode of ``POST /v1/messages``.
 
-Request (:func:`to_chat`): ``system`` becomes the first message; each turn's
-content blocks become chat content: ``text`` and ``image`` (base64 or URL) as
-parts, an assistant's ``tool_use`` blocks as its ``tool_calls``, a user's
-``tool_result`` blocks as ``tool`` messages ahead of the rest of its turn;
-``thinking`` blocks are dropped. ``tools`` become functions (``input_schema``
-is the parameters), ``tool_choice`` maps (``any`` -> ``required``, ``tool``
--> that function), ``stop_sequences`` -> ``stop``, ``metadata.user_id`` ->
-``user``; ``temperature``, ``top_p``, ``top_k`` and ``max_tokens`` keep their
-names. Fields only Anthropic's servers understand (``thinking``,
-``container``, ``mcp_servers``, ...) are dropped; any other unknown field
-passes on (vendor extensions). What cannot be translated (a server tool, a
-document block) is a 400 naming it.
-
-Response (:func:`to_message`): a chat completion's body as a Messages body.
+:func:`to_chat`: ``system`` and every system turn fold into one first system
+message; content blocks become chat content (``tool_use`` as ``tool_calls``,
+``tool_result`` as ``tool`` messages, ``thinking`` dropped); tools, stop
+sequences, ``metadata.user_id`` and the output format map to chat fields.
+Hints are dropped; what changes the answer and has no chat equivalent is a 400
+naming it; other unknown fields pass on. :func:`to_message`: a chat completion
+as a Messages body. Each field's fate: docs/anthropic.md#request-fields.
 """
 
 from __future__ import annotations
@@ -31,10 +23,13 @@ __all__ = ["to_chat", "to_message", "tool_input"]
 # Translated here (or tidegate's own); everything else not dropped passes on.
 _HANDLED = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences",
                       "stream", "tools", "tool_choice", "metadata", "temperature", "top_p",
-                      "top_k"})
-# Anthropic-only: a chat backend would reject or misread them.
-_DROPPED = frozenset({"thinking", "container", "mcp_servers", "service_tier",
-                      "context_management", "anthropic_version", "betas", "output_config"})
+                      "top_k", "context_management", "output_config", "output_format",
+                      "mcp_servers", "container"})
+# Anthropic-only annotations and hints: a chat backend would reject or misread
+# them, and dropping them changes no answer a chat model can give
+# (docs/anthropic.md says why for each).
+_DROPPED = frozenset({"thinking", "service_tier", "anthropic_version", "betas",
+                      "cache_control", "inference_geo"})
 
 
 def _unsupported(what: str, param: str) -> BackendError:
@@ -46,16 +41,24 @@ def _unsupported(what: str, param: str) -> BackendError:
 def to_chat(body: dict[str, Any], model: str, *, stream: bool) -> dict[str, Any]:
     """The chat/completions body for a validated Messages body."""
     out: dict[str, Any] = {"model": model}
+    _refuse_server_side(body)
     messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if isinstance(system, str) and system:
-        messages.append({"role": "system", "content": system})
-    elif isinstance(system, list):
-        text = "\n".join(b.get("text", "") for b in system if isinstance(b, dict))
+    turns = body.get("messages") or ()
+    # Chat templates (Qwen's, Llama's) take one system message, and first. A
+    # system turn's instructions apply from its place on; at the front they
+    # still cover every turn they applied to.
+    system = [_system_text(body.get("system"))]
+    system += [_system_text(t.get("content")) for t in turns if t.get("role") == "system"]
+    text = "\n\n".join(s for s in system if s)
+    if text:
         messages.append({"role": "system", "content": text})
-    for i, turn in enumerate(body.get("messages") or ()):
-        messages.extend(_turn(turn, f"messages[{i}]"))
+    for i, turn in enumerate(turns):
+        if turn.get("role") != "system":
+            messages.extend(_turn(turn, f"messages[{i}]"))
     out["messages"] = messages
+    response_format = _response_format(body)
+    if response_format is not None:
+        out["response_format"] = response_format
     out["max_tokens"] = body.get("max_tokens")
     for key in ("temperature", "top_p", "top_k"):
         if body.get(key) is not None:
@@ -84,6 +87,47 @@ def to_chat(body: dict[str, Any], model: str, *, stream: bool) -> dict[str, Any]
     if stream:
         out["stream_options"] = {"include_usage": True}
     return out
+
+
+def _system_text(system: Any) -> str:
+    if isinstance(system, str):
+        return system
+    return "\n".join(b.get("text", "") for b in system if isinstance(b, dict)) \
+        if isinstance(system, list) else ""
+
+
+def _refuse_server_side(body: dict[str, Any]) -> None:
+    """A 400 for what Anthropic's servers do beside the model and a chat
+    backend cannot: MCP connectors, a code container, context edits other
+    than clearing thinking (a chat backend is never sent thinking)."""
+    if body.get("mcp_servers"):
+        raise _unsupported("'mcp_servers' (MCP connectors run by Anthropic's API)",
+                           "mcp_servers")
+    if body.get("container") is not None:
+        raise _unsupported("'container' (a code execution container)", "container")
+    management = body.get("context_management")
+    edits = management.get("edits") if isinstance(management, dict) else None
+    for i, edit in enumerate(edits if isinstance(edits, list) else ()):
+        kind = str(edit.get("type", ""))
+        if not kind.startswith("clear_thinking_"):
+            raise _unsupported(f"The context edit '{kind}'", f"context_management.edits[{i}]")
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``output_config.format`` (or the older top-level ``output_format``) as
+    chat's ``response_format``: a JSON schema is one either way."""
+    config = body.get("output_config")
+    param = "output_config.format"
+    wanted = config.get("format") if isinstance(config, dict) else None
+    if wanted is None:
+        wanted, param = body.get("output_format"), "output_format"
+    if wanted is None:
+        return None
+    if not isinstance(wanted, dict) or wanted.get("type") != "json_schema" \
+            or not isinstance(wanted.get("schema"), dict):
+        raise _unsupported(f"'{param}' other than a json_schema with a 'schema' object", param)
+    return {"type": "json_schema",
+            "json_schema": {"name": "output", "schema": wanted["schema"], "strict": True}}
 
 
 def _turn(turn: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -162,6 +206,8 @@ def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
                                 "parameters": tool.get("input_schema") or {"type": "object"}}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]
+    if isinstance(tool.get("strict"), bool):
+        function["strict"] = tool["strict"]
     return {"type": "function", "function": function}
 
 

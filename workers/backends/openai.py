@@ -1,31 +1,16 @@
 """Backend for any OpenAI-compatible HTTP server: vLLM, Ollama, llama.cpp, TGI, OpenAI.
 
-The worker forwards the client's body (with ``model`` replaced by the upstream
-name) and relays the response **byte for byte**: SSE events are passed through
-as the backend wrote them, never re-serialised. Only a few events are looked
-into, each found by a cheap byte search before any JSON is parsed:
+The worker forwards the client's body (``model`` replaced by the upstream name)
+and relays the response byte for byte; only a few events are looked into, each
+found by a byte search first: ``data: [DONE]`` ends the stream; a non-null
+``usage`` is recorded (the worker always asks for it, and drops the usage-only
+chunk the client did not ask for); a ``finish_reason`` is recorded; a top-level
+``error`` becomes a :class:`BackendError`; comments are dropped.
 
-* ``data: [DONE]`` ends the stream (the edge writes its own).
-* An event with a non-null ``usage`` records the token usage. The worker always
-  asks the backend for usage (``stream_options.include_usage``) because quota
-  reconciliation needs it; when the client did not ask for it, the usage-only
-  chunk (empty ``choices``) is dropped. The other chunks then carry
-  ``"usage": null``, which clients accept, and they are left untouched.
-* An event with a non-null ``finish_reason`` records it.
-* An event with a top-level ``error`` becomes a :class:`BackendError`.
-* SSE comments and non-``data`` lines are dropped; the edge sends its own pings.
-
-Closing a stream early closes the TCP connection (never hands it back to the
-pool): that is how vLLM and friends learn the client left and abort the
-generation, freeing its KV cache.
-
-HTTP goes through ``workers.backends.http1``, which pushes body bytes from the
-socket callback: :class:`OpenAIStream` is a push stream (``start(sink)``; see
-``workers.backends``), and its ``read`` is the same machinery with a sink that
-takes one message per call.
-
-Errors map to HTTP statuses as ``workers.backends.upstream`` lists; the
-SSE handling is ``workers.backends.sse``.
+Invariant: closing a stream early closes the TCP connection (never pooled), so
+the backend aborts and frees its KV cache. HTTP goes through
+``workers.backends.http1`` (:class:`OpenAIStream` is a push stream); error
+mapping is ``workers.backends.upstream``. Docs: docs/backends.md.
 """
 
 from __future__ import annotations
@@ -36,11 +21,12 @@ import logging
 import os
 from typing import Any
 
+from tidegate import apis
+from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.config import ModelConfig, WorkerConfig
 from tidegate.control.prices import PRICE_EXTRA
 from tidegate.errors import BackendError, ConfigError
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends import upstream
 from workers.backends.base import Sink, Usage
 from workers.backends.http1 import BodyTooLarge, Http1Pool, Response
@@ -317,9 +303,6 @@ class OpenAIBackend:
         self._model = model
         self._worker = worker
         self._pool: Http1Pool | None = None
-        self._paths = {Api.CHAT: "/chat/completions", Api.COMPLETIONS: "/completions",
-                       Api.RESPONSES: "/responses", Api.EMBEDDINGS: "/embeddings",
-                       Api.MESSAGES: "/messages"}
         # /v1/messages: relayed to the backend's own (True), translated to
         # chat (False), or not known yet ("auto" until the first answer).
         self._native: bool | None = {"passthrough": True, "translate": False}.get(
@@ -351,7 +334,7 @@ class OpenAIBackend:
     def _payload(self, request: Request) -> bytes:
         body = dict(request.body)
         body["model"] = self._model.backend_model
-        if request.api in (Api.RESPONSES, Api.EMBEDDINGS, Api.MESSAGES):
+        if not apis.of(request.api).usage_asked:
             # Responses and embeddings go as the client sent them, model aside:
             # Responses streams report usage in response.completed unasked.
             # Background mode is tidegate's (edge.background): the backend
@@ -395,15 +378,16 @@ class OpenAIBackend:
         return resp
 
     async def open(self, request: Request) -> OpenAIStream | BodyStream:
-        if request.api is Api.MESSAGES:
+        dialect = apis.of(request.api)
+        if dialect.anthropic:
             return await self._messages(request)
         model = self._model
-        resp = await self._post(self._paths[request.api], self._headers(request),
+        resp = await self._post(dialect.path, self._headers(request),
                                 self._payload(request), request.api)
-        prompt_tokens = estimate_prompt_tokens(request.api, request.body)
+        prompt_tokens = dialect.prompt_tokens(request.body)
         if not request.stream:
             return await self._body(resp, request, prompt_tokens)
-        if request.api is Api.RESPONSES:
+        if dialect.typed_events:  # Responses
             # Its own parser, chosen once per job: chat's tuned path stays as it is.
             rename = ("resp_" + request.id).encode() if request.extra.get("background") \
                 or request.body.get("background") is True else None
@@ -428,7 +412,8 @@ class OpenAIBackend:
             resp.abort()
         log.info("model backend %s answered HTTP %d", self._model.name, resp.status)
         message = upstream.upstream_message(raw)
-        if resp.status == 529 or (resp.status == 503 and api is Api.MESSAGES):
+        dialect = apis.of(api)
+        if resp.status == 529 or (resp.status == 503 and dialect.anthropic):
             # Overloaded (529 is Anthropic's own): 503, which a Messages
             # client reads as 529 overloaded_error (tidegate.wire.anthropic).
             return BackendError(503, f"The model backend for {self._model.name!r} is "
@@ -436,10 +421,10 @@ class OpenAIBackend:
                                 type="service_unavailable", code="backend_overloaded",
                                 retryable=True,
                                 retry_after=upstream.retry_after(resp.headers) or 1.0)
-        if api >= Api.RESPONSES and upstream.is_missing_endpoint(resp.status, message):
+        if dialect.optional_endpoint and upstream.is_missing_endpoint(resp.status, message):
             log.warning("model backend %s (%s) does not serve %s", self._model.name,
-                        self._model.base_url, self._paths[api])
-            return endpoint_missing(self._model.name, "/v1" + self._paths[api], resp.status,
+                        self._model.base_url, dialect.path)
+            return endpoint_missing(self._model.name, "/v1" + dialect.path, resp.status,
                                     message)
         return status_error(resp.status, upstream.upstream_message(raw),
                             model=self._model.name,
@@ -450,11 +435,12 @@ class OpenAIBackend:
         translated to chat (``ModelConfig.messages``; "auto" learns which from
         the first answer and keeps it for the life of this backend)."""
         model = self._model
-        prompt_tokens = estimate_prompt_tokens(Api.MESSAGES, request.body)
+        messages = apis.of(request.api)
+        prompt_tokens = messages.prompt_tokens(request.body)
         if self._native is not False:
             try:
-                resp = await self._post("/messages", self._headers(request, native=True),
-                                        self._payload(request), Api.MESSAGES)
+                resp = await self._post(messages.path, self._headers(request, native=True),
+                                        self._payload(request), request.api)
             except BackendError as exc:
                 if self._native is not None or exc.code != "endpoint_not_supported":
                     raise
@@ -475,13 +461,13 @@ class OpenAIBackend:
                     client_model=str(request.body.get("model", model.name))),
                     model, self._worker.read_bytes)
         chat = to_chat(request.body, model.backend_model, stream=request.stream)
-        resp = await self._post("/chat/completions", self._headers(request),
-                                json.dumps(chat, separators=(",", ":")).encode(), Api.CHAT)
+        resp = await self._post(CHAT.path, self._headers(request),
+                                json.dumps(chat, separators=(",", ":")).encode(), CHAT.api)
         message_id = "msg_" + request.id
         client_model = str(request.body.get("model", model.name))
         if not request.stream:
             _, obj = await self._read_json(resp)
-            usage = _body_usage(obj, Api.CHAT, prompt_tokens)
+            usage = _body_usage(obj, CHAT.api, prompt_tokens)
             message = to_message(obj, message_id, client_model)
             return BodyStream(json.dumps(message, separators=(",", ":")).encode(), usage)
         return OpenAIStream(resp, MessagesTranslator(
@@ -537,12 +523,13 @@ def _header_safe(value: str) -> bool:
 def _body_usage(obj: dict[str, Any], api: Api, prompt_tokens: int) -> Usage:
     """Usage and finish reason of a non-streaming body; estimated when not reported."""
     usage = Usage(prompt_tokens=prompt_tokens)
-    if api is Api.RESPONSES:
+    dialect = apis.of(api)
+    if dialect.typed_events:  # Responses (Messages has its own path)
         status = obj.get("status")
         usage.finish_reason = "stop" if status == "completed" else str(status or "")
         record_usage(usage, obj.get("usage"))
         return usage
-    if api is Api.EMBEDDINGS:
+    if dialect.vectors:
         reported = obj.get("usage")
         if isinstance(reported, dict) and isinstance(reported.get("prompt_tokens"), int):
             usage.prompt_tokens = reported["prompt_tokens"]
@@ -555,7 +542,7 @@ def _body_usage(obj: dict[str, Any], api: Api, prompt_tokens: int) -> Usage:
             usage.finish_reason = first["finish_reason"]
         message = first.get("message")
         text = (message.get("content") if isinstance(message, dict) else None
-                ) if api == Api.CHAT else first.get("text")
+                ) if dialect.openai_chat else first.get("text")
         if isinstance(text, str):
             usage.completion_tokens = (len(text) + 3) // 4
     reported = obj.get("usage")

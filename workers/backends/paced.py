@@ -1,19 +1,13 @@
 """What every simulated answer shares: its events, read at the simulated
 model's pace.
 
-A streaming answer is a sequence of events indexed from 0: some opening
-events, one per token from ``_first_tok`` on, then the closing ones. Event
-``k`` is due when the token it carries is due (an opening event with the
-first token, a closing one with the last). :meth:`PacedStream.read` returns
-every event due by now, at least one (it sleeps until the next is due), at
-most ``max_bytes`` beyond the first; each event is accounted
-(:meth:`PacedStream._account`) before the next one is built, so closing
-events read the final counts. A non-streaming answer is one body, ready
-when the last token is due.
-
-Subclasses build the bytes: chat and completions chunks
-(``workers.backends.simulator.SimulatorStream``) and Responses API events
-(``workers.backends.simulator_responses.SimulatorResponsesStream``).
+A streaming answer is events indexed from 0 (openings, one per token, closings);
+event ``k`` is due with the token it carries. :meth:`PacedStream.read` returns
+every event due by now, at least one, at most ``max_bytes`` beyond the first,
+each accounted before the next is built, so closing events read final counts.
+A non-streaming answer is one body, ready with the last token. Subclasses
+build the bytes (``simulator.SimulatorStream``,
+``simulator_responses.SimulatorResponsesStream``).
 """
 
 from __future__ import annotations

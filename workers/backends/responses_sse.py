@@ -1,29 +1,13 @@
-"""Sans-I/O passthrough of a Responses API stream (``POST /responses``,
-``stream: true``): the backend's typed SSE events in, client-ready events out.
+"""Sans-I/O passthrough of a Responses API stream: the backend's typed SSE events
+in, client-ready events out (the interface of ``workers.backends.sse.SSEPassthrough``).
 
-Chosen once per job, in place of ``workers.backends.sse.SSEPassthrough`` (chat
-and completions keep their tuned path untouched). Same interface: ``feed``,
-``flush``, ``done``, ``events``, ``usage``, ``finish_reason``.
-
-Invariants:
-
-* Events pass **byte for byte** as the backend wrote them, ``event:`` line
-  included: the only lines dropped are SSE comments, ``id:`` and ``retry:``
-  (the edge sends its own pings and, for resumable streams, its own ids).
-* **sequence_number.** OpenAI numbers every event from 0. A backend that
-  omits it (llama.cpp's llama-server does) gets it supplied by splicing
-  ``"sequence_number":N,`` right after the opening brace of the event's JSON:
-  bytes are inserted, the backend's JSON is never re-encoded. ``N`` is the
-  event's 0-based index among the stream's data events, which is what a
-  backend that numbers them would have written.
-* **Usage** comes from the terminal event (``response.completed``,
-  ``response.incomplete``, ``response.failed``), the only one parsed as JSON;
-  it is found by a byte search on its ``type``. Until then each
-  ``response.output_text.delta`` counts as one output token, so a cancelled
-  stream still reconciles what it produced. The edge parses nothing.
-* The terminal event ends the stream (``done``); anything after it, and a
-  ``data: [DONE]`` some servers append, is dropped. A top-level ``error``
-  event becomes a :class:`tidegate.errors.BackendError`, as in chat.
+Invariants: events pass byte for byte (only comments, ``id:`` and ``retry:``
+dropped); a missing ``sequence_number`` (llama-server) is spliced in as the
+event's 0-based index, never by re-encoding the JSON; usage comes from the
+terminal event, the only one parsed, and until then each text delta counts one
+token; the terminal event ends the stream and anything after it (a
+``data: [DONE]``) is dropped; a top-level ``error`` event becomes a
+:class:`tidegate.errors.BackendError`. Docs: docs/backends.md.
 """
 
 from __future__ import annotations

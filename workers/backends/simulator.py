@@ -1,33 +1,15 @@
 """The built-in model: deterministic text at a configured pace, in OpenAI's wire format.
 
-The simulator lets the whole pipeline (edge, broker, dispatcher, workers) run
-and be benchmarked without a GPU. Its output is byte-for-byte what the OpenAI
-API sends, so the official ``openai`` SDK parses it.
+Runs and benchmarks the whole pipeline without a GPU; the ``openai`` SDK parses it.
 
-Invariants:
-
-* **Deterministic.** The text depends only on the prompt (and the body's
-  ``seed``): a seeded generator picks words from a fixed list, so the same
-  request always gets the same text. Tests and benchmarks can compare runs.
-* **Paced like a model.** Token ``i`` (0-based) is due ``ttft + i /
-  tokens_per_second`` seconds after :meth:`SimulatorBackend.open`. Time runs
-  whether or not anyone reads: a reader that falls behind gets every due token
-  at once (coalesced, as consecutive complete SSE events, up to ``max_bytes``),
-  the way a real backend's socket buffer fills while the worker is paused.
-* **Length.** Without ``max_tokens`` (``max_completion_tokens`` for chat) the
-  simulator writes ``simulator.length`` tokens and finishes with ``"stop"``, as
-  a model does when it chooses to end. With it, exactly that many tokens and
-  ``"length"``; a limit above the model's ``max_output_tokens`` is cut there.
-  The text is planned lazily (:class:`TextPlan`), so what a stream holds does
-  not grow with the limit. A ``stop`` string ends the text *before* the string, with
-  ``"stop"``; the token in which it starts counts as generated. Finding it is
-  linear in the text whatever the stops' length, and runs in a thread
-  (:func:`plan_off_loop`): the event loop never waits for it.
-* **Hot path.** Each stream prebuilds its event prefix/suffix bytes once; per
-  token only the token text is JSON-encoded (and common words come from a
-  cache), so no per-token dict is built or serialised.
-
-Only one choice is generated (``n`` is ignored).
+Invariants: the text depends only on the prompt (and ``seed``); token ``i`` is due
+``ttft + i / tokens_per_second`` after :meth:`SimulatorBackend.open`, whether or
+not anyone reads (a reader behind gets every due token at once, up to
+``max_bytes``); without a token limit it writes ``simulator.length`` tokens and
+``"stop"``, with one exactly that many and ``"length"`` (cut at the model's
+``max_output_tokens``); a ``stop`` string ends the text before it, found in a
+thread (:func:`plan_off_loop`) in linear time; per token only the token text is
+encoded. One choice only (``n`` is ignored). Docs: docs/backends.md.
 """
 
 from __future__ import annotations
@@ -41,6 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from math import floor
 from typing import Any, overload
 
+from tidegate import apis
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     ModelConfig,
@@ -50,12 +34,16 @@ from tidegate.config import (
 from tidegate.control.prices import PRICE_EXTRA, cost_member
 from tidegate.validation.messages import MAX_STOP_SEQUENCES
 from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
 from workers.backends.base import BackendStream, Usage
 from workers.backends.greedy import GreedyPlan, greedy_plan
 from workers.backends.paced import PacedStream
 from workers.backends.prefix_cache import PrefixCache, prompt_text
 from workers.backends.simulator_responses import SimulatorEmbeddings, SimulatorResponsesStream
+from workers.backends.simulator_tools import (
+    SimulatorResponsesToolCall,
+    SimulatorToolCall,
+    wants_tool_call,
+)
 
 __all__ = ["SimulatorBackend", "SimulatorStream", "TextPlan", "plan", "plan_text"]
 
@@ -78,21 +66,13 @@ for _w in _WORDS:
         _PIECE_JSON[_p] = json.dumps(_p).encode()
 
 
-def _limit(api: Api, body: Mapping[str, Any]) -> int | None:
-    """The client's token limit; the smaller one when both names are given."""
-    names = (("max_tokens", "max_completion_tokens") if api == Api.CHAT else
-             ("max_output_tokens",) if api == Api.RESPONSES else ("max_tokens",))
-    limits = [v for n in names
-              if isinstance(v := body.get(n), int) and not isinstance(v, bool)]
-    return max(0, min(limits)) if limits else None
-
-
 def _stops(api: Api, body: Mapping[str, Any]) -> list[str]:
     """The stop strings the simulator honours. The Responses API has none (a
     ``stop`` there is a vendor field the edge does not check), and of a list
     longer than any dialect admits (a body that reached the worker some other
     way) only the first ones count: finding them costs a pass per string."""
-    stop = body.get("stop") if api != Api.RESPONSES else None
+    field = apis.of(api).stop_field
+    stop = body.get(field) if field else None
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list):
@@ -101,11 +81,12 @@ def _stops(api: Api, body: Mapping[str, Any]) -> list[str]:
 
 
 def _seed(api: Api, body: Mapping[str, Any]) -> int:
+    dialect = apis.of(api)
     material = {
-        "prompt": body.get("messages") if api == Api.CHAT else body.get("prompt"),
+        "prompt": body.get("messages") if dialect.openai_chat else body.get("prompt"),
         "seed": body.get("seed"),
     }
-    if api == Api.RESPONSES:
+    if dialect.background:  # Responses: its instructions and input
         material = {"prompt": body.get("input"), "instructions": body.get("instructions")}
     raw = json.dumps(material, sort_keys=True, default=str).encode()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
@@ -256,15 +237,11 @@ def plan(api: Api, body: Mapping[str, Any], sim: SimulatorConfig,
     model's ``max_output_tokens``) bounds its length whatever the body says:
     the edge rejects a larger limit, and a body that reached a worker some
     other way is still cut there, with ``"length"``."""
-    limit = _limit(api, body)
-    if sim.deterministic and api in (Api.CHAT, Api.COMPLETIONS, Api.RESPONSES):
-        if api == Api.RESPONSES:  # its input read as chat messages, a text as one user turn
-            given = body.get("input")
-            turns = [{"role": "user", "content": given}] if isinstance(given, str) else given
-            body = {"messages": [*([{"role": "system", "content": body["instructions"]}]
-                                   if body.get("instructions") else []),
-                                 *(turns if isinstance(turns, list) else [])]}
-        return greedy_plan(api != Api.COMPLETIONS, body,
+    dialect = apis.of(api)
+    limit = dialect.output_cap(body)
+    if sim.deterministic and dialect.continuable:
+        chat = dialect.chat_body(body)  # Responses' input read as chat messages
+        return greedy_plan(chat is not None, body if chat is None else chat,
                            None if limit is None else min(limit, cap), min(sim.length, cap))
     count = sim.length if limit is None else limit
     finish = "stop" if limit is None else "length"
@@ -313,7 +290,7 @@ class SimulatorStream(PacedStream):
                  pieces: TextPlan | GreedyPlan | None = None) -> None:
         if pieces is None:
             pieces = plan(request.api, request.body, sim, cap)
-        chat = request.api == Api.CHAT
+        chat = apis.of(request.api).openai_chat
         first_tok = 1 if chat else 0
         # role (chat) + tokens + finish + usage (when asked)
         super().__init__(request, pieces, pieces.finish,
@@ -371,7 +348,7 @@ class SimulatorStream(PacedStream):
     def _final_body(self) -> bytes:
         text = json.dumps("".join(self._pieces)).encode()
         reason = self._usage_finish.encode()
-        if self._request.api == Api.CHAT:
+        if apis.of(self._request.api).openai_chat:
             choice = (b'{"index":0,"message":{"role":"assistant","content":' + text
                       + b',"refusal":null},"logprobs":null,"finish_reason":"%s"}' % reason)
         else:
@@ -400,17 +377,21 @@ class SimulatorBackend:
         sim = self._model.simulator
         cap = self._model.max_output_tokens
         now = time.monotonic()
-        if request.api == Api.MESSAGES:
+        dialect = apis.of(request.api)
+        if dialect.anthropic:  # translated to chat and back (messages_sim)
             return await simulated_messages(request, sim, cap)
-        if request.api == Api.EMBEDDINGS:
+        if dialect.vectors:
             return await SimulatorEmbeddings.open(request, sim, now,
                                                   self._worker.max_response_bytes)
+        if (dialect.openai_chat or dialect.typed_events) and wants_tool_call(request.body, sim):
+            if dialect.typed_events:  # Responses (Messages went above)
+                return SimulatorResponsesToolCall(request, sim, now)
+            return SimulatorToolCall(request, sim, now)
         pieces = await plan_off_loop(request.api, request.body, sim, cap)
-        if request.api == Api.RESPONSES:
+        if dialect.typed_events:  # Responses (Messages went above)
             return SimulatorResponsesStream(request, pieces, pieces.finish, sim, now)
         if sim.prefill_per_char > 0:
-            cached, total = self._cache.lookup(prompt_text(request.body,
-                                                           request.api == Api.CHAT))
+            cached, total = self._cache.lookup(prompt_text(request.body, dialect.openai_chat))
             now += sim.prefill_per_char * (total - cached)
         return SimulatorStream(request, sim, now, cap, pieces)
 
@@ -425,7 +406,9 @@ async def simulated_messages(request: Request, sim: SimulatorConfig,
     from workers.backends.messages_sim import TranslatedStream
     now = time.monotonic()
     chat = TranslatedStream.chat_request(request, sim.length)
-    planned = await plan_off_loop(Api.CHAT, chat.body, sim, cap)
+    if wants_tool_call(chat.body, sim):
+        return TranslatedStream(request, SimulatorToolCall(chat, sim, now))
+    planned = await plan_off_loop(chat.api, chat.body, sim, cap)
     # A greedy plan applies no stop strings (workers/backends/greedy.py).
     stopped_by = planned.stopped_by if isinstance(planned, TextPlan) else ""
     return TranslatedStream(request, SimulatorStream(chat, sim, now, cap, planned),

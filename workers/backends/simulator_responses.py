@@ -1,29 +1,15 @@
 """The simulator's Responses API and embeddings, in OpenAI's wire format.
 
-Same invariants as ``workers.backends.simulator`` (deterministic, paced like
-a model, the official SDK parses it), for the two newer endpoints:
+Same invariants as ``workers.backends.simulator``, for the two newer endpoints:
 
-* **Responses, streaming**: typed events, each an ``event: <type>`` line and
-  a ``data:`` line whose JSON carries ``type`` and ``sequence_number``
-  (0, 1, 2, ... without a gap), in OpenAI's order: ``response.created``,
-  ``response.in_progress``, ``response.output_item.added``,
-  ``response.content_part.added``, one ``response.output_text.delta`` per
-  token, ``response.output_text.done``, ``response.content_part.done``,
-  ``response.output_item.done``, and ``response.completed`` (or, when
-  ``max_output_tokens`` cut the text, ``response.incomplete`` with
-  ``incomplete_details.reason = "max_output_tokens"``), whose ``response``
-  holds the whole output and the usage. No ``data: [DONE]``: OpenAI sends none.
-  The first two events are due at once, the item and part openings with the
-  first token, the closing ones with the last.
-* **Responses, not streaming**: the final response object, once the last
-  token is due.
-* **Embeddings**: one vector per input (a string or a token-id array), of
-  ``dimensions`` (else ``simulator.embedding_dimensions``) float32 values of
-  unit length, a pure function of the input and the model name, so the same
-  input always gets the same vector and ``float`` and ``base64`` encodings
-  decode to identical numbers. Usage: the input's token estimate. A request
-  whose response could outgrow ``worker.max_response_bytes`` is refused
-  before any vector is made, and the body is built in a thread.
+* Responses, streaming: OpenAI's typed events in OpenAI's order, ``sequence_number``
+  without a gap, ending with ``response.completed`` (or ``response.incomplete``
+  when ``max_output_tokens`` cut it); no ``data: [DONE]``.
+* Responses, not streaming: the final response object, at the last token.
+* Embeddings: per input, a unit float32 vector of ``dimensions``, a pure
+  function of the input and model name; usage is the token estimate; a
+  response that could outgrow ``worker.max_response_bytes`` is refused first,
+  and the body is built in a thread.
 """
 
 from __future__ import annotations
@@ -40,15 +26,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tidegate.apis import estimate_prompt_tokens
 from tidegate.config import SimulatorConfig
 from tidegate.errors import ApiError, BackendError
 from tidegate.validation.responses import check_embeddings_size, embedding_inputs
-from tidegate.wire.protocol import Api, Request
-from tidegate.wire.tokens import estimate_prompt_tokens
+from tidegate.wire.protocol import Request
 from workers.backends.base import Usage
 from workers.backends.paced import PacedStream
 
-__all__ = ["MAX_DIMENSIONS", "SimulatorEmbeddings", "SimulatorResponsesStream", "embed"]
+__all__ = ["MAX_DIMENSIONS", "SimulatorEmbeddings", "SimulatorResponsesStream", "embed",
+           "response_object"]
 
 MAX_DIMENSIONS = 8192  # a bigger request would only cost the worker memory
 
@@ -60,24 +47,52 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
+def response_object(request: Request, status: str, output: list[dict[str, Any]] | None,
+                    usage: Usage | None) -> dict[str, Any]:
+    """The Responses API's response object for ``request``, as OpenAI writes it."""
+    body = request.body
+    incomplete = status == "incomplete"
+    return {
+        "id": "resp_" + request.id, "object": "response",
+        "created_at": request.created_ms // 1000, "status": status, "background": False,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": request.model, "output": output or [],
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "temperature": body.get("temperature", 1.0),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "top_p": body.get("top_p", 1.0), "truncation": body.get("truncation", "disabled"),
+        "usage": None if usage is None else {
+            "input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens},
+        "metadata": body.get("metadata") or {},
+    }
+
+
 class SimulatorResponsesStream(PacedStream):
     """One simulated Responses API answer: its opening events, one
     ``response.output_text.delta`` per token, its closing events (paced as
     ``workers.backends.paced`` says; the first two are due at once)."""
 
-    __slots__ = ("_created", "_delta_prefix", "_item_id", "_status", "_t_open", "_text")
+    __slots__ = ("_delta_prefix", "_item_id", "_status", "_t_open", "_text")
 
     def __init__(self, request: Request, pieces: Sequence[str], finish: str, sim: SimulatorConfig,
                  now: float) -> None:
         # plan_text says "length" exactly when max_output_tokens bounded the text.
         super().__init__(request, pieces, finish,
-                         Usage(prompt_tokens=estimate_prompt_tokens(Api.RESPONSES, request.body)),
+                         Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body)),
                          now + sim.ttft, 1.0 / sim.tokens_per_second, _OPENING,
                          _OPENING + len(pieces) + _CLOSING)
         self._status = "incomplete" if finish == "length" else "completed"
         self._t_open = now
         self._item_id = "msg_" + request.id
-        self._created = request.created_ms // 1000
         self._delta_prefix = (b',"item_id":"' + self._item_id.encode()
                               + b'","output_index":0,"content_index":0,"delta":')
         self._text = ""  # the whole text, once the closing events need it (_prepare)
@@ -86,30 +101,7 @@ class SimulatorResponsesStream(PacedStream):
 
     def _response(self, status: str, output: list[dict[str, Any]] | None,
                   usage: Usage | None) -> dict[str, Any]:
-        body = self._request.body
-        incomplete = status == "incomplete"
-        return {
-            "id": "resp_" + self._request.id, "object": "response",
-            "created_at": self._created, "status": status, "background": False,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"),
-            "model": self._request.model, "output": output or [],
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "previous_response_id": body.get("previous_response_id"),
-            "temperature": body.get("temperature", 1.0),
-            "text": body.get("text") or {"format": {"type": "text"}},
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "top_p": body.get("top_p", 1.0), "truncation": body.get("truncation", "disabled"),
-            "usage": None if usage is None else {
-                "input_tokens": usage.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": usage.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": usage.prompt_tokens + usage.completion_tokens},
-            "metadata": body.get("metadata") or {},
-        }
+        return response_object(self._request, status, output, usage)
 
     def _part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
@@ -247,7 +239,7 @@ class SimulatorEmbeddings:
         except ApiError as error:
             raise BackendError(400, error.message, type="invalid_request_error",
                                code="invalid_value") from None
-        usage = Usage(prompt_tokens=estimate_prompt_tokens(Api.EMBEDDINGS, body),
+        usage = Usage(prompt_tokens=estimate_prompt_tokens(request.api, body),
                       finish_reason="stop")
         raw = await asyncio.to_thread(embeddings_body, request.model, embedding_inputs(body),
                                       dimensions, body.get("encoding_format") == "base64",

@@ -1,25 +1,17 @@
-"""What an OpenAI-compatible backend's failures become for the client.
+"""What an OpenAI-compatible backend's failures become for the client: a
+:class:`tidegate.errors.BackendError`, raised before the first byte where it can be::
 
-Error mapping (all raise :class:`tidegate.errors.BackendError`; before the
-first byte from :meth:`OpenAIBackend.open`, so the edge answers with the HTTP
-status):
+    upstream                  HTTP  type / code               retryable
+    400, 404, 413, 422        400   invalid_request_error     no
+    401, 403                  502   backend_auth_failed       no
+    429                       429   rate_limit_error          yes
+    503 / other non-2xx       502   backend_error             yes / no
+    no such route (*)         501   endpoint_not_supported    no
+    connect failure           502   backend_unavailable       yes
+    no headers / silence      504   backend_timeout           no
 
-=====================  =====  ===========================  =========
-upstream               HTTP   type / code                  retryable
-=====================  =====  ===========================  =========
-400, 404, 413, 422     400    invalid_request_error        no
-401, 403               502    backend_auth_failed          no
-429                    429    rate_limit_error             yes
-503                    502    backend_error                yes
-other 5xx / non-2xx    502    backend_error                no
-no such route [#]_     501    endpoint_not_supported       no
-connect failure        502    backend_unavailable          yes
-no headers in time     504    backend_timeout              no
-silence mid-stream     504    backend_timeout              no
-=====================  =====  ===========================  =========
-
-.. [#] Responses and embeddings only: a 405 or 501, or a 404 whose message is
-   not about the model (:func:`is_missing_endpoint`).
+(*) Responses and embeddings only: a 405, 501, or a 404 not about the model
+(:func:`is_missing_endpoint`). Docs: docs/backends.md.
 """
 
 from __future__ import annotations
