@@ -49,16 +49,31 @@ def api_member_uses(files: list[Path], root: Path = ROOT) -> dict[str, int]:
     return out
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def private_imports(files: list[Path], root: Path = ROOT) -> list[str]:
-    """``from project.module import _name`` across modules."""
+    """Another project module's private names: ``from project.module import
+    _name``, and ``module._name`` on a module imported by name."""
     found = []
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        modules: dict[str, str] = {}  # local name -> project module
+        for node in ast.walk(tree):
             if (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
                     and node.module.split(".")[0] in TOPS):
                 found += [f"{path.relative_to(root)}: {node.module}.{a.name}"
-                          for a in node.names if a.name.startswith("_")
-                          and not a.name.startswith("__")]
+                          for a in node.names if _private(a.name)]
+                modules.update({a.asname or a.name: f"{node.module}.{a.name}"
+                                for a in node.names if not _private(a.name)})
+            elif isinstance(node, ast.Import):
+                modules.update({a.asname: a.name for a in node.names
+                                if a.asname and a.name.split(".")[0] in TOPS})
+        found += [f"{path.relative_to(root)}: {modules[node.value.id]}.{node.attr}"
+                  for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and _private(node.attr)
+                  and isinstance(node.value, ast.Name) and node.value.id in modules]
     return found
 
 
@@ -80,9 +95,12 @@ def test_the_counters_see_what_they_count(tmp_path: Path) -> None:
     code = tmp_path / "edge" / "m.py"
     code.write_text("from tidegate.wire.protocol import Api\n"
                     "from edge.errors import _private\n"
-                    "def f(api):\n    return api is Api.CHAT or api >= Api.RESPONSES\n")
+                    "from tidegate.validation import messages\n"
+                    "def f(api):\n    return api is Api.CHAT or api >= Api.RESPONSES\n"
+                    "ROLES = messages._ROLES\n")
     assert api_member_uses([code], tmp_path) == {"edge/m.py": 2}
-    assert private_imports([code], tmp_path) == ["edge/m.py: edge.errors._private"]
+    assert private_imports([code], tmp_path) == ["edge/m.py: edge.errors._private",
+                                                 "edge/m.py: tidegate.validation.messages._ROLES"]
 
 
 @pytest.mark.parametrize("dialect", apis.ALL, ids=lambda d: d.api.name.lower())

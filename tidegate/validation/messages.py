@@ -36,11 +36,11 @@ from tidegate.wire.protocol import Api
 
 __all__ = ["quota_user", "validate_messages", "validate_messages_body"]
 
-_ROLES = ("user", "assistant", "system")
+ROLES = ("user", "assistant", "system")
 # Anthropic documents no bound on stop_sequences; each becomes a backend stop
 # string that is matched on every token, so tidegate sets one (docs/anthropic.md).
 MAX_STOP_SEQUENCES = 16
-_CHOICES = ("auto", "any", "tool", "none")
+TOOL_CHOICE_TYPES = ("auto", "any", "tool", "none")
 # Block types and the string fields each must carry.
 _BLOCK_STRINGS = {"text": ("text",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}
 # Longer than Claude Code's JSON ids (about 150 characters); bounds the parse.
@@ -133,7 +133,7 @@ def _turns(body: dict[str, Any]) -> None:
         if not isinstance(turn, dict):
             raise invalid_request(f"'{where}' must be an object, got {json_type(turn)}.",
                                   param=where, code="invalid_type")
-        if turn.get("role") not in _ROLES:
+        if turn.get("role") not in ROLES:
             raise invalid_request(f"'{where}.role' must be 'user', 'assistant' or 'system'.",
                                   param=f"{where}.role", code="invalid_value")
         content = turn.get("content")
@@ -277,9 +277,9 @@ def _tool_choice(body: dict[str, Any]) -> None:
     choice = body.get("tool_choice")
     if choice is None:
         return
-    if not isinstance(choice, dict) or choice.get("type") not in _CHOICES:
+    if not isinstance(choice, dict) or choice.get("type") not in TOOL_CHOICE_TYPES:
         raise invalid_request("'tool_choice' must be an object whose 'type' is one of "
-                              f"{', '.join(_CHOICES)}.", param="tool_choice",
+                              f"{', '.join(TOOL_CHOICE_TYPES)}.", param="tool_choice",
                               code="invalid_value")
     if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
         raise invalid_request("'tool_choice.name' must be a string for type 'tool'.",

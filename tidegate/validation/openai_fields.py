@@ -24,7 +24,7 @@ MAX_LOGIT_BIAS = 300
 MAX_METADATA = 16
 _INT64 = 1 << 63
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_TOOL_CHOICES = frozenset({"none", "auto", "required"})
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
 _RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
 
 
@@ -188,8 +188,8 @@ def _tool_choice(body: dict[str, Any]) -> None:
     if choice is None:
         return
     if isinstance(choice, str):
-        if choice not in _TOOL_CHOICES:
-            raise _value_error("tool_choice", f"must be one of {', '.join(sorted(_TOOL_CHOICES))} "
+        if choice not in TOOL_CHOICES:
+            raise _value_error("tool_choice", f"must be one of {', '.join(sorted(TOOL_CHOICES))} "
                                               f"or an object, got {choice!r}.")
         return
     if not isinstance(choice, dict):

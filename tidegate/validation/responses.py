@@ -45,8 +45,8 @@ _FLOAT_JSON_BYTES = 24
 _PER_EMBEDDING_BYTES = 64
 _PER_RESPONSE_BYTES = 256
 _DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # EdgeConfig's and WorkerConfig's default
-_ENCODINGS = ("float", "base64")
-_TRUNCATION = ("auto", "disabled")
+ENCODINGS = ("float", "base64")
+TRUNCATIONS = ("auto", "disabled")
 
 
 def validate_request(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
@@ -88,8 +88,8 @@ def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
     for key in ("metadata", "text", "reasoning", "prompt", "conversation"):
         _optional_object(body, key, allow_str=key == "conversation")
     truncation = body.get("truncation")
-    if truncation is not None and truncation not in _TRUNCATION:
-        raise invalid_request(f"'truncation' must be one of {', '.join(_TRUNCATION)}, got "
+    if truncation is not None and truncation not in TRUNCATIONS:
+        raise invalid_request(f"'truncation' must be one of {', '.join(TRUNCATIONS)}, got "
                               f"{truncation!r}.", param="truncation", code="invalid_value")
     include = body.get("include")
     if include is not None and not (isinstance(include, list)
@@ -120,8 +120,8 @@ def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
     model = model_for(body, models)
     _embedding_input(body)
     encoding = body.get("encoding_format")
-    if encoding is not None and encoding not in _ENCODINGS:
-        raise invalid_request(f"'encoding_format' must be one of {', '.join(_ENCODINGS)}, got "
+    if encoding is not None and encoding not in ENCODINGS:
+        raise invalid_request(f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got "
                               f"{encoding!r}.", param="encoding_format", code="invalid_value")
     dimensions = optional_int(body, "dimensions", minimum=1)
     if dimensions is None and model.backend == "simulator":

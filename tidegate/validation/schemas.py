@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from tidegate.validation import generation, messages, openai_fields
-from tidegate.validation.responses import _ENCODINGS, _TRUNCATION, MAX_EMBEDDING_INPUTS
+from tidegate.validation.responses import ENCODINGS, MAX_EMBEDDING_INPUTS, TRUNCATIONS
 from tidegate.wire.batch import ENDPOINTS
 
 __all__ = ["JSON_VALUE", "MODEL_NAME", "request_schemas"]
@@ -150,7 +150,7 @@ def chat(max_tokens: int) -> Schema:
         "max_completion_tokens": _int(1, max_tokens),
         "tools": {"type": "array", "maxItems": openai_fields.MAX_TOOLS, "items": _CHAT_TOOL},
         "tool_choice": {"anyOf": [
-            {"enum": sorted(openai_fields._TOOL_CHOICES)},
+            {"enum": sorted(openai_fields.TOOL_CHOICES)},
             _obj({"type": {"const": "function"},
                   "function": _obj({"name": _FUNCTION_NAME}, ("name",))},
                  ("type", "function")),
@@ -208,7 +208,7 @@ def responses(max_tokens: int) -> Schema:
                    "service_tier"),
         **{key: _OBJECT for key in ("metadata", "text", "reasoning", "prompt")},
         "conversation": {"anyOf": [_OBJECT, _STRING]},
-        "truncation": {"enum": list(_TRUNCATION)},
+        "truncation": {"enum": list(TRUNCATIONS)},
         "include": {"type": "array", "items": _STRING},
         "stream_options": _OBJECT,
     }, ("model",), anyOf=[{"required": ["input"]}, {"required": ["previous_response_id"]},
@@ -232,7 +232,7 @@ def embeddings() -> Schema:
             {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
              "items": {"type": "array", "minItems": 1, "items": _TOKEN}},
         ]},
-        "encoding_format": {"enum": list(_ENCODINGS)},
+        "encoding_format": {"enum": list(ENCODINGS)},
         "dimensions": _int(1),
         "user": _STRING,
         "stream": {"const": False},
@@ -263,7 +263,7 @@ def anthropic_messages(max_tokens: int, *, count_tokens: bool = False) -> Schema
         "model": _MODEL,
         "max_tokens": _int(1, max_tokens),
         "messages": {"type": "array", "minItems": 1, "items": {"anyOf": [
-            _obj({"role": {"enum": [r for r in messages._ROLES if r != "system"]},
+            _obj({"role": {"enum": [r for r in messages.ROLES if r != "system"]},
                   "content": {"anyOf": [_STRING, {"type": "array", "items": _BLOCK}]}},
                  ("role", "content")),
             # a system turn holds what the top-level system does
@@ -280,7 +280,7 @@ def anthropic_messages(max_tokens: int, *, count_tokens: bool = False) -> Schema
                 {"required": ["input_schema"]}])},
         "tool_choice": {"anyOf": [
             _obj({"type": {"const": "tool"}, "name": _STRING}, ("type", "name")),
-            _obj({"type": {"enum": [c for c in messages._CHOICES if c != "tool"]}},
+            _obj({"type": {"enum": [c for c in messages.TOOL_CHOICE_TYPES if c != "tool"]}},
                  ("type",))]},
         "metadata": _obj({"user_id": _STRING}),
         "stream": _BOOL,
