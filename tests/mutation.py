@@ -33,8 +33,8 @@ PACKAGES = ["tidegate", "edge", "dispatcher", "workers", "bench"]
 MODULES: dict[str, tuple[str, list[str]]] = {
     "flow": ("tidegate/wire/flow.py", ["tests/test_flow.py", "tests/test_relay_direct.py",
                                        "tests/test_fencing_token.py"]),
-    "liveness": ("tidegate/broker/liveness.py", ["tests/test_presence.py",
-                                                 "tests/test_job_unit.py"]),
+    "liveness": ("tidegate/broker/liveness.py", ["tests/test_liveness_unit.py",
+                                                 "tests/test_presence.py"]),
     "streamlog": ("tidegate/wire/streamlog.py", ["tests/test_streamlog.py",
                                                  "tests/test_resume_drain_race.py",
                                                  "tests/test_fencing_token.py"]),
@@ -106,7 +106,10 @@ def run(name: str, workdir: Path, fresh: bool, mutants: list[str]) -> int:
     # Processes a test starts import the mutated copy, never the checkout.
     env["PYTHONPATH"] = str(here / "mutants")
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", "1", *mutants]
-    return subprocess.run(cmd, cwd=here, env=env, check=False).returncode
+    print(f"{name}: mutmut's output goes to {here / 'mutmut.log'}", flush=True)
+    with open(here / "mutmut.log", "w") as out:
+        return subprocess.run(cmd, cwd=here, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              check=False).returncode
 
 
 def tally(name: str, workdir: Path) -> tuple[Counter[str], list[str]]:

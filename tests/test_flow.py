@@ -194,6 +194,45 @@ def test_ack_between_messages_returns_false_when_nothing_freed() -> None:
     assert w.in_flight_bytes == 0
 
 
+def test_kept_holds_what_a_retransmit_sends_again_until_acked() -> None:
+    """kept(seq) is a retransmit's content, kept() what a worker hands on
+    (workers/service.py); an acked message, in or outside the window, leaves both."""
+    w = SendWindow(100, 10)
+    w.hold(1, b"head")
+    w.on_send(2, 1, 0.0, b"a")
+    w.hold(3, b"beat")
+    w.on_send(4, 1, 0.0, b"b")
+    assert w.kept() == [(1, b"head"), (2, b"a"), (3, b"beat"), (4, b"b")]
+    assert w.kept(3) == [(3, b"beat"), (4, b"b")]
+    assert w.kept(2) == [(2, b"a"), (3, b"beat"), (4, b"b")]
+    assert w.kept_bytes == 10
+    w.on_ack(3)  # the held message at exactly the acked seq goes too
+    assert w.kept() == [(4, b"b")]
+    assert w.kept(5) == []
+    assert w.kept_bytes == 1
+
+
+def test_an_ack_below_the_window_still_frees_held_messages() -> None:
+    w = SendWindow(100, 10)
+    w.on_send(1, 1, 0.0, b"a")
+    w.on_ack(1)
+    w.hold(2, b"done")
+    assert w.on_ack(1) is False
+    assert w.kept() == [(2, b"done")]
+    w.on_ack(2)
+    assert w.kept() == []
+
+
+def test_an_unbound_window_never_closes_and_still_counts() -> None:
+    w = SendWindow(2, 1)
+    assert not w.on_send(1, 5)
+    w.unbound()
+    assert w.open
+    assert w.on_send(2, 1 << 20)
+    assert w.credit > 1 << 40
+    assert (w.in_flight_msgs, w.in_flight_bytes) == (2, (1 << 20) + 5)
+
+
 # --------------------------------------------------------------------------
 # SendWindow: stateful property test
 # --------------------------------------------------------------------------
@@ -340,6 +379,26 @@ def test_ack_policy_acks_after_half_the_messages() -> None:
     assert p.on_written(4, 1) is None
     assert p.on_written(5, 1) == 5
     assert p.acked_seq == 5
+
+
+def test_ack_policy_half_an_odd_window_rounds_down() -> None:
+    """An ack at most half a window after the last one, never later: the
+    worker's other half is what covers the ack's round trip."""
+    p = AckPolicy(1 << 20, 5)  # msgs threshold 2, not 2.5
+    assert p.on_written(1, 1) is None
+    assert p.on_written(2, 1) == 2
+    p = AckPolicy(201, 1000)  # bytes threshold 100, not 100.5
+    assert p.on_written(1, 100) == 1
+
+
+def test_ack_policy_quiet_after_agrees_with_on_written_at_the_threshold() -> None:
+    """The edge writes directly only what asks for no ack (edge/relay.py): a
+    quiet_after that said yes to an ack-asking chunk would lose that ack."""
+    for nbytes, nmsgs in [(99, 1), (100, 1), (1, 1), (1, 2)]:
+        p = AckPolicy(200, 6)  # thresholds 100 bytes, 3 messages
+        p.on_written(1, 0)
+        assert p.quiet_after(nbytes, nmsgs) == (p.on_written(2, nbytes, nmsgs) is None), (
+            nbytes, nmsgs)
 
 
 def test_ack_policy_one_big_message_acks_at_once() -> None:

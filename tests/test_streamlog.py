@@ -183,3 +183,78 @@ def test_unbound_window_stays_open_and_keeps_accounting() -> None:
     assert w.on_send(3, 10_000)
     assert w.on_ack(3)
     assert w.in_flight_bytes == 0
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1",  # not msgpack
+    msgpack.packb(5),  # not an array
+    msgpack.packb([VERSION]),
+    msgpack.packb([VERSION + 1, Kind.LOG_HANDBACK, 0, "w1"]),  # another version
+    msgpack.packb([VERSION, Kind.LOG_HANDBACK, 0]),
+    msgpack.packb([VERSION, Kind.LOG_HANDBACK, 0, 7]),
+    msgpack.packb([VERSION, Kind.LOG_OPEN, 0, "t", True]),
+    msgpack.packb([VERSION, Kind.MUX, "id"]),  # an id without its message
+    msgpack.packb([VERSION, Kind.MUX, "id", "not bytes"], use_bin_type=True),
+])
+def test_a_malformed_log_entry_is_a_protocol_error(data: bytes) -> None:
+    """The readers skip such an entry and log it (edge/logreader.py); any
+    other exception would end the reader."""
+    with pytest.raises(ProtocolError):
+        streamlog.decode_entry(data)
+
+
+def test_a_one_message_mux_batch_is_read() -> None:
+    chunk = Chunk(2, b"data: a\n\n")
+    batch = msgpack.packb([VERSION, Kind.MUX, "id", chunk.encode()], use_bin_type=True)
+    assert streamlog.decode_entry(batch) == [chunk]
+
+
+def test_a_gap_ends_the_stream_with_a_retryable_502() -> None:
+    c = LogCursor()
+    (end,) = feed_all(c, [OPEN, Head(1, "w"), Chunk(2, b"data: a\n\n"), Chunk(5, b"x")])[1:]
+    assert end == LogEnd(error=ErrorInfo(
+        502, "server_error", "stream_gap",
+        "The stream log lost part of the response (expected message 3, got 5).", True, 1.0))
+
+
+def test_a_trailing_piece_without_its_blank_line_is_its_own_event() -> None:
+    assert streamlog.split_events(b"data: a\n\ndata: b\n\ndata: c") == [
+        b"data: a\n\n", b"data: b\n\n", b"data: c"]
+    assert streamlog.split_events(b"\n\ndata: a\n\n") == [b"data: a\n\n"]
+
+
+def test_the_prefix_goes_once_in_front_of_the_first_event() -> None:
+    ids = EventIds(streamlog.retry_field(2500))
+    assert ids.frame(b"data: a\n\n") == b"retry: 2500\nid: 1\ndata: a\n\n"
+    assert ids.frame(b"data: b\n\n") == b"id: 2\ndata: b\n\n"
+    assert EventIds().frame(b"data: a\n\n") == b"id: 1\ndata: a\n\n"
+
+
+def test_a_new_cursor_follows_no_worker_yet() -> None:
+    """The reader attaches to ``control`` once it is set (edge/logreader.py)."""
+    c = LogCursor()
+    assert (c.control, c.handed_back, c.next_seq, c.output, c.open, c.ended) == (
+        "", "", 0, False, None, False)
+    assert c.output is False
+
+
+def test_events_are_split_unless_the_log_opened_a_body() -> None:
+    """Without a LogOpen a chunk is SSE events (ids count events); after a
+    non-streaming LogOpen it is a body slice, kept whole even with a blank line."""
+    c = LogCursor()
+    assert feed_all(c, [Head(1, "w"), Chunk(2, b"data: a\n\ndata: b\n\n")]) == [
+        LogEvent(1, b"data: a\n\n"), LogEvent(2, b"data: b\n\n")]
+    body = LogOpen("t", False, 0, 0, 0.0)
+    c = LogCursor()
+    assert feed_all(c, [body, Head(1, "w"), Chunk(2, b'{"a":\n\n'), Chunk(3, b"1}")]) == [
+        LogEvent(1, b'{"a":\n\n'), LogEvent(2, b"1}")]
+    assert c.open == body
+
+
+def test_a_reader_ends_the_stream_once() -> None:
+    c = LogCursor()
+    feed_all(c, [OPEN, Head(1, "w")])
+    assert c.fail(ERR) == [LogEnd(error=ERR)]
+    assert c.ended
+    assert c.fail(ERR) == []
+    assert c.feed(Chunk(2, b"data: a\n\n")) == []
