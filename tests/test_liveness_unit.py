@@ -302,3 +302,4 @@ async def test_a_crashed_probe_is_logged_and_an_ended_one_is_not(
     await _real_sleep(0)
     assert [r.levelno for r in caplog.records] == [logging.WARNING]  # the death, no error
     assert "tg.ctl.dies" in caplog.records[0].getMessage()
+

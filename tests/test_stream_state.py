@@ -159,3 +159,96 @@ def test_a_reconnect_asks_again_and_acks_and_a_copy_is_noted() -> None:
     assert not s.check_seq(1)  # the worker sent it again
     assert s.copies
     assert not s.gap_since, "a copy is no gap"
+
+
+T = 1000.0  # a monotonic clock is far from 0: a time added where it is subtracted shows
+
+
+def ending(s: StreamState, now: float, **kw: bool) -> tuple[object, ...]:
+    with pytest.raises(ApiError) as exc:
+        clock(s, now, **kw)  # type: ignore[arg-type]
+    e = exc.value
+    return (type(e).__name__, e.status, e.type, e.code, e.message, e.retryable, e.retry_after)
+
+
+def waiting(now: float, *, admitted: bool = False) -> StreamState:
+    s = StreamState("r", now)
+    if admitted:
+        s.advance(Status)
+    return s
+
+
+def with_gap(s: StreamState, since: float) -> StreamState:
+    s.gap_since = since
+    s.last_worker_msg = since + LOST  # the worker talks, the gap stays
+    return s
+
+
+@pytest.mark.parametrize(("state", "now", "kw", "expected"), [
+    (lambda: streaming(T), T + 600, {}, (
+        "ApiError", 504, "server_error", "request_timeout",
+        "The request exceeded the gateway's limit of 600s.", False, 0.0)),
+    (lambda: streaming(T), T + 1, {"link_lost": True}, (
+        "ApiError", 503, "service_unavailable", "broker_unavailable",
+        "This gateway node lost its connection to the message broker.", True, 1)),
+    (lambda: streaming(T), T + 1, {"link_lost": True, "resumable": True}, (
+        "Reconnect", 503, "server_error", "edge_reconnect",
+        "This gateway node lost its message broker; resume the stream on another.", True, 0)),
+    (lambda: waiting(T), T + 10, {}, (
+        "ApiError", 503, "service_unavailable", "dispatcher_unavailable",
+        "No dispatcher answered within 10s.", True, 5)),
+    (lambda: waiting(T, admitted=True), T + 60, {}, (
+        "ApiError", 503, "service_unavailable", "no_worker_available",
+        "No worker for model 'm' started the request within 60s.", True, 5)),
+    (lambda: with_gap(streaming(T), T + 1), T + 1 + LOST, {}, (
+        "ApiError", 502, "server_error", "stream_gap",
+        "Lost part of the response (message 1) and the worker did not send it again "
+        "within 15s.", True, 1)),
+    (lambda: streaming(T), T + LOST, {}, (
+        "ApiError", 502, "server_error", "worker_lost",
+        "The worker running this request went silent for 15s.", True, 1)),
+])
+def test_every_ending_says_what_a_client_sees(state: object, now: float, kw: dict[str, bool],
+                                             expected: tuple[object, ...]) -> None:
+    """Status, type, code, message and retry advice: what the client's error
+    body and Retry-After carry (docs/errors.md)."""
+    assert ending(state(), now, **kw) == expected  # type: ignore[operator]
+
+
+def test_the_clock_reads_durations_since_each_event() -> None:
+    s = streaming(T)
+    assert clock(s, T + HB - 0.1, control="ctl") is Due.NOTHING
+    s.last_worker_msg = T + 4.0  # chunks came, too few for a volume ack
+    assert clock(s, T + 20.0 / 4.5, stream=False, control="ctl") is Due.NOTHING
+    assert clock(s, T + 20.0 / 4, stream=False, control="ctl") is Due.ACK
+    s = streaming(T)
+    s.gap_since = T + 0.5  # a resumable stream's gap is given a heartbeat to fill
+    assert clock(s, T + 1.0, resumable=True, stream=False) is Due.RETRANSMIT
+    with pytest.raises(Reconnect):
+        clock(s, T + 0.5 + HB, resumable=True, stream=False)
+
+
+def test_what_is_due_at_once_is_asked_at_once() -> None:
+    s = streaming(T)
+    s.gap_since = T + 0.1
+    assert clock(s, T + 5.0, control="ctl") == Due.RETRANSMIT | Due.PING | Due.ACK
+    s = streaming(T)
+    due = s.clock(T + HB, CFG, model="m", link_lost=False, resumable=False, stream=True,
+                  control="", link_epoch=1)
+    assert due == Due.RETRANSMIT | Due.PING | Due.ACK
+    early = StreamState("r", T)
+    assert not early.check_seq(2), "output before its Head: every worker is asked"
+    early.gap_since = T + 0.1
+    assert clock(early, T + HB) == Due.RETRANSMIT | Due.PING
+
+
+def test_an_earlier_deliverys_late_output_is_counted_apart_from_copies() -> None:
+    """``stale`` feeds the edge's count of dropped earlier-delivery messages."""
+    s = streaming(T)
+    s.floor_seq, s.expected_seq = 5, 7
+    assert s.stale == 0
+    assert not s.check_seq(3)
+    assert not s.check_seq(4)
+    assert (s.stale, s.copies) == (2, False)
+    assert not s.check_seq(6)
+    assert (s.stale, s.copies) == (2, True)

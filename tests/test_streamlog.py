@@ -246,8 +246,8 @@ def test_events_are_split_unless_the_log_opened_a_body() -> None:
         LogEvent(1, b"data: a\n\n"), LogEvent(2, b"data: b\n\n")]
     body = LogOpen("t", False, 0, 0, 0.0)
     c = LogCursor()
-    assert feed_all(c, [body, Head(1, "w"), Chunk(2, b'{"a":\n\n'), Chunk(3, b"1}")]) == [
-        LogEvent(1, b'{"a":\n\n'), LogEvent(2, b"1}")]
+    assert feed_all(c, [body, Head(1, "w"), Chunk(2, b'{"a":\n\n"x'), Chunk(3, b'"}')]) == [
+        LogEvent(1, b'{"a":\n\n"x'), LogEvent(2, b'"}')]
     assert c.open == body
 
 
