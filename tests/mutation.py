@@ -160,8 +160,9 @@ def main() -> int:
             failed |= run(name, args.workdir, args.fresh, args.mutant) != 0
         counts, survivors = tally(name, args.workdir)
         total = sum(counts.values())
-        print(f"{MODULES[name][0]}: {total} mutants, {counts['killed']} killed, "
-              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()) if s != "killed"))
+        rest = [f"{n} {s}" for s, n in sorted(counts.items()) if s != "killed"]
+        print(f"{MODULES[name][0]}: " + ", ".join(
+            [f"{total} mutants", f"{counts['killed']} killed", *rest]))
         for line in survivors:
             print(f"    {line}")
     return 1 if failed else 0

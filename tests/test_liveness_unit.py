@@ -289,7 +289,8 @@ async def test_a_crashed_probe_is_logged_and_an_ended_one_is_not(
     await _real_sleep(0)  # the done callback runs on the next turn
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert [r.getMessage() for r in errors] == ["worker liveness probe failed"]
-    assert errors[0].exc_info and isinstance(errors[0].exc_info[1], RuntimeError)
+    assert errors[0].exc_info
+    assert isinstance(errors[0].exc_info[1], RuntimeError)
     caplog.clear()
     watch.follow(seen.make("b"), "tg.ctl.dies")  # type: ignore[arg-type]
     c = seen.make("c")
