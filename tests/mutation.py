@@ -53,7 +53,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                                "tests/test_replica_continuation.py"]),
     "continuation": ("workers/continuation.py", ["tests/test_replica_continuation.py",
                                                  "tests/test_job_unit.py"]),
-    "replicas": ("workers/replicas.py", ["tests/test_replica_continuation.py"]),
+    "replicas": ("workers/replicas.py", ["tests/test_replica_failover.py",
+                                         "tests/test_replica_continuation.py"]),
     "resumable": ("workers/resumable.py", ["tests/test_job_unit.py", "tests/test_log_end.py"]),
 }
 
@@ -144,6 +145,8 @@ def main() -> int:
     ap.add_argument("--fresh", action="store_true", help="copy the checkout again first")
     ap.add_argument("--mutant", action="append", default=[],
                     help="run only these mutants again (mutmut names, * globs)")
+    ap.add_argument("--survivors", action="store_true",
+                    help="run only the last run's survivors again (after adding tests)")
     ap.add_argument("--summary", action="store_true", help="print the tables; run nothing")
     ap.add_argument("--show", action="store_true", help="print each survivor's diff; run nothing")
     args = ap.parse_args()
@@ -158,7 +161,11 @@ def main() -> int:
     failed = 0
     for name in names:
         if not args.summary:
-            failed |= run(name, args.workdir, args.fresh, args.mutant) != 0
+            mutants = list(args.mutant)
+            if args.survivors:
+                mutants += [line.split(":")[0] for line in tally(name, args.workdir)[1]
+                            if line.endswith(": survived")]
+            failed |= run(name, args.workdir, args.fresh, mutants) != 0
         counts, survivors = tally(name, args.workdir)
         total = sum(counts.values())
         rest = [f"{n} {s}" for s, n in sorted(counts.items()) if s != "killed"]

@@ -9,16 +9,25 @@ tests/test_promises_admission.py (partitions and outages).
 from __future__ import annotations
 
 import asyncio
+import logging
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 
 from dispatcher import admission as adm
-from dispatcher.admission import QuotaAdmission, _budget_rejection, _duration, _rejection
+from dispatcher.admission import (
+    QuotaAdmission,
+    _budget_rejection,
+    _duration,
+    _rejection,
+    rate_limit_headers,
+)
 from dispatcher.quota import QuotaResult, QuotaUnavailable
 from tests.test_dispatcher_unit import FakeQuotas, admission, request
 from tidegate.control.budgets import Budget
 from tidegate.control.policies import Policy
+from tidegate.telemetry import telemetry as tm
 from tidegate.wire.protocol import Admission, ErrorInfo
 
 _real_sleep = asyncio.sleep
@@ -77,6 +86,71 @@ async def test_a_store_outage_refuses_with_a_503_to_retry_shortly() -> None:
         503, "service_unavailable", "quota_store_unavailable",
         "Rate limits cannot be checked right now (quota store unavailable); retry shortly.",
         True, 2.0)
+
+
+def test_the_messages_api_gets_anthropics_headers_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adm.time, "time", lambda: 1_700_000_000.0)  # 2023-11-14T22:13:20Z
+    result = QuotaResult(True, limit_requests=10, remaining_requests=-1, reset_requests=59.5,
+                         limit_tokens=500, remaining_tokens=20, reset_tokens=-3.0)
+    headers = rate_limit_headers(result, anthropic=True)
+    assert {k: v for k, v in headers.items() if k.startswith("anthropic-")} == {
+        "anthropic-ratelimit-requests-limit": "10",
+        "anthropic-ratelimit-requests-remaining": "0",
+        "anthropic-ratelimit-requests-reset": "2023-11-14T22:14:19Z",
+        "anthropic-ratelimit-tokens-limit": "500",
+        "anthropic-ratelimit-tokens-remaining": "20",
+        "anthropic-ratelimit-tokens-reset": "2023-11-14T22:13:20Z"}
+    assert headers["x-ratelimit-reset-requests"] == "1m0s"
+    assert not [k for k in rate_limit_headers(result) if k.startswith("anthropic-")]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.adds: list[tuple[int, dict[str, str]]] = []
+
+    def add(self, n: int, attributes: dict[str, str]) -> None:
+        self.adds.append((n, attributes))
+
+
+@pytest.fixture
+def metrics(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    m = SimpleNamespace(quota_rejections=Recorder(), budget_alerts=Recorder())
+    monkeypatch.setattr(adm.tm, "get", lambda: SimpleNamespace(metrics=m))
+    return m
+
+
+async def test_an_outage_refusal_is_counted_and_logged_once_in_a_while(
+        metrics: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="tidegate.dispatcher")
+    closed = admission(FakeQuotas(None), Policy(tenant="acme", rpm=5))
+    for rid in ("r1", "r2", "r3"):
+        decision = await closed.admit(request(id=rid))
+        assert decision.error is not None
+        assert decision.error.code == "quota_store_unavailable"
+    assert metrics.quota_rejections.adds == [
+        (1, {tm.LIMIT: "store_unavailable", tm.MODEL: "m"})] * 3
+    assert len([r for r in caplog.records if "quota store unavailable" in r.message]) == 1
+    opened = admission(FakeQuotas(None), Policy(tenant="acme", rpm=5), fail_open=True)
+    await opened.admit(request())
+    assert len(metrics.quota_rejections.adds) == 3, "admitted without quotas: no refusal"
+
+
+def test_a_budget_alert_is_counted_at_each_threshold_crossed(metrics: SimpleNamespace) -> None:
+    policy = admission(FakeQuotas(None))
+    budget = Budget(tenant="acme", amount=Decimal("10"))
+    soft = Budget(tenant="acme", amount=Decimal("10"), soft=True, user="u")
+    nano = 1_000_000_000
+    policy._alert([budget], (7 * nano,), nano)  # 6 -> 7 of 10: no threshold
+    assert metrics.budget_alerts.adds == []
+    policy._alert([budget, soft], (8 * nano, 21 * nano // 2), nano)  # 7 -> 8; 9.5 -> 10.5
+    assert metrics.budget_alerts.adds == [
+        (1, {tm.BUDGET: budget.budget_id, tm.THRESHOLD: "0.8"}),
+        (1, {tm.BUDGET: soft.budget_id, tm.THRESHOLD: "1.0"})]
+    metrics.budget_alerts.adds.clear()
+    policy._alert([budget], (10 * nano,), 3 * nano)  # 7 -> 10: both at once
+    assert metrics.budget_alerts.adds == [
+        (1, {tm.BUDGET: budget.budget_id, tm.THRESHOLD: "0.8"}),
+        (1, {tm.BUDGET: budget.budget_id, tm.THRESHOLD: "1.0"})]
 
 
 # -- undoing what was reserved in doubt -----------------------------------------------
