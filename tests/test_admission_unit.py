@@ -23,12 +23,15 @@ from dispatcher.admission import (
     _rejection,
     rate_limit_headers,
 )
-from dispatcher.quota import QuotaResult, QuotaUnavailable
+from dispatcher.quota import BudgetCharge, Limits, QuotaResult, QuotaUnavailable, Scope
 from tests.test_dispatcher_unit import FakeQuotas, admission, request
-from tidegate.control.budgets import Budget
-from tidegate.control.policies import Policy
+from tidegate import config as tgconfig
+from tidegate.control.budgets import Budget, BudgetSet, period_window
+from tidegate.control.policies import BATCH_SCOPE, Policy, PolicySet
+from tidegate.control.prices import PriceBook
 from tidegate.telemetry import telemetry as tm
-from tidegate.wire.protocol import Admission, ErrorInfo
+from tidegate.wire.protocol import Admission, Api, ErrorInfo
+from tidegate.wire.tokens import estimate_prompt_tokens, reservation
 
 _real_sleep = asyncio.sleep
 
@@ -151,6 +154,132 @@ def test_a_budget_alert_is_counted_at_each_threshold_crossed(metrics: SimpleName
     assert metrics.budget_alerts.adds == [
         (1, {tm.BUDGET: budget.budget_id, tm.THRESHOLD: "0.8"}),
         (1, {tm.BUDGET: budget.budget_id, tm.THRESHOLD: "1.0"})]
+
+
+class RecordingQuotas(FakeQuotas):
+    """Keeps every argument of every reserve; reconciles are recorded too."""
+
+    def __init__(self, result: QuotaResult | Exception) -> None:
+        super().__init__(None)
+        self.answer = result
+        self.reserves: list[dict[str, object]] = []
+        self.reconciles: list[tuple[str, int]] = []
+
+    async def reserve(self, request_id: str, scopes: object, tokens: int,
+                      now: float | None = None, budgets: object = (),
+                      money: int = 0) -> QuotaResult:
+        self.reserves.append({"id": request_id, "scopes": list(scopes),  # type: ignore[call-overload]
+                              "tokens": tokens, "now": now, "budgets": list(budgets),  # type: ignore[call-overload]
+                              "money": money})
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    async def reconcile(self, request_id: str, actual_tokens: int,
+                        now: float | None = None, actual_money: int = 0) -> None:
+        self.reconciles.append((request_id, actual_tokens))
+
+
+NOW = 1_780_000_000.0
+SPEND_CONFIG = tgconfig.from_dict({
+    "models": [{"name": "m", "simulator": {}, "reserve_max_tokens": 300,
+                "price_input": 2.0, "price_output": 8.0},
+               {"name": "free", "simulator": {}}],
+    "spend": {"currency": "EUR"}})
+TENANT = Policy(tenant="acme", rpm=5, tpm=1000, concurrency=2)
+USER = Policy(tenant="acme", user="u1", rpm=7)
+BATCH = Policy(tenant="acme", model=BATCH_SCOPE, tpm=50)
+WHOLE = Budget(tenant="acme", amount=Decimal("10"))
+PER_KEY = Budget(tenant="acme", amount=Decimal("3"), key="k1", soft=True)
+PER_USER = Budget(tenant="acme", amount=Decimal("4"), user="u1")
+
+
+def spend_policy(store: FakeQuotas) -> QuotaAdmission:
+    budgets = BudgetSet()
+    for b in (WHOLE, PER_KEY, PER_USER):
+        budgets.put(b)
+    return QuotaAdmission(store, PolicySet((TENANT, USER, BATCH)), SPEND_CONFIG.model_index(),
+                          fail_open=False, budgets=budgets, prices=PriceBook(SPEND_CONFIG),
+                          spend=SPEND_CONFIG.spend, clock=lambda: NOW)
+
+
+def charge(b: Budget) -> BudgetCharge:
+    period = period_window(b, NOW, spend_policy(FakeQuotas()).tz)
+    return BudgetCharge(b.budget_id, b.nanos, period.label, b.window, period.reset_in,
+                        period.ttl, b.soft)
+
+
+async def test_admit_reserves_every_scope_budget_and_the_most_the_request_can_cost() -> None:
+    """What reaches the store is what is enforced: every applicable policy
+    with its limits, the tokens (the model's reserve cap when max_tokens is
+    absent), the clock, every applicable budget and the money."""
+    store = RecordingQuotas(QuotaResult(True, limit_requests=7, remaining_requests=6,
+                                        reset_requests=1.0))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+    decision = await spend_policy(store).admit(request(body=body, user="u1", key_id="k1",
+                                                       api=Api.MESSAGES))
+    assert decision.admission is Admission.ADMITTED
+    tokens = reservation(Api.MESSAGES, body, 300)
+    prompt = min(estimate_prompt_tokens(Api.MESSAGES, body), tokens)
+    price = PriceBook(SPEND_CONFIG).get("m")
+    assert price is not None
+    [call] = store.reserves
+    charges = sorted(call.pop("budgets"), key=lambda c: c.id)  # type: ignore[attr-defined]
+    assert charges == sorted([charge(PER_USER), charge(PER_KEY), charge(WHOLE)],
+                             key=lambda c: c.id)
+    assert call == {
+        "id": "r1",
+        "scopes": [Scope(USER.scope_id, Limits(rpm=7)),
+                   Scope(TENANT.scope_id, Limits(rpm=5, tpm=1000, concurrency=2))],
+        "tokens": tokens, "now": NOW, "money": price.cost(prompt, tokens - prompt)}
+    assert decision.headers["anthropic-ratelimit-requests-limit"] == "7"
+
+
+async def test_a_batch_line_is_held_to_the_batch_policies_too() -> None:
+    store = RecordingQuotas(QuotaResult(True))
+    await spend_policy(store).admit(request(klass="batch"))
+    await spend_policy(store).admit(request())
+    batch, interactive = ([s.id for s in r["scopes"]] for r in store.reserves)  # type: ignore[attr-defined]
+    assert batch == [TENANT.scope_id, BATCH.scope_id]
+    assert interactive == [TENANT.scope_id]
+
+
+async def test_without_budgets_or_a_price_no_money_is_reserved() -> None:
+    store = RecordingQuotas(QuotaResult(True))
+    await admission(store, TENANT).admit(request(model="other"))  # no model: cap 1024
+    no_price = QuotaAdmission(store, PolicySet((TENANT,)), SPEND_CONFIG.model_index(),
+                              fail_open=False, budgets=spend_policy(store).budgets)
+    await no_price.admit(request(model="free"))
+    unknown, free = store.reserves
+    assert (unknown["budgets"], unknown["money"]) == ([], 0)
+    assert unknown["tokens"] == reservation(Api.CHAT, request().body, 1024)
+    assert free["money"] == 0
+    assert [c.id for c in free["budgets"]] == [WHOLE.budget_id]  # type: ignore[attr-defined]
+
+
+async def test_a_refusal_names_the_budget_or_the_tokens_and_is_counted(
+        metrics: SimpleNamespace) -> None:
+    store = RecordingQuotas(QuotaResult(False, limit="budget", scope=PER_USER.budget_id,
+                                        retry_after=60.0))
+    refused = await spend_policy(store).admit(request(user="u1"))
+    assert refused.error is not None
+    assert PER_USER.label in refused.error.message
+    assert " EUR, more than is left" in refused.error.message
+    store = RecordingQuotas(QuotaResult(False, limit="tokens", scope=TENANT.scope_id,
+                                        too_large=True))
+    refused = await spend_policy(store).admit(request())
+    assert refused.error is not None
+    tokens = store.reserves[0]["tokens"]
+    assert f"it reserves {tokens} tokens" in refused.error.message
+    assert metrics.quota_rejections.adds == [(1, {tm.LIMIT: "budget", tm.MODEL: "m"}),
+                                             (1, {tm.LIMIT: "tokens", tm.MODEL: "m"})]
+
+
+async def test_a_reserve_that_failed_otherwise_is_refunded_at_once() -> None:
+    store = RecordingQuotas(RuntimeError("a reply nobody can parse"))
+    with pytest.raises(RuntimeError):
+        await spend_policy(store).admit(request())
+    assert store.reconciles == [("r1", 0)]
 
 
 # -- undoing what was reserved in doubt -----------------------------------------------
