@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Iterator
 from decimal import Decimal
 from types import SimpleNamespace
 
@@ -91,17 +93,30 @@ async def test_a_store_outage_refuses_with_a_503_to_retry_shortly() -> None:
         True, 2.0)
 
 
-def test_the_messages_api_gets_anthropics_headers_too(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def new_york(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The host's local time is not UTC: a reset must still be written in UTC."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_the_messages_api_gets_anthropics_headers_too(monkeypatch: pytest.MonkeyPatch,
+                                                      new_york: None) -> None:
     monkeypatch.setattr(adm.time, "time", lambda: 1_700_000_000.0)  # 2023-11-14T22:13:20Z
     result = QuotaResult(True, limit_requests=10, remaining_requests=-1, reset_requests=59.5,
-                         limit_tokens=500, remaining_tokens=20, reset_tokens=-3.0)
+                         limit_tokens=500, remaining_tokens=0, reset_tokens=-3.0)
     headers = rate_limit_headers(result, anthropic=True)
+    assert (headers["x-ratelimit-remaining-requests"],
+            headers["x-ratelimit-remaining-tokens"]) == ("0", "0")
     assert {k: v for k, v in headers.items() if k.startswith("anthropic-")} == {
         "anthropic-ratelimit-requests-limit": "10",
         "anthropic-ratelimit-requests-remaining": "0",
         "anthropic-ratelimit-requests-reset": "2023-11-14T22:14:19Z",
         "anthropic-ratelimit-tokens-limit": "500",
-        "anthropic-ratelimit-tokens-remaining": "20",
+        "anthropic-ratelimit-tokens-remaining": "0",
         "anthropic-ratelimit-tokens-reset": "2023-11-14T22:13:20Z"}
     assert headers["x-ratelimit-reset-requests"] == "1m0s"
     assert not [k for k in rate_limit_headers(result) if k.startswith("anthropic-")]
