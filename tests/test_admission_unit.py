@@ -207,11 +207,12 @@ BATCH = Policy(tenant="acme", model=BATCH_SCOPE, tpm=50)
 WHOLE = Budget(tenant="acme", amount=Decimal("10"))
 PER_KEY = Budget(tenant="acme", amount=Decimal("3"), key="k1", soft=True)
 PER_USER = Budget(tenant="acme", amount=Decimal("4"), user="u1")
+PER_MODEL = Budget(tenant="acme", amount=Decimal("6"), model="m")
 
 
 def spend_policy(store: FakeQuotas) -> QuotaAdmission:
     budgets = BudgetSet()
-    for b in (WHOLE, PER_KEY, PER_USER):
+    for b in (WHOLE, PER_KEY, PER_USER, PER_MODEL):
         budgets.put(b)
     return QuotaAdmission(store, PolicySet((TENANT, USER, BATCH)), SPEND_CONFIG.model_index(),
                           fail_open=False, budgets=budgets, prices=PriceBook(SPEND_CONFIG),
@@ -240,7 +241,7 @@ async def test_admit_reserves_every_scope_budget_and_the_most_the_request_can_co
     assert price is not None
     [call] = store.reserves
     charges = sorted(call.pop("budgets"), key=lambda c: c.id)  # type: ignore[attr-defined]
-    assert charges == sorted([charge(PER_USER), charge(PER_KEY), charge(WHOLE)],
+    assert charges == sorted([charge(b) for b in (PER_USER, PER_KEY, PER_MODEL, WHOLE)],
                              key=lambda c: c.id)
     assert call == {
         "id": "r1",
@@ -400,3 +401,21 @@ async def test_doubts_are_bounded_and_share_one_undoing_task(
     assert policy._undoing is first
     assert first is not None
     first.cancel()
+
+
+async def test_a_refused_request_raises_no_budget_alert(metrics: SimpleNamespace) -> None:
+    """The store reports what was spent even when it refuses; only an admitted
+    reservation moves spending across an alert threshold."""
+    budgets = BudgetSet()
+    budgets.put(WHOLE)
+    spent = (WHOLE.nanos * 8 // 10,)  # exactly at 80 %: the reservation would have crossed it
+    refused = RecordingQuotas(QuotaResult(False, limit="tokens", scope=TENANT.scope_id,
+                                          retry_after=1.0, budget_spent=spent))
+    policy = QuotaAdmission(refused, PolicySet((TENANT,)), SPEND_CONFIG.model_index(),
+                            fail_open=False, budgets=budgets, prices=PriceBook(SPEND_CONFIG),
+                            spend=SPEND_CONFIG.spend, clock=lambda: NOW)
+    await policy.admit(request())
+    assert metrics.budget_alerts.adds == []
+    policy.store = RecordingQuotas(QuotaResult(True, budget_spent=spent))
+    await policy.admit(request())
+    assert metrics.budget_alerts.adds == [(1, {tm.BUDGET: WHOLE.budget_id, tm.THRESHOLD: "0.8"})]
