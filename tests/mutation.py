@@ -8,8 +8,9 @@ Each module gets its own copy of the checkout under ``.mutation/NAME/`` with a
 ``[tool.mutmut]`` table written into that copy's pyproject.toml, because
 mutmut reads its configuration from the current directory and copies the tree
 into ``mutants/`` there: the checkout itself is never written. Results stay
-there: ``python -m tests.mutation --show NAME`` lists the survivors with their
-diffs, ``cd .mutation/NAME && mutmut show MUTANT`` shows one.
+there: ``--show NAME`` lists the survivors with their diffs, ``--survivors``
+runs them again after tests were added, ``cd .mutation/NAME && mutmut show
+MUTANT`` shows one.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                                "tests/test_replica_continuation.py"]),
     "continuation": ("workers/continuation.py", ["tests/test_replica_continuation.py",
                                                  "tests/test_job_unit.py"]),
-    "replicas": ("workers/replicas.py", ["tests/test_replica_failover.py",
+    "replicas": ("workers/replicas.py", ["tests/test_replicas_unit.py",
+                                         "tests/test_replica_failover.py",
                                          "tests/test_replica_continuation.py"]),
     "resumable": ("workers/resumable.py", ["tests/test_job_unit.py", "tests/test_log_end.py"]),
 }
