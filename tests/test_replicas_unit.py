@@ -58,7 +58,7 @@ async def test_a_job_opens_on_its_own_replica_first() -> None:
 async def test_a_dead_replica_is_counted_and_the_job_goes_on_to_the_next() -> None:
     a, b = Backend("a", fails=DOWN), Backend("b")
     replicas, changes = replica_set(a, b)
-    _, _, name = await open_on_replicas(replicas, "a", REQUEST)
+    stream, _, name = await open_on_replicas(replicas, "a", REQUEST)
     assert (stream, name) == ("stream-b", "b")
     breaker = replicas.breakers["a"]
     assert breaker.state is BreakerState.OPEN
