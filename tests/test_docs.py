@@ -1,6 +1,6 @@
 """The docs cannot go stale where a test can tell (issue 27).
 
-* docs/map.md's "Map" names every module under ``tidegate/``, ``edge/``,
+* MAP.md's "Map" names every module under ``tidegate/``, ``edge/``,
   ``dispatcher/``, ``workers/`` and ``bench/`` and no file that does not exist,
   and its floors are ``FLOORS`` of tests/test_layers.py.
 * Every relative link in README.md and docs/**/*.md reaches a file, and a
@@ -28,7 +28,7 @@ from tidegate.errors import CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPS = ("tidegate", "edge", "dispatcher", "workers", "bench")
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "MAP.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def prose_lines(text: str) -> Iterator[str]:
@@ -56,7 +56,7 @@ def section(text: str, heading: str) -> list[str]:
 
 # -- the map ---------------------------------------------------------------
 
-MAP = ROOT / "docs" / "map.md"
+MAP = ROOT / "MAP.md"
 
 
 def map_entries(lines: list[str]) -> dict[str, str]:
@@ -90,7 +90,7 @@ def test_the_map_names_every_module_and_only_modules_that_exist() -> None:
     modules = source_modules()
     missing = sorted(modules - entries.keys())
     stale = sorted(entries.keys() - modules)
-    report = {"modules docs/map.md's Map does not list": missing,
+    report = {"modules MAP.md's Map does not list": missing,
               "Map entries with no such file": stale}
     assert report == {key: [] for key in report}
     empty = sorted(name for name, what in entries.items() if len(what) < 5)

@@ -1,7 +1,7 @@
 """The house's floors, read from the code's own imports (every ``import``,
 lazy and ``TYPE_CHECKING`` ones included): each package imports only its
 own floor's modules or lower ones, the tiers never import each other, and no
-modules import each other in a circle. docs/map.md ("Layers")
+modules import each other in a circle. MAP.md ("Layers")
 names the floors; a new package gets its line in FLOORS or fails here.
 """
 
