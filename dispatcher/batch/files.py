@@ -34,11 +34,13 @@ from tidegate.wire.batch import (
     BatchLine,
     BatchRecord,
     FileRecord,
+    KeyRepeated,
     LineError,
     LineSplitter,
     LineTooLong,
     LineValidator,
     error_line,
+    pairs_noting_repeats,
     parse_line,
 )
 from tidegate.wire.protocol import Request
@@ -88,33 +90,12 @@ def _no_duplicate_body_keys(raw: bytes, obj: dict[str, Any]) -> None:
     if not (b"\\u" in raw or any(
             raw.count(b'"' + k.encode("utf-8", "surrogatepass") + b'"') > 1 for k in body)):
         return
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = _Dup(items) if len({k for k, _ in items}) < len(items) else {}
-        out.update(items)
-        return out
-
-    top = json.loads(raw, object_pairs_hook=pairs)
+    top = json.loads(raw, object_pairs_hook=pairs_noting_repeats)
     inner = top.get("body") if isinstance(top, dict) else None
-    if isinstance(inner, _Dup):
-        key = inner.duplicate()
+    if isinstance(inner, KeyRepeated):
+        key = inner.repeated()
         raise invalid_request(f"The body has the key {key!r} more than once; each top-level "
                               "key may appear only once.", param=key, code="invalid_json")
-
-
-class _Dup(dict[str, Any]):
-    """An object that had a key twice; remembers its pairs to name the key."""
-
-    def __init__(self, items: list[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.items_seen = items
-
-    def duplicate(self) -> str:
-        seen: set[str] = set()
-        for key, _ in self.items_seen:
-            if key in seen:
-                return key
-            seen.add(key)
-        return ""
 
 
 def check_body(line: BatchLine, endpoint: str, models: Mapping[str, ModelConfig]) -> Request:

@@ -248,6 +248,32 @@ def cancel(batch: BatchRecord, now: int) -> BatchRecord | None:
 # --------------------------------------------------------------------------
 
 
+class KeyRepeated(dict[str, Any]):
+    """A parsed JSON object that had a key twice: it keeps its pairs to name
+    the key (:meth:`repeated`). Made by :func:`pairs_noting_repeats`."""
+
+    def __init__(self, items: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.items_seen = items
+
+    def repeated(self) -> str:
+        seen: set[str] = set()
+        for key, _ in self.items_seen:
+            if key in seen:
+                return key
+            seen.add(key)
+        return ""
+
+
+def pairs_noting_repeats(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: a plain dict, or a
+    :class:`KeyRepeated` when a key came twice (the last value wins, as in
+    ``dict``)."""
+    out: dict[str, Any] = KeyRepeated(items) if len({k for k, _ in items}) < len(items) else {}
+    out.update(items)
+    return out
+
+
 class LineTooLong(TidegateError):
     def __init__(self, line: int) -> None:
         super().__init__(f"line {line} is too long")

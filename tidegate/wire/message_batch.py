@@ -19,7 +19,14 @@ from typing import Any
 
 from tidegate.errors import ApiError, invalid_request
 from tidegate.wire import anthropic
-from tidegate.wire.batch import BATCH_PREFIX, BatchRecord, BatchStatus, valid_id
+from tidegate.wire.batch import (
+    BATCH_PREFIX,
+    BatchRecord,
+    BatchStatus,
+    KeyRepeated,
+    pairs_noting_repeats,
+    valid_id,
+)
 
 ENDPOINT = "/v1/messages"
 PREFIX = "msgbatch_"
@@ -117,36 +124,15 @@ def _no_duplicate_keys(raw: bytes, requests: list[Any]) -> None:
             for k, n in uses.items()):
         return
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = _Twice(items) if len({k for k, _ in items}) < len(items) else {}
-        out.update(items)
-        return out
-
-    top = json.loads(raw, object_pairs_hook=pairs)
+    top = json.loads(raw, object_pairs_hook=pairs_noting_repeats)
     items = top.get("requests") if isinstance(top, dict) else None
     for i, item in enumerate(items if isinstance(items, list) else []):
         params = item.get("params") if isinstance(item, dict) else None
         for where, value in ((f"requests[{i}]", item), (f"requests[{i}].params", params)):
-            if isinstance(value, _Twice):
-                raise invalid_request(f"{where}: has the key {value.twice()!r} more than once; "
+            if isinstance(value, KeyRepeated):
+                raise invalid_request(f"{where}: has the key {value.repeated()!r} more than once; "
                                       "each key may appear only once.", param=where,
                                       code="invalid_json")
-
-
-class _Twice(dict[str, Any]):
-    """A parsed object that had a key twice; names it."""
-
-    def __init__(self, items: list[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.items_seen = items
-
-    def twice(self) -> str:
-        seen: set[str] = set()
-        for key, _ in self.items_seen:
-            if key in seen:
-                return key
-            seen.add(key)
-        return ""
 
 
 def _time(ts: int | None) -> str | None:
