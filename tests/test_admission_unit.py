@@ -28,12 +28,12 @@ from dispatcher.admission import (
 from dispatcher.quota import BudgetCharge, Limits, QuotaResult, QuotaUnavailable, Scope
 from tests.test_dispatcher_unit import FakeQuotas, admission, request
 from tidegate import config as tgconfig
+from tidegate.apis import estimate_prompt_tokens, reservation
 from tidegate.control.budgets import Budget, BudgetSet, period_window
 from tidegate.control.policies import BATCH_SCOPE, Policy, PolicySet
 from tidegate.control.prices import PriceBook
 from tidegate.telemetry import telemetry as tm
 from tidegate.wire.protocol import Admission, Api, ErrorInfo
-from tidegate.wire.tokens import estimate_prompt_tokens, reservation
 
 _real_sleep = asyncio.sleep
 
