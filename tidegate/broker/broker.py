@@ -423,8 +423,10 @@ async def ensure_consumer(
         max_waiting=4096,
     )
     try:
-        # nats-server >= 2.10 treats this as create-or-update for a durable.
-        await js.add_consumer(stream, cc)
+        # nats-server >= 2.10 treats this as create-or-update for a durable,
+        # so a retry is safe: a NATS node dying while a tier starts (an
+        # election: late answers) must not kill the tier.
+        await patiently(lambda: js.add_consumer(stream, cc), f"consumer {durable} on {stream}")
     except nats.js.errors.BadRequestError as exc:
         # A change the server cannot apply in place (e.g. another filter):
         # keep serving from the existing consumer, loudly.
