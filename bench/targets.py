@@ -32,8 +32,8 @@ from typing import Any
 from bench.loadgen import Endpoint
 from tidegate import config as tgconfig
 from tidegate.errors import TidegateError
+from tidegate.run.nats_sync import SYNC_ALWAYS
 from tidegate.run.servers import (
-    SYNC_ALWAYS,
     ManagedProcess,
     NatsServer,
     RedisServer,

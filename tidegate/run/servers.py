@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from tidegate.errors import TidegateError
+from tidegate.run.nats_sync import SYNC_ALWAYS, with_sync_interval
 
 _PR_SET_PDEATHSIG = 1
 # Windows has no SIGKILL; Popen.send_signal(SIGTERM) is TerminateProcess there.
@@ -458,29 +459,6 @@ def stop_all(procs: Iterable[ManagedProcess], timeout: float) -> list[ManagedPro
 # --------------------------------------------------------------------------
 
 
-SYNC_ALWAYS = "always"
-SYNC_CONF = "tidegate-sync.conf"
-
-
-def _with_sync_interval(data_dir: Path, extra_args: Sequence[str], interval: str) -> list[str]:
-    """``extra_args`` with a ``-c`` config that sets JetStream's sync_interval.
-
-    nats-server takes one ``-c`` and has no flag for it, so the written config
-    includes the caller's own ``-c`` file (by a relative path: nats-server
-    joins an include to the including file's directory, absolute or not).
-    """
-    args = list(extra_args)
-    lines = [f"jetstream {{ sync_interval: {interval} }}"]
-    if "-c" in args:
-        at = args.index("-c")
-        own = Path(args[at + 1]).resolve()
-        del args[at:at + 2]
-        lines.insert(0, f'include "{os.path.relpath(own, data_dir.resolve())}"')
-    conf = data_dir / SYNC_CONF
-    conf.write_text("\n".join(lines) + "\n")
-    return [*args, "-c", str(conf)]
-
-
 class NatsServer(ManagedProcess):
     """``nats-server`` with JetStream, bound to ``host`` on a free (or given) port.
 
@@ -520,7 +498,7 @@ class NatsServer(ManagedProcess):
         self.monitor_port: int | None = (monitor_port or free_port(host)) if monitor else None
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if sync_interval is not None:
-            extra_args = _with_sync_interval(self.data_dir, extra_args, sync_interval)
+            extra_args = with_sync_interval(self.data_dir, extra_args, sync_interval)
         monitoring = ["-m", str(self.monitor_port)] if self.monitor_port else []
         argv = [binary or find_nats_server(), "-a", host, "-p", str(self.port),
                 "-js", "-sd", str(self.data_dir), *monitoring, *extra_args]
