@@ -109,6 +109,17 @@ def test_free_port_prefers_a_free_port_and_skips_a_taken_one() -> None:
     assert free_port(preferred=taken) == taken  # closed: free again
 
 
+def test_free_port_picks_below_the_ephemeral_range() -> None:
+    """The ports `tidegate up` picks for its servers are not ones an outgoing
+    connection's source port can take between the pick and the bind (the
+    race that failed `tidegate up` with "port in use" on a busy machine)."""
+    from tidegate.run.ports import ephemeral_start
+
+    picks = {free_port() for _ in range(50)}
+    assert all(port < ephemeral_start() for port in picks), sorted(picks)
+    assert len(picks) > 40  # drawn at random, not one port over and over
+
+
 # -- process management ------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ import re
 import shlex
 
 from tidegate.run.planning import Plan
-from tidegate.run.servers import connect_host
+from tidegate.run.ports import connect_host
 
 
 def banner(plan: Plan) -> str:

@@ -21,7 +21,7 @@ from tidegate import config as tgconfig
 from tidegate.broker import natsconfig
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
-from tidegate.run.servers import connect_host, free_port, port_is_free
+from tidegate.run.ports import connect_host, free_port, port_is_free
 from tidegate.run.supervisor import RestartPolicy, names
 from tidegate.telemetry.observability import METRICS_HOST_ENV, METRICS_PORT_ENV
 

@@ -32,6 +32,9 @@ from types import TracebackType
 
 from tidegate.errors import TidegateError
 from tidegate.run.nats_sync import SYNC_ALWAYS, with_sync_interval
+from tidegate.run.ports import connect_host as connect_host
+from tidegate.run.ports import free_port as free_port
+from tidegate.run.ports import port_is_free as port_is_free
 
 _PR_SET_PDEATHSIG = 1
 # Windows has no SIGKILL; Popen.send_signal(SIGTERM) is TerminateProcess there.
@@ -104,50 +107,6 @@ def find_redis_server() -> str:
 # --------------------------------------------------------------------------
 # Ports
 # --------------------------------------------------------------------------
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when a server could bind ``host:port`` right now.
-
-    Binds with ``SO_REUSEADDR`` like every server tidegate starts does, so a
-    port with only TIME_WAIT connections left counts as free; a listening
-    socket on it (any address that overlaps ``host``) makes it taken.
-    """
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(host: str = "127.0.0.1", preferred: int | None = None) -> int:
-    """``preferred`` if it is free on ``host``, else a port the OS picks.
-
-    The port is released before returning, so another process could take it
-    before the caller binds it; callers that start servers on it detect that as
-    a failed start.
-    """
-    if preferred and port_is_free(preferred, host):
-        return preferred
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def connect_host(host: str) -> str:
-    """An address a client can connect to for a server bound to ``host``."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
 
 
 def _can_connect(host: str, port: int, timeout: float = 0.5) -> bool:
