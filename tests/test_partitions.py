@@ -66,6 +66,10 @@ async def _load(fleet: netns.HostFleet, fault: Any, *, concurrency: int = 8,
                              if after_heal else None)
     report["cut_s"] = round(healed_at - cut_at, 1)
     print(json.dumps(report, indent=1))
+    # No partition is a reason for a process to exit: each must ride it out.
+    exited = [p.describe_failure(f"{p.name} exited with {p.poll()}", 40)
+              for p in fleet.all() if p.poll() is not None]
+    assert not exited, "\n".join(exited)
     return report
 
 
