@@ -6,7 +6,8 @@ costs less CPU per chunk, on a machine whose speed drifts by minutes.
 A variant is ``NAME=tree:PATH`` (a checkout, first on ``PYTHONPATH``, its
 processes run in that folder), ``NAME=env:KEY=VALUE[,...]``,
 ``NAME=set:SECTION.KEY=VALUE[,...]`` (as ``tidegate bench --set``) or
-``NAME=proxy`` (the plain proxy of scenario e). A round runs every variant
+``NAME=proxy`` (the plain proxy of scenario e) or ``NAME=floor`` (:mod:`bench.floor`,
+the design's floor). A round runs every variant
 once, each on a fresh stack, in the given order on odd rounds and reversed on
 even ones; only a difference that holds in every round means something.
 """
@@ -31,7 +32,9 @@ from tidegate.errors import TidegateError
 if TYPE_CHECKING:
     from bench.targets import Target
 
-__all__ = ["Variant", "parse_variant", "summary_line"]
+__all__ = ["PEERS", "Variant", "parse_variant", "summary_line"]
+
+PEERS = ("proxy", "floor")  # NAME=proxy, NAME=floor: another target than tidegate
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,7 +42,7 @@ class Variant:
     name: str
     env: dict[str, str]
     settings: tuple[str, ...] = ()  # SECTION.KEY=VALUE, for the child's --set
-    proxy: bool = False  # the plain proxy instead of tidegate
+    peer: str = ""  # "proxy" or "floor" instead of tidegate
     cwd: Path | None = None  # a tree's root: where its processes run (see the module docstring)
 
     def environ(self) -> dict[str, str]:
@@ -51,14 +54,16 @@ class Variant:
 
 def parse_variant(text: str) -> Variant:
     """``base=tree:/src``, ``one=env:GOMAXPROCS=1,X=2``,
-    ``wide=set:dispatcher.batch=256`` or ``plain=proxy``; TidegateError if not."""
+    ``wide=set:dispatcher.batch=256``, ``plain=proxy`` or ``min=floor``;
+    TidegateError if not."""
     name, sep, spec = text.partition("=")
-    if sep and name and spec == "proxy":
-        return Variant(name, {}, proxy=True)
+    if sep and name and spec in PEERS:
+        return Variant(name, {}, peer=spec)
     kind, _, value = spec.partition(":")
     if not sep or not name or not value or kind not in ("tree", "env", "set"):
         raise TidegateError(f"a variant is NAME=tree:PATH, NAME=env:KEY=VALUE[,...], "
-                            f"NAME=set:SECTION.KEY=VALUE[,...] or NAME=proxy, not {text!r}")
+                            f"NAME=set:SECTION.KEY=VALUE[,...], NAME=proxy or NAME=floor, "
+                            f"not {text!r}")
     if kind == "tree":
         root = Path(value).resolve()
         if not (root / "tidegate" / "__init__.py").is_file():
@@ -112,8 +117,8 @@ async def _served(target: Target, profile: Any, within: float = 120.0) -> None:
 
 
 def _one(concurrency: int, window: float, warmup: float,
-         overrides: dict[str, Any], proxy: bool = False) -> dict[str, Any]:
-    """One direct run and one tidegate (or ``proxy``) run on fresh stacks
+         overrides: dict[str, Any], peer: str = "") -> dict[str, Any]:
+    """One direct run and one tidegate (or ``peer``) run on fresh stacks
     (this process's tree)."""
     from bench import overhead_bench, run_async, scenarios
     from bench.targets import Targets
@@ -124,7 +129,8 @@ def _one(concurrency: int, window: float, warmup: float,
     with Targets(Path(tempfile.mkdtemp(prefix="tidegate-alternate-")),
                  overrides=overrides) as env:
         fake = env.start_fake()
-        tidegate = env.start_proxy() if proxy else env.start_tidegate()
+        tidegate = {"proxy": env.start_proxy, "floor": env.start_floor}.get(
+            peer, env.start_tidegate)()
 
         async def both() -> tuple[dict[str, Any], dict[str, Any]]:
             await _served(tidegate, profile)
@@ -154,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
-    parser.add_argument("--proxy", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--peer", choices=PEERS, default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         overrides = dict(BenchOptions.parse_set(args.set))
         print(json.dumps(_one(args.concurrency, args.window, args.warmup, overrides,
-                              args.proxy)))
+                              args.peer)))
         return 0
     try:
         variants = [parse_variant(v) for v in args.variants]
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--concurrency", str(args.concurrency), "--window", str(args.window),
                  "--warmup", str(args.warmup),
                  *(arg for setting in variant.settings for arg in ("--set", setting)),
-                 *(["--proxy"] if variant.proxy else [])],
+                 *(["--peer", variant.peer] if variant.peer else [])],
                 env=variant.environ(), cwd=variant.cwd, capture_output=True, text=True,
                 check=False)
             if child.returncode != 0:

@@ -85,9 +85,9 @@ def _add_ratios(runs: list[dict[str, Any]]) -> None:
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["mode"], r.get("concurrency", r.get("rate")), r.get("arrival")
 
-    floor = {key(r): r for r in runs if r["target"] == "direct"}
+    direct = {key(r): r for r in runs if r["target"] == "direct"}
     for r in runs:
-        base = floor.get(key(r))
+        base = direct.get(key(r))
         if base is None or r is base:
             continue
         ours, theirs = r["ttft_ms"], base["ttft_ms"]
@@ -97,6 +97,25 @@ def _add_ratios(runs: list[dict[str, Any]]) -> None:
             r["throughput_ratio"] = round(r["streams_per_s"] / base["streams_per_s"], 3)
         if base["chunks_per_s"]:
             r["chunks_ratio"] = round(r["chunks_per_s"] / base["chunks_per_s"], 3)
+    floor = {key(r): r for r in runs if r["target"] == "floor"}
+    for r in runs:
+        if r["target"] == "tidegate" and key(r) in floor:
+            r["over_floor"] = _over(r, floor[key(r)])
+
+
+def _over(ours: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
+    """tidegate against the floor (:mod:`bench.floor`) at the same load: its
+    CPU per chunk and TTFT p99 as ratios, its throughput share of direct as
+    a difference (issue 48's targets: <= 1.15x, <= 1.3x, >= -0.03)."""
+    def ratio(a: Any, b: Any) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    share = (None if ours.get("throughput_ratio") is None or floor.get("throughput_ratio") is None
+             else round(ours["throughput_ratio"] - floor["throughput_ratio"], 3))
+    return {"cpu_us_per_chunk": ratio(ours.get("cpu_us_per_chunk"),
+                                      floor.get("cpu_us_per_chunk")),
+            "ttft_p99": ratio(ours["ttft_ms"].get("p99"), floor["ttft_ms"].get("p99")),
+            "throughput_share": share}
 
 
 async def overhead(targets: list[Target], profile: Profile,

@@ -58,6 +58,13 @@ def _at_200(results: dict[str, Any], target: str) -> dict[str, Any] | None:
     return min(runs, key=lambda r: abs(r["concurrency"] - 200)) if runs else None
 
 
+def _load_label(run: dict[str, Any]) -> str:
+    """c=200, c=200 burst or 150/s: one (a) run's load."""
+    if run["mode"] != "closed":
+        return f"{run['rate']:g}/s"
+    return f"c={run['concurrency']}{' burst' if run.get('arrival') == 'burst' else ''}"
+
+
 def _measures(results: dict[str, Any], target: str) -> dict[str, tuple[Any, str]]:
     """Each target measure for one gateway: (value, where it was measured)."""
     out: dict[str, tuple[Any, str]] = {}
@@ -210,9 +217,7 @@ def markdown(results: dict[str, Any]) -> str:
                 "process incl. the load generator and the fake backend.", ""]
         rows = []
         for r in scen["a"]["runs"]:
-            load = (f"c={r['concurrency']}{' burst' if r.get('arrival') == 'burst' else ''}"
-                    if r["mode"] == "closed" else f"{r['rate']:g}/s")
-            rows.append([r["target"], load, r["streams_per_s"], r["chunks_per_s"],
+            rows.append([r["target"], _load_label(r), r["streams_per_s"], r["chunks_per_s"],
                          _pair(r["ttft_ms"]), _pair(r.get("ttft_overhead_ms", {})),
                          _pair(r["itl_ms"]), _pair(r["total_ms"]),
                          r.get("throughput_ratio"), r["error_count"],
@@ -222,6 +227,16 @@ def markdown(results: dict[str, Any]) -> str:
                        "TTFT overhead p50/p99", "ITL p50/p99", "total p50/p99",
                        "throughput vs direct", "errors", "CPU µs/chunk", "CPU ms/req",
                        "cores busy"], rows)
+        over = [r for r in scen["a"]["runs"] if "over_floor" in r]
+        if over:
+            out += ["tidegate over the design's floor (`bench.floor`: the same edge -> "
+                    "JetStream -> worker shape with none of the features) at the same load: "
+                    "CPU per chunk and TTFT p99 as ratios, throughput as the difference of "
+                    "the shares of direct (targets: ≤ 1.15x, ≤ 1.3x, ≥ -0.03).", ""]
+            out += _table(["load", "CPU µs/chunk", "TTFT p99", "throughput share"],
+                          [[_load_label(r), f"{_fmt(r['over_floor']['cpu_us_per_chunk'])}x",
+                            f"{_fmt(r['over_floor']['ttft_p99'])}x",
+                            r["over_floor"]["throughput_share"]] for r in over])
         cpu_rows = [[r["target"], r.get("concurrency", r.get("rate")),
                      ", ".join(f"{k} {_fmt(v, 2)}" for k, v in r["cpu_s"].items()),
                      ", ".join(f"{k} {_fmt(v, 2)}"

@@ -154,7 +154,9 @@ async def _scenarios(env: Targets, targets: list[Target], options: BenchOptions,
     gateways = [t for t in targets if t.name != "direct"]
     # (e)'s rows are (a)'s runs on the peers: asking for (e) alone runs (a).
     if "a" in letters or set(letters) & set(SCENARIOS) == {"e"}:
-        out["a"] = await overhead_bench.overhead(targets, profile, spy)
+        # The floor joins (a) only: it serves chat streams and nothing else.
+        floor = [env.available["floor"]] if "floor" in env.available else []
+        out["a"] = await overhead_bench.overhead(targets + floor, profile, spy)
     if "c" in letters:
         out["c"] = await cancel_bench.cancel(env, targets, profile)
     if "d" in letters:
@@ -216,6 +218,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
                    else [])
         if set(options.scenarios) & set("abcdjrsw"):
             targets.append(env.start_tidegate())
+        if "a" in options.scenarios:
+            env.start_floor()
         if "e" in options.scenarios:
             targets.append(env.start_proxy())
             for peer in (env.start_fastapi(), env.start_litellm()):

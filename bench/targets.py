@@ -172,6 +172,35 @@ class Targets:
         return self._with_backend(Target("proxy", endpoint, port, cpu={"proxy": proc},
                                          memory={"proxy": proc}))
 
+    # -- the design's floor ------------------------------------------------
+
+    def start_floor(self) -> Target:
+        """:mod:`bench.floor` on its own nats-server, set up as tidegate's is
+        (one Go thread, the shipped fsync policy): the same shape with none of
+        the features, so tidegate over it is the feature tax."""
+        sync = os.environ.get("TIDEGATE_BENCH_NATS_SYNC", SYNC_ALWAYS)
+        nats = NatsServer(self._tmp / "floor-nats", host=_HOST,
+                          log_path=self.logs / "floor-nats-server.log",
+                          gomaxprocs=NATS_GOMAXPROCS,
+                          sync_interval=None if sync == "none" else sync)
+        self._procs.append(nats)
+        nats.start()
+        port = free_port(_HOST)
+        edge = self._proc("floor-edge", _python("bench.floor", "edge", "--nats", nats.url,
+                                                "--host", _HOST, "--port", str(port)),
+                          ready=lambda: http_ok(f"http://{_HOST}:{port}/healthz"))
+        edge.start()
+        worker = self._proc("floor-worker", _python("bench.floor", "worker", "--nats", nats.url,
+                                                    "--upstream", self.fake_url))
+        worker.spawn()
+        endpoint = Endpoint("floor", f"http://{_HOST}:{port}/v1", MODEL)
+        _wait("waiting for a first request through the floor",
+              lambda: _round_trip(endpoint), [nats, edge, worker], 30)
+        return self._with_backend(Target("floor", endpoint, port,
+                                         cpu={"edge": edge, "worker": worker,
+                                              "nats-server": nats},
+                                         memory={"edge": edge, "worker": worker}))
+
     # -- the seed articles' FastAPI + httpx proxy ------------------------------
 
     def start_fastapi(self) -> Target | None:

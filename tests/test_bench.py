@@ -179,7 +179,9 @@ def test_quick_bench_writes_results(tmp_path: Path) -> None:
     assert set(results["scenarios"]) == {"a", "b", "c", "d"}
     assert {"nproc", "cpu_model", "ram_gib"} <= set(results["meta"]["machine"])
     a = results["scenarios"]["a"]["runs"]
-    assert {r["target"] for r in a} >= {"direct", "tidegate", "proxy"}
+    assert {r["target"] for r in a} >= {"direct", "tidegate", "proxy", "floor"}
+    # tidegate against the design's floor at every load (issue 48's ratios).
+    assert all(r["over_floor"]["cpu_us_per_chunk"] for r in a if r["target"] == "tidegate"), a
     # Each concurrency twice: users spread over the warm-up, and all at once.
     assert {r.get("arrival") for r in a if r["mode"] == "closed"} == {"spread", "burst"}
     assert all("throughput_ratio" in r for r in a
@@ -314,7 +316,8 @@ def test_alternate_variants_parse_and_reject_clearly(tmp_path: Path) -> None:
     wide = alternate.parse_variant("wide=set:dispatcher.batch=256,worker.read_bytes=8192")
     assert wide.env == {}
     assert wide.settings == ("dispatcher.batch=256", "worker.read_bytes=8192")
-    assert alternate.parse_variant("plain=proxy").proxy
+    assert alternate.parse_variant("plain=proxy").peer == "proxy"
+    assert alternate.parse_variant("min=floor").peer == "floor"
     for bad in ("base", "base=", "base=tree:", "x=sh:ls", "y=env:NOEQUALS",
                 f"z=tree:{tmp_path}", "w=set:nodot"):
         with pytest.raises(TidegateError):
@@ -415,6 +418,35 @@ async def test_fake_saturation_slows_every_stream_past_k() -> None:
     # 3x slower while all six run; at least 2x on a loaded machine's timers.
     assert min(crowded) > 2 * min(paced)
     assert again < 2 * uncongested
+
+
+@pytest.mark.pipeline
+def test_the_floor_relays_every_chunk_through_jetstream(tmp_path: Path) -> None:
+    """bench.floor as `tidegate bench` starts it (its own nats-server): every
+    stream of a closed loop completes with all its chunks, so the floor's CPU
+    per chunk is the cost of whole streams, not of failed ones."""
+    from bench.targets import MODEL, Targets
+
+    with Targets(tmp_path) as env:
+        env.start_fake()
+        target = env.start_floor()
+
+        async def drive() -> loadgen.Recorder:
+            rec = loadgen.Recorder()
+            async with loadgen.new_session() as session:
+                await loadgen.closed_loop(
+                    session, target.endpoint,
+                    lambda: loadgen.chat_body(MODEL, tokens=300, itl=0.001, ttft=0.0),
+                    rec, concurrency=6, warmup=0.2, duration=1.5)
+            return rec
+
+        rec = asyncio.run(drive())
+    summary = rec.summary()
+    assert summary["error_count"] == 0, summary
+    assert rec.completed > 0
+    # 300 tokens: more than the floor's flow-control window (256 frames)
+    # unless its acks come back; each stream's data events are counted whole.
+    assert rec.chunks >= 300 * rec.completed, summary
 
 
 @pytest.mark.pipeline
