@@ -173,8 +173,8 @@ async def serve_worker(url: str, upstream: str, slots: int) -> None:
             continue
         try:
             msgs = await sub.fetch(min(64, slots - busy), timeout=1.0)
-        except nats.errors.TimeoutError:
-            continue
+        except TimeoutError:  # nothing to pull within 1 s; nats-py raises its own
+            continue  # subclass, or asyncio's when the deadline ran out between steps
         busy += len(msgs)
         for m in msgs:
             task = asyncio.create_task(worker.job(m))

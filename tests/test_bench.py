@@ -438,15 +438,22 @@ def test_the_floor_relays_every_chunk_through_jetstream(tmp_path: Path) -> None:
                     session, target.endpoint,
                     lambda: loadgen.chat_body(MODEL, tokens=300, itl=0.001, ttft=0.0),
                     rec, concurrency=6, warmup=0.2, duration=1.5)
+                # Idle past the worker's 1 s pull: it still serves (a pull's
+                # timeout is the idle worker's normal case).
+                before = rec.completed
+                # 300 tokens: past the floor's flow-control window (256
+                # frames) unless its acks come back; data events counted whole.
+                assert rec.chunks >= 300 * before, rec.summary()
+                await asyncio.sleep(2.5)
+                await loadgen.stream_once(session, target.endpoint, loadgen.chat_body(
+                    MODEL, tokens=3, itl=0.001, ttft=0.0), rec, 0.0)
+                assert rec.completed == before + 1, rec.summary()
             return rec
 
         rec = asyncio.run(drive())
     summary = rec.summary()
     assert summary["error_count"] == 0, summary
-    assert rec.completed > 0
-    # 300 tokens: more than the floor's flow-control window (256 frames)
-    # unless its acks come back; each stream's data events are counted whole.
-    assert rec.chunks >= 300 * rec.completed, summary
+    assert rec.completed > 1
 
 
 @pytest.mark.pipeline
