@@ -1,7 +1,7 @@
 """``Idempotency-Key``: a generation a client may send again without it running twice.
 
-With a key, the request id is a function of the tenant and the key, so both
-tries are one request:
+With a key, the request id is a function of the tenant, the key and the
+route, so both tries are one request:
 
 * a resumable request whose log exists gets its stream from the log, from its
   first event (``Idempotent-Replayed: true``); a log without its request (the
@@ -25,6 +25,7 @@ from edge.publish import patience
 from edge.state import EdgeState
 from tidegate.broker.patient import PATIENCE_STEP
 from tidegate.errors import ApiError, invalid_request
+from tidegate.wire.protocol import Api
 
 HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -47,11 +48,16 @@ def key_of(headers: Mapping[str, str]) -> str | None:
     return key
 
 
-def request_id(tenant: str, key: str) -> str:
-    """The id of the tenant's request under ``key``: 24 hex characters, as a
-    fresh one (``edge.publish.build_request``)."""
+def request_id(tenant: str, key: str, api: Api = Api.CHAT) -> str:
+    """The id of the tenant's request under ``key`` on ``api``'s route: 24 hex
+    characters, as a fresh one (``edge.publish.build_request``). The route is
+    part of it: a key sent again to another route names another request, not
+    the first one's answer in a format its client cannot read. Chat's ids are
+    the ones edges before the route counted computed (a rolling upgrade's
+    retries still meet)."""
     named = f"{len(tenant)}:{tenant}{key}".encode()  # the length keeps the two apart
-    return hashlib.blake2b(named, digest_size=12, person=b"tidegate-idem").hexdigest()
+    person = b"tidegate-idem" if api == Api.CHAT else f"tidegate-idem{int(api)}".encode()
+    return hashlib.blake2b(named, digest_size=12, person=person).hexdigest()
 
 
 async def sent_before(state: EdgeState, request_id_: str, tenant: str) -> tuple[bool, bool]:

@@ -98,9 +98,9 @@ class Published(NamedTuple):
 async def publish_request(state: EdgeState, request: Request,
                           trace_headers: dict[str, str]) -> Published:
     """Publish to the requests stream. A resumable request's stream log is
-    opened first."""
-    if request.resumable:
-        await _open_log(state, request)
+    opened first, once the request is known to be publishable: a 400 or 413
+    leaves no log behind (a resume of it would wait for a stream that never
+    comes)."""
     subject = state.config.nats.subjects.request(request.klass, request.tenant)
     try:
         payload = request.encode()
@@ -110,6 +110,8 @@ async def publish_request(state: EdgeState, request: Request,
     if len(payload) > state.nc.max_payload:
         raise ApiError(413, "The request is too large for the broker's message size limit.",
                        type="invalid_request_error", code="request_too_large")
+    if request.resumable:
+        await _open_log(state, request)
     try:
         ack, tries = await _publish(state, subject, payload,
                                     {"Nats-Msg-Id": request.id, **trace_headers})

@@ -58,6 +58,11 @@ def test_the_id_is_the_tenants_and_keys_own() -> None:
     assert one != idempotency.request_id("other", "k-1")
     # The tenant's length keeps ("ab", "c...") and ("a", "bc...") apart.
     assert idempotency.request_id("ab", "c") != idempotency.request_id("a", "bc")
+    # One key on two routes names two requests: never one route's answer on
+    # the other (a chat stream replayed to an Anthropic client).
+    routes = {idempotency.request_id("acme", "k-1", api) for api in Api}
+    assert len(routes) == len(Api)
+    assert one == idempotency.request_id("acme", "k-1", Api.CHAT)
     assert idempotency.key_of({}) is None
     assert idempotency.key_of({idempotency.HEADER: " k-1 "}) == "k-1"
 
@@ -165,6 +170,63 @@ async def test_a_plain_request_sent_again_is_refused_not_run_twice(
     assert error["code"] == "idempotency_key_in_use"
     assert error["param"] == idempotency.HEADER
     assert len(record_for(backend, marker)) == 2  # the first and the other key's, not the 409
+
+
+@pipeline_test
+async def test_one_key_on_another_route_is_another_request(
+        pipelines: Any, backend: FakeBackend) -> None:
+    """A resumable chat request, then the same key on /v1/responses: the
+    second runs as the Responses request it is (typed events), not the chat
+    stream replayed from its log."""
+    pipeline = pipelines()
+    a, b = pipeline.edge_urls
+    marker = f"idem-route-{uuid.uuid4().hex}"
+    key = str(uuid.uuid4())
+    async with aiohttp.ClientSession() as session:
+        first = await session.post(f"{a}/v1/chat/completions",
+                                   json=body(marker, max_tokens=20), headers=keyed(RESUMABLE, key))
+        assert first.status == 200
+        assert (await Sse().read(first)).done
+        again = await session.post(
+            f"{b}/v1/responses", headers=keyed(RESUMABLE, key),
+            json={"model": body(marker)["model"], "input": marker, "stream": True,
+                  "max_output_tokens": 20})
+        assert again.status == 200, await again.text()
+        text = await again.text()
+    assert idempotency.REPLAYED_HEADER not in again.headers
+    assert again.headers["x-request-id"] != first.headers["x-request-id"]
+    assert "event: response.completed" in text, text[-500:]
+    assert "chat.completion.chunk" not in text
+    # Both ran: the chat request, and the Responses one on the backend's own route.
+    assert len(record_for(backend, marker)) == 1
+    assert [r.body.get("input") for r in list(backend.records)
+            if r.path == "/v1/responses" and r.body.get("input") == marker] == [marker]
+
+
+@pipeline_test
+async def test_a_request_refused_at_publish_leaves_no_log(
+        pipelines: Any, backend: FakeBackend) -> None:
+    """A number past 64 bits passes JSON validation and is refused when the
+    request is encoded: 400, and no stream log opened for it (the fuzzer
+    found one opened first: a resume of the id then waited for a stream that
+    never came). The same key with a good body then runs as a first try."""
+    pipeline = pipelines()
+    a, _ = pipeline.edge_urls
+    marker = f"idem-big-{uuid.uuid4().hex}"
+    key = str(uuid.uuid4())
+    request_id = idempotency.request_id("default", key)
+    async with aiohttp.ClientSession() as session:
+        bad = await session.post(f"{a}/v1/chat/completions", headers=keyed(RESUMABLE, key),
+                                 json=body(marker, max_tokens=5, x_number=2**70))
+        assert bad.status == 400, await bad.text()
+        assert (await bad.json())["error"]["code"] == "invalid_value"
+        resumed = await session.get(f"{a}/v1/streams/{request_id}", headers=AUTH)
+        assert resumed.status == 404, await resumed.text()
+        good = await session.post(f"{a}/v1/chat/completions", headers=keyed(RESUMABLE, key),
+                                  json=body(marker, max_tokens=5))
+        assert good.status == 200, await good.text()
+        assert idempotency.REPLAYED_HEADER not in good.headers
+        assert (await Sse().read(good)).done
 
 
 @pipeline_test
