@@ -520,3 +520,16 @@ def test_a_faster_window_near_the_baselines_concurrency_lowers_it() -> None:
     held = limit.limit
     _windows(limit, t, None, 0.5, 3)  # 10 ms again: 2.5x the new baseline
     assert limit.limit < held
+
+
+def test_slow_start_doubles_per_round_of_first_bytes_not_per_generation() -> None:
+    """A burst of 32 on a fresh worker (64-token streams at 10 ms a token, 50
+    ms to the first): each doubling waits for the first bytes of the jobs the
+    last one let in, not for a window's length of further samples. Before,
+    a window left open past its end by the last first byte closed only at
+    the first generation's end: a fresh `tidegate up` gave a burst's first
+    tokens 8x later than a warm one (bench.first_burst)."""
+    sim = SimBackend(k=64, min_limit=4, demand=32, tokens=64)
+    sim.run(0.4)  # 0.05 s per round of first bytes: 4 -> 8 -> 16 -> 32 well within
+    assert sim.limits[0].limit >= 32, sim.limit_history[::5]
+    assert sim.limits[0].phase is Phase.SLOW_START

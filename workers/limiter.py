@@ -110,8 +110,8 @@ class AdaptiveLimit:
     of slots; ``on_change(limit)`` is called whenever it changes.
     """
 
-    __slots__ = ("_area", "_limit", "_next_overload", "_t", "_tokens", "_tpot", "_ttfb",
-                 "_window_end", "backend_idle", "decisions", "in_flight", "max_limit",
+    __slots__ = ("_area", "_firsts", "_limit", "_next_overload", "_opened", "_started", "_t",
+                 "_tokens", "_tpot", "_ttfb", "_window_end", "backend_idle", "decisions", "in_flight", "max_limit",
                  "min_limit", "on_change", "phase", "target", "tolerance")
 
     def __init__(self, min_limit: int, max_limit: int, *, initial: int | None = None,
@@ -144,6 +144,9 @@ class AdaptiveLimit:
         self._ttfb = _Signal()
         self._tokens = 0.0  # mean output tokens per completed job (0: none yet)
         self._window_end = now + SLOW_START_WINDOW
+        self._opened = now  # when the open window began
+        self._started = 0  # jobs acquired since then
+        self._firsts = 0  # ... and of those, how many reported their first byte
         self._next_overload = now
 
     @property
@@ -161,6 +164,7 @@ class AdaptiveLimit:
     def acquire(self, now: float) -> None:
         self._advance(now)
         self.in_flight += 1
+        self._started += 1
 
     def release(self, now: float) -> None:
         self._advance(now)
@@ -173,6 +177,8 @@ class AdaptiveLimit:
         idle = self.backend_idle
         if idle is None or not idle():
             self._ttfb.add(now - started, self._concurrency(mark, started, now))
+        if started >= self._opened:
+            self._firsts += 1
         self._maybe_decide(now)
 
     def tpot(self, mark: float, first_at: float, tokens: int, now: float,
@@ -233,10 +239,16 @@ class AdaptiveLimit:
     def _maybe_decide(self, now: float) -> None:
         n = self._tpot.n + self._ttfb.n
         # A window is WINDOW long, or as many samples as the limit when they
-        # come sooner (in slow start: one doubling per round of first bytes).
-        if n < MIN_SAMPLES or (now < self._window_end and n < self._limit):
+        # come sooner. In slow start it also closes once every job it let in
+        # has had its first byte: one doubling per round of first bytes. A
+        # window waits for a sample to close it, and after that round the
+        # next one is a generation's end, which made a fresh worker's first
+        # burst wait whole generations (8x a warm one's first tokens).
+        caught_up = self.phase is Phase.SLOW_START and 0 < self._started <= self._firsts
+        if n < MIN_SAMPLES or (now < self._window_end and n < self._limit and not caught_up):
             return
         self.decisions += 1
+        self._opened, self._started, self._firsts = now, 0, 0
         tpot_ratio, tpot_x, tpot_top = self._tpot.close()
         ttfb_ratio, ttfb_x, ttfb_top = self._ttfb.close()
         ttfb_c = self._ttfb_congestion(ttfb_ratio)
