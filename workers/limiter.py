@@ -111,8 +111,9 @@ class AdaptiveLimit:
     """
 
     __slots__ = ("_area", "_firsts", "_limit", "_next_overload", "_opened", "_started", "_t",
-                 "_tokens", "_tpot", "_ttfb", "_window_end", "backend_idle", "decisions", "in_flight", "max_limit",
-                 "min_limit", "on_change", "phase", "target", "tolerance")
+                 "_tokens", "_tpot", "_ttfb", "_window_end", "backend_idle", "decisions",
+                 "in_flight", "max_limit", "min_limit", "on_change", "phase", "target",
+                 "tolerance")
 
     def __init__(self, min_limit: int, max_limit: int, *, initial: int | None = None,
                  tolerance: float = 1.3, now: float = 0.0,
