@@ -59,6 +59,15 @@ async def _serve(host: str, port: int, upstream: str) -> None:
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
     app[_SESSION] = session
     app[_UPSTREAM] = upstream.rstrip("/")
+    try:
+        await serve_until_signal(app, host, port)
+    finally:
+        await session.close()
+
+
+async def serve_until_signal(app: web.Application, host: str, port: int) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, handlers cancelled with their
+    client (the bench's relays' shared way to listen)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=4096).start()
@@ -66,7 +75,6 @@ async def _serve(host: str, port: int, upstream: str) -> None:
         await wait_for_signal()
     finally:
         await runner.cleanup()
-        await session.close()
 
 
 def main(argv: list[str] | None = None) -> None:

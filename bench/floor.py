@@ -27,6 +27,7 @@ from aiohttp import web
 from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
 from bench import run_async
+from bench.baseline_proxy import serve_until_signal
 from tidegate.run.runtime import wait_for_signal
 from tidegate.wire.mux import Outbox
 
@@ -87,13 +88,9 @@ async def serve_edge(url: str, host: str, port: int) -> None:
     app = web.Application()
     app.router.add_get("/healthz", lambda _r: _ok())
     app.router.add_post("/v1/chat/completions", edge.chat)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=4096).start()
     try:
-        await wait_for_signal()
+        await serve_until_signal(app, host, port)
     finally:
-        await runner.cleanup()
         await nc.close()
 
 
