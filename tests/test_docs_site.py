@@ -96,6 +96,12 @@ def test_the_pages_list_every_key_code_metric_and_command() -> None:
     names = [name for name, _, _ in reference._commands(build_parser())]
     assert {"tidegate up", "tidegate keys create", "tidegate budget set"} <= set(names)
     assert all(f"## `{name}`" in commands for name in names if name != "tidegate")
+    from edge.openapi import ROUTES
+
+    http = pages["reference/http.md"]
+    assert all(f"| {r.method} | `{r.path}` |" in http for r in ROUTES)
+    assert "| POST | `/v1/messages` |" in http
+    assert "bearer or x-api-key" in http
 
 
 def test_a_section_is_named_as_its_toml_table() -> None:

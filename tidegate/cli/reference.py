@@ -3,7 +3,8 @@
 Configuration from the config dataclasses (``tidegate.config.schema``), errors
 from ``tidegate.errors.CATALOGUE``, metrics from the instruments
 ``tidegate.telemetry.telemetry.Metrics`` creates, the CLI from
-:func:`tidegate.cli.build_parser`. docs/hooks.py hands :func:`pages` to
+:func:`tidegate.cli.build_parser`, the HTTP routes from the edge's OpenAPI
+table (``edge.openapi.ROUTES``). docs/hooks.py hands :func:`pages` to
 ``mkdocs build``, so the pages exist only in the built site and cannot drift;
 :func:`undescribed` is what tests/test_docs_site.py holds at empty.
 """
@@ -32,6 +33,7 @@ PAGES = {
     "reference/errors.md": "Error codes",
     "reference/metrics.md": "Metrics",
     "reference/cli.md": "Command line",
+    "reference/http.md": "HTTP routes",
 }
 NOTE = "Generated from the code by `tidegate.cli.reference` at every docs build: do not edit."
 
@@ -43,6 +45,7 @@ def pages() -> dict[str, str]:
         "reference/errors.md": _errors(),
         "reference/metrics.md": _metrics(),
         "reference/cli.md": _cli(build_parser()),
+        "reference/http.md": _http(),
     }
 
 
@@ -54,12 +57,41 @@ def undescribed() -> list[str]:
     out += [f"error code {code.code}" for _, codes in CATALOGUE for code in codes
             if not code.meaning]
     out += [f"metric {m.name}" for m in instruments() if not m.description]
+    out += [f"route {r.method} {r.path}" for r in _routes() if not r.summary]
     for name, parser, help_ in _commands(build_parser()):
         if not (help_ or parser.description):
             out.append(f"command {name}")
         out += [f"argument {' '.join(action.option_strings) or action.dest} of {name}"
                 for action in _arguments(parser) if not action.help]
     return out
+
+
+# -- HTTP routes ----------------------------------------------------------------
+
+
+def _routes() -> tuple[Any, ...]:
+    from edge.openapi import ROUTES  # the edge's own table (its test holds it to the app)
+
+    return ROUTES
+
+
+def _http() -> str:
+    lines = [f"# {PAGES['reference/http.md']}", "", NOTE, "",
+             "Every route an edge serves, from the table `GET /openapi.json` is built "
+             "from (OpenAPI 3.1, with each request body's schema: point an API tool at "
+             "it). **Key**: `Authorization: Bearer <key>`; Anthropic's routes also take "
+             "`x-api-key` and answer errors in Anthropic's shape; *none*: no key. "
+             "`/metrics` is served here only with `edge.metrics_public`.", "",
+             "| method | path | what | body | success | key |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in _routes():
+        extras = [f"`{name}`" for name, _ in (*r.query, *r.headers)]
+        what = r.summary + (f"; takes {', '.join(extras)}" if extras else "")
+        key = "none" if r.keyless else ("bearer or x-api-key" if r.anthropic else "bearer")
+        lines.append(f"| {r.method} | `{r.path}` | {_cell(what)} | "
+                     f"{f'`{r.body}`' if r.body else '-'} | {r.status} "
+                     f"{', '.join(r.ok)} | {key} |")
+    return "\n".join([*lines, ""])
 
 
 # -- configuration ------------------------------------------------------------
