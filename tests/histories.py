@@ -52,6 +52,7 @@ class History:
     accepted: bool = False
     error: str = ""  # the code of a clean error
     failure: str = ""  # why it is lost (set by the client)
+    detail: str = ""  # a connect error's own words (which host, refused or unreachable)
     ended: float = 0.0
     resumes: int = 0
     reconnects: int = 0  # event: reconnect received (an edge gave the stream up)
@@ -146,6 +147,7 @@ async def run_one(session: aiohttp.ClientSession, edges: list[str], first: int, 
             except (aiohttp.ClientError, ConnectionError, OSError, _Reconnect) as exc:
                 if not (h.accepted and h.request_id):
                     h.error = f"connect:{type(exc).__name__}"  # nothing accepted: retryable
+                    h.detail = str(exc)[:200]
                     return
             while True:  # resume, each time on the next edge
                 h.resumes += 1
@@ -229,7 +231,10 @@ def check(histories: list[History], since: float = 0.0) -> dict[str, Any]:
     codes: Counter[str] = Counter()
     lost: list[str] = []
     stalls: list[float] = []
+    details: dict[str, str] = {}  # the first words of each connect error
     for h in chosen:
+        if h.detail:
+            details.setdefault(h.error, h.detail)
         if h.done and h.text == h.expected:
             kinds["complete"] += 1
             stalls.append(h.max_stall())
@@ -256,4 +261,5 @@ def check(histories: list[History], since: float = 0.0) -> dict[str, Any]:
             "accepted_not_complete": sum(1 for h in chosen if h.accepted
                                          and not (h.done and h.text == h.expected)),
             "stall_p50": pct(0.5), "stall_p99": pct(0.99),
-            "stall_max": stalls[-1] if stalls else None, "lost_detail": lost[:10]}
+            "stall_max": stalls[-1] if stalls else None, "lost_detail": lost[:10],
+            **({"error_detail": details} if details else {})}
