@@ -257,7 +257,7 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     if state.draining:
         raise unavailable("This edge is shutting down; retry on another.", code="edge_draining")
     key = idempotency.key_of(http.headers)
-    keyed_id = idempotency.request_id(principal.tenant, key, api) if key else None
+    keyed_id = idempotency.request_id(principal.tenant, key, dialect.path) if key else None
     raw = await _read_body(http, config.edge.max_body_bytes, config.edge)
     valid = validate_request(raw, api, models_for(state, principal),
                              max_depth=config.edge.max_json_depth,

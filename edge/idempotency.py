@@ -25,7 +25,6 @@ from edge.publish import patience
 from edge.state import EdgeState
 from tidegate.broker.patient import PATIENCE_STEP
 from tidegate.errors import ApiError, invalid_request
-from tidegate.wire.protocol import Api
 
 HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -48,16 +47,15 @@ def key_of(headers: Mapping[str, str]) -> str | None:
     return key
 
 
-def request_id(tenant: str, key: str, api: Api = Api.CHAT) -> str:
-    """The id of the tenant's request under ``key`` on ``api``'s route: 24 hex
-    characters, as a fresh one (``edge.publish.build_request``). The route is
-    part of it: a key sent again to another route names another request, not
-    the first one's answer in a format its client cannot read. Chat's ids are
-    the ones edges before the route counted computed (a rolling upgrade's
-    retries still meet)."""
-    named = f"{len(tenant)}:{tenant}{key}".encode()  # the length keeps the two apart
-    person = b"tidegate-idem" if api == Api.CHAT else f"tidegate-idem{int(api)}".encode()
-    return hashlib.blake2b(named, digest_size=12, person=person).hexdigest()
+def request_id(tenant: str, key: str, route: str) -> str:
+    """The id of the tenant's request under ``key`` on ``route`` (the
+    dialect's path, ``/chat/completions``...): 24 hex characters, as a fresh
+    one (``edge.publish.build_request``). The route is part of it: a key sent
+    again to another route names another request, not the first one's answer
+    in a format its client cannot read."""
+    # The lengths keep ("ab", "c...") and ("a", "bc...") apart.
+    named = f"{len(tenant)}:{tenant}{len(route)}:{route}{key}".encode()
+    return hashlib.blake2b(named, digest_size=12, person=b"tidegate-idem").hexdigest()
 
 
 async def sent_before(state: EdgeState, request_id_: str, tenant: str) -> tuple[bool, bool]:

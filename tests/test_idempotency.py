@@ -35,10 +35,13 @@ from tests.test_resume import (
     pipelines,  # noqa: F401
     replay,
 )
+from tidegate import apis
 from tidegate import config as tgconfig
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
 from tidegate.wire.protocol import Api
+
+CHAT = apis.of(Api.CHAT).path
 
 
 @pytest.mark.parametrize("bad", ["", " ", "x" * 256, "clé", "a\tb"])
@@ -50,19 +53,18 @@ def test_a_malformed_key_is_refused(bad: str) -> None:
 
 
 def test_the_id_is_the_tenants_and_keys_own() -> None:
-    one = idempotency.request_id("acme", "k-1")
-    assert one == idempotency.request_id("acme", "k-1")
+    one = idempotency.request_id("acme", "k-1", CHAT)
+    assert one == idempotency.request_id("acme", "k-1", CHAT)
     assert len(one) == 24
     assert int(one, 16) >= 0
-    assert one != idempotency.request_id("acme", "k-2")
-    assert one != idempotency.request_id("other", "k-1")
+    assert one != idempotency.request_id("acme", "k-2", CHAT)
+    assert one != idempotency.request_id("other", "k-1", CHAT)
     # The tenant's length keeps ("ab", "c...") and ("a", "bc...") apart.
-    assert idempotency.request_id("ab", "c") != idempotency.request_id("a", "bc")
+    assert idempotency.request_id("ab", "c", CHAT) != idempotency.request_id("a", "bc", CHAT)
     # One key on two routes names two requests: never one route's answer on
     # the other (a chat stream replayed to an Anthropic client).
-    routes = {idempotency.request_id("acme", "k-1", api) for api in Api}
-    assert len(routes) == len(Api)
-    assert one == idempotency.request_id("acme", "k-1", Api.CHAT)
+    routes = {idempotency.request_id("acme", "k-1", d.path) for d in apis.ALL}
+    assert len(routes) == len(apis.ALL)
     assert idempotency.key_of({}) is None
     assert idempotency.key_of({idempotency.HEADER: " k-1 "}) == "k-1"
 
@@ -131,7 +133,7 @@ async def test_a_resumable_request_sent_again_reads_its_one_stream(
                                    json=body(marker, max_tokens=200), headers=keyed(RESUMABLE, key))
         assert first.status == 200
         request_id = first.headers["x-request-id"]
-        assert request_id == idempotency.request_id("default", key)
+        assert request_id == idempotency.request_id("default", key, CHAT)
         assert idempotency.REPLAYED_HEADER not in first.headers
         got = await Sse().read(first, events=10)
         abort(first)
@@ -214,7 +216,7 @@ async def test_a_request_refused_at_publish_leaves_no_log(
     a, _ = pipeline.edge_urls
     marker = f"idem-big-{uuid.uuid4().hex}"
     key = str(uuid.uuid4())
-    request_id = idempotency.request_id("default", key)
+    request_id = idempotency.request_id("default", key, CHAT)
     async with aiohttp.ClientSession() as session:
         bad = await session.post(f"{a}/v1/chat/completions", headers=keyed(RESUMABLE, key),
                                  json=body(marker, max_tokens=5, x_number=2**70))
@@ -239,7 +241,7 @@ async def test_a_log_whose_request_was_never_published_gets_it_published(
     _, b = pipeline.edge_urls
     marker = f"idem-unpublished-{uuid.uuid4().hex}"
     key = str(uuid.uuid4())
-    request_id = idempotency.request_id("default", key)
+    request_id = idempotency.request_id("default", key, CHAT)
     config = pipeline.config
     nc = await nats.connect(config.nats.url)
     try:

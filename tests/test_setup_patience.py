@@ -50,6 +50,18 @@ async def test_the_object_store_too() -> None:
     assert js.calls == 2
 
 
+async def test_a_cluster_without_a_reachable_leader_is_waited_out() -> None:
+    """A node cut from its peers answers 503 with err_code 10008 ("JetStream
+    system temporarily unavailable") until the heal: a dispatcher and a
+    worker starting then exited on it (tests/test_partitions.py, CI)."""
+    js = FlakyJetStream(failures=2, error=nats.js.errors.ServiceUnavailableError(
+        code=503, err_code=broker.JS_CLUSTER_NOT_AVAILABLE,
+        description="JetStream system temporarily unavailable"))
+    kv = await broker.ensure_bucket(js, Config(), "B", "test")  # type: ignore[arg-type]
+    assert kv == "handle:B"
+    assert js.calls == 3
+
+
 async def test_a_503_is_not_retried_for_a_bucket() -> None:
     """A server without JetStream answers 503: the admin CLI says so at once."""
     js = FlakyJetStream(failures=1, error=nats.js.errors.ServiceUnavailableError())

@@ -310,20 +310,33 @@ async def _ensure_stream(js: JetStreamContext, sc: StreamConfig) -> None:
 # server without JetStream answers, and the admin CLI must say so at once
 # (tests/test_cli_admin.py), not after the patience runs out.
 _BUCKET_TRANSIENT: tuple[type[Exception], ...] = (nats.errors.TimeoutError, NotProvisioned)
+# nats-server's JSClusterNotAvailErr, "JetStream system temporarily
+# unavailable": the node the client is on reaches no meta leader (an
+# election, or the node cut from its peers). Always retried: a dispatcher and
+# a worker starting while a partition cut their node exited on it. A server
+# without JetStream answers without this code (no responders), at once.
+JS_CLUSTER_NOT_AVAILABLE = 10008
+
+
+def _not_now(exc: Exception, transient: tuple[type[Exception], ...]) -> bool:
+    return isinstance(exc, transient) or (
+        isinstance(exc, nats.js.errors.ServiceUnavailableError)
+        and exc.err_code == JS_CLUSTER_NOT_AVAILABLE)
 
 
 async def patiently(make: Callable[[], Awaitable[T]], what: str,
                     transient: tuple[type[Exception], ...] = _BUCKET_TRANSIENT) -> T:
     """``await make()``, retrying ``transient`` JetStream errors (a cluster
-    that is forming or electing a leader answers late) for ``_SETUP_PATIENCE``
-    seconds. For the setup a tier does at start: without it, one election
-    kills the process."""
+    that is forming or electing a leader answers late) and a cluster without
+    a reachable meta leader (:data:`JS_CLUSTER_NOT_AVAILABLE`) for
+    ``_SETUP_PATIENCE`` seconds. For the setup a tier does at start: without
+    it, one election or partition kills the process."""
     deadline = asyncio.get_running_loop().time() + _SETUP_PATIENCE
     while True:
         try:
             return await make()
-        except transient as exc:
-            if asyncio.get_running_loop().time() >= deadline:
+        except Exception as exc:
+            if not _not_now(exc, transient) or asyncio.get_running_loop().time() >= deadline:
                 raise
             log.warning("%s: %s; retrying", what, type(exc).__name__)
             await asyncio.sleep(0.5)
