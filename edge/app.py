@@ -44,7 +44,6 @@ from tidegate.errors import ApiError, invalid_request, unavailable
 from tidegate.telemetry import logs
 from tidegate.telemetry.observability import metrics_handler
 from tidegate.validation.messages import validate_messages
-from tidegate.validation.responses import validate_request
 from tidegate.wire.anthropic import is_messages_path
 from tidegate.wire.protocol import Api
 
@@ -259,7 +258,7 @@ async def _handle_generate(http: web.Request, api: Api, state: EdgeState,
     key = idempotency.key_of(http.headers)
     keyed_id = idempotency.request_id(principal.tenant, key, dialect.path) if key else None
     raw = await _read_body(http, config.edge.max_body_bytes, config.edge)
-    valid = validate_request(raw, api, models_for(state, principal),
+    valid = dialect.validate(raw, models_for(state, principal),
                              max_depth=config.edge.max_json_depth,
                              max_response_bytes=config.edge.max_response_bytes)
     grace = resume.resume_grace(http.headers, state.tenants, principal.tenant, valid.model,

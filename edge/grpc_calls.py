@@ -30,7 +30,6 @@ from tidegate import apis
 from tidegate.errors import ApiError, invalid_request
 from tidegate.telemetry import logs
 from tidegate.validation.jsonbody import parse_object
-from tidegate.validation.responses import validate_request
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire.protocol import Api
 
@@ -244,10 +243,10 @@ async def run_generation(state: EdgeState, principal: Principal, req: pb.Generat
         raise ApiError(413, f"The request body exceeds the limit of "
                             f"{config.edge.max_body_bytes} bytes.",
                        type="invalid_request_error", code="request_too_large")
-    valid = validate_request(_body(req, config.edge.max_json_depth), api,
-                             models_for(state, principal),
-                             max_depth=config.edge.max_json_depth,
-                             max_response_bytes=config.edge.max_response_bytes)
+    valid = apis.validate_request(_body(req, config.edge.max_json_depth), api,
+                                  models_for(state, principal),
+                                  max_depth=config.edge.max_json_depth,
+                                  max_response_bytes=config.edge.max_response_bytes)
     if apis.of(valid.api).background and valid.body.get("background") is True:
         raise invalid_request("Background responses are not served over gRPC; use POST "
                               "/v1/responses.", code="unsupported_parameter",

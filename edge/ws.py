@@ -40,9 +40,7 @@ from tidegate.apis import WEBSOCKET_PATHS
 from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.errors import ApiError, unavailable
 from tidegate.telemetry import logs
-from tidegate.validation.generation import validate_body
 from tidegate.validation.jsonbody import parse_object
-from tidegate.validation.messages import validate_messages_body
 from tidegate.wire import ws as wire
 from tidegate.wire.ws import CloseCode, KeepaliveAction
 
@@ -399,8 +397,7 @@ class WsSocket:
         state = self.state
         assert self.principal is not None
         models = models_for(state, self.principal)
-        valid = (validate_messages_body(event.body, models) if apis.of(event.api).anthropic
-                 else validate_body(event.body, event.api, models))
+        valid = apis.of(event.api).validate_body(event.body, models)
         headers: object = self.http.headers
         if event.resumable is not None or event.resume_grace is not None:
             # The frame's own opt-in, in the header names resume_grace reads.

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidegate.apis import validate_request as validate
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError
-from tidegate.validation.generation import validate
 from tidegate.validation.jsonbody import parse_object
 from tidegate.wire.protocol import Api
 

@@ -17,10 +17,10 @@ from edge.app import build_app
 from edge.openapi import document
 from edge.state import EdgeState
 from tidegate import config as tgconfig
+from tidegate.apis import validate_request
 from tidegate.errors import ApiError
 from tidegate.telemetry import telemetry
 from tidegate.validation.messages import validate_messages
-from tidegate.validation.responses import validate_request
 from tidegate.validation.schemas import MODEL_NAME
 from tidegate.wire.protocol import Api
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from tidegate.apis import completion_cap, estimate_prompt_tokens, reservation
+from tidegate.apis import completion_cap, estimate_prompt_tokens, reservation, validate_request
 from tidegate.config import ModelConfig, SimulatorConfig, WorkerConfig
 from tidegate.errors import ApiError, BackendError
-from tidegate.validation.responses import embeddings_size, validate_request
+from tidegate.validation.responses import embeddings_size
 from tidegate.wire.protocol import Api, Request
 from workers.backends import simulator_responses
 from workers.backends.simulator import SimulatorBackend

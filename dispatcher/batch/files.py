@@ -29,7 +29,6 @@ from tidegate.control.batches import Stores, bucket_names
 from tidegate.errors import ApiError, ProtocolError, invalid_request
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.validation.jsonbody import parse_object
-from tidegate.validation.responses import validate_request
 from tidegate.wire.batch import (
     BatchLine,
     BatchRecord,
@@ -108,7 +107,7 @@ def check_body(line: BatchLine, endpoint: str, models: Mapping[str, ModelConfig]
     dialect = apis.by_path(endpoint)
     if dialect is None:  # the edge admits a batch of tidegate.wire.batch.ENDPOINTS only
         raise invalid_request(f"endpoint {endpoint!r} is not served here")
-    valid = validate_request(json.dumps(body).encode(), dialect.api, models)
+    valid = dialect.validate(json.dumps(body).encode(), models)
     template = Request(id="-", reply="-", model=valid.model.name, api=valid.api, stream=False,
                        body=valid.body, created_ms=0, deadline_ms=0, window_bytes=0,
                        window_msgs=0, klass="batch")

@@ -10,10 +10,13 @@ from typing import Any
 
 from tidegate.apis import chat, completions, embeddings, messages, responses
 from tidegate.apis.dialect import Dialect
+from tidegate.config import ModelConfig
+from tidegate.validation.generation import DEFAULT_MAX_DEPTH, Validated
+from tidegate.validation.responses import DEFAULT_MAX_RESPONSE_BYTES
 from tidegate.wire.protocol import Api
 
 __all__ = ["ALL", "WEBSOCKET_PATHS", "Dialect", "by_path", "completion_cap",
-           "estimate_prompt_tokens", "find", "of", "reservation"]
+           "estimate_prompt_tokens", "find", "of", "reservation", "validate_request"]
 
 ALL: tuple[Dialect, ...] = (chat.DIALECT, completions.DIALECT, responses.DIALECT,
                             embeddings.DIALECT, messages.DIALECT)
@@ -40,6 +43,15 @@ def find(api: int) -> Dialect | None:
 def by_path(path: str) -> Dialect | None:
     """The dialect served at ``path`` (``/v1/chat/completions``...), if any."""
     return _BY_PATH.get(path)
+
+
+def validate_request(raw: bytes, api: Api | int, models: Mapping[str, ModelConfig], *,
+                     max_depth: int = DEFAULT_MAX_DEPTH,
+                     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
+    """Parse and check a request body of any endpoint (:meth:`Dialect.validate`):
+    the edge's, the gRPC ingress's and the batch lines' one entry point."""
+    return _BY_API[Api(api)].validate(raw, models, max_depth=max_depth,
+                                      max_response_bytes=max_response_bytes)
 
 
 def estimate_prompt_tokens(api: Api | int, body: Mapping[str, Any]) -> int:

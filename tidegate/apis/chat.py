@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidegate.apis.dialect import Dialect
+from tidegate.config import ModelConfig
+from tidegate.validation.generation import Validated, validate_chat
 from tidegate.wire.protocol import Api
 from tidegate.wire.tokens import REPLY_PRIMING, json_text, message_cost, text_cost
 
@@ -25,6 +27,10 @@ class Chat(Dialect):
     usage_asked = True
     choice_chunks = True
     optional_endpoint = False
+
+    def validate_body(self, body: dict[str, Any],
+                      models: Mapping[str, ModelConfig]) -> Validated:
+        return validate_chat(body, self.api, models)
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return body

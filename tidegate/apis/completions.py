@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidegate.apis.dialect import Dialect
+from tidegate.config import ModelConfig
+from tidegate.validation.generation import Validated, validate_completion
 from tidegate.wire.protocol import Api
 from tidegate.wire.tokens import choice_count, is_int, prompts, text_cost
 
@@ -23,6 +25,10 @@ class Completions(Dialect):
     usage_asked = True
     choice_chunks = True
     optional_endpoint = False
+
+    def validate_body(self, body: dict[str, Any],
+                      models: Mapping[str, ModelConfig]) -> Validated:
+        return validate_completion(body, self.api, models)
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """``prompt`` as a text, a list of texts or token arrays (each integer

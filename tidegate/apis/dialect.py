@@ -10,6 +10,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from tidegate.config import ModelConfig
+from tidegate.validation.generation import DEFAULT_MAX_DEPTH, Validated, parse_json
+from tidegate.validation.responses import DEFAULT_MAX_RESPONSE_BYTES
 from tidegate.wire.protocol import Api
 from tidegate.wire.tokens import as_int, choice_count
 
@@ -56,6 +59,20 @@ class Dialect:
     # Its stream is OpenAI's ``choices`` chunks: what it delivered reads back
     # as text (tidegate.apis.delivered.joined_text).
     choice_chunks: ClassVar[bool] = False
+
+    def validate(self, raw: bytes, models: Mapping[str, ModelConfig], *,
+                 max_depth: int = DEFAULT_MAX_DEPTH,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
+        """Parse and check a request body of this API (``tidegate.validation``:
+        an OpenAI-style 400 naming the field); ``max_response_bytes`` bounds
+        an answer whose size is known before it runs (embeddings)."""
+        return self.validate_body(parse_json(raw, max_depth), models)
+
+    def validate_body(self, body: dict[str, Any],
+                      models: Mapping[str, ModelConfig]) -> Validated:
+        """:meth:`validate` for a body already parsed (a WebSocket frame's,
+        with the same strict, depth-bounded parser)."""
+        raise NotImplementedError(f"{self.path} is validated from its raw body")
 
     def continue_body(self, body: dict[str, Any], text: str) -> None:
         """Rewrite ``body`` (a copy) so a backend goes on from ``text``, the

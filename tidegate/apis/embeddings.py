@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidegate.apis.dialect import Dialect
+from tidegate.config import ModelConfig
+from tidegate.validation.generation import DEFAULT_MAX_DEPTH, Validated
+from tidegate.validation.responses import DEFAULT_MAX_RESPONSE_BYTES, validate_embeddings
 from tidegate.wire.protocol import Api
 from tidegate.wire.tokens import prompts, text_cost
 
@@ -16,6 +19,12 @@ class Embeddings(Dialect):
     path = "/embeddings"
     operation = "embeddings"
     vectors = True
+
+    def validate(self, raw: bytes, models: Mapping[str, ModelConfig], *,
+                 max_depth: int = DEFAULT_MAX_DEPTH,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
+        return validate_embeddings(raw, models, max_depth=max_depth,
+                                   max_response_bytes=max_response_bytes)
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """``input`` as completions' ``prompt``, without framing."""

@@ -8,6 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidegate.apis.dialect import Dialect
+from tidegate.config import ModelConfig
+from tidegate.validation.generation import Validated
+from tidegate.validation.messages import validate_messages_body
 from tidegate.wire.protocol import Api
 from tidegate.wire.tokens import (
     IMAGE_TOKENS,
@@ -27,6 +30,10 @@ class Messages(Dialect):
     typed_events = True
     on_websocket = True
     stop_field = "stop_sequences"
+
+    def validate_body(self, body: dict[str, Any],
+                      models: Mapping[str, ModelConfig]) -> Validated:
+        return validate_messages_body(body, models)
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """An Anthropic Messages body: ``system``, each turn's content blocks

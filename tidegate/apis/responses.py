@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidegate.apis.dialect import Dialect
+from tidegate.config import ModelConfig
+from tidegate.validation.generation import DEFAULT_MAX_DEPTH, Validated
+from tidegate.validation.responses import DEFAULT_MAX_RESPONSE_BYTES, validate_responses
 from tidegate.wire.protocol import Api
 from tidegate.wire.tokens import (
     PER_MESSAGE,
@@ -27,6 +30,11 @@ class Responses(Dialect):
     typed_events = True
     background = True
     numbered_events = True
+
+    def validate(self, raw: bytes, models: Mapping[str, ModelConfig], *,
+                 max_depth: int = DEFAULT_MAX_DEPTH,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
+        return validate_responses(raw, models, max_depth=max_depth)
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """``instructions`` as a system turn, ``input`` as the turns (a text

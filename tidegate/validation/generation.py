@@ -49,23 +49,29 @@ def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]
     return parse_object(raw, max_depth)
 
 
-def validate(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
-             max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
-    return validate_body(parse_json(raw, max_depth), api, models)
-
-
-def validate_body(body: dict[str, Any], api: Api,
+def validate_chat(body: dict[str, Any], api: Api,
                   models: Mapping[str, ModelConfig]) -> Validated:
-    """:func:`validate` for a body already parsed (a WebSocket request frame's,
-    parsed with the same strict, depth-bounded parser)."""
+    """A chat completions body already parsed (an HTTP body's or a WebSocket
+    frame's, with the same strict, depth-bounded parser: :func:`parse_json`);
+    ``api`` is what the result carries (``tidegate.apis.chat``'s)."""
     model = model_for(body, models)
-    if api is Api.CHAT:
-        _messages(body)
-        check_token_limit(body, "max_completion_tokens", model)
-        check_chat(body)
-    else:
-        _prompt(body)
-        check_completion(body)
+    _messages(body)
+    check_token_limit(body, "max_completion_tokens", model)
+    check_chat(body)
+    return _generation(body, api, model)
+
+
+def validate_completion(body: dict[str, Any], api: Api,
+                        models: Mapping[str, ModelConfig]) -> Validated:
+    """:func:`validate_chat` for a (legacy) completions body."""
+    model = model_for(body, models)
+    _prompt(body)
+    check_completion(body)
+    return _generation(body, api, model)
+
+
+def _generation(body: dict[str, Any], api: Api, model: ModelConfig) -> Validated:
+    """What chat and completions check alike, after their own fields."""
     stream = optional_bool(body, "stream") or False
     include_usage = _stream_options(body, stream)
     check_token_limit(body, "max_tokens", model)

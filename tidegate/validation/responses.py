@@ -1,11 +1,11 @@
 """Validation of Responses (``/v1/responses``) and Embeddings (``/v1/embeddings``)
 bodies (sans-I/O), beside ``tidegate.validation.generation``'s chat and completions.
 
-:func:`validate_request` is the edge's one entry point for every generation
-endpoint: chat and completions go to :func:`tidegate.validation.generation.validate`,
-the newer two are checked here, with the same OpenAI-style 400s (``param`` names
-the field). Only fields tidegate depends on are checked; unknown fields pass
-through. ``background: true`` is tidegate's own (``edge.background``) and never
+Each API's dialect (``tidegate.apis``) calls its validator;
+``tidegate.apis.validate_request`` is the one entry point for every endpoint.
+The same OpenAI-style 400s as chat's (``param`` names the field). Only
+fields tidegate depends on are checked; unknown fields pass through.
+``background: true`` is tidegate's own (``edge.background``) and never
 reaches a backend; an embeddings body may not ask to ``stream``.
 """
 
@@ -26,14 +26,12 @@ from tidegate.validation.generation import (
     optional_bool,
     optional_int,
     parse_json,
-    validate,
 )
 from tidegate.validation.jsonbody import json_type
-from tidegate.validation.messages import validate_messages
 from tidegate.wire.protocol import Api
 
-__all__ = ["check_embeddings_size", "embedding_inputs", "embeddings_size",
-           "validate_embeddings", "validate_request", "validate_responses"]
+__all__ = ["DEFAULT_MAX_RESPONSE_BYTES", "check_embeddings_size", "embedding_inputs",
+           "embeddings_size", "validate_embeddings", "validate_responses"]
 
 # OpenAI's own bound on one embeddings request's inputs.
 MAX_EMBEDDING_INPUTS = 2048
@@ -44,24 +42,9 @@ MAX_EMBEDDING_INPUTS = 2048
 _FLOAT_JSON_BYTES = 24
 _PER_EMBEDDING_BYTES = 64
 _PER_RESPONSE_BYTES = 256
-_DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # EdgeConfig's and WorkerConfig's default
+DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # EdgeConfig's and WorkerConfig's default
 ENCODINGS = ("float", "base64")
 TRUNCATIONS = ("auto", "disabled")
-
-
-def validate_request(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
-                     max_depth: int = DEFAULT_MAX_DEPTH,
-                     max_response_bytes: int = _DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
-    """Parse and check a generation request body of any endpoint;
-    ``max_response_bytes`` is the edge's cap on a non-streaming body."""
-    if api is Api.RESPONSES:
-        return validate_responses(raw, models, max_depth=max_depth)
-    if api is Api.EMBEDDINGS:
-        return validate_embeddings(raw, models, max_depth=max_depth,
-                                   max_response_bytes=max_response_bytes)
-    if api is Api.MESSAGES:
-        return validate_messages(raw, models, max_depth=max_depth)
-    return validate(raw, api, models, max_depth=max_depth)
 
 
 def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
@@ -115,7 +98,7 @@ def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
 
 def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
                         max_depth: int = DEFAULT_MAX_DEPTH,
-                        max_response_bytes: int = _DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
+                        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
     body = parse_json(raw, max_depth)
     model = model_for(body, models)
     _embedding_input(body)
