@@ -28,11 +28,14 @@ from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConf
 
 from bench import run_async
 from bench.baseline_proxy import serve_until_signal
+from tidegate.config import WorkerConfig
 from tidegate.run.runtime import wait_for_signal
-from tidegate.wire.mux import Outbox
+from tidegate.wire.mux import Outbox, batch_limit
 
 STREAM, SUBJECT, DURABLE = "FLOOR", "floor.req", "floor-workers"
-ACK_EVERY, WINDOW = 64, 256  # tidegate's flow-control defaults' shape
+# The edge acks every 64 frames (tidegate acks at half its default
+# session.window_msgs of 128); the worker stops at 256 unacked.
+ACK_EVERY, WINDOW = 64, 256
 _END = b""  # a session's last message
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -142,7 +145,9 @@ class Worker:
 async def serve_worker(url: str, upstream: str, slots: int) -> None:
     nc = await nats.connect(url, name="floor-worker")
     js = nc.jetstream()
-    outbox = Outbox(nc.publish, delay=0.002)  # worker.coalesce_delay's default
+    defaults = WorkerConfig()  # tidegate's coalescing, as shipped
+    outbox = Outbox(nc.publish, batch_limit(defaults.coalesce_bytes, nc.max_payload),
+                    defaults.coalesce_delay)
     outbox.start()
     worker = Worker(nc, upstream, outbox)
     await nc.subscribe(worker.ack_subject, cb=worker.on_ack)
@@ -153,26 +158,23 @@ async def serve_worker(url: str, upstream: str, slots: int) -> None:
         await asyncio.sleep(0.1)
     sub = await js.pull_subscribe(SUBJECT, DURABLE, stream=STREAM,
                                   config=ConsumerConfig(ack_wait=120, max_ack_pending=-1))
-    busy, room = 0, asyncio.Event()
+    room = asyncio.Event()
     stop = asyncio.ensure_future(wait_for_signal())
+    running: set[asyncio.Task[None]] = set()  # the jobs holding a slot
 
     def done(task: asyncio.Task[None]) -> None:
-        nonlocal busy
         running.discard(task)
-        busy -= 1
         room.set()
 
-    running: set[asyncio.Task[None]] = set()
     while not stop.done():
-        if busy >= slots:
+        if len(running) >= slots:
             room.clear()
             await room.wait()
             continue
         try:
-            msgs = await sub.fetch(min(64, slots - busy), timeout=1.0)
+            msgs = await sub.fetch(min(64, slots - len(running)), timeout=1.0)
         except TimeoutError:  # nothing to pull within 1 s; nats-py raises its own
             continue  # subclass, or asyncio's when the deadline ran out between steps
-        busy += len(msgs)
         for m in msgs:
             task = asyncio.create_task(worker.job(m))
             running.add(task)
