@@ -106,7 +106,7 @@ def _add_ratios(runs: list[dict[str, Any]]) -> None:
 def _over(ours: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
     """tidegate against the floor (:mod:`bench.floor`) at the same load: its
     CPU per chunk and TTFT p99 as ratios, its throughput share of direct as
-    a difference (issue 48's targets: <= 1.15x, <= 1.3x, >= -0.03)."""
+    a difference (docs/benchmarks.md's targets: <= 1.15x, <= 1.3x, >= -0.03)."""
     def ratio(a: Any, b: Any) -> float | None:
         return round(a / b, 3) if a and b else None
 
