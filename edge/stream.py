@@ -163,8 +163,28 @@ class StreamState:
         heartbeat = cfg.session.heartbeat_interval
         lost_after = heartbeat * cfg.session.worker_lost_after
         due = Due.NOTHING
+        if link_epoch != self.link_epoch:
+            # This edge reconnected (to another node, after one's death): what
+            # was in flight through the lost connection, the worker's output
+            # and this edge's acks, may be gone. Streaming, ask and ack at once
+            # rather than at the silence rule (1.5 heartbeats) or the ack timer.
+            # Before a Head, the whole response may have gone that way (a short
+            # one, Head to Done, sent while this edge reconnected): nothing
+            # would come to show the gap, and the request would wait out
+            # queue_timeout. So the Head is missing until it comes, as when
+            # output comes first (check_seq), and every worker is asked.
+            self.link_epoch = link_epoch
+            if phase is Phase.STREAMING:
+                due |= Due.RETRANSMIT | Due.ACK
+            elif not self.gap_since:
+                self.gap_since = now
         if phase is not Phase.STREAMING and self.gap_since:
-            due |= Due.RETRANSMIT  # the Head is missing (see check_seq)
+            if now - self.gap_since >= lost_after:
+                # Asked for a worker's tail-keeping time (workers.tails) and
+                # nothing came: no worker has it yet. Its next output asks again.
+                self.gap_since = 0.0
+            else:
+                due |= Due.RETRANSMIT  # the Head is missing (see check_seq)
         if phase is Phase.STREAMING:
             if self.gap_since and resumable and now - self.gap_since >= heartbeat:
                 # A resumable stream has its log: rather than wait for a resend
@@ -189,13 +209,6 @@ class StreamState:
                 due |= Due.RETRANSMIT
         if stream and now - self.last_write >= heartbeat:
             due |= Due.PING
-        if phase is Phase.STREAMING and link_epoch != self.link_epoch:
-            # This edge reconnected (to another node, after one's death): what
-            # was in flight through the lost connection, the worker's output
-            # and this edge's acks, may be gone. Ask, and ack, at once rather
-            # than at the silence rule (1.5 heartbeats) or the ack timer.
-            self.link_epoch = link_epoch
-            due |= Due.RETRANSMIT | Due.ACK
         if control and now - self.last_ack >= cfg.session.ack_timeout / 4:
             # Ack on time as well as on volume, even with nothing new: slow
             # output never reaches half a window, and a worker in a long

@@ -57,7 +57,8 @@ class Pipeline:
                  overrides: Mapping[str, Any] | None = None, workers: int = 1,
                  env: Mapping[str, str] | None = None, metrics: bool = False,
                  edges: int = 1, worker_env: Sequence[Mapping[str, str]] = (),
-                 worker_launcher: Sequence[str] = ("tidegate",)) -> None:
+                 worker_launcher: Sequence[str] = ("tidegate",),
+                 edge_env: Mapping[str, str] | None = None) -> None:
         self.workdir = workdir
         self.env = dict(env) if env else None
         self.metrics = metrics
@@ -96,7 +97,10 @@ class Pipeline:
                                       extra_env=worker_env[i] if i < len(worker_env) else None,
                                       launcher=worker_launcher)
                         for i in range(workers)]
-        self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"))
+        # edge_env: more environment for the first edge only (its own NATS
+        # URL through a proxy, say).
+        self.edge = self._process("edge", ready=lambda: http_ok(f"{self.url}/readyz"),
+                                  extra_env=edge_env)
         # More edges (``edges`` > 1), each on a port of its own: edge_urls[i].
         self.edge_ports = [self.port] + [self._free_port() for _ in range(edges - 1)]
         self.extra_edges = [self._edge(i) for i in range(1, edges)]

@@ -3,6 +3,8 @@ clock's rules, each fed by hand and read back (the relay does the I/O)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from edge.endings import Reconnect
@@ -226,6 +228,38 @@ def test_the_clock_reads_durations_since_each_event() -> None:
     assert clock(s, T + 1.0, resumable=True, stream=False) is Due.RETRANSMIT
     with pytest.raises(Reconnect):
         clock(s, T + 0.5 + HB, resumable=True, stream=False)
+
+
+@pytest.mark.parametrize("phase", [Phase.WAITING, Phase.ADMITTED])
+def test_a_reconnect_before_the_head_asks_every_worker_until_it_comes(phase: Phase) -> None:
+    """A short response sent whole (Head to Done) while this edge reconnected
+    leaves nothing to show it was lost: the edge asks every worker for it
+    (from seq 1) each tick, for a worker's tail-keeping time, then waits as
+    before; a Head ends the asking. Without this, the request waited out
+    queue_timeout (the chaos run's streams with no end)."""
+    s = StreamState("r", 0.0)
+    if phase is Phase.ADMITTED:
+        s.advance(Status)
+
+    cfg = dataclasses.replace(CFG, edge=dataclasses.replace(CFG.edge, admission_timeout=60.0))
+
+    def tick(now: float, epoch: int = 1) -> Due:
+        return s.clock(now, cfg, model="m", link_lost=False, resumable=False, stream=False,
+                       control="", link_epoch=epoch)
+
+    assert tick(0.5, epoch=0) is Due.NOTHING, "no reconnect, nothing to ask"
+    assert tick(1.0) is Due.RETRANSMIT
+    assert s.expected_seq == 1, "from the Head on"
+    assert tick(2.0) is Due.RETRANSMIT, "asked again while nothing came"
+    assert tick(1.0 + LOST - 0.1) is Due.RETRANSMIT
+    assert tick(1.0 + LOST) is Due.NOTHING, "no worker kept it: stop asking"
+    assert tick(1.0 + LOST + 1) is Due.NOTHING
+    assert not s.check_seq(3), "later output asks again"
+    assert tick(1.0 + LOST + 2) is Due.RETRANSMIT
+    s.advance(Head)
+    assert s.check_seq(1)
+    s.last_worker_msg = 1.0 + LOST + 2.5
+    assert tick(1.0 + LOST + 3) is Due.NOTHING, "the Head came: streaming as usual"
 
 
 def test_what_is_due_at_once_is_asked_at_once() -> None:
