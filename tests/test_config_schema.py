@@ -76,6 +76,7 @@ BAD: dict[str, Any] = {
     "streams.replicas": 6, "streams.requests_max_msgs": 0, "streams.requests_max_bytes": 0,
     "streams.jobs_max_msgs": 0, "streams.jobs_max_bytes": 0, "streams.duplicate_window": 0.0,
     "streams.max_age": 0.0, "streams.usage_max_age": 0.0, "streams.usage_max_bytes": 0,
+    "streams.responses_max_age": 0.0,
     "dispatcher.batch": 0, "dispatcher.ack_wait": 30.0, "dispatcher.fetch_timeout": 0.0,
     "worker.ack_wait": 30.0, "worker.max_deliver": 0, "worker.read_bytes": 0,
     "worker.coalesce_bytes": (512 << 10) + 1, "worker.coalesce_delay": 0.2,

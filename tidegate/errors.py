@@ -211,6 +211,8 @@ CATALOGUE: tuple[tuple[str, tuple[Code, ...]], ...] = (
              "NATS is unreachable (also the stream log, for resume and background reads)"),
         Code("broker_error", "503", "service_unavailable", "yes",
              "NATS refused the publish"),
+        Code("owner_store_unavailable", "503", "service_unavailable", "yes",
+             "the worker could not read who owns the `previous_response_id` it was given"),
         Code("dispatcher_unavailable", "503", "service_unavailable", "yes (5 s)",
              "no dispatcher answered within `edge.admission_timeout`"),
         Code("no_worker_available", "503", "service_unavailable / server_error", "yes (5 s)",
@@ -257,6 +259,9 @@ CATALOGUE: tuple[tuple[str, tuple[Code, ...]], ...] = (
         Code("response_not_found", "404", "invalid_request_error", "no",
              "`GET /v1/responses/{id}`: unknown, expired, not a background response, or another "
              "tenant's"),
+        Code("previous_response_not_found", "404", "invalid_request_error", "no",
+             "`previous_response_id` names a response never given to this tenant, or one older "
+             "than `streams.responses_max_age`"),
     )),
     ("The model backend", (
         Code("invalid_request", "400", "invalid_request_error", "no",

@@ -364,6 +364,8 @@ class Job:
             now = self._backend_at = time.monotonic()
             self._mark = limit.mark(now)
         try:
+            if self.ctx.owners is not None:  # previous_response_id: the tenant's own only
+                await self.ctx.owners.check(self.request)
             if (ending := closing(self._origin, self.continued)) is not None:  # limit reached
                 stream = self.stream = ending
             elif self.replicas is None:
@@ -486,12 +488,21 @@ class Job:
             else:
                 limit.whole(self._mark, self._backend_at, usage.completion_tokens,
                             time.monotonic(), stalled=self.stall_time)
+        if usage.response_id and self.ctx.owners is not None:
+            # Recorded before the Done: a client that has the end may follow up.
+            await self.ctx.owners.record(self._client_response_id(usage), self.request.tenant)
         self.seq += 1
         cost = prices.format_money(prices.job_cost(
             self.price, "done", usage.prompt_tokens, usage.completion_tokens,
             usage.cached_tokens)) if self.price is not None else ""
         await self._send(Done(self.seq, usage.prompt_tokens, usage.completion_tokens,
                               usage.finish_reason, cost).encode())
+
+    def _client_response_id(self, usage: Usage) -> str:
+        """The response id the client saw: a continued response's first
+        call's (later calls' ids are renamed to it), else the backend's."""
+        kept = self._kept.response_id if self._kept is not None else ""
+        return kept or (self.continued.response_id if self.continued else "") or usage.response_id
 
     def _account(self, data: bytes) -> bytes:
         """A chunk is about to go out: its seq, its message (kept in the window

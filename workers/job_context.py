@@ -17,6 +17,7 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.telemetry import Telemetry
 from tidegate.wire.mux import Outbox
 from tidegate.wire.protocol import RESERVED_HEADER, Request, UsageRecord
+from workers.owners import ResponseOwners
 from workers.tails import Tails
 
 log = logging.getLogger("tidegate.worker")
@@ -41,6 +42,9 @@ class JobContext:
     # This process's ended jobs' unacked messages (workers.tails), the
     # pool's; None: the pool keeps its own (unit tests).
     tails: Tails | None = None
+    # Who owns each Responses API response (workers.owners); None: unchecked
+    # (unit tests).
+    owners: ResponseOwners | None = None
 
     async def report(self, record: UsageRecord) -> None:
         """Publish a usage record to the TG_USAGE stream.

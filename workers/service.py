@@ -57,6 +57,7 @@ from workers.fencing import FENCED, Fence
 from workers.job import WORKER_SHUTDOWN, Job
 from workers.job_context import JobContext, resend, reserved
 from workers.limiter import AdaptiveLimit
+from workers.owners import ResponseOwners
 from workers.replicas import Breaker, ReplicaSet
 from workers.resumable import ResumableJob, ends_stored
 from workers.routing import AT_HOME, Claim, LoadReporter, ReplicaPullers, WorkerRouting
@@ -478,9 +479,11 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     log_outbox.start()
     prices = PriceBook(config)
     prices_kv = await ensure_prices_bucket(js, config)
+    owners = ResponseOwners(await broker.ensure_owners_bucket(js, config),
+                            config.nats.request_timeout)
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
                      outbox=outbox, log_outbox=log_outbox, prices=prices,
-                     tails=tails_for(config))
+                     tails=tails_for(config), owners=owners)
     pool = Pool(config, ctx)
     pool.fence = fence
     pools.append(pool)

@@ -47,6 +47,9 @@ class Dialect:
     # Where its prompt is for an affinity key (tidegate.wire.affinity): chat
     # turns (``"messages"``), a completions prompt, or None (no key).
     affinity_field: ClassVar[str | None] = None
+    # The request field naming an earlier response the backend stored, which
+    # only the tenant that got it may name (workers.owners; None: none).
+    previous_field: ClassVar[str | None] = None
     # The request field of its stop strings (None: it has none).
     stop_field: ClassVar[str | None] = None
     # Its stream reports usage only when asked (``stream_options``), and a

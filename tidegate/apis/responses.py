@@ -30,6 +30,7 @@ class Responses(Dialect):
     typed_events = True
     background = True
     numbered_events = True
+    previous_field = "previous_response_id"
 
     def validate(self, raw: bytes, models: Mapping[str, ModelConfig], *,
                  max_depth: int = DEFAULT_MAX_DEPTH,

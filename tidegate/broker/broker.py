@@ -374,6 +374,14 @@ async def ensure_cancels_bucket(js: JetStreamContext, config: Config) -> KeyValu
                                "tidegate: cancelled request ids", ttl=config.streams.max_age)
 
 
+async def ensure_owners_bucket(js: JetStreamContext, config: Config) -> KeyValue:
+    """The KV bucket of Responses API response owners (workers.owners);
+    entries expire after streams.responses_max_age."""
+    return await ensure_bucket(js, config, config.nats.subjects.responses_bucket,
+                               "tidegate: response id -> tenant",
+                               ttl=config.streams.responses_max_age)
+
+
 async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None], *,
                         on_synced: Callable[[], None] | None = None) -> None:
     """Call ``on_cancel(request_id, reason)`` for every tombstone, existing ones

@@ -242,6 +242,8 @@ def access(subjects: Subjects) -> dict[str, Access]:
               .watch(s.cancels_bucket).write(s.cancels_bucket)
               .write(s.workers_bucket)
               .watch(prices)  # each job is costed at its model's price
+              # Who owns each Responses API response (workers.owners).
+              .get(_kv(s.responses_bucket)).write(s.responses_bucket)
               .watch(s.affinity_bucket).write(s.affinity_bucket)
               .watch(s.claims_bucket).write(s.claims_bucket)
               .done((inbox("worker"), f"{p}.ctl.*", f"{p}.live.*")))

@@ -107,6 +107,7 @@ def check_values(config: Config) -> None:
         ("streams.max_age", config.streams.max_age),
         ("streams.usage_max_age", config.streams.usage_max_age),
         ("streams.usage_max_bytes", config.streams.usage_max_bytes),
+        ("streams.responses_max_age", config.streams.responses_max_age),
         ("dispatcher.batch", config.dispatcher.batch),
         ("dispatcher.ack_wait", config.dispatcher.ack_wait),
         ("dispatcher.fetch_timeout", config.dispatcher.fetch_timeout),

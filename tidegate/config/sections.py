@@ -370,6 +370,10 @@ class StreamsConfig:
     max_age: float = 3600.0  # a request older than this is useless to anyone
     usage_max_age: float = 86400.0  # usage records are kept this long for billing consumers
     usage_max_bytes: int = 1 << 30  # TG_USAGE bound; the oldest records go first
+    # Who owns each Responses API response id (about 200 bytes each), so that
+    # only its tenant may name it in previous_response_id; OpenAI keeps
+    # responses this long. Past it the id answers 404.
+    responses_max_age: float = 30 * 86400.0
 
 
 @dataclass(frozen=True, slots=True)

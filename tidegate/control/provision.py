@@ -99,6 +99,7 @@ async def provision(js: JetStreamContext, config: Config) -> list[str]:
     await prices.ensure_prices_bucket(js, config)
     await budgets.ensure_budgets_bucket(js, config)
     await broker.ensure_cancels_bucket(js, config)
+    await broker.ensure_owners_bucket(js, config)
     await edges_registry.ensure_bucket(js, config)
     await workers_registry.ensure_bucket(js, config)
     await affinity.ensure_buckets(js, config)

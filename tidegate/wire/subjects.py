@@ -7,7 +7,7 @@
     <p>.ctl.<worker>            core NATS               edge -> worker (acks, cancel)
     <p>.load.<model>            core NATS               workers -> dispatchers
     <p>.usage.<model>           JetStream <P>_USAGE     worker/edge -> dispatchers
-    KV <P>_CANCELS, _KEYS, _POLICIES, _WORKERS, _AFFINITY, _CLAIMS
+    KV <P>_CANCELS, _KEYS, _POLICIES, _WORKERS, _AFFINITY, _CLAIMS, _RESPONSES
 
 Free-form names map into one token with :func:`encode_token`, a reversible escape,
 so two deployments can share an account. Docs: docs/architecture.md#subjects-and-streams.
@@ -220,6 +220,12 @@ class Subjects:
     def claims_bucket(self) -> str:
         """KV bucket of routed jobs' claims (key: request id, value: the copy)."""
         return f"{self.prefix.upper()}_CLAIMS"
+
+    @property
+    def responses_bucket(self) -> str:
+        """KV bucket of Responses API response owners (key: a hash of the
+        response id, value: its tenant; workers.owners)."""
+        return f"{self.prefix.upper()}_RESPONSES"
 
     @property
     def cancels_bucket(self) -> str:

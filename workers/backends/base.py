@@ -36,6 +36,8 @@ class Usage:
     # Of prompt_tokens, those the backend served from its prefix cache
     # (usage.prompt_tokens_details.cached_tokens): priced at the cached price.
     cached_tokens: int = 0
+    # A Responses API answer's id, as the backend named it (workers.owners).
+    response_id: str = ""
 
 
 class BackendStream(Protocol):

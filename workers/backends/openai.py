@@ -527,7 +527,7 @@ def _body_usage(obj: dict[str, Any], api: Api, prompt_tokens: int) -> Usage:
     if dialect.typed_events:  # Responses (Messages has its own path)
         status = obj.get("status")
         usage.finish_reason = "stop" if status == "completed" else str(status or "")
-        record_usage(usage, obj.get("usage"))
+        record_usage(usage, obj)
         return usage
     if dialect.vectors:
         reported = obj.get("usage")

@@ -115,12 +115,17 @@ class ResponsesPassthrough(EventFramer):
         reason = details.get("reason") if isinstance(details, dict) else None
         key = reason if isinstance(reason, str) else status if isinstance(status, str) else ""
         self.usage.finish_reason = _FINISH.get(key, key or "stop")
-        record_usage(self.usage, response.get("usage"))
+        record_usage(self.usage, response)
         self.usage_reported = True
 
 
-def record_usage(usage: Usage, reported: Any) -> None:
-    """A Responses ``usage`` object (``input_tokens`` / ``output_tokens``) into ``usage``."""
+def record_usage(usage: Usage, response: dict[str, Any]) -> None:
+    """A Responses response object's id and ``usage`` (``input_tokens`` /
+    ``output_tokens``) into ``usage``."""
+    rid = response.get("id")
+    if isinstance(rid, str):
+        usage.response_id = rid
+    reported = response.get("usage")
     if not isinstance(reported, dict):
         return
     prompt, completion = reported.get("input_tokens"), reported.get("output_tokens")

@@ -47,13 +47,25 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
+def response_id(request: Request) -> str:
+    """The simulated response's id (a function of the request's)."""
+    return "resp_" + request.id
+
+
+def response_usage(request: Request) -> Usage:
+    """A simulated response's usage before its first token: the prompt
+    estimate, and the id (workers.owners records it)."""
+    return Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body),
+                 response_id=response_id(request))
+
+
 def response_object(request: Request, status: str, output: list[dict[str, Any]] | None,
                     usage: Usage | None) -> dict[str, Any]:
     """The Responses API's response object for ``request``, as OpenAI writes it."""
     body = request.body
     incomplete = status == "incomplete"
     return {
-        "id": "resp_" + request.id, "object": "response",
+        "id": response_id(request), "object": "response",
         "created_at": request.created_ms // 1000, "status": status, "background": False,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
@@ -86,8 +98,7 @@ class SimulatorResponsesStream(PacedStream):
     def __init__(self, request: Request, pieces: Sequence[str], finish: str, sim: SimulatorConfig,
                  now: float) -> None:
         # plan_text says "length" exactly when max_output_tokens bounded the text.
-        super().__init__(request, pieces, finish,
-                         Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body)),
+        super().__init__(request, pieces, finish, response_usage(request),
                          now + sim.ttft, 1.0 / sim.tokens_per_second, _OPENING,
                          _OPENING + len(pieces) + _CLOSING)
         self._status = "incomplete" if finish == "length" else "completed"

@@ -22,7 +22,7 @@ from tidegate.config import SimulatorConfig
 from tidegate.wire.protocol import Request
 from workers.backends.base import Usage
 from workers.backends.paced import PacedStream
-from workers.backends.simulator_responses import response_object
+from workers.backends.simulator_responses import response_object, response_usage
 
 __all__ = ["SimulatorResponsesToolCall", "SimulatorToolCall", "wants_tool_call"]
 
@@ -131,8 +131,7 @@ class SimulatorResponsesToolCall(PacedStream):
     def __init__(self, request: Request, sim: SimulatorConfig, now: float) -> None:
         arguments = sim.tool_arguments
         pieces = [arguments[i:i + _PIECE] for i in range(0, len(arguments), _PIECE)] or [""]
-        super().__init__(request, pieces, "tool_calls",
-                         Usage(prompt_tokens=estimate_prompt_tokens(request.api, request.body)),
+        super().__init__(request, pieces, "tool_calls", response_usage(request),
                          now + sim.ttft, 1.0 / sim.tokens_per_second, 3, 3 + len(pieces) + 3)
         self._item = {"id": "fc_" + request.id, "type": "function_call", "status": "in_progress",
                       "arguments": "", "call_id": "call_" + request.id, "name": sim.tool_call}
