@@ -28,6 +28,8 @@ from aiohttp import web
 
 from bench.fake_backend import FakeBackend, FakeRecord
 from tidegate import config as tgconfig
+from tidegate.broker import broker
+from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.run.servers import ManagedProcess, free_port, http_ok, stop_all
 from tidegate.telemetry.observability import METRICS_PORT_ENV
 from tidegate.wire.protocol import UsageRecord
@@ -362,6 +364,17 @@ async def usage_of(config: tgconfig.Config, request_id: str, within: float = 15.
                                          f"within {within}s, wanted {count}: {found}")
             return found
         await asyncio.sleep(0.1)
+
+
+async def tenant_keys(pipeline: Pipeline, *tenants: str) -> list[str]:
+    """A new API key for each of ``tenants``, made as an admin would."""
+    nc = await broker.connect(pipeline.config.nats, "tidegate-admin-test")
+    try:
+        kv = await ensure_keys_bucket(broker.jetstream(nc, pipeline.config.nats),
+                                      pipeline.config)
+        return [(await create_key(kv, tenant))[0] for tenant in tenants]
+    finally:
+        await nc.close()
 
 
 async def jobs_waiting(pipeline: Pipeline, count: int) -> bool:

@@ -12,11 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.pipeline import Pipeline, running_pipeline
+from tests.pipeline import Pipeline, running_pipeline, tenant_keys
 from tests.servers import ServerHandle
 from tidegate import config as tgconfig
 from tidegate.broker import broker
-from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.errors import BackendError
 from tidegate.wire.protocol import Api, Request
 from workers.owners import ResponseOwners, owner_key
@@ -28,7 +27,8 @@ def test_the_key_is_a_fixed_size_hash_of_any_id() -> None:
     assert owner_key("resp_1") == owner_key("resp_1") != owner_key("resp_2")
     for rid in ("resp_1", "x" * 100_000, "a.b*>c", "\udcff"):
         key = owner_key(rid)
-        assert len(key) == 32 and all(c in "0123456789abcdef" for c in key)
+        assert len(key) == 32
+        assert set(key) <= set("0123456789abcdef")
 
 
 def _request(api: Api, tenant: str, **body: Any) -> Request:
@@ -66,16 +66,6 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
                                 module_redis_url)
 
 
-async def _keys(pipeline: Pipeline) -> tuple[str, str]:
-    nc = await broker.connect(pipeline.config.nats, "tidegate-admin-owners")
-    try:
-        kv = await ensure_keys_bucket(broker.jetstream(nc, pipeline.config.nats),
-                                      pipeline.config)
-        return (await create_key(kv, "tenant-a"))[0], (await create_key(kv, "tenant-b"))[0]
-    finally:
-        await nc.close()
-
-
 async def _post(session: aiohttp.ClientSession, pipeline: Pipeline, key: str,
                 **body: Any) -> tuple[int, bytes]:
     async with session.post(f"{pipeline.base_url}/responses",
@@ -85,7 +75,7 @@ async def _post(session: aiohttp.ClientSession, pipeline: Pipeline, key: str,
 
 
 async def test_another_tenants_response_is_not_found(pipeline: Pipeline) -> None:
-    key_a, key_b = await _keys(pipeline)
+    key_a, key_b = await tenant_keys(pipeline, "tenant-a", "tenant-b")
     async with aiohttp.ClientSession() as session:
         status, raw = await _post(session, pipeline, key_a, input="first turn")
         assert status == 200, raw

@@ -21,9 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.pipeline import Pipeline, running_pipeline
-from tidegate.broker import broker
-from tidegate.control.keys import create_key, ensure_keys_bucket
+from tests.pipeline import Pipeline, running_pipeline, tenant_keys
 
 pytestmark = pytest.mark.pipeline
 
@@ -64,16 +62,6 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
         overrides={"models": [{"name": "tidegate-sim", "aliases": ["sim"], "resumable": True,
                                "simulator": {"ttft": 0.01, "tokens_per_second": 20.0,
                                              "length": 200}}]})
-
-
-async def _keys(pipeline: Pipeline) -> tuple[str, str]:
-    nc = await broker.connect(pipeline.config.nats, "tidegate-admin-walk")
-    try:
-        kv = await ensure_keys_bucket(broker.jetstream(nc, pipeline.config.nats),
-                                      pipeline.config)
-        return (await create_key(kv, "tenant-a"))[0], (await create_key(kv, "tenant-b"))[0]
-    finally:
-        await nc.close()
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -141,7 +129,7 @@ def _random_bits(resource_id: str) -> int:
 
 @pytest.mark.asyncio
 async def test_every_id_route_is_404_for_another_tenant(pipeline: Pipeline) -> None:
-    key_a, key_b = await _keys(pipeline)
+    key_a, key_b = await tenant_keys(pipeline, "tenant-a", "tenant-b")
     base = pipeline.url
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         await _ready(session, base, key_a)
