@@ -2,7 +2,9 @@
 mapping, the flow-controlled message sink, and one generation from a
 ``GenerateRequest`` to its end (validated, published and relayed by the
 same code as the SSE route: ``edge.publish``, :class:`edge.relay.Relay`,
-writing through :class:`edge.grpc_writer.GrpcWriter`).
+writing through :class:`edge.grpc_writer.GrpcWriter`). Invariant: a
+generation that published its request sends exactly one cancel upstream or
+sees the end, however early its call is cancelled (:func:`run_generation`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,6 +35,10 @@ from tidegate.telemetry import logs
 from tidegate.validation.jsonbody import parse_object
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire.protocol import Api
+
+log = logging.getLogger("tidegate.edge")
+
+CLIENT_DISCONNECTED = "client_disconnected"  # the reason Relay.run gives a client gone
 
 # Each gRPC route is its HTTP endpoint's dialect (docs/grpc.md).
 ROUTES: dict[int, Api] = {route: dialect.api for route, dialect in (
@@ -219,6 +226,15 @@ def _body(req: pb.GenerateRequest, max_depth: int) -> bytes:
     return json.dumps(body).encode()
 
 
+async def _cancel_unrelayed(state: EdgeState, request_id: str) -> None:
+    """The tombstone of a request that may be published and has no relay:
+    the dispatcher or worker that has it, or gets it, drops it."""
+    try:
+        await state.relay.publisher.tombstone(request_id, CLIENT_DISCONNECTED)
+    except Exception as exc:  # the broker being down must not mask the cancel
+        log.warning("could not publish cancel for %s: %s", request_id, exc)
+
+
 def api_of(req: pb.GenerateRequest) -> Api:
     api = ROUTES.get(req.route)
     if api is None:
@@ -267,6 +283,13 @@ async def run_generation(state: EdgeState, principal: Principal, req: pb.Generat
     del valid
     session = state.sessions.open(request.id, session_tick(config), principal.tenant)
     log_token = logs.bind(request.id, request.tenant, rt.trace_id)
+    # Invariant: every call that published a request sends exactly one cancel
+    # or sees the end. Once relay.run() is entered, the relay does (Relay.run's
+    # finally). Before, grpcio's cancel of this task (the client's cancel, the
+    # deadline) may land while the publish is awaited, the request stored and
+    # its PubAck unread: its tombstone goes out here, else a worker runs it for
+    # nobody until session.ack_timeout (tests/test_grpc_cancel_storm.py).
+    relayed = False
     try:
         seq = (await publish_request(state, request, rt.carrier)).seq
         relay_headers = {"x-request-id": request.id, "x-tidegate-request-seq": str(seq)}
@@ -276,8 +299,13 @@ async def run_generation(state: EdgeState, principal: Principal, req: pb.Generat
         gen.relay = relay
         if on_relay is not None:
             await on_relay(relay)
+        relayed = True
         await relay.run()
         return out.failure, relay.headers
+    except asyncio.CancelledError:
+        if not relayed:
+            await _cancel_unrelayed(state, request.id)
+        raise
     finally:
         state.sessions.close(session)
         logs.unbind(log_token)
