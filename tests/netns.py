@@ -280,9 +280,12 @@ class HostFleet:
             "session": {"heartbeat_interval": 2.0},
             "dispatcher": {"ack_wait": 2.0},
             "worker": {"ack_wait": 3.0, "shutdown_timeout": 5.0},
+            # Deterministic: a stream continued on another worker (the
+            # shipped failover) reads as the text the checker expects, as a
+            # greedy model's would (docs/resume.md, "Continuation").
             "models": [{"name": MODEL, "max_streams": 64,
                         "simulator": {"ttft": 0.02, "tokens_per_second": 50.0,
-                                      "length": 64}}],
+                                      "length": 64, "deterministic": True}}],
         }
         if self.models is not None:
             raw["models"] = self.models(net.gateway)
