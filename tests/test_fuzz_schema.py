@@ -1,16 +1,19 @@
-"""The edge's whole HTTP surface and its WebSocket frames, fuzzed from the
-OpenAPI description it serves, against a real pipeline (docs/security.md, "Schema fuzzing").
+"""The edge's whole HTTP surface, its WebSocket frames and its gRPC messages,
+fuzzed from the OpenAPI description it serves, against a real pipeline
+(docs/security.md, "Schema fuzzing").
 
 schemathesis makes requests of every operation of ``GET /openapi.json``, data
 that fits the schemas (deep: model names filled in, as a key's holder has
 them) and data that does not, with a fixed, derandomized budget per operation
 (``TIDEGATE_FUZZ_EXAMPLES``, default 8; the long run in docs/security.md sets
 more). Hypothesis sends WebSocket frame sequences, valid and not, on
-authenticated sockets (``TIDEGATE_FUZZ_WS_EXAMPLES``, default 50). Invariants:
-never a 5xx but a documented overload (503, or Anthropic's 529, with
-Retry-After), an error body on every 4xx, a socket that answers a ping after
-any frames, never a traceback in any tier's log, every tier still serving,
-and no quota reservation or lease left in Redis once the requests are done.
+authenticated sockets (``TIDEGATE_FUZZ_WS_EXAMPLES``, default 50), and gRPC
+``Generate`` and ``Session`` calls of drawn messages (``TIDEGATE_FUZZ_GRPC_EXAMPLES``,
+default 50 each). Invariants: never a 5xx but a documented overload (503, or
+Anthropic's 529, with Retry-After), an error body on every 4xx, a socket that
+answers a ping after any frames, never gRPC's INTERNAL, UNKNOWN or DATA_LOSS,
+never a traceback in any tier's log, every tier still serving, and no quota
+reservation or lease left in Redis once the requests are done.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.quota import connect as connect_redis
+from edge.grpc_calls import ROUTES as GRPC_ROUTES
 from edge.openapi import document
 from tests.pipeline import Pipeline
 from tests.test_openapi import _integral
@@ -39,18 +44,23 @@ from tidegate.apis import WEBSOCKET_PATHS as PATHS
 from tidegate.broker import broker
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
+from tidegate.run.servers import free_port
 from tidegate.validation.schemas import MODEL_NAME
+from tidegate.wire import gateway_pb2 as pb
+from tidegate.wire import gateway_pb2_grpc as pb_grpc
 from tidegate.wire.ws import MAX_ID_LENGTH
 
 pytestmark = pytest.mark.pipeline
 
 EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_EXAMPLES", "8"))
 WS_EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_WS_EXAMPLES", "50"))
+GRPC_EXAMPLES = int(os.environ.get("TIDEGATE_FUZZ_GRPC_EXAMPLES", "50"))
 PREFIX = "fz" + uuid.uuid4().hex[:8]
 TENANT = "fuzz"
 OVERRIDES: dict[str, Any] = {
     "nats": {"subject_prefix": PREFIX},
-    "edge": {"metrics_public": True},  # so /metrics is described and fuzzed too
+    # metrics_public: so /metrics is described and fuzzed too
+    "edge": {"metrics_public": True, "grpc_port": free_port()},
     "models": [{"name": "tidegate-sim", "aliases": ["sim"], "resumable": True,
                 "max_output_tokens": 4096,
                 "simulator": {"ttft": 0.0, "tokens_per_second": 4000.0, "length": 12}}],
@@ -236,6 +246,95 @@ def test_websocket_frames_never_crash_the_socket(fuzz: Fuzz) -> None:
 
     run()
     _no_traceback(fuzz.pipeline, "websocket")
+
+
+# gRPC (docs/grpc.md): a route of the five or a number no route has; a body of
+# a schema's shape (fitting or not) as JSON, or bytes that are no JSON; the
+# typed model and the resume fields as they come (NaN and negative graces too).
+_gid = st.text(max_size=8) | st.integers(1, MAX_ID_LENGTH + 2).map(lambda n: "g" * n)
+_ROUTE_OF = {api: route for route, api in GRPC_ROUTES.items()}
+# Half of them a route with a body of its own endpoint's schema (fitting or
+# not), so that generations run; the rest any route with any body.
+_routed = st.sampled_from(sorted(p for p in PATHS if PATHS[p] in _ROUTE_OF)).flatmap(
+    lambda path: st.tuples(st.just(_ROUTE_OF[PATHS[path]]), st.one_of(*[
+        SCHEMA[path]["POST"].as_strategy(generation_mode=m).map(lambda c: c.body)
+        for m in schemathesis.GenerationMode])))
+_unrouted = st.tuples(st.sampled_from(sorted(GRPC_ROUTES)) | st.integers(0, 2**31 - 1),
+                      _body | st.binary(max_size=200))
+_generate = st.builds(
+    lambda routed, model, gid, resumable, grace: pb.GenerateRequest(
+        route=routed[0], model=model, id=gid,
+        body=routed[1] if isinstance(routed[1], bytes) else json.dumps(
+            routed[1], default=repr).encode(),
+        **({} if resumable is None else {"resumable": resumable}),
+        **({} if grace is None else {"resume_grace": grace})),
+    _routed | _unrouted,
+    st.sampled_from(["", "tidegate-sim"]) | st.text(max_size=20), _gid,
+    st.none() | st.booleans(), st.none() | st.floats())
+_session_message = st.one_of(
+    st.builds(lambda gid, g: pb.SessionRequest(id=gid, generate=g), _gid, _generate),
+    st.builds(lambda gid: pb.SessionRequest(id=gid, cancel=pb.Cancel()), _gid),
+    st.builds(lambda gid, rid, after: pb.SessionRequest(
+        id=gid, resume=pb.Resume(request_id=rid, after=after)),
+        _gid, st.text(max_size=30), st.integers(0, 2**64 - 1)),
+    st.builds(lambda gid: pb.SessionRequest(id=gid), _gid),  # no action
+)
+# A bug's statuses: grpcio's for an exception a handler let out (UNKNOWN),
+# and what no tidegate path means to send.
+_BUG = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+_BUG_CODES = {code.value[0] for code in _BUG}
+
+
+def _grpc_target(fuzz: Fuzz) -> str:
+    return f"127.0.0.1:{fuzz.pipeline.config.edge.grpc_port}"
+
+
+async def _generate_round(fuzz: Fuzz, req: pb.GenerateRequest) -> None:
+    async with grpc.aio.insecure_channel(_grpc_target(fuzz)) as channel:
+        call = pb_grpc.GatewayStub(channel).Generate(
+            req, metadata=(("authorization", f"Bearer {fuzz.key}"),), timeout=60)
+        ended = await _ended(call, [])
+    assert ended[0] not in _BUG, (*ended, req)
+
+
+async def _session_round(fuzz: Fuzz, messages: list[pb.SessionRequest]) -> None:
+    async with grpc.aio.insecure_channel(_grpc_target(fuzz)) as channel:
+        call = pb_grpc.GatewayStub(channel).Session(
+            iter(messages), metadata=(("authorization", f"Bearer {fuzz.key}"),), timeout=60)
+        events: list[pb.GenerateResponse] = []
+        ended = await _ended(call, events)
+    assert ended[0] not in _BUG, (*ended, messages)
+    failed = [e for e in events if e.HasField("error") and e.error.code in _BUG_CODES]
+    assert not failed, (failed, messages)
+
+
+async def _ended(call: Any, events: list[pb.GenerateResponse]) -> tuple[grpc.StatusCode, str]:
+    """Read ``call`` to its end (its events into ``events``): its status and details."""
+    try:
+        async for event in call:
+            events.append(event)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), str(exc.details())
+    return grpc.StatusCode.OK, ""
+
+
+def test_grpc_messages_never_fail_as_a_bug(fuzz: Fuzz) -> None:
+    @settings(max_examples=GRPC_EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_generate)
+    def generate(req: pb.GenerateRequest) -> None:
+        asyncio.run(_generate_round(fuzz, req))
+
+    @settings(max_examples=GRPC_EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(_session_message, min_size=1, max_size=5))
+    def session(messages: list[pb.SessionRequest]) -> None:
+        asyncio.run(_session_round(fuzz, messages))
+
+    generate()
+    _no_traceback(fuzz.pipeline, "grpc generate")
+    session()
+    _no_traceback(fuzz.pipeline, "grpc session")
 
 
 async def _leftovers(redis_url: str) -> tuple[list[str], int]:
