@@ -151,25 +151,45 @@ class CallSink:
     flow control has room for the message: that wait is the backpressure.
     Several generations of a Session share the call, so writes take turns
     (a lock, uncontended on Generate). A write pending longer than
-    edge.slow_client_timeout is ended by :class:`SlowWriters`."""
+    edge.slow_client_timeout is ended by :class:`SlowWriters`.
 
-    __slots__ = ("__weakref__", "_context", "_lock", "slow", "task", "writing_since")
+    Invariant: at most one write is in grpc's core at a time, and none when
+    the handler returns. Cancelling the task that awaits ``context.write``
+    does not take the write back from the core; a second write, or the
+    call's status, started beside it fails the whole call
+    (``GRPC_CALL_ERROR_TOO_MANY_OPERATIONS``, found by the fuzzer: a Session
+    ending while a generation's write was in flight). So a write runs in a
+    future of its own: the next one waits for it, and :meth:`settle` before
+    the handler returns."""
+
+    __slots__ = ("__weakref__", "_context", "_lock", "_write", "slow", "task", "writing_since")
 
     def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         self._context = context
         self._lock = asyncio.Lock()
+        self._write: asyncio.Future[None] | None = None
         self.writing_since = 0.0
         self.task: asyncio.Task[Any] | None = None
         self.slow = False
+
+    async def settle(self) -> None:
+        """Wait for a write whose sender was cancelled (the caller bounds it)."""
+        write = self._write
+        if write is not None and not write.done():
+            await asyncio.wait({write})
 
     async def send(self, message: pb.GenerateResponse) -> None:
         if self.slow:
             raise SlowClient()
         async with self._lock:
+            if self._write is not None and not self._write.done():
+                await asyncio.wait({self._write})  # a cancelled sender's, still in the core
             self.task = asyncio.current_task()
             self.writing_since = time.monotonic()
+            write = self._write = asyncio.ensure_future(self._context.write(message))
+            write.add_done_callback(_retrieved)
             try:
-                await self._context.write(message)
+                await asyncio.shield(write)
             except asyncio.CancelledError:
                 task = self.task
                 if self.slow and task is not None and task.cancelling():
@@ -179,6 +199,13 @@ class CallSink:
             finally:
                 self.writing_since = 0.0
                 self.task = None
+
+
+def _retrieved(write: asyncio.Future[None]) -> None:
+    """A write's failure is its sender's to handle; one whose sender was
+    cancelled has none, and asyncio would log it as never retrieved."""
+    if not write.cancelled():
+        write.exception()
 
 
 class SlowWriters:

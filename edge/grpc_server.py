@@ -257,6 +257,11 @@ class GrpcIngress:
         self.slow.sinks.add(sink)
         try:
             failure = await run_session(self.state, requests, context, sink, self.sessions)
+            # A write still in flight past this (a client that reads nothing)
+            # is SlowWriters' to end; the call then ends as it can.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.state.config.edge.slow_client_timeout):
+                    await sink.settle()
         finally:
             self.calls -= 1
         if failure is not None:
