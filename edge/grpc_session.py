@@ -233,7 +233,8 @@ class SessionCall:
             await resume.cancel_stream(request_id, self.principal.tenant, state.sessions,
                                        state.streamlog, state.relay.publisher.tombstone)
         except ApiError as error:
-            log.info("gRPC cancel of resumed stream %s: %s", request_id, error.code)
+            # The id is the client's (any text): quoted and cut, never a line of its own.
+            log.info("gRPC cancel of resumed stream %.64r: %s", request_id, error.code)
 
     async def _on_relay(self, gen: Generation, relay: Relay) -> None:
         if gen.cancel_requested:
