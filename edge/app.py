@@ -181,7 +181,7 @@ async def count_tokens(http: web.Request) -> web.StreamResponse:
     state = http.app[STATE]
     principal = state.keys.authenticate(anthropic.credentials(http.headers))
     raw = await _read_body(http, state.config.edge.max_body_bytes, state.config.edge)
-    valid = validate_messages(raw, models_for(state, principal),
+    valid = validate_messages(raw, MESSAGES.api, models_for(state, principal),
                               max_depth=state.config.edge.max_json_depth, count_tokens=True)
     return anthropic.count_tokens_response(valid)
 

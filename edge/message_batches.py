@@ -25,11 +25,11 @@ from edge.auth import Principal
 from edge.body import read_within
 from edge.files import API, BatchApi
 from edge.publish import models_for
+from tidegate.apis.messages import DIALECT as MESSAGES
 from tidegate.broker import objects
 from tidegate.control.batches import Stores
 from tidegate.errors import ApiError, BrokerError, ProtocolError, invalid_request
 from tidegate.validation.jsonbody import parse_object
-from tidegate.validation.messages import validate_messages_body
 from tidegate.wire import message_batch as mb
 from tidegate.wire.batch import (
     BatchRecord,
@@ -99,7 +99,7 @@ def _checker(api: BatchApi, principal: Principal) -> Any:
     models = models_for(api.state, principal)
 
     def check(params: dict[str, Any]) -> None:
-        valid = validate_messages_body(params, models)
+        valid = MESSAGES.validate_body(params, models)
         try:
             Request(id="-", reply="-", model=valid.model.name, api=valid.api, stream=False,
                     body=valid.body, created_ms=0, deadline_ms=0, window_bytes=0,

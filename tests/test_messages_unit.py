@@ -13,6 +13,7 @@ from tidegate.config import ModelConfig
 from tidegate.errors import ApiError, BackendError
 from tidegate.validation.messages import quota_user, validate_messages
 from tidegate.wire import anthropic
+from tidegate.wire.protocol import Api
 from workers.backends.messages_sse import MessagesPassthrough, MessagesTranslator
 from workers.backends.messages_translate import to_chat, to_message
 
@@ -83,7 +84,7 @@ def _with(**fields: Any) -> bytes:
 ])
 def test_hostile_bodies_are_400(raw: bytes, param: str | None) -> None:
     with pytest.raises(ApiError) as caught:
-        validate_messages(raw, MODELS)
+        validate_messages(raw, Api.MESSAGES, MODELS)
     assert caught.value.status == 400
     if param is not None:
         assert caught.value.param == param
@@ -118,11 +119,12 @@ def test_todays_claude_code_body_validates_and_translates() -> None:
     thinking block, ``thinking``, ``context_management`` (clearing thinking),
     ``output_config.effort`` and every ``cache_control`` stay away from a chat
     backend; the JSON text in ``metadata.user_id`` gives its device as the quota user."""
-    valid = validate_messages(json.dumps(TODAY).encode(), MODELS)
+    valid = validate_messages(json.dumps(TODAY).encode(), Api.MESSAGES, MODELS)
     assert valid.body == TODAY
     for thinking in ({"type": "enabled", "budget_tokens": 2048}, {"type": "disabled"},
                      {"type": "a-later-kind"}):
-        validate_messages(json.dumps({**TODAY, "thinking": thinking}).encode(), MODELS)
+        validate_messages(json.dumps({**TODAY, "thinking": thinking}).encode(), Api.MESSAGES,
+                          MODELS)
     assert quota_user(TODAY) == "d"
     chat = to_chat(TODAY, "up", stream=True)
     assert chat["messages"] == [
@@ -162,7 +164,8 @@ def test_output_format_is_a_response_format() -> None:
 ])
 def test_what_changes_the_answer_untranslated_is_400_naming_it(fields: dict[str, Any],
                                                                 param: str) -> None:
-    validate_messages(json.dumps({**OK, **fields}).encode(), MODELS)  # the edge lets it by
+    # the edge lets it by:
+    validate_messages(json.dumps({**OK, **fields}).encode(), Api.MESSAGES, MODELS)
     with pytest.raises(BackendError) as caught:
         to_chat({**OK, **fields}, "up", stream=False)
     assert caught.value.status == 400
@@ -172,10 +175,10 @@ def test_what_changes_the_answer_untranslated_is_400_naming_it(fields: dict[str,
 
 def test_unknown_model_is_404_and_count_tokens_needs_no_max_tokens() -> None:
     with pytest.raises(ApiError) as caught:
-        validate_messages(_with(model="other"), MODELS)
+        validate_messages(_with(model="other"), Api.MESSAGES, MODELS)
     assert caught.value.status == 404
     body = json.dumps({"model": "m", "messages": OK["messages"], "stream": True}).encode()
-    valid = validate_messages(body, MODELS, count_tokens=True)
+    valid = validate_messages(body, Api.MESSAGES, MODELS, count_tokens=True)
     assert not valid.stream
 
 

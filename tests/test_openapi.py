@@ -121,8 +121,8 @@ def test_every_body_the_schema_allows_passes_the_validator(path: str) -> None:
           suppress_health_check=list(HealthCheck))
 @given(_SCHEMA["/v1/messages/count_tokens"]["POST"].as_strategy())
 def test_count_tokens_bodies_the_schema_allows_pass(case: Any) -> None:
-    validate_messages(json.dumps(_integral(case.body)).encode(), CONFIG.model_index(),
-                      count_tokens=True)
+    validate_messages(json.dumps(_integral(case.body)).encode(), Api.MESSAGES,
+                      CONFIG.model_index(), count_tokens=True)
 
 
 def test_the_validators_refuse_what_the_schemas_refuse() -> None:

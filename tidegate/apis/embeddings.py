@@ -23,7 +23,7 @@ class Embeddings(Dialect):
     def validate(self, raw: bytes, models: Mapping[str, ModelConfig], *,
                  max_depth: int = DEFAULT_MAX_DEPTH,
                  max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
-        return validate_embeddings(raw, models, max_depth=max_depth,
+        return validate_embeddings(raw, self.api, models, max_depth=max_depth,
                                    max_response_bytes=max_response_bytes)
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:

@@ -33,7 +33,7 @@ class Messages(Dialect):
 
     def validate_body(self, body: dict[str, Any],
                       models: Mapping[str, ModelConfig]) -> Validated:
-        return validate_messages_body(body, models)
+        return validate_messages_body(body, self.api, models)
 
     def prompt_cost(self, body: Mapping[str, Any]) -> float:
         """An Anthropic Messages body: ``system``, each turn's content blocks

@@ -35,7 +35,7 @@ class Responses(Dialect):
     def validate(self, raw: bytes, models: Mapping[str, ModelConfig], *,
                  max_depth: int = DEFAULT_MAX_DEPTH,
                  max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
-        return validate_responses(raw, models, max_depth=max_depth)
+        return validate_responses(raw, self.api, models, max_depth=max_depth)
 
     def chat_body(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """``instructions`` as a system turn, ``input`` as the turns (a text

@@ -48,15 +48,16 @@ _MAX_USER_JSON = 1024
 _USER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
-def validate_messages(raw: bytes, models: Mapping[str, ModelConfig], *,
+def validate_messages(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
                       max_depth: int = DEFAULT_MAX_DEPTH,
                       count_tokens: bool = False) -> Validated:
-    return validate_messages_body(parse_json(raw, max_depth), models,
+    """A Messages body; ``api``: the dialect's, which the result names."""
+    return validate_messages_body(parse_json(raw, max_depth), api, models,
                                   count_tokens=count_tokens)
 
 
-def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfig], *,
-                           count_tokens: bool = False) -> Validated:
+def validate_messages_body(body: dict[str, Any], api: Api, models: Mapping[str, ModelConfig],
+                           *, count_tokens: bool = False) -> Validated:
     """:func:`validate_messages` for a body already parsed (a WebSocket
     request frame's, parsed with the same strict, depth-bounded parser)."""
     model = model_for(body, models)
@@ -95,7 +96,7 @@ def validate_messages_body(body: dict[str, Any], models: Mapping[str, ModelConfi
             raise invalid_request("'metadata.user_id' must be a string.",
                                   param="metadata.user_id", code="invalid_type")
     stream = bool(optional_bool(body, "stream")) and not count_tokens
-    return Validated(api=Api.MESSAGES, model=model, body=body, stream=stream,
+    return Validated(api=api, model=model, body=body, stream=stream,
                      include_usage=False)
 
 

@@ -47,8 +47,9 @@ ENCODINGS = ("float", "base64")
 TRUNCATIONS = ("auto", "disabled")
 
 
-def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
+def validate_responses(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
                        max_depth: int = DEFAULT_MAX_DEPTH) -> Validated:
+    """A Responses body; ``api``: the dialect's, which the result names."""
     body = parse_json(raw, max_depth)
     model = model_for(body, models)
     _input(body)
@@ -92,11 +93,11 @@ def validate_responses(raw: bytes, models: Mapping[str, ModelConfig], *,
                                   code="invalid_value")
     optional_bool(body, "background")
     # Usage always arrives with response.completed: nothing to ask the backend for.
-    return Validated(api=Api.RESPONSES, model=model, body=body, stream=stream,
+    return Validated(api=api, model=model, body=body, stream=stream,
                      include_usage=False)
 
 
-def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
+def validate_embeddings(raw: bytes, api: Api, models: Mapping[str, ModelConfig], *,
                         max_depth: int = DEFAULT_MAX_DEPTH,
                         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Validated:
     body = parse_json(raw, max_depth)
@@ -115,7 +116,7 @@ def validate_embeddings(raw: bytes, models: Mapping[str, ModelConfig], *,
     if optional_bool(body, "stream"):
         raise invalid_request("Embeddings cannot be streamed; send the request without "
                               "'stream'.", param="stream", code="unsupported_value")
-    return Validated(api=Api.EMBEDDINGS, model=model, body=body, stream=False,
+    return Validated(api=api, model=model, body=body, stream=False,
                      include_usage=False)
 
 
