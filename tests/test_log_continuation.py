@@ -216,7 +216,7 @@ def pings_off(tmp_path: Path, redis_server: ServerHandle) -> Iterator[Pipeline]:
     """quick_redelivery's pipeline on a nats-server that never pings its
     clients: a stopped worker keeps its subscriptions however long it stops.
     With tidegate's server pings (tidegate.run.nats_sync) they go after
-    about 3 s, and a copy redelivered later finds the worker gone."""
+    about 6 s, and a copy redelivered later finds the worker gone."""
     nats_server = NatsServer(tmp_path / "nats-no-pings", ping_interval=None)
     nats_server.start()
     p = Pipeline(tmp_path / "p", nats_server.url, redis_server.url, workers=2,

@@ -1,6 +1,6 @@
 """Every NATS tidegate ships fsyncs before it acknowledges (``sync_interval:
-always``, docs/reliability.md "Durability") and pings its clients every second
-(a cut client's subscriptions go in about 3 s): the embedded server of
+always``, docs/reliability.md "Durability") and pings its idle clients every 2 s
+(a cut client's subscriptions go in about 6 s): the embedded server of
 ``tidegate up`` and the suite, its clusters, deploy/nats-server.conf and the
 Helm values. Checked on the running server (``/varz``), not on the text.
 
@@ -53,7 +53,7 @@ def test_the_embedded_server_fsyncs_before_it_acks(tmp_path: Path) -> None:
     server.start()
     try:
         assert _jetstream_config(server).get("sync_always") is True
-        assert _pings(server) == (1.0, 2)
+        assert _pings(server) == (2.0, 2)
     finally:
         server.stop()
 
@@ -72,12 +72,12 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("ping", ["1s", None])
+@pytest.mark.parametrize("ping", ["2s", None])
 async def test_a_client_cut_without_a_word_loses_its_subscriptions(
         tmp_path: Path, ping: str | None) -> None:
     """A stopped client (its socket open, nothing answered: a partition as the
     server sees it) holds its subscriptions until the server's pings give up:
-    about 3 s with tidegate's, 4 minutes with nats-server's own. Until then
+    about 6 s with tidegate's, 4 minutes with nats-server's own. Until then
     the edges' liveness probe takes a cut worker for alive."""
     server = NatsServer(tmp_path / "nats", ping_interval=ping)
     server.start()
@@ -90,14 +90,14 @@ async def test_a_client_cut_without_a_word_loses_its_subscriptions(
         client.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         gone = False
-        while not gone and time.monotonic() - stopped < 15:
+        while not gone and time.monotonic() - stopped < 20:
             try:
                 await nc.request("tg.ctl.cut", b"", timeout=0.5)
             except nats.errors.NoRespondersError:
                 gone = True
             except nats.errors.TimeoutError:
                 await asyncio.sleep(0.2)
-        assert gone is (ping is not None), f"subscription gone within 15 s: {gone}"
+        assert gone is (ping is not None), f"subscription gone within 20 s: {gone}"
     finally:
         await nc.close()
         if client.returncode is None:
@@ -159,7 +159,7 @@ def test_the_deploy_config_fsyncs_before_it_acks(tmp_path: Path,
     server.start()
     try:
         assert _jetstream_config(server).get("sync_always") is True
-        assert _pings(server) == (1.0, 2)
+        assert _pings(server) == (2.0, 2)
     finally:
         server.stop()
 
@@ -167,4 +167,4 @@ def test_the_deploy_config_fsyncs_before_it_acks(tmp_path: Path,
 def test_the_helm_values_fsync_before_they_ack() -> None:
     values = yaml.safe_load((DEPLOY / "k8s" / "nats-values.yaml").read_text())
     assert values["config"]["jetstream"]["merge"]["sync_interval"] == "always"
-    assert values["config"]["merge"] == {"ping_interval": "1s", "ping_max": 2}
+    assert values["config"]["merge"] == {"ping_interval": "2s", "ping_max": 2}

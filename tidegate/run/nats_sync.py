@@ -1,11 +1,12 @@
 """The settings tidegate gives the nats-servers it starts (``NatsServer``):
 JetStream fsyncs before it acknowledges (``sync_interval: always``: nothing
 acknowledged is lost when every node loses power at once), and the server
-pings its clients every second, so a client cut off without a word (a
-partition, a host gone) loses its subscriptions in about 3 s, not nats-server's
+pings its idle clients every 2 s, so a client cut off without a word (a
+partition, a host gone) loses its subscriptions in about 6 s, not nats-server's
 default 4 minutes: until then a cut worker's control subject still has a
 subscriber, and the edges' liveness probe (tidegate.broker.liveness) takes it
-for alive. docs/reliability.md, "Durability" and "Partitions".
+for alive. A worker stalled for less (a long pause of its loop) keeps its
+jobs. docs/reliability.md, "Durability" and "Partitions".
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ __all__ = ["CLIENT_PING", "CLIENT_PING_MAX", "SETTINGS_CONF", "SYNC_ALWAYS",
 
 SYNC_ALWAYS = "always"
 # The server's ping of each idle client, and the pings unanswered before it
-# drops the connection: the clients' own ping of the server (nats.ping_interval
-# 1 s, nats.max_pings_out 2), the other way round.
-CLIENT_PING = "1s"
+# drops the connection (at the third ping: about 6 s of silence). At 1 s a
+# worker stopped for 4 s was taken for gone and its only stream ended
+# (tests/test_failover.py::test_a_stopped_worker_is_slow_not_dead).
+CLIENT_PING = "2s"
 CLIENT_PING_MAX = 2
 SETTINGS_CONF = "tidegate-server.conf"
 

@@ -435,7 +435,7 @@ class NatsServer(ManagedProcess):
     leaves nats-server's own default (fsync every two minutes).
     ``ping_interval``: how often the server pings an idle client (two
     unanswered and it drops the connection, with the client's subscriptions),
-    ``"1s"`` by default (tidegate.run.nats_sync); ``None``: nats-server's 2 min.
+    ``"2s"`` by default (tidegate.run.nats_sync); ``None``: nats-server's 2 min.
     """
 
     def __init__(
