@@ -72,14 +72,14 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("ping", ["2s", None])
-async def test_a_client_cut_without_a_word_loses_its_subscriptions(
-        tmp_path: Path, ping: str | None) -> None:
+async def test_a_client_cut_without_a_word_loses_its_subscriptions(tmp_path: Path) -> None:
     """A stopped client (its socket open, nothing answered: a partition as the
     server sees it) holds its subscriptions until the server's pings give up:
-    about 6 s with tidegate's, 4 minutes with nats-server's own. Until then
-    the edges' liveness probe takes a cut worker for alive."""
-    server = NatsServer(tmp_path / "nats", ping_interval=ping)
+    about 6 s with tidegate's, 4 minutes with nats-server's own (2 min apart,
+    see the test below; not timed here: a CI run once saw a plain server drop
+    a stopped client sooner). Until then the edges' liveness probe takes a
+    cut worker for alive."""
+    server = NatsServer(tmp_path / "nats")
     server.start()
     client = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _SUBSCRIBER, server.url, stdout=asyncio.subprocess.PIPE)
@@ -97,7 +97,7 @@ async def test_a_client_cut_without_a_word_loses_its_subscriptions(
                 gone = True
             except nats.errors.TimeoutError:
                 await asyncio.sleep(0.2)
-        assert gone is (ping is not None), f"subscription gone within 20 s: {gone}"
+        assert gone, "the stopped client's subscription is still there after 20 s"
     finally:
         await nc.close()
         if client.returncode is None:
@@ -108,10 +108,11 @@ async def test_a_client_cut_without_a_word_loses_its_subscriptions(
 
 def test_nats_servers_own_default_is_not_that(tmp_path: Path) -> None:
     """The check above can fail: nats-server left to itself does not fsync."""
-    server = NatsServer(tmp_path / "nats", sync_interval=None)
+    server = NatsServer(tmp_path / "nats", sync_interval=None, ping_interval=None)
     server.start()
     try:
         assert not _jetstream_config(server).get("sync_always")
+        assert _pings(server) == (120.0, 2), "nats-server's own client pings"
     finally:
         server.stop()
 
