@@ -1,13 +1,6 @@
-"""The settings tidegate gives the nats-servers it starts (``NatsServer``):
-JetStream fsyncs before it acknowledges (``sync_interval: always``: nothing
-acknowledged is lost when every node loses power at once), and the server
-pings its idle clients every 2 s, so a client cut off without a word (a
-partition, a host gone) loses its subscriptions in about 6 s, not nats-server's
-default 4 minutes: until then a cut worker's control subject still has a
-subscriber, and the edges' liveness probe (tidegate.broker.liveness) takes it
-for alive. A worker stalled for less (a long pause of its loop) keeps its
-jobs. docs/reliability.md, "Durability" and "Partitions".
-"""
+"""JetStream's fsync policy for the nats-servers tidegate starts
+(``NatsServer(sync_interval=...)``): ``always`` by default, so nothing is
+acknowledged before it is on disk (docs/reliability.md, "Durability")."""
 
 from __future__ import annotations
 
@@ -15,42 +8,26 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CLIENT_PING", "CLIENT_PING_MAX", "SETTINGS_CONF", "SYNC_ALWAYS",
-           "with_server_settings"]
+__all__ = ["SYNC_ALWAYS", "SYNC_CONF", "with_sync_interval"]
 
 SYNC_ALWAYS = "always"
-# The server's ping of each idle client, and the pings unanswered before it
-# drops the connection (at the third ping: about 6 s of silence). At 1 s a
-# worker stopped for 4 s was taken for gone and its only stream ended
-# (tests/test_failover.py::test_a_stopped_worker_is_slow_not_dead).
-CLIENT_PING = "2s"
-CLIENT_PING_MAX = 2
-SETTINGS_CONF = "tidegate-server.conf"
+SYNC_CONF = "tidegate-sync.conf"
 
 
-def with_server_settings(data_dir: Path, extra_args: Sequence[str], *,
-                         sync_interval: str | None, ping_interval: str | None) -> list[str]:
-    """``extra_args`` with a ``-c`` config that sets JetStream's sync_interval
-    and the server's client pings (each left to nats-server when None).
+def with_sync_interval(data_dir: Path, extra_args: Sequence[str], interval: str) -> list[str]:
+    """``extra_args`` with a ``-c`` config that sets JetStream's sync_interval.
 
-    nats-server takes one ``-c`` and has no flag for either, so the written
-    config includes the caller's own ``-c`` file (by a relative path:
-    nats-server joins an include to the including file's directory, absolute
-    or not).
+    nats-server takes one ``-c`` and has no flag for it, so the written config
+    includes the caller's own ``-c`` file (by a relative path: nats-server
+    joins an include to the including file's directory, absolute or not).
     """
     args = list(extra_args)
-    lines = []
-    if sync_interval is not None:
-        lines.append(f"jetstream {{ sync_interval: {sync_interval} }}")
-    if ping_interval is not None:
-        lines += [f'ping_interval: "{ping_interval}"', f"ping_max: {CLIENT_PING_MAX}"]
-    if not lines:
-        return args
+    lines = [f"jetstream {{ sync_interval: {interval} }}"]
     if "-c" in args:
         at = args.index("-c")
         own = Path(args[at + 1]).resolve()
         del args[at:at + 2]
         lines.insert(0, f'include "{os.path.relpath(own, data_dir.resolve())}"')
-    conf = data_dir / SETTINGS_CONF
+    conf = data_dir / SYNC_CONF
     conf.write_text("\n".join(lines) + "\n")
     return [*args, "-c", str(conf)]
