@@ -182,8 +182,7 @@ class CallSink:
         if self.slow:
             raise SlowClient()
         async with self._lock:
-            if self._write is not None and not self._write.done():
-                await asyncio.wait({self._write})  # a cancelled sender's, still in the core
+            await self.settle()  # a cancelled sender's write, still in the core
             self.task = asyncio.current_task()
             self.writing_since = time.monotonic()
             write = self._write = asyncio.ensure_future(self._context.write(message))

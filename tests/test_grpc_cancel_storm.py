@@ -202,16 +202,21 @@ async def test_a_storm_of_cancels_leaves_nothing_running(pipeline: Pipeline,
             finally:
                 call.cancel()
 
+    reached = await _storm(pipeline, backend, prefix, CALLS, one)
+    assert reached >= CALLS // 5, (reached, moments)  # the storm reached the backend
+    await _settled(pipeline, backend, prefix, reached, metadata)
+
+
+async def _storm(pipeline: Pipeline, backend: FakeBackend, prefix: str, count: int,
+                 one: Any) -> int:
+    """``one(stub, i)`` for i below ``count``, all at once on one channel;
+    how many of the storm's requests reached the backend."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{pipeline.config.edge.grpc_port}") as ch:
         stub = pb_grpc.GatewayStub(ch)  # type: ignore[no-untyped-call]
         async with asyncio.TaskGroup() as tg:
-            for i in range(CALLS):
+            for i in range(count):
                 tg.create_task(one(stub, i))
-
-    reached = sum(1 for r in list(backend.records)
-                  if prefix in json.dumps(r.body.get("messages")))
-    assert reached >= CALLS // 5, (reached, moments)  # the storm reached the backend
-    await _settled(pipeline, backend, prefix, reached, metadata)
+    return sum(1 for r in list(backend.records) if prefix in json.dumps(r.body.get("messages")))
 
 
 async def _settled(pipeline: Pipeline, backend: FakeBackend, prefix: str, reached: int,
@@ -276,13 +281,6 @@ async def test_a_storm_of_session_cancels_leaves_nothing_running(
             finally:
                 call.cancel()  # else by the call's end
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{pipeline.config.edge.grpc_port}") as ch:
-        stub = pb_grpc.GatewayStub(ch)  # type: ignore[no-untyped-call]
-        async with asyncio.TaskGroup() as tg:
-            for i in range(SESSIONS):
-                tg.create_task(one(stub, i))
-
-    reached = sum(1 for r in list(backend.records)
-                  if prefix in json.dumps(r.body.get("messages")))
+    reached = await _storm(pipeline, backend, prefix, SESSIONS, one)
     assert reached >= SESSIONS // 6, reached  # the storm reached the backend
     await _settled(pipeline, backend, prefix, reached, metadata)
