@@ -176,6 +176,8 @@ class Relaying(Protocol):
     @property
     def ctx(self) -> _Context: ...
 
+    async def refill_log(self) -> None: ...
+
 
 async def worker_gone(relay: Relaying, control: str, now: float) -> None:
     """The edge's WorkerWatch found ``relay``'s worker gone (tidegate.broker.liveness).
@@ -192,6 +194,11 @@ async def worker_gone(relay: Relaying, control: str, now: float) -> None:
     if relay.phase != 2 or control != relay.control or relay.upstream_done:
         return  # not streaming (Phase.STREAMING), another worker's, or over
     output = relay.wrote_chunks  # a non-streaming body is collected: the client has none
+    if output:
+        # The log first gets what the client got (a resumable stream's log
+        # lags its live path): the next worker continues that text, and a
+        # reader that comes later reads every event the client read.
+        await relay.refill_log()
     kept = relay.delivered is not None or relay.continues_in_log
     if relay.failover == "off" or (output and (not kept or not relay.job_ack)):
         raise worker_lost()

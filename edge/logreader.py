@@ -33,11 +33,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
+from tidegate.broker import patient
 from tidegate.config import Config
 from tidegate.errors import ApiError, ProtocolError
 from tidegate.wire import streamlog
 from tidegate.wire.protocol import Attach, Detach, ErrorInfo
-from tidegate.wire.streamlog import LogCursor, LogEnd, LogEvent, LogItem, LogOpen
+from tidegate.wire.streamlog import LiveTail, LogCursor, LogEnd, LogEvent, LogItem, LogOpen
 
 log = logging.getLogger("tidegate.edge")
 
@@ -110,6 +111,35 @@ class StreamLog:
 
     def read(self, request_id: str, tenant: str, after: int = 0) -> LogReader:
         return LogReader(self, request_id, tenant, after)
+
+    async def refill(self, request_id: str, tail: LiveTail) -> int:
+        """Store in ``request_id``'s log what its client got live and the log
+        lacks (``tail``: the relay's last messages), once its worker is dead;
+        how many messages that was. A dead worker writes no more, so the
+        log's last message says where to start. The edge's hand-back (a
+        LogHandBack, then the job's -NAK) comes after: the next worker
+        continues the text the client has. Raises what JetStream raised."""
+        subject = streamlog.subject(self.config.nats.subjects, request_id)
+        try:
+            raw = await self.js.get_last_msg(self.stream, subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return 0  # no log: nothing to fill
+        logged = streamlog.last_seq(streamlog.decode_entry(raw.data or b""))
+        missing = tail.after(logged)
+        if not missing:
+            if missing is None:
+                log.warning("request %s: its log lags its client by more than the %d messages "
+                            "the edge keeps (or lacks this delivery's start); a reader of it "
+                            "ends at the gap", request_id, len(tail))
+            return 0
+        first = missing[0].seq
+        payload = streamlog.batch(request_id, [m.encode() for m in missing])
+        await patient.publish(self.js, self.nc, subject, payload,
+                              {"Nats-Msg-Id": f"{request_id}.refill.{first}"},
+                              self.config.edge.publish_patience)
+        log.info("request %s: its worker died with the log %d message(s) behind the client; "
+                 "stored them from seq %d", request_id, len(missing), first)
+        return len(missing)
 
 
 class LogReader:

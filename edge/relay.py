@@ -26,6 +26,7 @@ from edge import instrument
 from edge.continuation import Delivered, continuable, worker_gone
 from edge.endings import Reconnect, SlowClient, worker_lost
 from edge.errors import from_info, to_info
+from edge.logreader import StreamLog
 from edge.session import BAD_INPUT, Session
 from edge.stream import Due, Phase, StreamState
 from edge.writer import CANCEL_CODES, RawWrite, Writer
@@ -84,6 +85,7 @@ class RelayContext:
     link: Link = field(default_factory=lambda: Link(None, 0.0))  # partitions: broker/link.py
     watch: WorkerWatch | None = None  # the edge's worker liveness probe (tidegate.broker.liveness)
     models: Mapping[str, ModelConfig] = field(default_factory=dict)  # failover per model
+    streamlog: StreamLog | None = None  # resumable streams' logs, to refill (LiveTail)
 
 
 class Relay(StreamState):
@@ -95,7 +97,8 @@ class Relay(StreamState):
     # One per open stream, 10,000 of them on an edge: no per-instance dict.
     __slots__ = ("acks", "body_parts", "body_size", "continues_in_log", "control", "ctx",
                  "delivered", "failover", "handed_back", "head_key", "headers", "ids",
-                 "job_ack", "out", "raw", "request", "session", "upstream_done", "wrote_chunks")
+                 "job_ack", "out", "raw", "request", "session", "tail", "upstream_done",
+                 "wrote_chunks")
 
     def __init__(self, out: Writer, session: Session, request: Request,
                  ctx: RelayContext, headers: dict[str, str]) -> None:
@@ -130,6 +133,9 @@ class Relay(StreamState):
         # a Responses stream: its events carry sequence_number, and the SDK
         # needs none).
         session.resumable = request.resumable and request.stream
+        # What the client got last: the log may lack it when the worker dies
+        # (refill_log). None once stored, and for a stream with no log.
+        self.tail = streamlog.LiveTail() if request.resumable else None
         self.ids = (streamlog.EventIds(
             b"" if apis.of(request.api).numbered_events
             else streamlog.retry_field(ctx.config.resume.retry_ms))
@@ -194,9 +200,25 @@ class Relay(StreamState):
             except Exception as exc:
                 log.warning("could not publish detach for %s: %s", self.request.id, exc)
 
+    async def refill_log(self) -> None:
+        """Store what the client got and the log lacks, once this stream's
+        worker is taken for dead (LiveTail); at most once. Best effort: a
+        failure leaves the log as the worker left it (a later reader ends at
+        its gap)."""
+        tail, log_ = self.tail, self.ctx.streamlog
+        self.tail = None
+        if tail is None or log_ is None or not tail:
+            return
+        try:
+            await log_.refill(self.request.id, tail)
+        except Exception as exc:
+            log.warning("could not refill the log of %s: %s", self.request.id, exc)
+
     async def _fail(self, error: ApiError) -> web.StreamResponse:
         if error.code not in CANCEL_CODES:  # a client's own cancel is no failure
             instrument.failed(error)
+        if error.code == "worker_lost" and self.phase is Phase.STREAMING:
+            await self.refill_log()  # the silence limit's end (worker_gone refilled its own)
         if self.request.resumable and self.phase is not Phase.STREAMING:
             # No worker wrote to the log yet: the log's readers learn the end here.
             try:
@@ -292,18 +314,24 @@ class Relay(StreamState):
         ping = False
         stale = self.stale
         failed: ErrorInfo | None = None
+        tail = self.tail
         for m in messages:
             kind = type(m)
             if kind is Chunk:
                 assert isinstance(m, Chunk)
                 if not self.check_seq(m.seq):
                     continue
+                if tail is not None:
+                    tail.add(m)
                 out.append(m.data)
                 nbytes += len(m.data)
                 last_chunk = m.seq
             elif kind is Heartbeat:
+                assert isinstance(m, Heartbeat)
                 if self.check_seq(m.seq):
                     ping = True
+                    if tail is not None:
+                        tail.add(m)
             elif kind is Head:
                 assert isinstance(m, Head)
                 await self._on_head(m)
@@ -525,6 +553,8 @@ class Relay(StreamState):
             return False
         if self.delivered is not None:
             self.delivered.add(data)
+        if self.tail is not None:
+            self.tail.add(chunk)
         self.expected_seq = chunk.seq + 1
         self.acks.on_written(chunk.seq, n)
         self.last_worker_msg = self.last_write = now

@@ -77,10 +77,10 @@ class EdgeState:
         # One liveness probe per edge, per followed worker (tidegate.broker.liveness).
         watch = WorkerWatch(self.nc, self.config.session.liveness_interval,
                             self.config.worker.fetch_timeout)
+        self.streamlog = StreamLog(self.nc, self.js, self.config)
         self.relay = RelayContext(self.config, NatsPublisher(self.nc, self.config.nats.subjects),
                                   Link(self.nc, grace(self.config.nats)),
-                                  watch if watch.enabled else None, self.models)
-        self.streamlog = StreamLog(self.nc, self.js, self.config)
+                                  watch if watch.enabled else None, self.models, self.streamlog)
 
 
 STATE: web.AppKey[EdgeState] = web.AppKey("tidegate_edge_state", EdgeState)

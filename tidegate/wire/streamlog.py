@@ -15,6 +15,7 @@ is exact. Docs: docs/resume.md#the-log.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 import msgpack
@@ -84,6 +85,68 @@ class LogHandBack(NamedTuple):
 
 
 LogEntry = LogOpen | LogHandBack | SessionMessage
+
+# How many of a resumable stream's last messages its edge keeps (LiveTail).
+# The worker stores its log one batch per JetStream round trip while the live
+# path runs ahead (workers.resumable), so the log lags the client by a few
+# messages: 64 outlast any lag but a leader election's.
+TAIL_MESSAGES = 64
+
+
+class LiveTail:
+    """The last messages with a seq (chunks and heartbeats) that a resumable
+    stream's edge relayed to its client, in order.
+
+    The log lags the live path: a worker that dies leaves the client with
+    events its log never got, and a reader that comes later (or the worker
+    that continues the log) would miss them. Once the worker is found dead,
+    the edge stores what the log lacks (:meth:`after`), so the log holds at
+    least every event the client got. Readers skip what the log already has
+    (:class:`LogCursor`: a seq below the one expected is a copy)."""
+
+    __slots__ = ("_kept",)
+
+    def __init__(self, size: int = TAIL_MESSAGES) -> None:
+        self._kept: deque[Chunk | Heartbeat] = deque(maxlen=size)
+
+    def add(self, message: Chunk | Heartbeat) -> None:
+        self._kept.append(message)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def after(self, logged: int) -> list[Chunk | Heartbeat] | None:
+        """The kept messages that follow seq ``logged`` (the log's last)
+        without a gap: ``[]`` when the log has them all, None when the tail
+        no longer holds ``logged + 1`` (it fell further behind than the
+        tail is long, or it lacks this delivery's Head: a later delivery's
+        seqs start 2**32 on, tidegate.wire.flow.first_seq)."""
+        run: list[Chunk | Heartbeat] = []
+        want = logged + 1
+        for message in self._kept:
+            if message.seq < want:
+                continue
+            if message.seq != want:
+                break
+            run.append(message)
+            want += 1
+        if not run and self._kept and self._kept[-1].seq > logged:
+            return None
+        return run
+
+
+def last_seq(entries: list[LogEntry]) -> int:
+    """The highest seq among one log message's worker messages (0: none)."""
+    return max((e.seq for e in entries if not isinstance(e, (LogOpen, LogHandBack))), default=0)
+
+
+def batch(request_id: str, messages: list[bytes]) -> bytes:
+    """One log message of several session messages, as the worker's log
+    outbox writes them (``[VERSION, Kind.MUX, request_id, message, ...]``)."""
+    out: list[object] = [VERSION, Kind.MUX]
+    for message in messages:
+        out += (request_id, message)
+    return _pack(out)
 
 
 def decode_entry(data: bytes) -> list[LogEntry]:
