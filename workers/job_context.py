@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
+from tidegate.broker import broker, patient
 from tidegate.config import Config
 from tidegate.control import prices
 from tidegate.telemetry import telemetry as tm
@@ -46,21 +48,29 @@ class JobContext:
     # (unit tests).
     owners: ResponseOwners | None = None
 
-    async def report(self, record: UsageRecord) -> None:
-        """Publish a usage record to the TG_USAGE stream.
+    # The JetStream context usage records are stored through (None: made
+    # per record, unit tests).
+    js: JetStreamContext | None = None
 
-        A plain publish, not JetStream's acked one: waiting for the stream's
-        ack cost every job a request/reply (a reply message, an inbox future
-        and a timer), and a record that does not make it could only be logged
-        anyway. It goes out on the same connection before the job's ack, so
-        the server stores it first; ``Nats-Msg-Id`` still deduplicates a
-        redelivered job's record. A lost record (broker unreachable) costs an
-        accounting entry (the reservation then expires), never the answer."""
+    async def report(self, record: UsageRecord) -> None:
+        """Store a usage record in the TG_USAGE stream, before the job's ack.
+
+        An acked publish, retried while the broker is briefly away (a NATS
+        node's death, an election: ``tidegate.broker.patient``, for
+        ``edge.publish_patience``): the job is acked only after its record is
+        stored, so no node's death, nor every node's at once, leaves an
+        acked job without its record (a plain publish was lost so, 1 of 259
+        in the kill-all test). The client does not wait on it (its Done went
+        out first); the job's slot waits one round trip. ``Nats-Msg-Id``
+        deduplicates a redelivered job's record. Out of patience, the record
+        is logged as lost (the reservation then expires), never the answer."""
+        js = self.js if self.js is not None else broker.jetstream(self.nc, self.config.nats)
         try:
-            await self.nc.publish(self.config.nats.subjects.usage(record.model),
-                                  record.encode(), headers={"Nats-Msg-Id": f"u-{record.id}"})
+            await patient.publish(js, self.nc, self.config.nats.subjects.usage(record.model),
+                                  record.encode(), {"Nats-Msg-Id": f"u-{record.id}"},
+                                  self.config.edge.publish_patience)
         except Exception as exc:
-            log.warning("could not publish usage for %s: %s", record.id, exc)
+            log.warning("could not store usage for %s: %s", record.id, exc)
 
 
 async def ack(ctx: JobContext, request: Request, msg: Msg) -> None:

@@ -483,7 +483,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                             config.nats.request_timeout)
     ctx = JobContext(config=config, nc=nc, control_subject=subjects.control(worker_id),
                      outbox=outbox, log_outbox=log_outbox, prices=prices,
-                     tails=tails_for(config), owners=owners)
+                     tails=tails_for(config), owners=owners, js=js)
     pool = Pool(config, ctx)
     pool.fence = fence
     pools.append(pool)
