@@ -38,6 +38,7 @@ from tests.test_continuation import (
     overrides,
 )
 from tidegate.broker import liveness
+from tidegate.run.servers import NatsServer
 
 LENGTH = 300  # tests.test_continuation's simulator: 3 s answers
 
@@ -210,18 +211,37 @@ async def test_a_background_response_completes_when_its_worker_dies_mid_output(
         assert answer["usage"]["output_tokens"] == LENGTH, answer["usage"]
 
 
+@pytest.fixture
+def pings_off(tmp_path: Path, redis_server: ServerHandle) -> Iterator[Pipeline]:
+    """quick_redelivery's pipeline on a nats-server that never pings its
+    clients: a stopped worker keeps its subscriptions however long it stops.
+    With tidegate's server pings (tidegate.run.nats_sync) they go after
+    about 6 s, and a copy redelivered later finds the worker gone."""
+    nats_server = NatsServer(tmp_path / "nats-no-pings", ping_interval=None)
+    nats_server.start()
+    p = Pipeline(tmp_path / "p", nats_server.url, redis_server.url, workers=2,
+                 overrides=overrides(ack_wait=4.0, resume_timeout=1.0))
+    try:
+        p.start()
+        yield p
+    finally:
+        p.stop()
+        nats_server.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.pipeline
 async def test_a_second_delivery_nobody_speaks_for_leaves_a_stopped_worker_its_job(
-        quick_redelivery: Pipeline) -> None:
+        pings_off: Pipeline) -> None:
     """A resumable stream whose client left, its worker SIGSTOPped past the
-    redelivery (alive, its connection open, but silent: a GC pause, a
-    saturated box): the copy asks that worker, gets no answer from a
-    subscriber that is there, takes it for running the job and ends
-    without a trace (no record, no ack, nothing in the log). Resumed, the
-    first worker finishes the stream, which reads whole, once. Were the
-    copy to run, two workers would write one log."""
-    p = quick_redelivery
+    redelivery (alive, its connection open and its subscriptions there, but
+    silent: a pause shorter than the server's ping limit, here made longer
+    than a redelivery by a server without pings): the copy asks that worker,
+    gets no answer from a subscriber that is there, takes it for running the
+    job and ends without a trace (no record, no ack, nothing in the log).
+    Resumed, the first worker finishes the stream, which reads whole, once.
+    Were the copy to run, two workers would write one log."""
+    p = pings_off
     other = p.workers[1].pid
     stopped = p.workers[0].pid
     assert other is not None

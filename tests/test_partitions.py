@@ -23,6 +23,7 @@ import pytest
 
 from tests import netns
 from tests.histories import Clients, check
+from tests.pipeline import usage_records
 from tests.poll import eventually
 from tidegate.broker import broker
 from tidegate.control import workers_registry
@@ -262,6 +263,42 @@ async def test_partition_under_load(fleet: netns.HostFleet, name: str) -> None:
     assert report["duplicated_tokens"] == 0, report
     assert set(report["error_codes"]) <= ALLOWED, report
     assert report["recovered_s"] is not None, report
+
+
+_SLOW = {"models": [{"name": netns.MODEL, "max_streams": 64,
+                     "simulator": {"ttft": 0.02, "tokens_per_second": 8.0, "length": 64,
+                                   "deterministic": True}}]}
+
+
+@pytest.mark.parametrize("fleet", [_SLOW], indirect=True)
+async def test_a_cut_workers_streams_go_on_elsewhere_and_its_copies_stay_silent(
+        fleet: netns.HostFleet) -> None:
+    """Streams of 8 s, longer than the cut worker takes to fence itself
+    (about 4.5 s): the edges find it gone once the servers drop it (their
+    client pings, tidegate.run.nats_sync), its streams go on on the other
+    worker with the shipped failover, whole, and its fenced copies send
+    nothing after the heal."""
+    report = await _load(fleet, _cut_worker, concurrency=8, before=4.0, cut_for=12.0,
+                         after=10.0, max_tokens=64)
+    assert report["lost"] == 0, report
+    assert report["duplicated_tokens"] == 0, report
+    assert set(report["error_codes"]) <= ALLOWED - {"worker_lost"}, report
+    await _fenced_jobs_stay_silent(fleet)
+
+
+async def _fenced_jobs_stay_silent(fleet: netns.HostFleet) -> None:
+    """The cut worker's streams were taken over (their jobs ran again, as
+    attempt 2 or later), and its fenced copies sent nothing after the heal:
+    no usage record of a cancelled earlier attempt (workers.fencing: a fenced
+    job reports, answers and acks nothing; what it sent would be stale, and
+    its record would bill the request twice). A copy that finished before
+    its fence legitimately reports ``done``."""
+    records = await usage_records(fleet.config)
+    taken_over = {r.id for r in records if r.attempt > 1}
+    assert taken_over, "no stream was taken over from the cut worker"
+    fenced = [r for r in records if r.id in taken_over and r.attempt == 1
+              and r.outcome not in ("done", "error")]
+    assert not fenced, f"{len(fenced)} fenced copies reported after the heal: {fenced[:3]}"
 
 
 def _record(name: str, report: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from tidegate.errors import TidegateError
-from tidegate.run.nats_sync import SYNC_ALWAYS, with_sync_interval
+from tidegate.run.nats_sync import CLIENT_PING, SYNC_ALWAYS, with_server_settings
 from tidegate.run.ports import connect_host as connect_host
 from tidegate.run.ports import free_port as free_port
 from tidegate.run.ports import port_is_free as port_is_free
@@ -433,6 +433,9 @@ class NatsServer(ManagedProcess):
     nothing is acknowledged before it is on disk, so an ack survives every
     node losing power at once (docs/reliability.md, "Durability"). ``None``
     leaves nats-server's own default (fsync every two minutes).
+    ``ping_interval``: how often the server pings an idle client (two
+    unanswered and it drops the connection, with the client's subscriptions),
+    ``"2s"`` by default (tidegate.run.nats_sync); ``None``: nats-server's 2 min.
     """
 
     def __init__(
@@ -449,6 +452,7 @@ class NatsServer(ManagedProcess):
         start_timeout: float = 15.0,
         gomaxprocs: int | None = None,
         sync_interval: str | None = SYNC_ALWAYS,
+        ping_interval: str | None = CLIENT_PING,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
@@ -456,8 +460,9 @@ class NatsServer(ManagedProcess):
         # The monitor binds to ``host`` too (nats-server's http_host defaults to it).
         self.monitor_port: int | None = (monitor_port or free_port(host)) if monitor else None
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if sync_interval is not None:
-            extra_args = with_sync_interval(self.data_dir, extra_args, sync_interval)
+        extra_args = with_server_settings(self.data_dir, extra_args,
+                                          sync_interval=sync_interval,
+                                          ping_interval=ping_interval)
         monitoring = ["-m", str(self.monitor_port)] if self.monitor_port else []
         argv = [binary or find_nats_server(), "-a", host, "-p", str(self.port),
                 "-js", "-sd", str(self.data_dir), *monitoring, *extra_args]
