@@ -114,7 +114,7 @@ class FakeBackend:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind and serve; returns the base URL, ending in ``/v1``."""
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)  # vision bodies: tens of MiB
         app.router.add_get("/v1/models", self._models)
         if self.config.report_load:
             app.router.add_get("/metrics", self._metrics)

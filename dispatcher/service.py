@@ -31,7 +31,7 @@ from dispatcher.quota import connect as connect_quota_store
 from dispatcher.redis_client import preload_scripts
 from dispatcher.routing import ReplicaView, Router
 from tidegate import apis
-from tidegate.broker import broker, poison
+from tidegate.broker import bodies, broker, poison
 from tidegate.broker.kvwatch import follow_bucket, wait_synced
 from tidegate.broker.pull import Puller
 from tidegate.config import Config
@@ -148,6 +148,15 @@ class Dispatcher:
             await self._drop(request, msg)
             return
 
+        if request.claim:  # its body is in the bodies' store (tidegate.broker.bodies)
+            try:
+                request = await bodies.resolve(self.js, self.config, request)
+            except bodies.BodyLost as exc:
+                log.warning("rejecting request %s: %s", request.id, exc)
+                await self.nc.publish(request.reply, Status(
+                    Admission.REJECTED, error=bodies.LOST).encode())
+                await msg.ack()
+                return
         decision = await self.policy.admit(request)
         if decision.admission is Admission.REJECTED:
             self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model,
@@ -271,6 +280,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     nc = await broker.connect(config.nats, "tidegate-dispatcher", stop)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
+    await bodies.ensure(js, config)  # claimed bodies are read here (admission)
     await provision.dispatcher_consumers(js, config)
 
     # The client reconnects by itself: a Redis restart needs no dispatcher

@@ -18,9 +18,9 @@ from nats.js.api import PubAck
 
 from edge.auth import Principal
 from edge.state import EdgeState
-from tidegate.broker import patient
+from tidegate.broker import bodies, patient
 from tidegate.config import Config, ModelConfig
-from tidegate.errors import ApiError, ProtocolError, invalid_request, unavailable
+from tidegate.errors import ApiError, BrokerError, ProtocolError, invalid_request, unavailable
 from tidegate.validation.generation import Validated, model_not_found
 from tidegate.wire import streamlog
 from tidegate.wire.protocol import Request
@@ -107,7 +107,10 @@ async def publish_request(state: EdgeState, request: Request,
     except ProtocolError:
         raise invalid_request("The request contains a number outside the 64-bit integer "
                               "range.", code="invalid_value") from None
-    if len(payload) > state.nc.max_payload:
+    max_payload = state.nc.max_payload
+    if len(payload) > bodies.threshold(state.config, max_payload):
+        payload = await _claim_check(state, request)
+    if len(payload) > max_payload:
         raise ApiError(413, "The request is too large for the broker's message size limit.",
                        type="invalid_request_error", code="request_too_large")
     if request.resumable:
@@ -145,6 +148,19 @@ async def _publish(state: EdgeState, subject: str, payload: bytes,
     """:func:`publish_patiently`, and how many tries it took."""
     return await patient.publish(state.js, state.nc, subject, payload, headers,
                                  patience(state.config))
+
+
+async def _claim_check(state: EdgeState, request: Request) -> bytes:
+    """The envelope of ``request`` with its body in the bodies' object store
+    (tidegate.broker.bodies): what no NATS message could carry crosses the
+    broker by name."""
+    try:
+        claimed = await bodies.check_in(state.js, state.config, request, state.nc.max_payload)
+    except (nats.errors.Error, TimeoutError, BrokerError) as exc:
+        raise unavailable(f"The broker could not store the request body "
+                          f"({type(exc).__name__}); retry later.",
+                          code="broker_unavailable", retry_after=2) from None
+    return claimed.encode()
 
 
 def patience(config: Config) -> float:

@@ -31,7 +31,7 @@ from edge.listen import cannot_listen, ensure_free
 from edge.session import SessionTable
 from edge.state import EdgeState
 from edge.tls import server_tls_context, warn_if_public_plaintext
-from tidegate.broker import broker
+from tidegate.broker import bodies, broker
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.config import Config
 from tidegate.control import edges_registry
@@ -125,6 +125,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
     try:
         js = broker.jetstream(nc, config.nats)
         await broker.ensure_streams(js, config)
+        await bodies.ensure(js, config)  # where bodies too large for a message go
         keys = KeyTable(config.api_keys())
         tenants = TenantTable()
         async with _keys_watch(js, config, keys), _tenants_watch(js, config, tenants):

@@ -47,7 +47,8 @@ TLS = {"nats": {"url": "tls://127.0.0.1:4222"}}
 # Out of range or ill-formed: what the type lets through and the check must not.
 BAD: dict[str, Any] = {
     "edge.host": "not a host!", "edge.port": 65536, "edge.edge_id": "a.b",
-    "edge.max_body_bytes": 0, "edge.admission_timeout": 0.0, "edge.publish_patience": -1.0,
+    "edge.max_body_bytes": 0, "edge.claim_check_bytes": -1, "edge.admission_timeout": 0.0,
+    "edge.publish_patience": -1.0,
     "edge.queue_timeout": 0.0, "edge.request_timeout": 0.0, "edge.max_response_bytes": 0,
     "edge.shutdown_timeout": 0.0, "edge.slow_client_timeout": 0.0, "edge.keepalive_idle": -1,
     "edge.keepalive_interval": 0, "edge.keepalive_count": 0, "edge.max_json_depth": 257,

@@ -235,6 +235,9 @@ CATALOGUE: tuple[tuple[str, tuple[Code, ...]], ...] = (
              "cancelled"),
         Code("worker_lost", "502", "server_error", "yes (1 s)",
              "the worker went silent or died mid-stream"),
+        Code("request_body_lost", "502", "server_error", "yes (1 s)",
+             "a body too large for a broker message was stored, and was gone when its "
+             "request was read (its `streams.max_age` passed)"),
         Code("stream_gap", "502", "server_error", "yes (1 s)",
              "part of the stream was lost and its worker could not send it again"),
         Code("protocol_error", "502", "server_error", "yes",

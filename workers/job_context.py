@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate.broker import broker, patient
+from tidegate.broker import bodies, broker, patient
 from tidegate.config import Config
 from tidegate.control import prices
 from tidegate.telemetry import telemetry as tm
@@ -80,6 +80,9 @@ async def ack(ctx: JobContext, request: Request, msg: Msg) -> None:
     if request.mux and ctx.outbox is not None:
         await ctx.outbox.flush()
     await msg.ack()
+    if request.claim:  # acked for good: no delivery will read its body again
+        bodies.discard(ctx.js or broker.jetstream(ctx.nc, ctx.config.nats), ctx.config,
+                       request)
 
 
 async def resend(ctx: JobContext, request: Request, messages: list[bytes]) -> None:

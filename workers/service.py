@@ -24,7 +24,7 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tidegate.broker import broker, patient, poison
+from tidegate.broker import bodies, broker, patient, poison
 from tidegate.broker.kvwatch import wait_synced
 from tidegate.broker.pull import Credit, Puller
 from tidegate.config import Config, ModelConfig
@@ -45,6 +45,7 @@ from tidegate.wire.protocol import (
     Cancel,
     Continue,
     Detach,
+    Error,
     ErrorInfo,
     Request,
     Retransmit,
@@ -55,7 +56,7 @@ from workers.backends import Backend, create_backend
 from workers.backends.load_probe import LoadProbe
 from workers.fencing import FENCED, Fence
 from workers.job import WORKER_SHUTDOWN, Job
-from workers.job_context import JobContext, resend, reserved
+from workers.job_context import JobContext, ack, resend, reserved
 from workers.limiter import AdaptiveLimit
 from workers.owners import ResponseOwners
 from workers.replicas import Breaker, ReplicaSet
@@ -208,6 +209,29 @@ class Pool:
         if job is not None:
             job.cancel(reason)
 
+    async def _claimed_body(self, msg: Msg, request: Request) -> Request | None:
+        """``request`` with its body read from the bodies' store
+        (tidegate.broker.bodies); None when the job cannot run: the store is
+        unreachable (handed back for another try) or the body is gone (the
+        edge is told ``request_body_lost``, the reservation refunded)."""
+        js = self.ctx.js or broker.jetstream(self.ctx.nc, self.config.nats)
+        try:
+            return await bodies.resolve(js, self.config, request)
+        except bodies.BodyLost as exc:
+            log.warning("job %s: %s", request.id, exc)
+            await self.ctx.nc.publish(request.reply, Error(0, bodies.LOST).encode())
+            await self.ctx.report(UsageRecord(id=request.id, model=request.model,
+                                              outcome="dropped", tenant=request.tenant,
+                                              user=request.user, key_id=request.key_id,
+                                              attempt=msg.metadata.num_delivered,
+                                              reserved=reserved(msg)))
+            await msg.ack()
+        except Exception as exc:
+            log.warning("job %s: its body could not be read (%s); handed back", request.id,
+                        exc)
+            await msg.nak(delay=1)
+        return None
+
     async def run_job(self, msg: Msg, backend: Backend,
                       group: ReplicaPullers | None = None,
                       limit: AdaptiveLimit | None = None) -> None:
@@ -247,7 +271,7 @@ class Pool:
                                               outcome="dropped", tenant=request.tenant,
                                               user=request.user, key_id=request.key_id,
                                               attempt=attempt, reserved=reserved(msg)))
-            await msg.ack()
+            await ack(self.ctx, request, msg)
             return
         # A job answers on request.reply: only an edge inbox.
         if not request.reply or not self.config.nats.subjects.edge_inboxes(request.reply,
@@ -266,6 +290,11 @@ class Pool:
                 await msg.nak(delay=1)
                 return
             await self.routing.note_home(msg, request.model, group.replica, group)
+        if request.claim:
+            resolved = await self._claimed_body(msg, request)
+            if resolved is None:
+                return
+            request = resolved
         if group is not None:
             group.changed()
         try:
@@ -462,6 +491,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                               on_link=fence.on_link)
     js = broker.jetstream(nc, config.nats)
     await broker.ensure_streams(js, config)
+    await bodies.ensure(js, config)  # claimed bodies are read and deleted here
     outbox = None
     if config.worker.coalesce_bytes:
         outbox = Outbox(nc.publish,

@@ -38,16 +38,18 @@ def _meta_subject(bucket: str, name: str) -> str:
 
 
 async def ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replicas: int,
-                       file_storage: bool) -> ObjectStore:
+                       file_storage: bool,
+                       description: str = "tidegate: batch API files") -> ObjectStore:
     """The object store, created when missing; patient with a forming cluster
     (a JetStream timeout during an election took the dispatcher down)."""
     return await broker.patiently(
         lambda: _ensure_store(js, bucket, ttl=ttl, replicas=replicas,
-                              file_storage=file_storage), f"object store {bucket}")
+                              file_storage=file_storage, description=description),
+        f"object store {bucket}")
 
 
 async def _ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replicas: int,
-                        file_storage: bool) -> ObjectStore:
+                        file_storage: bool, description: str) -> ObjectStore:
     try:
         return await js.object_store(bucket)
     except nats.js.errors.BucketNotFoundError:
@@ -58,7 +60,7 @@ async def _ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replic
     storage = api.StorageType.FILE if file_storage else api.StorageType.MEMORY
     try:
         return await js.create_object_store(bucket, api.ObjectStoreConfig(
-            description="tidegate: batch API files", ttl=ttl, storage=storage,
+            description=description, ttl=ttl, storage=storage,
             replicas=replicas))
     except nats.js.errors.BadRequestError:
         return await js.object_store(bucket)  # created concurrently

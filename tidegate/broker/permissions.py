@@ -187,6 +187,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
         f"{P}_BATCHOUT"
     keyuse, tenants, edges = f"{P}_KEYUSE", f"{P}_TENANTS", f"{P}_EDGES"
     prices, budgets = f"{P}_PRICES", f"{P}_BUDGETS"  # docs/spend.md
+    bodies = s.bodies_bucket  # claimed request bodies (tidegate.broker.bodies)
 
     def inbox(role: str) -> str:
         return f"{inbox_prefix(role)}.>"
@@ -205,6 +206,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
             .read(log)  # resume and background responses read the log
             .objects(files).watch(filemeta).write(filemeta).watch(batches).write(batches)
             .bind(_kv(batchout))
+            .objects(bodies)  # stores a body too large for a message
             .done((inbox("edge"), f"{p}.out.*.*", streamlog.edge_cancel_subject(s))))
     dispatcher = (_Grants().bind(*streams)
                   .pull(requests, s.dispatcher_consumer).pull(usage, "reconcilers")
@@ -225,6 +227,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
                   .watch(s.claims_bucket).write(s.claims_bucket)
                   .objects(files).watch(filemeta).write(filemeta)
                   .watch(batches).write(batches).watch(batchout).write(batchout)
+                  .get(f"OBJ_{bodies}")  # reads a claimed body (admission, routing)
                   .done((inbox("dispatcher"), s.load_wildcard, s.edge_inbox(BATCH_INBOX),
                          f"{p}.grant.*")))
     worker = (_Grants().bind(*streams)
@@ -246,6 +249,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
               .get(_kv(s.responses_bucket)).write(s.responses_bucket)
               .watch(s.affinity_bucket).write(s.affinity_bucket)
               .watch(s.claims_bucket).write(s.claims_bucket)
+              .objects(bodies)  # reads a claimed body, deletes it once the job is done
               .done((inbox("worker"), f"{p}.ctl.*", f"{p}.live.*")))
     return {"edge": edge, "dispatcher": dispatcher, "worker": worker}
 

@@ -69,6 +69,9 @@ def check_values(config: Config) -> None:
     if e.body_min_rate < 0:
         raise ConfigError(f"edge.body_min_rate: must be >= 0 (0 = body_timeout only), got "
                           f"{e.body_min_rate:g}")
+    if e.claim_check_bytes < 0:
+        raise ConfigError(f"edge.claim_check_bytes: must be >= 0 (0 = half the broker's "
+                          f"max_payload), got {e.claim_check_bytes}")
     if config.batch.tenant_storage_bytes < 0:
         raise ConfigError(f"batch.tenant_storage_bytes: must be >= 0 (0 = no quota), got "
                           f"{config.batch.tenant_storage_bytes}")

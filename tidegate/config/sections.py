@@ -200,7 +200,12 @@ class EdgeConfig:
     host: str = "127.0.0.1"  # listen address; 0.0.0.0 to accept remote connections
     port: int = 8080  # the API port (HTTP, SSE, WebSocket)
     edge_id: str = ""  # unique per process; generated when empty
-    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    max_body_bytes: int = 32 << 20  # larger request bodies get 413
+    # A request whose envelope is larger than this crosses the broker by
+    # claim check: its body goes to the <P>_BODIES object store and the
+    # message carries its name (tidegate.broker.bodies). 0: half the
+    # broker's max_payload (512 KiB on nats-server's default 1 MiB).
+    claim_check_bytes: int = 0
     admission_timeout: float = 30.0  # no dispatcher answer within this: 503
     # A request publish that gets no PubAck (a NATS node died, a leader
     # election) is retried for this long before 503 broker_unavailable; the

@@ -20,7 +20,7 @@ import logging
 
 from nats.js import JetStreamContext
 
-from tidegate.broker import broker
+from tidegate.broker import bodies, broker
 from tidegate.config import Config, ModelConfig
 from tidegate.control import (
     admin,
@@ -104,6 +104,7 @@ async def provision(js: JetStreamContext, config: Config) -> list[str]:
     await workers_registry.ensure_bucket(js, config)
     await affinity.ensure_buckets(js, config)
     await batches.open_stores(js, config)
+    await bodies.ensure(js, config)
     done += ["KV buckets", "object store"]
     log.info("setup done for prefix %s: %s", subjects.prefix, ", ".join(done))
     return done

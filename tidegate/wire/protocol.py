@@ -117,6 +117,10 @@ class Request:
     # generation without one instead of a cancel.
     resumable: bool = False
     grace: float = 0.0
+    # A body too large for a NATS message crosses by claim check: ``body`` is
+    # then empty in the message, and this names the object in <P>_BODIES
+    # that holds it (tidegate.broker.bodies); "" = the body is inline.
+    claim: str = ""
 
     def encode(self) -> bytes:
         """Raises :class:`ProtocolError` if the body holds a value msgpack cannot
@@ -127,31 +131,32 @@ class Request:
             raise ProtocolError(f"request cannot be encoded: {exc}") from exc
 
     def _encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "v": VERSION,
-                "id": self.id,
-                "reply": self.reply,
-                "model": self.model,
-                "api": int(self.api),
-                "stream": self.stream,
-                "body": self.body,
-                "created_ms": self.created_ms,
-                "deadline_ms": self.deadline_ms,
-                "window_bytes": self.window_bytes,
-                "window_msgs": self.window_msgs,
-                "include_usage": self.include_usage,
-                "tenant": self.tenant,
-                "user": self.user,
-                "key_id": self.key_id,
-                "class": self.klass,
-                "edge": self.edge,
-                "mux": self.mux,
-                "extra": self.extra,
-                "resumable": self.resumable,
-                "grace": self.grace,
-            }
-        )
+        fields: dict[str, Any] = {
+            "v": VERSION,
+            "id": self.id,
+            "reply": self.reply,
+            "model": self.model,
+            "api": int(self.api),
+            "stream": self.stream,
+            "body": self.body,
+            "created_ms": self.created_ms,
+            "deadline_ms": self.deadline_ms,
+            "window_bytes": self.window_bytes,
+            "window_msgs": self.window_msgs,
+            "include_usage": self.include_usage,
+            "tenant": self.tenant,
+            "user": self.user,
+            "key_id": self.key_id,
+            "class": self.klass,
+            "edge": self.edge,
+            "mux": self.mux,
+            "extra": self.extra,
+            "resumable": self.resumable,
+            "grace": self.grace,
+        }
+        if self.claim:  # only then: an inline body's envelope stays as it was
+            fields["claim"] = self.claim
+        return msgpack.packb(fields)
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
@@ -186,6 +191,7 @@ class Request:
                 extra=dict(m.get("extra") or {}),
                 resumable=bool(m.get("resumable", False)),
                 grace=float(m.get("grace", 0.0)),
+                claim=str(m.get("claim", "")),
             )
         except (KeyError, ValueError, TypeError, OverflowError) as exc:
             raise ProtocolError(f"malformed request envelope: {exc!r}") from exc

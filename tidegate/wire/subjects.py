@@ -222,6 +222,12 @@ class Subjects:
         return f"{self.prefix.upper()}_CLAIMS"
 
     @property
+    def bodies_bucket(self) -> str:
+        """Object store of request bodies too large for a NATS message (name:
+        the request id; tidegate.broker.bodies, the claim check)."""
+        return f"{self.prefix.upper()}_BODIES"
+
+    @property
     def responses_bucket(self) -> str:
         """KV bucket of Responses API response owners (key: a hash of the
         response id, value: its tenant; workers.owners)."""
