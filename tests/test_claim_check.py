@@ -22,12 +22,14 @@ from typing import Any
 
 import aiohttp
 import nats
+import openai
 import pytest
 
 from bench.fake_backend import FakeBackend
 from bench.fake_records import FakeConfig
 from tests.pipeline import DEV_KEY, Pipeline, threaded_fake_backend
 from tests.poll import eventually
+from tests.test_batch_pipeline import lines_of, poll, submit
 from tidegate import config as config_
 from tidegate.broker import bodies
 from tidegate.wire.protocol import Api, Request
@@ -243,3 +245,23 @@ async def _gone(js: Any, config: Any, claimed: Request) -> bool:
     except bodies.BodyLost:
         return True
     return False
+
+
+async def test_a_batch_line_too_large_for_a_message_runs(pipeline: Pipeline,
+                                                         backend: FakeBackend) -> None:
+    """The batch runner claim-checks a line as the edge does a request."""
+    marker, text, image = _payload()
+    body = {k: v for k, v in _chat(text, image).items() if k != "stream"}
+    line = {"custom_id": marker, "method": "POST", "url": "/v1/chat/completions",
+            "body": body}
+    async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=DEV_KEY,
+                                  max_retries=0, timeout=120) as client:
+        batch = await submit(client, [line])
+        done = await poll(client, batch.id, {"completed", "failed", "expired"}, within=120)
+        assert done.status == "completed", done
+        (out,) = await lines_of(client, done.output_file_id)
+    assert (out["custom_id"], out["response"]["status_code"]) == (marker, 200), out
+    (got,) = _received(backend, marker)
+    assert json.dumps(text) in got
+    assert got.count(image) == 2
+    await eventually(lambda: _none_stored(pipeline), 30, "the claimed body deleted")

@@ -16,8 +16,9 @@ from dispatcher.batch.collect import Collection
 from dispatcher.batch.room import batch_room, others_wait
 from dispatcher.batch.session import LineSession
 from dispatcher.batch.state import INBOX, BatchRun, InFlight, Pending
+from tidegate.broker import bodies
 from tidegate.control import workers_registry
-from tidegate.errors import ApiError
+from tidegate.errors import ApiError, BrokerError
 from tidegate.wire.batch import line_request_id, output_line
 
 log = logging.getLogger("tidegate.batch")
@@ -135,9 +136,15 @@ class Release(Collection):
         self.inflight[rid] = InFlight(run, pending, LineSession(rid, self.limits, now))
         run.running += 1
         try:
+            max_payload = self.js._nc.max_payload
+            if len(payload) > bodies.threshold(self.config, max_payload):
+                # A line too large for a message crosses by claim check, as
+                # at the edge (tidegate.broker.bodies).
+                payload = (await bodies.check_in(self.js, self.config, request,
+                                                 max_payload)).encode()
             await self.js.publish(self.subjects.request("batch", record.tenant),
                                   payload, headers={"Nats-Msg-Id": rid})
-        except (nats.errors.Error, TimeoutError, nats.js.errors.Error) as exc:
+        except (nats.errors.Error, TimeoutError, nats.js.errors.Error, BrokerError) as exc:
             # Not accepted (or unknown): the session times out and retries,
             # under a new id; the same id would be a duplicate if it did land.
             log.warning("batch %s: could not publish line %d (%s)", record.id,

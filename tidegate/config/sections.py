@@ -453,7 +453,9 @@ class BatchConfig:
     # past it gets 413 storage_quota_exceeded. 0 = no quota.
     tenant_storage_bytes: int = 1 << 30
     max_lines: int = 50_000  # requests per batch input file
-    max_line_bytes: int = 1 << 20  # one input line (a request must fit one NATS message)
+    # One input line; past half of NATS' max_payload a line's body crosses by
+    # claim check (tidegate.broker.bodies), as a request's does at the edge.
+    max_line_bytes: int = 32 << 20
     max_retries: int = 3  # transient failures (5xx, worker lost) retried per line first
     max_window: float = 86400.0  # longest completion_window accepted, seconds ("24h")
     file_ttl: float = 30 * 86400.0  # files (inputs and results) are kept this long
