@@ -231,7 +231,8 @@ class Targets:
     def start_tidegate(self, name: str = "tidegate", env: Mapping[str, str] | None = None,
                        *, heartbeat_interval: float | None = None,
                        max_streams: int | None = None,
-                       settings: Mapping[str, Any] | None = None) -> Target:
+                       settings: Mapping[str, Any] | None = None,
+                       nats_max_payload: int | None = None) -> Target:
         """A whole tidegate stack (its own nats-server and redis-server too).
 
         Its config is tidegate's default with only the backend given (what a
@@ -241,7 +242,8 @@ class Targets:
         ``--set`` takes them) and the ``--set`` overrides on top.
 
         ``env`` is the tiers' complete environment (None: inherit the
-        benchmark's); the servers always inherit. Several stacks can run at
+        benchmark's); the servers always inherit. ``nats_max_payload``: the
+        stack's nats-server's (None: its default, 1 MiB). Several stacks can run at
         once, each on its own ports; logs and config of a stack other than
         ``tidegate`` carry its name as a prefix.
         """
@@ -255,10 +257,15 @@ class Targets:
         # stack's nats-server ("always", the shipped default; "none" leaves
         # nats-server's own), to measure what the fsync costs.
         sync = os.environ.get("TIDEGATE_BENCH_NATS_SYNC", SYNC_ALWAYS)
+        extra: list[str] = []
+        if nats_max_payload is not None:
+            conf = self._tmp / f"{prefix}nats-payload.conf"
+            conf.write_text(f"max_payload: {nats_max_payload}\n")
+            extra = ["-c", str(conf)]
         nats = NatsServer(self._tmp / f"{prefix}nats", host=_HOST,
                           log_path=self.logs / f"{prefix}nats-server.log",
                           gomaxprocs=NATS_GOMAXPROCS,
-                          sync_interval=None if sync == "none" else sync)
+                          sync_interval=None if sync == "none" else sync, extra_args=extra)
         if not prefix:
             self.notes.append(f"nats-server runs with GOMAXPROCS={NATS_GOMAXPROCS}.")
         self._procs.append(nats)

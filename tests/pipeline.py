@@ -315,6 +315,22 @@ async def wait_for(predicate: Any, within: float, step: float = 0.01) -> bool:
 
 
 @contextlib.asynccontextmanager
+async def fresh_streams(url: str, **sections: Any) -> AsyncIterator[
+        tuple[nats.NATS, nats.js.JetStreamContext, tgconfig.Config]]:
+    """A connection to the nats-server at ``url``, and tidegate's streams on
+    it under a prefix of their own (config ``sections`` on top)."""
+    config = tgconfig.from_dict({**sections, "nats": {
+        **sections.get("nats", {}), "subject_prefix": "t" + os.urandom(4).hex()}})
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await broker.ensure_streams(js, config)
+        yield nc, js, config
+    finally:
+        await nc.close()
+
+
+@contextlib.asynccontextmanager
 async def serve_app(app: web.Application) -> AsyncIterator[str]:
     """Serve ``app`` on a free loopback port; yields its base URL."""
     runner = web.AppRunner(app)

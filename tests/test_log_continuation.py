@@ -60,7 +60,11 @@ def quick_redelivery(tmp_path: Path, nats_server: ServerHandle,
     """JetStream redelivers a job 4 s after its worker's last sign, and a
     copy waits 1 s for an edge's word: nobody watches a job whose client
     left, so only its redelivery brings it back."""
-    p = Pipeline(tmp_path, nats_server.url, redis_server.url, workers=2,
+    yield from _quick(tmp_path, nats_server.url, redis_server.url)
+
+
+def _quick(workdir: Path, nats_url: str, redis_url: str) -> Iterator[Pipeline]:
+    p = Pipeline(workdir, nats_url, redis_url, workers=2,
                  overrides=overrides(ack_wait=4.0, resume_timeout=1.0))
     try:
         p.start()
@@ -219,13 +223,9 @@ def pings_off(tmp_path: Path, redis_server: ServerHandle) -> Iterator[Pipeline]:
     about 6 s, and a copy redelivered later finds the worker gone."""
     nats_server = NatsServer(tmp_path / "nats-no-pings", ping_interval=None)
     nats_server.start()
-    p = Pipeline(tmp_path / "p", nats_server.url, redis_server.url, workers=2,
-                 overrides=overrides(ack_wait=4.0, resume_timeout=1.0))
     try:
-        p.start()
-        yield p
+        yield from _quick(tmp_path / "p", nats_server.url, redis_server.url)
     finally:
-        p.stop()
         nats_server.stop()
 
 

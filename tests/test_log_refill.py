@@ -15,7 +15,6 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
-import nats
 import pytest
 from aiohttp.test_utils import make_mocked_request
 from nats.aio.client import Client as NATS
@@ -28,11 +27,11 @@ from edge.relay import Relay, RelayContext
 from edge.session import Session
 from edge.sse_writer import SseWriter
 from edge.state import NatsPublisher
+from tests.pipeline import fresh_streams
 from tests.servers import ServerHandle
 from tests.test_relay_copies import Watch
 from tests.test_relay_direct import make_request
 from tidegate import config as config_
-from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
@@ -66,14 +65,8 @@ def test_the_last_seq_of_a_log_message() -> None:
 
 @pytest.fixture
 async def js_log(nats_server: ServerHandle) -> AsyncIterator[tuple[NATS, JetStreamContext, Config]]:
-    config = config_.from_dict({"nats": {"subject_prefix": "lr" + uuid.uuid4().hex[:6]}})
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await broker.ensure_streams(js, config)
-    try:
-        yield nc, js, config
-    finally:
-        await nc.close()
+    async with fresh_streams(nats_server.url) as streams:
+        yield streams
 
 
 async def _read_log(js: JetStreamContext, config: Config, request_id: str) -> list[object]:

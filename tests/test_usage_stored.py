@@ -14,13 +14,12 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from tests.pipeline import fresh_streams
 from tests.servers import ServerHandle
-from tidegate import config as config_
 from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.wire.protocol import UsageRecord
@@ -30,15 +29,8 @@ from workers.job_context import JobContext
 @pytest.fixture
 async def usage_stream(nats_server: ServerHandle) -> AsyncIterator[tuple[NATS, JetStreamContext,
                                                                          Config]]:
-    config = config_.from_dict({"nats": {"subject_prefix": "us" + uuid.uuid4().hex[:6]},
-                                "edge": {"publish_patience": 30.0}})
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await broker.ensure_streams(js, config)
-    try:
-        yield nc, js, config
-    finally:
-        await nc.close()
+    async with fresh_streams(nats_server.url, edge={"publish_patience": 30.0}) as streams:
+        yield streams
 
 
 async def _records(js: JetStreamContext, config: Config) -> list[UsageRecord]:
