@@ -195,6 +195,7 @@ class Pipeline:
             edge.start()
         if self.workers:
             self.wait_serving()
+            self.wait_workers()
 
     def wait_serving(self, timeout: float = 30.0) -> None:
         """Until one request has made the full round trip (all tiers up)."""
@@ -212,6 +213,20 @@ class Pipeline:
             time.sleep(0.2)
         raise RuntimeError(f"pipeline did not serve within {timeout}s: {last}\n"
                            + "\n".join(p.describe_failure(p.name) for p in self.processes))
+
+    def wait_workers(self, timeout: float = 30.0) -> None:
+        """Until every worker pulls jobs (its log's "worker serving"): one
+        round trip proves one worker, and on a loaded box another may start
+        seconds later, so a test that kills worker 0 mid-stream found it had
+        run none of the streams (CI: "no stream ran on the killed worker")."""
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            while "worker serving" not in (worker.log_path.read_text(errors="replace")
+                                           if worker.log_path.exists() else ""):
+                if time.monotonic() > deadline or not worker.running:
+                    raise RuntimeError(f"{worker.name} did not serve within {timeout}s\n"
+                                       + worker.describe_failure(worker.name))
+                time.sleep(0.1)
 
     def post(self, path: str, body: Any, *, key: str | None = DEV_KEY,
              timeout: float = 30.0, raw: bytes | None = None,

@@ -28,6 +28,7 @@ from edge.session import Session
 from edge.sse_writer import SseWriter
 from edge.state import NatsPublisher
 from tests.pipeline import fresh_streams
+from tests.poll import eventually
 from tests.servers import ServerHandle
 from tests.test_relay_copies import Watch
 from tests.test_relay_direct import make_request
@@ -134,9 +135,12 @@ async def test_a_dead_workers_log_gets_what_its_client_got(
     else:
         await worker_gone(relay, WORKER, 0.0)
         assert relay.handed_back
-        # The hand-back follows the refill: the next worker continues it all.
-        last = await js.get_last_msg(streamlog.stream_name(config.nats.subjects), subject)
-        assert streamlog.decode_entry(last.data or b"") == [LogHandBack(WORKER)]
+        # The hand-back follows the refill (stored, acked, before the hand-back
+        # is sent): the next worker continues it all.
+        async def handed_back() -> bool:
+            last = await js.get_last_msg(streamlog.stream_name(config.nats.subjects), subject)
+            return streamlog.decode_entry(last.data or b"") == [LogHandBack(WORKER)]
+        await eventually(handed_back, 10, "the hand-back stored after the refill")
     items = await _read_log(js, config, request_id)
     # Events 1..9 once each, in order, the refill's included; then no end
     # (the next worker's, or the readers' silence limit).
