@@ -22,7 +22,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from tidegate.broker import broker
-from tidegate.broker.kvwatch import current_entries
+from tidegate.broker.kvwatch import SNAPSHOT_IDLE, current_entries
 from tidegate.config import Config
 
 log = logging.getLogger("tidegate.control")
@@ -112,14 +112,19 @@ async def read_live(kv: KeyValue, decode: Callable[[bytes], E], key_of: Callable
     count a worker's slots twice)."""
     now = time.time()
     out: dict[str, E] = {}
-    watcher = await kv.watchall(ignore_deletes=True)
+    # A one-off read: its consumer goes 2 s after it (kvwatch.SNAPSHOT_IDLE),
+    # not after nats-py's 5 minutes. The batch runner reads the workers'
+    # registry twice a second: the soak found 370 consumers on it after 150 s
+    # (JetStream refuses every read of a bucket past 1,000).
+    watcher = await kv.watchall(ignore_deletes=True, inactive_threshold=SNAPSHOT_IDLE)
     try:
         async for entry in current_entries(watcher):
             if entry.value is None:
                 continue
             try:
                 info = decode(entry.value)
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                # JSON that is not an object (AttributeError) as well
                 log.warning("ignoring malformed %s entry %s: %s", what, entry.key, exc)
                 continue
             key = key_of(info)
