@@ -139,7 +139,7 @@ SERVER_COMMANDS = frozenset({"up", "edge", "dispatcher", "worker", "bench"})
 # up takes ports 4222, 6379 and 8080 when they are free, and two stacks
 # probing them at once could both pick the same one (edges even share theirs,
 # with SO_REUSEPORT).
-UP_FILES = frozenset({"test_cli.py", "test_launcher.py", "test_readme.py",
+UP_FILES = frozenset({"test_cli.py", "test_launcher.py", "test_readme.py", "test_soak.py",
                       "test_supervisor.py"})
 
 

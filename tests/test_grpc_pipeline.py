@@ -401,7 +401,8 @@ def test_server_options_follow_the_config() -> None:
     assert options["grpc.max_concurrent_streams"] == 9
     assert options["grpc.max_metadata_size"] == 2048
     assert options["grpc.so_reuseport"] == 0
-    assert options["grpc.max_receive_message_length"] == (1 << 20) + 4096
+    # edge.max_body_bytes (32 MiB by default) and room for the envelope
+    assert options["grpc.max_receive_message_length"] == (32 << 20) + 4096
 
 
 def test_the_docs_python_example_runs(pipeline: Pipeline) -> None:

@@ -296,7 +296,8 @@ async def test_hostile_calls(pipeline: Pipeline) -> None:
             return err.value
 
         # A message over the limit: refused before it is parsed.
-        huge = pb.GenerateRequest(route=pb.ROUTE_CHAT_COMPLETIONS, body=b" " * (2 << 20))
+        huge = pb.GenerateRequest(route=pb.ROUTE_CHAT_COMPLETIONS,
+                                  body=b" " * (pipeline.config.edge.max_body_bytes + (8 << 10)))
         assert (await fails(huge, AUTH)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # Metadata past grpc.max_metadata_bytes.
         big = (*AUTH, ("x-junk", "a" * 8000))

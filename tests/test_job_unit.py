@@ -91,6 +91,9 @@ class FakeNats:
 
     async def request(self, subject: str, payload: bytes, timeout: float = 1.0,  # noqa: ASYNC109
                       headers: dict[str, str] | None = None) -> Any:
+        if ".usage." in subject:  # usage records: an acked publish (JobContext.report)
+            self.published.append((subject, payload))
+            return SimpleNamespace(data=b'{"stream": "TG_USAGE", "seq": 1}', headers=None)
         if self.refusals:
             self.refusals -= 1
             self.order.append("refused")
