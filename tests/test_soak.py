@@ -33,6 +33,7 @@ def test_consumer_growth_compares_the_last_third_with_the_first() -> None:
 
 @pytest.mark.slow
 @pytest.mark.pipeline
+@pytest.mark.timeout(900)  # five minutes of traffic, the stack's start and stop
 def test_five_minutes_of_mixed_traffic_lose_nothing_and_leak_nothing(tmp_path: Path) -> None:
     report = soak.run(duration=300.0, kill_every=75.0, rate=8.0, out=tmp_path,
                       max_slope=1e9)  # RSS over five minutes is warm-up: the hour tells
