@@ -16,11 +16,12 @@ import dataclasses
 import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import nats
 import openai
 import pytest
@@ -31,7 +32,7 @@ from tests.pipeline import DEV_KEY, Pipeline, threaded_fake_backend
 from tests.poll import eventually
 from tests.test_batch_pipeline import lines_of, poll, submit
 from tidegate import config as config_
-from tidegate.broker import bodies
+from tidegate.broker import bodies, objects
 from tidegate.wire.protocol import Api, Request
 
 pytestmark = pytest.mark.pipeline
@@ -235,8 +236,17 @@ async def test_a_body_gone_from_the_store_is_told_apart(nats_server: Any) -> Non
         await eventually(lambda: _gone(js, config, claimed), 10, "the body deleted")
         with pytest.raises(bodies.BodyLost):
             await bodies.resolve(js, config, claimed)
+        # A stored body that is no map is poison, not a lost body to retry.
+        await objects.put(js, config.nats.subjects.bodies_bucket, claimed.claim,
+                          _once(msgpack.packb([1, 2])))
+        with pytest.raises(bodies.BodyUnreadable):
+            await bodies.resolve(js, config, claimed)
     finally:
         await nc.close()
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 async def _gone(js: Any, config: Any, claimed: Request) -> bool:

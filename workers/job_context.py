@@ -52,6 +52,9 @@ class JobContext:
     # per record, unit tests).
     js: JetStreamContext | None = None
 
+    def jetstream(self) -> JetStreamContext:
+        return self.js if self.js is not None else broker.jetstream(self.nc, self.config.nats)
+
     async def report(self, record: UsageRecord) -> None:
         """Store a usage record in the TG_USAGE stream, before the job's ack.
 
@@ -64,10 +67,10 @@ class JobContext:
         out first); the job's slot waits one round trip. ``Nats-Msg-Id``
         deduplicates a redelivered job's record. Out of patience, the record
         is logged as lost (the reservation then expires), never the answer."""
-        js = self.js if self.js is not None else broker.jetstream(self.nc, self.config.nats)
         try:
-            await patient.publish(js, self.nc, self.config.nats.subjects.usage(record.model),
-                                  record.encode(), {"Nats-Msg-Id": f"u-{record.id}"},
+            await patient.publish(self.jetstream(), self.nc,
+                                  self.config.nats.subjects.usage(record.model), record.encode(),
+                                  {"Nats-Msg-Id": f"u-{record.id}"},
                                   self.config.edge.publish_patience)
         except Exception as exc:
             log.warning("could not store usage for %s: %s", record.id, exc)
@@ -81,8 +84,15 @@ async def ack(ctx: JobContext, request: Request, msg: Msg) -> None:
         await ctx.outbox.flush()
     await msg.ack()
     if request.claim:  # acked for good: no delivery will read its body again
-        bodies.discard(ctx.js or broker.jetstream(ctx.nc, ctx.config.nats), ctx.config,
-                       request)
+        bodies.discard(ctx.jetstream(), ctx.config, request)
+
+
+def dropped(request: Request, msg: Msg) -> UsageRecord:
+    """The zero-token record of a job that never ran: it refunds the
+    reservation and frees the concurrency slot."""
+    return UsageRecord(id=request.id, model=request.model, outcome="dropped",
+                       tenant=request.tenant, user=request.user, key_id=request.key_id,
+                       attempt=msg.metadata.num_delivered, reserved=reserved(msg))
 
 
 async def resend(ctx: JobContext, request: Request, messages: list[bytes]) -> None:

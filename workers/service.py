@@ -56,7 +56,7 @@ from workers.backends import Backend, create_backend
 from workers.backends.load_probe import LoadProbe
 from workers.fencing import FENCED, Fence
 from workers.job import WORKER_SHUTDOWN, Job
-from workers.job_context import JobContext, ack, resend, reserved
+from workers.job_context import JobContext, ack, dropped, resend, reserved
 from workers.limiter import AdaptiveLimit
 from workers.owners import ResponseOwners
 from workers.replicas import Breaker, ReplicaSet
@@ -214,18 +214,16 @@ class Pool:
         (tidegate.broker.bodies); None when the job cannot run: the store is
         unreachable (handed back for another try) or the body is gone (the
         edge is told ``request_body_lost``, the reservation refunded)."""
-        js = self.ctx.js or broker.jetstream(self.ctx.nc, self.config.nats)
         try:
-            return await bodies.resolve(js, self.config, request)
+            return await bodies.resolve(self.ctx.jetstream(), self.config, request)
         except bodies.BodyLost as exc:
             log.warning("job %s: %s", request.id, exc)
             await self.ctx.nc.publish(request.reply, Error(0, bodies.LOST).encode())
-            await self.ctx.report(UsageRecord(id=request.id, model=request.model,
-                                              outcome="dropped", tenant=request.tenant,
-                                              user=request.user, key_id=request.key_id,
-                                              attempt=msg.metadata.num_delivered,
-                                              reserved=reserved(msg)))
+            await self.ctx.report(dropped(request, msg))
             await msg.ack()
+        except bodies.BodyUnreadable as exc:  # no other try reads it better
+            BAD_INPUT.drop("job", "invalid", str(exc))
+            await msg.term()
         except Exception as exc:
             log.warning("job %s: its body could not be read (%s); handed back", request.id,
                         exc)
@@ -267,10 +265,7 @@ class Pool:
                 metrics.cancellations.add(1, {tm.CAUSE: "before_start", tm.TIER: "worker"})
             # Nothing ran: the zero-token record refunds the reservation and
             # frees the concurrency slot.
-            await self.ctx.report(UsageRecord(id=request.id, model=request.model,
-                                              outcome="dropped", tenant=request.tenant,
-                                              user=request.user, key_id=request.key_id,
-                                              attempt=attempt, reserved=reserved(msg)))
+            await self.ctx.report(dropped(request, msg))
             await ack(self.ctx, request, msg)
             return
         # A job answers on request.reply: only an edge inbox.

@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 
 from tidegate.broker import objects
 from tidegate.config import Config
-from tidegate.errors import BrokerError
+from tidegate.errors import BrokerError, ProtocolError
 from tidegate.wire.protocol import ErrorInfo, Request
 
 log = logging.getLogger("tidegate.broker")
@@ -34,6 +34,10 @@ _ENVELOPE_ROOM = 64 << 10
 
 class BodyLost(BrokerError):
     """A claimed body is not in the store (its TTL passed, or it was purged)."""
+
+
+class BodyUnreadable(ProtocolError):
+    """A claimed body that is not a msgpack map: the job is poison."""
 
 
 # What the client is told when that happens (a retry sends the body again).
@@ -56,10 +60,8 @@ async def ensure(js: JetStreamContext, config: Config) -> None:
                                description="tidegate: request bodies by claim check")
 
 
-async def _slices(data: bytes, size: int) -> AsyncIterator[bytes]:
-    view = memoryview(data)
-    for start in range(0, len(data), size):
-        yield bytes(view[start:start + size])
+async def _whole(data: bytes) -> AsyncIterator[bytes]:
+    yield data  # objects.put cuts it into chunks
 
 
 async def check_in(js: JetStreamContext, config: Config, request: Request,
@@ -71,15 +73,15 @@ async def check_in(js: JetStreamContext, config: Config, request: Request,
     data = msgpack.packb(request.body)
     # Chunks as large as a message allows: a 20 MiB body in 40 acked
     # publishes, not 160 of the store's default 128 KiB.
-    await objects.put(js, bucket, request.id, _slices(data, 1 << 20),
+    await objects.put(js, bucket, request.id, _whole(data),
                       chunk_size=max(objects.CHUNK, max_payload // 2))
     return dataclasses.replace(request, body={}, claim=request.id)
 
 
 async def resolve(js: JetStreamContext, config: Config, request: Request) -> Request:
     """``request`` with its claimed body read back (as is when not claimed).
-    Raises :class:`BodyLost` when the object is gone, BrokerError when the
-    store cannot be read."""
+    Raises :class:`BodyLost` when the object is gone, :class:`BodyUnreadable`
+    when it holds no map, BrokerError when the store cannot be read."""
     if not request.claim:
         return request
     bucket = config.nats.subjects.bodies_bucket
@@ -87,13 +89,14 @@ async def resolve(js: JetStreamContext, config: Config, request: Request) -> Req
     try:
         async for chunk in objects.read(js, bucket, request.claim):
             parts.append(chunk)
-    except BrokerError as exc:
-        if "not found" in str(exc):
-            raise BodyLost(f"the body of request {request.id} is no longer stored") from None
-        raise
-    body = msgpack.unpackb(b"".join(parts))
+    except objects.NotFound:
+        raise BodyLost(f"the body of request {request.id} is no longer stored") from None
+    try:
+        body = msgpack.unpackb(b"".join(parts))
+    except Exception as exc:
+        raise BodyUnreadable(f"the stored body of request {request.id}: {exc}") from None
     if not isinstance(body, dict):
-        raise BrokerError(f"the stored body of request {request.id} is not a JSON object")
+        raise BodyUnreadable(f"the stored body of request {request.id} is not a map")
     return dataclasses.replace(request, body=body)
 
 

@@ -29,6 +29,10 @@ from tidegate.errors import BrokerError, TidegateError
 CHUNK = 128 << 10  # the Object Store's default chunk size
 
 
+class NotFound(BrokerError):
+    """:func:`read` of an object the store does not hold."""
+
+
 class TooLarge(TidegateError):
     """The object grew past the limit given to :func:`put`; nothing is kept."""
 
@@ -127,7 +131,7 @@ async def read(js: JetStreamContext, bucket: str, name: str) -> AsyncIterator[by
     so a consumer never sees a complete-looking corrupt object)."""
     info = await _info(js, bucket, name)
     if info is None:
-        raise BrokerError(f"object {name} not found in {bucket}")
+        raise NotFound(f"object {name} not found in {bucket}")
     if not info.size:
         return
     stream, subject = f"OBJ_{bucket}", f"$O.{bucket}.C.{info.nuid}"

@@ -227,7 +227,9 @@ def access(subjects: Subjects) -> dict[str, Access]:
                   .watch(s.claims_bucket).write(s.claims_bucket)
                   .objects(files).watch(filemeta).write(filemeta)
                   .watch(batches).write(batches).watch(batchout).write(batchout)
-                  .get(f"OBJ_{bodies}")  # reads a claimed body (admission, routing)
+                  # Reads a claimed body (admission, routing); stores a batch
+                  # line's too large for a message (dispatcher.batch.release).
+                  .objects(bodies)
                   .done((inbox("dispatcher"), s.load_wildcard, s.edge_inbox(BATCH_INBOX),
                          f"{p}.grant.*")))
     worker = (_Grants().bind(*streams)
