@@ -27,8 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from tidegate import config as tgconfig
-from tidegate.run.servers import (
+from fleet.run.servers import (
     ManagedProcess,
     NatsServer,
     RedisServer,
@@ -36,6 +35,7 @@ from tidegate.run.servers import (
     http_ok,
     stop_all,
 )
+from tidegate import config as tgconfig
 
 # think_s: a chat's mean pause before each turn (uniform in [0.5, 1.5] x it;
 # the first turns spread over [0, 1] x it), as a user reads and types. With
@@ -186,7 +186,7 @@ async def _mode(workdir: Path, affinity: str, profile: dict[str, Any]) -> dict[s
             env = ({**os.environ, "TIDEGATE_METRICS_PORT": str(dispatcher_metrics)}
                    if tier == "dispatcher" else None)
             proc = ManagedProcess(f"affinity-{affinity}-{tier}",
-                                  _python("tidegate", tier, "--config", str(path)),
+                                  _python("fleet", tier, "--config", str(path)),
                                   logs / f"affinity-{affinity}-{tier}.log",
                                   ready=edge_ready if tier == "edge" else None,
                                   start_timeout=30.0, env=env)

@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from bench import run_async
-from tidegate.run.runtime import wait_for_signal
+from fleet.run.runtime import wait_for_signal
 
 _SESSION = web.AppKey("session", aiohttp.ClientSession)
 _UPSTREAM = web.AppKey("upstream", str)

@@ -8,7 +8,7 @@ load (:func:`stream_once`): streaming chats whose exact text is known in-process
 ``truncated`` (a normal end with wrong or missing text: silent loss) or
 ``hang``. The killer (:func:`chaos`): at seeded random times one process of a
 random kind is SIGKILLed and restarted by a
-:class:`~tidegate.run.supervisor.Supervisor`. Target: every stream completes.
+:class:`~fleet.run.supervisor.Supervisor`. Target: every stream completes.
 Docs: docs/reliability.md#tidegate-chaos.
 """
 

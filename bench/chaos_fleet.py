@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleet.run.clusters import NatsCluster
+from fleet.run.servers import ManagedProcess, RedisServer, free_port, http_ok, stop_all
+from fleet.run.supervisor import RestartPolicy, Supervisor
 from tidegate import config as tgconfig
 from tidegate.errors import TidegateError
-from tidegate.run.clusters import NatsCluster
-from tidegate.run.servers import ManagedProcess, RedisServer, free_port, http_ok, stop_all
-from tidegate.run.supervisor import RestartPolicy, Supervisor
 
 DEV_KEY = "sk-tg-chaos-key"
 MODEL = "tidegate-sim"
@@ -98,7 +98,7 @@ class Fleet:
 
     def _tier(self, tier: str, i: int) -> ManagedProcess:
         name = f"{tier}-{i + 1}"
-        return ManagedProcess(name, [sys.executable, "-m", "tidegate", tier, "--config",
+        return ManagedProcess(name, [sys.executable, "-m", "fleet", tier, "--config",
                                      str(self.config_path)],
                               self.workdir / "logs" / f"{name}.log", start_timeout=60.0)
 

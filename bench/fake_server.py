@@ -19,7 +19,7 @@ from aiohttp import web
 
 from bench import run_async
 from bench.fake_backend import FakeBackend, FakeConfig
-from tidegate.run.runtime import wait_for_signal
+from fleet.run.runtime import wait_for_signal
 
 
 def _control_app(fake: FakeBackend) -> web.Application:

@@ -28,8 +28,8 @@ from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConf
 
 from bench import run_async
 from bench.baseline_proxy import serve_until_signal
+from fleet.run.runtime import wait_for_signal
 from tidegate.config import WorkerConfig
-from tidegate.run.runtime import wait_for_signal
 from tidegate.wire.mux import Outbox, batch_limit
 
 STREAM, SUBJECT, DURABLE = "FLOOR", "floor.req", "floor-workers"

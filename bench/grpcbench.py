@@ -26,7 +26,7 @@ import grpc
 from bench import loadgen, procstats
 from bench.loadgen import Recorder, chat_body, distribution, new_session
 from bench.targets import Target, Targets
-from tidegate.run.servers import free_port
+from fleet.run.servers import free_port
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire import gateway_pb2_grpc as pb_grpc
 

@@ -38,7 +38,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from tidegate.run.servers import free_port
+from fleet.run.servers import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ def _frame(raw: str) -> str:
 _LOOP = "Runner.run (asyncio/runners.py)"
 _LOOP_NAME = "event loop: uvloop C code (epoll, socket syscalls, callbacks)"
 # Ancestors of every sample: they say nothing in an inclusive ranking.
-_ENTRY = ("<frozen runpy>", "tidegate/__main__.py", "tidegate/cli/", "tidegate/run/runtime.py",
+_ENTRY = ("<frozen runpy>", "tidegate/__main__.py", "fleet/cli/", "fleet/run/runtime.py",
           "asyncio/runners.py")
 _AREAS = (("aiohttp/", "aiohttp"), ("nats/", "nats-py"), ("asyncio/", "asyncio (Python)"),
           ("edge/", "tidegate edge/"), ("workers/", "tidegate workers/"),

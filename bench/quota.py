@@ -293,7 +293,7 @@ def run(out: Path, quick: bool = False, profile: QuotaProfile | None = None) -> 
     (``QUICK`` or ``FULL`` unless given) against it, stop it; a JSON-ready dict."""
     import redis
 
-    from tidegate.run.servers import RedisServer
+    from fleet.run.servers import RedisServer
 
     if profile is None:
         profile = QUICK if quick else FULL

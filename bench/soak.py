@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 from websockets.asyncio.client import connect as ws_connect
 
-from tidegate.run.servers import free_port
+from fleet.run.servers import free_port
 
 MODEL = "tidegate-sim"
 KEY = "tg-soak-5e3f0c2d9a7b4e61"  # the dev key the stack is given
@@ -61,7 +61,7 @@ class Stack:
         self.out = workdir / "up.out"
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tidegate", "up", "--workers", "2", "--port",
+                [sys.executable, "-m", "fleet", "up", "--workers", "2", "--port",
                  str(self.port), "--data-dir", str(workdir / "data"), "--console-port", "0",
                  "--nats-monitor-port", str(self.monitor)],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -132,10 +132,10 @@ class Stack:
 
 
 def _role(words: list[str]) -> str | None:
-    """A tier (``python -m tidegate <tier>``) or a server (by its program
+    """A tier (``python -m fleet <tier>``) or a server (by its program
     name; redis-server rewrites its command line to "redis-server host:port")."""
-    if "tidegate" in words[:3] and len(words) > words.index("tidegate") + 1:
-        tier = words[words.index("tidegate") + 1]
+    if "fleet" in words[:3] and len(words) > words.index("fleet") + 1:
+        tier = words[words.index("fleet") + 1]
         return tier if tier in ROLES else None
     program = Path(words[0].split(" ")[0]).name if words else ""
     return program if program in ("nats-server", "redis-server") else None

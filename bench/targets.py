@@ -9,7 +9,7 @@ tidegate stacks one at a time, and an OTLP receiver.
 Invariants: everything binds 127.0.0.1 on free ports; :class:`Targets` owns every
 child and :meth:`Targets.close` stops them all; every child also dies with the
 benchmark process (the parent-death signal of
-:class:`~tidegate.run.servers.ManagedProcess`).
+:class:`~fleet.run.servers.ManagedProcess`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import Endpoint
-from tidegate import config as tgconfig
-from tidegate.errors import TidegateError
-from tidegate.run.nats_sync import SYNC_ALWAYS
-from tidegate.run.servers import (
+from fleet.run.nats_sync import SYNC_ALWAYS
+from fleet.run.servers import (
     ManagedProcess,
     NatsServer,
     RedisServer,
@@ -41,6 +39,8 @@ from tidegate.run.servers import (
     http_ok,
     stop_all,
 )
+from tidegate import config as tgconfig
+from tidegate.errors import TidegateError
 
 __all__ = ["BENCH_KEY", "MODEL", "TRANSLATED", "Target", "Targets"]
 
@@ -312,7 +312,7 @@ class Targets:
         path = self.workdir / f"{prefix}tidegate.toml"
         path.write_text(tgconfig.dump_toml(config))
         tiers = {tier: self._proc(f"{prefix}{tier}",
-                                  _python("tidegate", tier, "--config", str(path)), env=env)
+                                  _python("fleet", tier, "--config", str(path)), env=env)
                  for tier in ("dispatcher", "worker", "edge")}
         self._stacks[name] = [nats, redis, *tiers.values()]
         for p in tiers.values():

@@ -14,7 +14,7 @@ from typing import Any
 from bench.overhead_bench import _load_run
 from bench.scenarios import Profile
 from bench.targets import Targets
-from tidegate.run.servers import ManagedProcess
+from fleet.run.servers import ManagedProcess
 
 # --------------------------------------------------------------------------
 # (t) telemetry overhead

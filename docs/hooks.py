@@ -1,4 +1,4 @@
-"""mkdocs hook: adds the reference pages generated from the code (tidegate.cli.reference).
+"""mkdocs hook: adds the reference pages generated from the code (fleet.cli.reference).
 
 The pages exist only in the built site, so they cannot disagree with the code.
 """
@@ -15,7 +15,7 @@ from mkdocs.structure.files import File, Files
 # where another checkout of tidegate is installed in the environment.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tidegate.cli import reference
+from fleet.cli import reference
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:

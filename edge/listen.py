@@ -2,7 +2,7 @@
 
 A taken ``edge.port`` or ``edge.grpc_port`` (a second edge started with the
 same file) ends the process at start with one line naming the key, which
-``tidegate.run.runtime`` logs without a traceback and exits 1 on
+``fleet.run.runtime`` logs without a traceback and exits 1 on
 (docs/configuration.md, "Refused at start"). gRPC's own bind failure is a
 RuntimeError after a line of its C core on stderr, so its port is probed
 first (:func:`ensure_free`); tests/test_config_start.py guards both.

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from fleet.run.clusters import NatsCluster, RedisCluster
 from tests.servers import (
     ServerHandle,
     start_nats,
@@ -32,7 +33,6 @@ from tests.servers import (
     start_redis,
     start_redis_cluster,
 )
-from tidegate.run.clusters import NatsCluster, RedisCluster
 
 # The checkout's bench/ (fake backends, peer proxies, tidegate bench) is not
 # installed: every process a test starts finds it here, whatever its cwd.
@@ -127,7 +127,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 SERVER_FIXTURES = frozenset({"nats_server", "redis_server", "module_nats_server",
                              "module_redis_server", "module_nats_url", "module_redis_url"})
-# `python -m tidegate <these>` starts servers or tiers; `keys`, `config`,
+# `python -m fleet <these>` starts servers or tiers; `keys`, `config`,
 # `policy` and friends are quick admin commands.
 SERVER_COMMANDS = frozenset({"up", "edge", "dispatcher", "worker", "bench"})
 
@@ -154,9 +154,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _tidegate_command(names: Sequence[str]) -> str | None:
-    """The subcommand of ``tidegate X`` / ``python -m tidegate X``, else None."""
+    """The subcommand of ``tidegate X`` / ``python -m fleet X``, else None."""
     for i, arg in enumerate(names[:-1]):
-        if arg == "tidegate" and (i == 0 or names[i - 1] == "-m"):
+        if (arg == "tidegate" and i == 0) or (arg == "fleet" and i and names[i - 1] == "-m"):
             return names[i + 1]
     return None
 

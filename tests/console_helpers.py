@@ -10,13 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from fleet.run.servers import ManagedProcess, free_port, http_ok
 from tests.pipeline import Pipeline
-from tidegate.run.servers import ManagedProcess, free_port, http_ok
 
 
 def cli(pipeline: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
     """``tidegate ARGS --config <the pipeline's>``, checked."""
-    done = subprocess.run([sys.executable, "-m", "tidegate", *args, "--config",
+    done = subprocess.run([sys.executable, "-m", "fleet", *args, "--config",
                            str(pipeline.config_path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -41,7 +41,7 @@ def running_console(pipeline: Pipeline, interval: float = 1.0) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = ManagedProcess(
-        "console", [sys.executable, "-m", "tidegate", "console", "--config",
+        "console", [sys.executable, "-m", "fleet", "console", "--config",
                     str(pipeline.config_path), "--port", str(port), "--interval",
                     str(interval)],
         pipeline.workdir / "logs" / f"console-{port}.log",

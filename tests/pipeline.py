@@ -1,6 +1,6 @@
 """The whole pipeline as real processes, for tests.
 
-:class:`Pipeline` writes a config file and runs ``python -m tidegate edge``,
+:class:`Pipeline` writes a config file and runs ``python -m fleet edge``,
 ``dispatcher`` and ``worker`` against a real nats-server and redis-server that
 the test suite started itself. Fault tests kill and restart single tiers.
 """
@@ -27,10 +27,10 @@ import nats.js.errors
 from aiohttp import web
 
 from bench.fake_backend import FakeBackend, FakeRecord
+from fleet.run.servers import ManagedProcess, free_port, http_ok, stop_all
 from tidegate import config as tgconfig
 from tidegate.broker import broker
 from tidegate.control.keys import create_key, ensure_keys_bucket
-from tidegate.run.servers import ManagedProcess, free_port, http_ok, stop_all
 from tidegate.telemetry.observability import METRICS_PORT_ENV
 from tidegate.wire.protocol import UsageRecord
 
@@ -59,7 +59,7 @@ class Pipeline:
                  overrides: Mapping[str, Any] | None = None, workers: int = 1,
                  env: Mapping[str, str] | None = None, metrics: bool = False,
                  edges: int = 1, worker_env: Sequence[Mapping[str, str]] = (),
-                 worker_launcher: Sequence[str] = ("tidegate",),
+                 worker_launcher: Sequence[str] = ("fleet",),
                  edge_env: Mapping[str, str] | None = None) -> None:
         self.workdir = workdir
         self.env = dict(env) if env else None
@@ -136,7 +136,7 @@ class Pipeline:
     def _process(self, tier: str, name: str | None = None,
                  ready: Any = None, args: list[str] | None = None,
                  extra_env: Mapping[str, str] | None = None,
-                 launcher: Sequence[str] = ("tidegate",)) -> ManagedProcess:
+                 launcher: Sequence[str] = ("fleet",)) -> ManagedProcess:
         name = name or tier
         env: dict[str, str] | None = None
         if self.env or extra_env or (self.metrics and tier != "edge"):
@@ -178,7 +178,7 @@ class Pipeline:
         """``tidegate setup`` as admin, as a deployment runs it before the
         tiers: with per-tier credentials they may not create what they use."""
         done = subprocess.run(
-            [sys.executable, "-m", "tidegate", "setup", "--config", str(self.config_path)],
+            [sys.executable, "-m", "fleet", "setup", "--config", str(self.config_path)],
             capture_output=True, text=True, timeout=120, env={**os.environ, **(self.env or {})})
         if done.returncode != 0:
             raise RuntimeError(f"tidegate setup failed ({done.returncode}): {done.stderr}")

@@ -1,6 +1,6 @@
 """Test helpers: real nats-server / redis-server, and process inspection via /proc.
 
-Servers come from local binaries (:mod:`tidegate.run.servers`, the same code
+Servers come from local binaries (:mod:`fleet.run.servers`, the same code
 ``tidegate up`` uses) unless a Docker engine actually answers, in which case
 testcontainers' NATS/Redis containers are used. ``TIDEGATE_TEST_SERVERS``
 forces the choice: ``local``, ``docker`` or ``auto`` (the default).
@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from tidegate.run.clusters import NatsCluster, RedisCluster
-from tidegate.run.servers import NatsServer, RedisServer, free_port
+from fleet.run.clusters import NatsCluster, RedisCluster
+from fleet.run.servers import NatsServer, RedisServer, free_port
 
 
 class ServerHandle(Protocol):

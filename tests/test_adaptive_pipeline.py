@@ -34,10 +34,10 @@ import nats
 import pytest
 
 from bench.fake_backend import FakeBackend
+from fleet.run import status
 from tests.pipeline import DEV_KEY, Pipeline, threaded_fake_backend
 from tidegate.broker import broker
 from tidegate.control import workers_registry
-from tidegate.run import status
 
 pytestmark = pytest.mark.pipeline
 

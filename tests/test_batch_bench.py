@@ -16,7 +16,7 @@ import pytest
 def test_quick_batch_scenario(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDEGATE_", "OTEL_"))}
-    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+    done = subprocess.run([sys.executable, "-m", "fleet", "bench", "--quick", "--scenarios",
                            "j", "--out", str(out)], capture_output=True, text=True,
                           timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr

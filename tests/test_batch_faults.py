@@ -15,8 +15,8 @@ from typing import Any
 import openai
 import pytest
 
+from fleet.run.servers import ManagedProcess
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
-from tidegate.run.servers import ManagedProcess
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.slow]
 

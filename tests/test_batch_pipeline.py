@@ -268,7 +268,7 @@ async def test_expiry_with_a_short_window(client: openai.AsyncOpenAI) -> None:
 
 def cli(pipeline: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    return subprocess.run([sys.executable, "-m", "tidegate", *args, "--config",
+    return subprocess.run([sys.executable, "-m", "fleet", *args, "--config",
                            str(pipeline.config_path)], capture_output=True, text=True,
                           timeout=60, env=env)
 

@@ -152,7 +152,7 @@ def test_py_spy_raw_summary(tmp_path: Path) -> None:
     raw = tmp_path / "raw.txt"
     raw.write_text(
         "MainThread;Runner.run (asyncio/runners.py:118);"
-        "run_service (tidegate/run/runtime.py:40);_relay (edge/relay.py:9);"
+        "run_service (fleet/run/runtime.py:40);_relay (edge/relay.py:9);"
         "write (edge/relay.py:10) 3\n"
         "MainThread;Runner.run (asyncio/runners.py:118);encode (tidegate/protocol.py:5) 1\n"
         "MainThread;Runner.run (asyncio/runners.py:118) 1\n")
@@ -171,7 +171,7 @@ def test_py_spy_raw_summary(tmp_path: Path) -> None:
 def test_quick_bench_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--out",
+    done = subprocess.run([sys.executable, "-m", "fleet", "bench", "--quick", "--out",
                            str(out)], capture_output=True, text=True, timeout=420, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
@@ -216,7 +216,7 @@ def test_quick_telemetry_scenario(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TIDEGATE_", "OTEL_"))}
-    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+    done = subprocess.run([sys.executable, "-m", "fleet", "bench", "--quick", "--scenarios",
                            "telemetry", "--out", str(out)], capture_output=True, text=True,
                           timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -245,7 +245,7 @@ def test_quick_responses_scenario(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TIDEGATE_", "OTEL_"))}
-    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+    done = subprocess.run([sys.executable, "-m", "fleet", "bench", "--quick", "--scenarios",
                            "r", "--out", str(out)], capture_output=True, text=True,
                           timeout=480, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -267,7 +267,7 @@ def test_quick_resumable_scenario(tmp_path: Path) -> None:
     (resumable events carry ids, the load generator must count them as
     chunks), and explicit cancels that the backend sees as closes."""
     out = tmp_path / "results"
-    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+    done = subprocess.run([sys.executable, "-m", "fleet", "bench", "--quick", "--scenarios",
                            "s", "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     s = json.loads((out / "results.json").read_text())["scenarios"]["s"]
@@ -370,7 +370,7 @@ def test_quick_websocket_scenario(tmp_path: Path) -> None:
     """Scenario w, tiny: sockets x generations over the WebSocket protocol, the
     same load over SSE, idle sockets' RSS, and cancel frames seen by the backend."""
     out = tmp_path / "results"
-    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+    done = subprocess.run([sys.executable, "-m", "fleet", "bench", "--quick", "--scenarios",
                            "w", "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     w = json.loads((out / "results.json").read_text())["scenarios"]["w"]
@@ -506,7 +506,7 @@ def test_quick_affinity_scenario(tmp_path: Path) -> None:
     effect the TTFT target rests on), and every turn of every chat ran."""
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    done = subprocess.run([sys.executable, "-m", "tidegate", "bench", "--quick", "--scenarios",
+    done = subprocess.run([sys.executable, "-m", "fleet", "bench", "--quick", "--scenarios",
                            "f", "--out", str(out)], capture_output=True, text=True,
                           timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from fleet.cli import build_parser, main
 from tidegate import config as tgconfig
-from tidegate.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    return subprocess.run([sys.executable, "-m", "tidegate", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fleet", *args], capture_output=True,
                           text=True, timeout=60, env={**base, **(env or {})})
 
 
@@ -103,7 +103,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_flags_become_overrides() -> None:
-    from tidegate.cli.common import _overrides
+    from fleet.cli.common import _overrides
 
     args = build_parser().parse_args(
         ["edge", "--host", "0.0.0.0", "--port", "9000", "--nats-url", "nats://n:1"])

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from fleet.run.servers import ManagedProcess, find_nats_server, free_port
 from tests.pipeline import Pipeline, running_pipeline
-from tidegate.run.servers import ManagedProcess, find_nats_server, free_port
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -32,7 +32,7 @@ UNREACHABLE = "nats://127.0.0.1:1"
 def run_cli(*args: str, env: dict[str, str] | None = None,
             timeout: float = 60) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    return subprocess.run([sys.executable, "-m", "tidegate", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fleet", *args], capture_output=True,
                           text=True, timeout=timeout, env={**base, **(env or {})})
 
 

@@ -6,7 +6,7 @@ fails :func:`test_every_key_has_a_bad_value`: give it one in ``BAD`` (what the
 check refuses), or, when every value of its type is valid, a reason in
 ``ANY_VALUE``. Each bad value goes through the file (``load``'s overrides, as
 TOML would give them), and for section keys through ``TIDEGATE__S__K`` too,
-then through every tier's :func:`~tidegate.run.preflight.preflight`; exactly
+then through every tier's :func:`~fleet.run.preflight.preflight`; exactly
 one line naming the key must come out. The good half, that the defaults
 serve requests, is every pipeline test; tests/test_config_start.py adds the
 one-element ``base_urls``.
@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
+from fleet.run.preflight import preflight
 from tidegate import config as tgconfig
 from tidegate.config import Config, ModelConfig, schema
 from tidegate.errors import ConfigError
-from tidegate.run.preflight import preflight
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 

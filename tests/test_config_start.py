@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from bench.fake_backend import FakeBackend
+from fleet.run.servers import free_port
 from tests.pipeline import Pipeline, threaded_fake_backend
-from tidegate.run.servers import free_port
 from tidegate.telemetry.observability import METRICS_PORT_ENV
 
 MODEL = "fake"
@@ -28,7 +28,7 @@ MODEL = "fake"
 def _tier(*args: str, env: dict[str, str] | None = None,
           timeout: float = 60) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    return subprocess.run([sys.executable, "-m", "tidegate", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fleet", *args], capture_output=True,
                           text=True, timeout=timeout, env={**base, **(env or {})})
 
 
@@ -154,7 +154,7 @@ def test_an_unreachable_nats_is_waited_for_quietly_and_sigterm_ends_the_wait() -
 
     url = f"nats://127.0.0.1:{free_port()}"
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "tidegate", "dispatcher", "--nats-url", url],
+    proc = subprocess.Popen([sys.executable, "-m", "fleet", "dispatcher", "--nats-url", url],
                             env={**base, METRICS_PORT_ENV: "0"}, stderr=subprocess.PIPE,
                             text=True)
     try:

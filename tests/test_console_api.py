@@ -1,4 +1,4 @@
-"""The console's HTTP API (tidegate.run.console) against a real pipeline: every
+"""The console's HTTP API (fleet.run.console) against a real pipeline: every
 admin endpoint refuses a tenant key (403), no key (401) and bad input (400),
 does what the CLI does with the same audit line, and every answer carries the
 security headers. The browser side is tests/test_console_browser.py."""
@@ -222,7 +222,7 @@ async def test_a_foreign_host_name_is_refused_before_anything_else(
 
 
 def test_trusted_host_names() -> None:
-    from tidegate.run.console import trusted_host
+    from fleet.run.console import trusted_host
 
     assert trusted_host("127.0.0.1:8090", "127.0.0.1")
     assert trusted_host("[::1]:8090", "127.0.0.1")

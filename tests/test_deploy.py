@@ -200,7 +200,7 @@ def test_pdbs_keda_and_config(rendered: list[dict[str, Any]]) -> None:
 def test_nats_chart_values_run_a_jetstream_cluster_of_three() -> None:
     values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
     assert values["fullnameOverride"] == "nats"  # the pod names config.yaml lists
-    # Routes keep nats-server's own pings (tidegate.run.nats_sync.ROUTE_PING).
+    # Routes keep nats-server's own pings (fleet.run.nats_sync.ROUTE_PING).
     assert values["config"]["cluster"] == {"enabled": True, "replicas": 3,
                                            "merge": {"ping_interval": "2m"}}
     js = values["config"]["jetstream"]

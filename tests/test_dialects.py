@@ -21,7 +21,7 @@ from tidegate import apis
 from tidegate.wire.protocol import Api
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPS = ("tidegate", "edge", "dispatcher", "workers")
+TOPS = ("tidegate", "edge", "dispatcher", "workers", "fleet")
 HOME = ("tidegate/apis/", "tidegate/wire/protocol.py")
 
 # What is left, module by module, until the dialects own it.

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from fleet.cli.reference import pages
 from tests.test_layers import FLOORS
-from tidegate.cli.reference import pages
 from tidegate.errors import CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[1]
-TOPS = ("tidegate", "edge", "dispatcher", "workers", "bench")
+TOPS = ("tidegate", "edge", "dispatcher", "workers", "fleet", "bench")
 PAGES = [ROOT / "README.md", ROOT / "MAP.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
@@ -129,7 +129,7 @@ def github_slug(heading: str) -> str:
     return kept.replace(" ", "-")
 
 
-# The reference pages the docs build generates (tidegate.cli.reference): no
+# The reference pages the docs build generates (fleet.cli.reference): no
 # file in the checkout, but a link to one is alive.
 GENERATED = {ROOT / "docs" / path: text for path, text in pages().items()}
 

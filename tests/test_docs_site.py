@@ -1,6 +1,6 @@
 """The docs site: ``mkdocs build --strict`` passes with no warning (every page
 in the nav, every link and anchor alive), and the reference it generates from
-the code (tidegate.cli.reference) describes every config key, error code,
+the code (fleet.cli.reference) describes every config key, error code,
 metric and command.
 
 The build tests skip only where mkdocs is not installed (the dev extra has
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from fleet.cli import build_parser, reference
 from tests.readme import quick_start_commands
-from tidegate.cli import build_parser, reference
 from tidegate.config import schema
 from tidegate.errors import CATALOGUE, Code
 

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tidegate", "edge", "dispatcher", "workers", "bench")
+PACKAGES = ("tidegate", "edge", "dispatcher", "workers", "fleet", "bench")
 MAX_LINES = 15
 
 

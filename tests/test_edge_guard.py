@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from edge.guard import GuardedSite
+from fleet.run.servers import free_port
 from tidegate.config import EdgeConfig
-from tidegate.run.servers import free_port
 
 pytestmark = pytest.mark.asyncio
 

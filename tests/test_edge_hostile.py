@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 import pytest
 
+from fleet.run.servers import free_port
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
 from tidegate.broker import broker
 from tidegate.control.batches import bucket_names
 from tidegate.control.keys import create_key, ensure_keys_bucket
-from tidegate.run.servers import free_port
 from tidegate.wire import gateway_pb2 as pb
 
 pytestmark = pytest.mark.pipeline

@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from dispatcher.quota import connect as connect_redis
 from edge.grpc_calls import ROUTES as GRPC_ROUTES
 from edge.openapi import document
+from fleet.run.servers import free_port
 from tests.pipeline import Pipeline
 from tests.test_openapi import _integral
 from tidegate import config as tgconfig
@@ -44,7 +45,6 @@ from tidegate.apis import WEBSOCKET_PATHS as PATHS
 from tidegate.broker import broker
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
-from tidegate.run.servers import free_port
 from tidegate.validation.schemas import MODEL_NAME
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire import gateway_pb2_grpc as pb_grpc

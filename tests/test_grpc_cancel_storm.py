@@ -33,13 +33,13 @@ from edge.auth import Principal
 from edge.grpc_calls import Generation, run_generation
 from edge.relay import RelayContext
 from edge.session import SessionTable
+from fleet.run.servers import free_port
 from tests.pipeline import Pipeline, tenant_keys, threaded_fake_backend, wait_for
 from tests.test_relay_direct import RecordingPublisher
 from tidegate import config as tgconfig
 from tidegate.apis.chat import DIALECT as CHAT
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
 from tidegate.control.tenants import TenantTable
-from tidegate.run.servers import free_port
 from tidegate.telemetry import telemetry
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire import gateway_pb2_grpc as pb_grpc

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
+from fleet.run.servers import free_port
 from tests.clients import client_module, simulator_text
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
 from tidegate.config import SimulatorConfig
-from tidegate.run.servers import free_port
 from tidegate.wire.protocol import Api
 
 pytestmark = pytest.mark.pipeline

@@ -22,10 +22,10 @@ import nats
 import pytest
 
 from bench.fake_backend import FakeBackend
+from fleet.run.servers import free_port
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
 from tidegate.control.keys import create_key, ensure_keys_bucket
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
-from tidegate.run.servers import free_port
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire import gateway_pb2_grpc as pb_grpc
 

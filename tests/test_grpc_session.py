@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from bench.fake_backend import FakeBackend
+from fleet.run.servers import free_port, http_ok
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
 from tests.test_ws_resume import tenant_key
-from tidegate.run.servers import free_port, http_ok
 from tidegate.telemetry.observability import METRICS_PORT_ENV
 from tidegate.wire import gateway_pb2 as pb
 from tidegate.wire import gateway_pb2_grpc as pb_grpc

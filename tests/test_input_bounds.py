@@ -296,7 +296,7 @@ def test_a_taken_metrics_port_is_one_clear_line(tmp_path: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE")}
         env.update({"TIDEGATE__EDGE__METRICS_PORT": str(taken.getsockname()[1]),
                     "TIDEGATE_NATS_URL": "nats://127.0.0.1:1"})
-        done = subprocess.run([sys.executable, "-m", "tidegate", "edge"], env=env, cwd=tmp_path,
+        done = subprocess.run([sys.executable, "-m", "fleet", "edge"], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "edge.metrics_port" in done.stderr, done.stderr

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from fleet.cli.common import redacted
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline
 from tidegate import config as tgconfig
 from tidegate.broker import broker
-from tidegate.cli.common import redacted
 from tidegate.control import keys as tgkeys
 
 pytestmark = pytest.mark.pipeline
@@ -99,7 +99,7 @@ def test_expiry_rotation_overlap_and_last_use(pipeline: Pipeline) -> None:
     while tgkeys.key_digest(new) not in _kv(pipeline, used):
         assert time.monotonic() < deadline, "the new key's last use never reached KV"
         time.sleep(0.2)
-    listed = subprocess.run([sys.executable, "-m", "tidegate", "keys", "list", "--json",
+    listed = subprocess.run([sys.executable, "-m", "fleet", "keys", "list", "--json",
                              "--config", str(pipeline.config_path)], capture_output=True,
                             text=True, timeout=30, check=True)
     rows = {r["key_id"]: r for r in json.loads(listed.stdout)}
@@ -127,7 +127,7 @@ def test_tidegate_config_never_prints_secrets(tmp_path: Path) -> None:
                    '[nats]\nurl = "nats://u:nats-pass-4@n:4222"\n'
                    '[[models]]\nname = "m"\nbackend = "openai"\n'
                    'base_url = "http://127.0.0.1:9/v1"\napi_key_env = "BACKEND_KEY"\n')
-    out = subprocess.run([sys.executable, "-m", "tidegate", "config", "--config", str(cfg)],
+    out = subprocess.run([sys.executable, "-m", "fleet", "config", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=30, check=True,
                          env={**os.environ, "BACKEND_KEY": "sk-backend-secret-5"}).stdout
     for secret in ("sk-static-secret-1", "sk-dev-secret-2", "redis-pass-3", "nats-pass-4",

@@ -26,17 +26,17 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.servers import descendants, is_alive, kill_all, proc_identity, wait_until
-from tidegate import config as tgconfig
-from tidegate.config import DEFAULT_MAX_OUTPUT_TOKENS
-from tidegate.errors import ConfigError, TidegateError
-from tidegate.run.banner import banner
-from tidegate.run.planning import (
+from fleet.run.banner import banner
+from fleet.run.planning import (
     UpOptions,
     child_environment,
     prepare,
 )
-from tidegate.run.servers import free_port, http_ok, port_is_free
+from fleet.run.servers import free_port, http_ok, port_is_free
+from tests.servers import descendants, is_alive, kill_all, proc_identity, wait_until
+from tidegate import config as tgconfig
+from tidegate.config import DEFAULT_MAX_OUTPUT_TOKENS
+from tidegate.errors import ConfigError, TidegateError
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -266,7 +266,7 @@ class Up:
         env["TIDEGATE_DEV_KEY"] = DEV_KEY
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tidegate", "up", "--port", str(self.port),
+                [sys.executable, "-m", "fleet", "up", "--port", str(self.port),
                  "--data-dir", str(data_dir), *args],
                 stdout=out, stderr=err, env=env, start_new_session=True)
         self.children: list[tuple[int, int]] = []
@@ -381,12 +381,12 @@ def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
     assert effective.nats.credentials.endswith("{tier}.creds.toml")
     nats_log = (up.data_dir / "logs" / "nats.log").read_text()
     assert "Violation" not in nats_log, nats_log[-2000:]
-    keys = subprocess.run([sys.executable, "-m", "tidegate", "keys", "list", "--config",
+    keys = subprocess.run([sys.executable, "-m", "fleet", "keys", "list", "--config",
                            str(up.data_dir / "tidegate.toml")], capture_output=True, text=True,
                           timeout=30)
     assert keys.returncode == 0, keys.stderr
     anonymous = subprocess.run(
-        [sys.executable, "-m", "tidegate", "keys", "list", "--config",
+        [sys.executable, "-m", "fleet", "keys", "list", "--config",
          str(up.data_dir / "tidegate.toml")], capture_output=True, text=True, timeout=30,
         env={**os.environ, "TIDEGATE__NATS__CREDENTIALS": ""})
     assert anonymous.returncode != 0
@@ -513,7 +513,7 @@ def _child_running(up: Up, tier: str) -> int:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if b"tidegate" in argv and tier.encode() in argv:
+        if b"fleet" in argv and tier.encode() in argv:
             return pid
     pytest.fail(f"no {tier} child among {up.children}")
 
@@ -562,7 +562,7 @@ def test_up_runs_setup_again_after_restarting_nats(up: Up) -> None:
     """A restarted NATS has lost the memory-stored buckets the tiers may not
     create: the launcher runs setup as admin again (awaited by its "setup:
     done": its first line is too soon for the lookup), and the stack serves."""
-    from tidegate.run.supervisor import read_state
+    from fleet.run.supervisor import read_state
 
     url = up.wait_url()
     config = up.data_dir / "tidegate.toml"

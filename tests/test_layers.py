@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPS = ("tidegate", "edge", "dispatcher", "workers", "bench")
+TOPS = ("tidegate", "edge", "dispatcher", "workers", "fleet", "bench")
+# Packages whose subpackages are floors of their own.
+SPLIT = ("tidegate", "fleet")
 
 # Ground first. Equal numbers are one floor: its packages may not import
 # each other (the tiers are the floor that matters).
@@ -31,10 +33,11 @@ FLOORS = {
     "edge": 7,
     "dispatcher": 7,
     "workers": 7,
-    "tidegate.run": 8,
+    "fleet": 8,  # the tools' face: a docstring
+    "fleet.run": 8,
     "bench": 9,  # not in the wheel: the checkout's tools (tidegate bench, chaos)
-    "tidegate.cli": 10,
-    "tidegate.__main__": 11,
+    "fleet.cli": 10,
+    "fleet.__main__": 11,
 }
 
 
@@ -49,7 +52,7 @@ def modules() -> dict[str, Path]:
 
 def package(module: str) -> str:
     parts = module.split(".")
-    return ".".join(parts[:2]) if parts[0] == "tidegate" and len(parts) > 1 else parts[0]
+    return ".".join(parts[:2]) if parts[0] in SPLIT and len(parts) > 1 else parts[0]
 
 
 def imports(path: Path, known: dict[str, Path]) -> Iterator[str]:
@@ -88,6 +91,16 @@ def test_imports_run_down_the_floors_and_not_across_tiers() -> None:
             if there != here and FLOORS[there] >= FLOORS[here]:
                 wrong.append(f"{module} -> {target}")
     assert not wrong, "imports that run up or across a floor:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_core_package_stands_below_the_tiers_and_the_tools_above() -> None:
+    """The ground package ``tidegate`` is ground only (no import of it runs up
+    to a tier or a tool, so it can be read alone), and ``fleet`` is the roof."""
+    tiers = {FLOORS[t] for t in ("edge", "dispatcher", "workers")}
+    assert len(tiers) == 1
+    core = {p: f for p, f in FLOORS.items() if p.split(".")[0] == "tidegate"}
+    tools = {p: f for p, f in FLOORS.items() if p.split(".")[0] == "fleet"}
+    assert max(core.values()) < min(tiers) < min(tools.values())
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:

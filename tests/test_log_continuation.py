@@ -26,6 +26,7 @@ import aiohttp
 import nats
 import pytest
 
+from fleet.run.servers import NatsServer
 from tests.pipeline import DEV_KEY, Pipeline
 from tests.poll import eventually
 from tests.servers import ServerHandle
@@ -38,7 +39,6 @@ from tests.test_continuation import (
     overrides,
 )
 from tidegate.broker import liveness
-from tidegate.run.servers import NatsServer
 
 LENGTH = 300  # tests.test_continuation's simulator: 3 s answers
 
@@ -219,7 +219,7 @@ async def test_a_background_response_completes_when_its_worker_dies_mid_output(
 def pings_off(tmp_path: Path, redis_server: ServerHandle) -> Iterator[Pipeline]:
     """quick_redelivery's pipeline on a nats-server that never pings its
     clients: a stopped worker keeps its subscriptions however long it stops.
-    With tidegate's server pings (tidegate.run.nats_sync) they go after
+    With tidegate's server pings (fleet.run.nats_sync) they go after
     about 6 s, and a copy redelivered later finds the worker gone."""
     nats_server = NatsServer(tmp_path / "nats-no-pings", ping_interval=None)
     nats_server.start()

@@ -20,10 +20,10 @@ from nats.aio.msg import Msg
 
 from bench.fake_backend import FakeBackend
 from edge.session import SessionTable
+from fleet.run.servers import NatsServer
 from tests.pipeline import DEV_KEY, Pipeline, record_for, threaded_fake_backend, wait_for
 from tests.servers import ServerHandle
 from tidegate.errors import ProtocolError
-from tidegate.run.servers import NatsServer
 from tidegate.wire.mux import Outbox, batch_limit, decode_mux
 from tidegate.wire.protocol import (
     Chunk,

@@ -27,13 +27,13 @@ import nats.js.errors
 import pytest
 
 from bench.chaos import Load, stream_once, summarize
+from fleet.run.clusters import NatsCluster
+from fleet.run.servers import NatsServer
 from tests.pipeline import DEV_KEY, Pipeline, usage_records
 from tests.servers import ServerHandle
 from tidegate.control import workers_registry
 from tidegate.control.keys import create_key, ensure_keys_bucket, revoke_key
 from tidegate.control.policies import Policy, ensure_policies_bucket, set_policy
-from tidegate.run.clusters import NatsCluster
-from tidegate.run.servers import NatsServer
 
 pytestmark = pytest.mark.pipeline
 T = TypeVar("T")

@@ -22,9 +22,9 @@ import nats
 import pytest
 import yaml
 
-from tidegate.run import nats_sync
-from tidegate.run.clusters import NatsCluster
-from tidegate.run.servers import NatsServer, free_port
+from fleet.run import nats_sync
+from fleet.run.clusters import NatsCluster
+from fleet.run.servers import NatsServer, free_port
 
 pytestmark = pytest.mark.pipeline
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

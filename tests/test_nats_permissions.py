@@ -22,6 +22,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from bench.fake_backend import FakeBackend
+from fleet.run.servers import NatsServer
 from tests.pipeline import (
     DEV_KEY,
     Pipeline,
@@ -34,7 +35,6 @@ from tidegate.broker.auth import load_credentials
 from tidegate.broker.kvwatch import snapshot
 from tidegate.broker.permissions import ROLES, role_of, table
 from tidegate.control.keys import KeyRecord, key_digest
-from tidegate.run.servers import NatsServer
 from tidegate.wire.protocol import UsageRecord
 from tidegate.wire.subjects import Subjects, encode_token
 

@@ -25,8 +25,8 @@ def test_the_wheel_holds_the_gateway_and_no_bench_or_tests(tmp_path: Path) -> No
     (wheel,) = tmp_path.glob("tidegate-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {p.relative_to(ROOT).as_posix() for top in ("tidegate", "edge", "dispatcher",
-                                                         "workers")
+                                                         "workers", "fleet")
                for p in (ROOT / top).rglob("*.py")}
     assert sorted(modules - names) == []
     assert not [n for n in names if n.startswith(("bench/", "tests/"))]
-    assert any(n.startswith("tidegate/run/console_assets/") for n in names)
+    assert any(n.startswith("fleet/run/console_assets/") for n in names)

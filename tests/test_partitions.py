@@ -275,7 +275,7 @@ async def test_a_cut_workers_streams_go_on_elsewhere_and_its_copies_stay_silent(
         fleet: netns.HostFleet) -> None:
     """Streams of 8 s, longer than the cut worker takes to fence itself
     (about 4.5 s): the edges find it gone once the servers drop it (their
-    client pings, tidegate.run.nats_sync), its streams go on on the other
+    client pings, fleet.run.nats_sync), its streams go on on the other
     worker with the shipped failover, whole, and its fenced copies send
     nothing after the heal."""
     report = await _load(fleet, _cut_worker, concurrency=8, before=4.0, cut_for=12.0,

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from fleet.run.servers import free_port, http_ok, port_is_free
 from tests.readme import quick_start_commands
 from tests.servers import descendants, is_alive, kill_all, wait_until
-from tidegate.run.servers import free_port, http_ok, port_is_free
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = "python3 -m venv .venv && . .venv/bin/activate && "

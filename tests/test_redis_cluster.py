@@ -18,11 +18,11 @@ import pytest
 
 from dispatcher.quota import Limits, QuotaStore, Scope, connect
 from dispatcher.redis_client import cluster_nodes, is_cluster_url
+from fleet.run.clusters import RedisCluster
 from tests import test_quotas_pipeline as quotas
 from tidegate import config as tgconfig
 from tidegate.control.policies import Policy
 from tidegate.errors import ConfigError
-from tidegate.run.clusters import RedisCluster
 
 # --------------------------------------------------------------------------
 # URL parsing: no servers

@@ -33,8 +33,8 @@ import aiohttp
 import pytest
 
 from bench.fake_backend import FakeBackend, FakeConfig
+from fleet.run.servers import free_port, http_ok
 from tests.pipeline import DEV_KEY, Pipeline, stream, threaded_fake_backend, wait_for
-from tidegate.run.servers import free_port, http_ok
 
 MODEL = "two"
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,12 +23,12 @@ import nats
 import pytest
 
 from bench.fake_backend import FakeBackend
+from fleet.run.servers import free_port
 from tests.pipeline import DEV_KEY, Pipeline, threaded_fake_backend
 from tests.poll import eventually
 from tidegate.broker.kvwatch import snapshot
 from tidegate.control.workers_registry import WorkerInfo
 from tidegate.errors import BackendError
-from tidegate.run.servers import free_port
 from workers.replicas import Breaker, BreakerState, ReplicaSet, replica_failure
 
 T = TypeVar("T")

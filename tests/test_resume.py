@@ -154,7 +154,7 @@ def backend_events(backend: FakeBackend, marker: str) -> bytes:
 async def tenant_key(pipeline: Pipeline, tenant: str) -> str:
     """A new API key of ``tenant``, once every edge accepts it."""
     created = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "tidegate", "keys", "create", "--tenant", tenant,
+        subprocess.run, [sys.executable, "-m", "fleet", "keys", "create", "--tenant", tenant,
                          "--json", "--config", str(pipeline.config_path)],
         capture_output=True, text=True, check=True)
     key = str(json.loads(created.stdout)["key"])
@@ -425,7 +425,7 @@ async def test_opt_in_by_tenant_setting_live_by_model_and_by_header(
 
     async def cli(*args: str) -> None:
         await asyncio.to_thread(subprocess.run, [
-            sys.executable, "-m", "tidegate", "tenant", *args, "--config",
+            sys.executable, "-m", "fleet", "tenant", *args, "--config",
             str(pipeline.config_path)], check=True, capture_output=True)
 
     await cli("set", "acme", "--resumable", "on")

@@ -195,7 +195,7 @@ def test_a_killed_home_costs_at_most_the_affinity_wait(
 
 def replica_rows(pipeline: Pipeline) -> dict[str, dict[str, Any]]:
     done = subprocess.run(
-        [sys.executable, "-m", "tidegate", "status", "--json", "--interval", "0.2",
+        [sys.executable, "-m", "fleet", "status", "--json", "--interval", "0.2",
          "--config", str(pipeline.config_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     model = next(m for m in json.loads(done.stdout)["models"] if m["model"] == MODEL)

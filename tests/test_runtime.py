@@ -9,9 +9,9 @@ import subprocess
 import sys
 import textwrap
 
+from fleet.run.runtime import run_service
 from tidegate.config import Config
 from tidegate.errors import BrokerError, ConfigError
-from tidegate.run.runtime import run_service
 
 
 def test_sigterm_sets_stop_and_exits_0() -> None:
@@ -60,7 +60,7 @@ def test_second_signal_forces_exit() -> None:
     script = textwrap.dedent("""
         import asyncio, os, signal
         from tidegate.config import Config
-        from tidegate.run.runtime import run_service
+        from fleet.run.runtime import run_service
 
         async def serve(config, stop):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -79,7 +79,7 @@ def test_freeze_startup_heap_collects_then_freezes() -> None:
     """Run in a child: freezing the test runner's heap would outlive this test."""
     code = textwrap.dedent("""
         import gc, weakref
-        from tidegate.run.runtime import freeze_startup_heap
+        from fleet.run.runtime import freeze_startup_heap
 
         class Node:
             pass

@@ -22,9 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from nats.js.api import StreamConfig
 
-from tests.servers import ServerHandle, is_alive, proc_identity, wait_until
-from tidegate.errors import TidegateError
-from tidegate.run.servers import (
+from fleet.run.servers import (
     ManagedProcess,
     NatsServer,
     RedisServer,
@@ -35,6 +33,8 @@ from tidegate.run.servers import (
     port_is_free,
     private_dir,
 )
+from tests.servers import ServerHandle, is_alive, proc_identity, wait_until
+from tidegate.errors import TidegateError
 
 
 async def _nats_roundtrip(url: str, stream: str = "T") -> int:
@@ -113,7 +113,7 @@ def test_free_port_picks_below_the_ephemeral_range() -> None:
     """The ports `tidegate up` picks for its servers are not ones an outgoing
     connection's source port can take between the pick and the bind (the
     race that failed `tidegate up` with "port in use" on a busy machine)."""
-    from tidegate.run.ports import ephemeral_start
+    from fleet.run.ports import ephemeral_start
 
     picks = {free_port() for _ in range(50)}
     assert all(port < ephemeral_start() for port in picks), sorted(picks)
@@ -310,7 +310,7 @@ def test_server_dies_with_its_parent(tmp_path: Path) -> None:
     """A parent killed with SIGKILL cannot clean up: PR_SET_PDEATHSIG must."""
     script = textwrap.dedent(f"""
         import time
-        from tidegate.run.servers import RedisServer
+        from fleet.run.servers import RedisServer
         server = RedisServer({str(tmp_path)!r})
         server.start()
         print(server.pid, server.port, flush=True)

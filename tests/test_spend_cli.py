@@ -14,11 +14,11 @@ from decimal import Decimal
 import nats
 import pytest
 
+from fleet.cli.spend import UsageReport, parse_since
 from tests.test_cli_admin import Cli
 from tidegate import config as tgconfig
 from tidegate.broker import broker
 from tidegate.broker.kvwatch import snapshot
-from tidegate.cli.spend import UsageReport, parse_since
 from tidegate.control.budgets import BudgetSet, ensure_budgets_bucket
 from tidegate.control.prices import Price, PriceBook, ensure_prices_bucket
 from tidegate.wire.protocol import UsageRecord

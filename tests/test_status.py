@@ -16,8 +16,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatcher.queueing import QueueMode
+from fleet.run import status
 from tests.pipeline import Pipeline, running_pipeline
-from tidegate.run import status
 
 pytestmark = pytest.mark.pipeline
 
@@ -120,7 +120,7 @@ def test_queue_mode_from_redis(pipeline: Pipeline) -> None:
 
 def test_cli_json(pipeline: Pipeline) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "tidegate", "status", "--json", "--interval", "0.2",
+        [sys.executable, "-m", "fleet", "status", "--json", "--interval", "0.2",
          "--config", str(pipeline.config_path)],
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -130,7 +130,7 @@ def test_cli_json(pipeline: Pipeline) -> None:
 
 def test_cli_without_nats_fails_cleanly() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "tidegate", "status", "--json",
+        [sys.executable, "-m", "fleet", "status", "--json",
          "--nats-url", "nats://127.0.0.1:1"],
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 1

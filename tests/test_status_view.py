@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fleet.run import status, status_view
+from fleet.run.status_view import Column, Table, render_table, wrap
 from tidegate import config as tgconfig
 from tidegate.control.queue_stats import ModelQueue, Snapshot
 from tidegate.control.workers_registry import ReplicaSlot, SlotInfo, WorkerInfo
-from tidegate.run import status, status_view
-from tidegate.run.status_view import Column, Table, render_table, wrap
 
 # Names as long as real ones: the rich table of old cut these to "tid…", "nor…".
 MODELS = ("tidegate-sim", "meta-llama/Llama-3.1-8B-Instruct", "normal-slow-model")

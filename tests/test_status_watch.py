@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from fleet.run.status import until_interrupted
 from tests.poll import eventually_sync
 from tests.servers import ServerHandle
-from tidegate.run.status import until_interrupted
 
 # Generous: a loaded machine starts Python and nats-server slowly.
 WITHIN = 60.0
@@ -32,7 +32,7 @@ class Watch:
     def __init__(self, nats_url: str, redis_url: str) -> None:
         env = {**os.environ, "COLUMNS": "80"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tidegate", "status", "--nats-url", nats_url,
+            [sys.executable, "-m", "fleet", "status", "--nats-url", nats_url,
              "--redis-url", redis_url, "--interval", "0.3"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []

@@ -1,6 +1,6 @@
 """``tidegate up`` supervises: dead children come back, crash loops stop the stack.
 
-The unit tests drive :class:`~tidegate.run.supervisor.Supervisor` with real
+The unit tests drive :class:`~fleet.run.supervisor.Supervisor` with real
 short-lived processes and a fake clock (backoff and crash windows without
 waiting); the pipeline tests run ``tidegate up`` as a subprocess, SIGKILL its
 children and watch them come back, and check that several edges share one
@@ -21,10 +21,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from fleet.run.servers import ManagedProcess, port_is_free, tcp_sockets
+from fleet.run.supervisor import RestartPolicy, Supervisor, names, read_state
 from tests.servers import is_alive, kill_all, proc_identity, wait_until
 from tests.test_launcher import DEV_KEY, Up
-from tidegate.run.servers import ManagedProcess, port_is_free, tcp_sockets
-from tidegate.run.supervisor import RestartPolicy, Supervisor, names, read_state
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -168,7 +168,7 @@ def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
 
 
 def _pids(up: Up, tier: str) -> list[int]:
-    """Pids of the live ``python -m tidegate <tier>`` children of ``up``."""
+    """Pids of the live ``python -m fleet <tier>`` children of ``up``."""
     state = read_state(up.data_dir)
     assert state is not None, up.diagnostics()
     return [p["pid"] for p in state["processes"]
@@ -205,7 +205,7 @@ def test_a_killed_worker_comes_back_and_status_counts_it(start_up: Callable[...,
     assert "restarted worker-1" in up.stderr_path.read_text(), up.diagnostics()
 
     status = subprocess.run(
-        [sys.executable, "-m", "tidegate", "status", "--json", "--interval", "0.2",
+        [sys.executable, "-m", "fleet", "status", "--json", "--interval", "0.2",
          "--config", str(up.data_dir / "tidegate.toml")],
         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert status.returncode == 0, status.stderr

@@ -25,11 +25,11 @@ from aiohttp import web
 
 from edge.guard import GuardedSite
 from edge.tls import is_loopback, server_tls_context, warn_if_public_plaintext
+from fleet.run.servers import NatsServer, free_port
 from tidegate.broker import broker
 from tidegate.config import EdgeConfig, NatsConfig
 from tidegate.control.admin import connect_once
 from tidegate.errors import BrokerError, ConfigError
-from tidegate.run.servers import NatsServer, free_port
 
 
 @pytest.fixture(scope="module")

@@ -543,7 +543,7 @@ async def test_status_counts_websockets_and_generations(pipeline: Pipeline) -> N
     import sys
 
     def status() -> dict[str, Any]:
-        done = subprocess.run([sys.executable, "-m", "tidegate", "status", "--json",
+        done = subprocess.run([sys.executable, "-m", "fleet", "status", "--json",
                                "--interval", "0.1", "--config", str(pipeline.config_path)],
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, done.stderr

@@ -104,7 +104,7 @@ def chunk_data(frames: list[dict[str, Any]]) -> list[tuple[int, str]]:
 
 async def tenant_key(pipeline: Pipeline, tenant: str) -> str:
     created = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "tidegate", "keys", "create", "--tenant", tenant,
+        subprocess.run, [sys.executable, "-m", "fleet", "keys", "create", "--tenant", tenant,
                          "--json", "--config", str(pipeline.config_path)],
         capture_output=True, text=True, check=True)
     key = str(json.loads(created.stdout)["key"])

@@ -2,7 +2,8 @@
 
 This package is the core the three tiers (``edge``, ``dispatcher``,
 ``workers``) share: wire protocol, subjects, flow control, config, broker
-setup, the CLI and the embedded launcher.
+setup, telemetry and the control plane's stores. The ``tidegate`` command and
+the launcher stand above the tiers, in ``fleet``.
 """
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tidegate.cli import main
+from fleet.cli import main
 from tidegate.config import Config
 from workers import service
 

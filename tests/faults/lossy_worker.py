@@ -12,7 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tidegate.cli import main
+from fleet.cli import main
 from tidegate.wire.mux import Outbox
 from workers import service
 

@@ -4,7 +4,7 @@ The meaning of a key is the comment where its field is declared in
 ``tidegate.config.sections``: the comment lines directly above the field and
 the comment at the end of its line, joined. A section's meaning is its class
 docstring. The generated reference (docs/reference/configuration.md, built by
-``tidegate.cli.reference``) and tests/test_config_schema.py walk the same keys.
+``fleet.cli.reference``) and tests/test_config_schema.py walk the same keys.
 """
 
 from __future__ import annotations

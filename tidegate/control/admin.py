@@ -1,5 +1,5 @@
 """The connection and error contract of the operator commands (``tidegate
-keys``, ``policy``, ``tenant``, ``batches``; the commands are in tidegate.cli).
+keys``, ``policy``, ``tenant``, ``batches``; the commands are in fleet.cli).
 
 Each command connects once with a short timeout (unlike the tiers, which wait
 for NATS forever), creates the bucket it needs when missing, does its work and

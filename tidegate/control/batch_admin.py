@@ -1,6 +1,6 @@
 """Operators' view of batches: ``tidegate batches list|show|cancel``, and the
 rows of ``tidegate status``'s batches table (drawn by
-:func:`tidegate.run.status_view.batches_table`).
+:func:`fleet.run.status_view.batches_table`).
 
 Operators see every tenant's batches (the CLI talks to NATS directly, with the
 deployment's credentials, not through an API key). A cancel from here is the

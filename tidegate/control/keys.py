@@ -59,7 +59,7 @@ class KeyRecord:
     created: float = 0.0  # Unix time
     expires: float = 0.0  # Unix time after which the edge refuses the key; 0 = never
     # An admin key (``keys create --admin``) may also use the operator console
-    # (tidegate.run.console); a tenant key never may.
+    # (fleet.run.console); a tenant key never may.
     admin: bool = False
 
     def expired(self, now: float) -> bool:

@@ -24,7 +24,7 @@ from tidegate.config import LoggingConfig
 
 #: Loggers whose level follows ``logging.level``. Tiers log under
 #: ``tidegate.<tier>``; the package names cover ``getLogger(__name__)``.
-COMPONENT_LOGGERS = ("tidegate", "edge", "dispatcher", "workers")
+COMPONENT_LOGGERS = ("tidegate", "edge", "dispatcher", "workers", "fleet")
 
 # Attributes every LogRecord has; anything else on a record came from `extra`.
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {

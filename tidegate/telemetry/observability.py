@@ -1,5 +1,5 @@
 """Serving a process's ``/metrics``: the handler, a small metrics server and
-where it listens. ``tidegate.run.instrumented`` sets the SDK up around a
+where it listens. ``fleet.run.instrumented`` sets the SDK up around a
 tier's ``serve`` and starts the server, so the tiers themselves only
 record. Where ``/metrics`` is:
 

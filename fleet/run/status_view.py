@@ -5,7 +5,7 @@ every line fits ``width``: one line per row with full headers; short headers
 (``Column.short``); wrapped columns (``Column.wrap``); panels of column groups,
 each repeating the key column; one block per row, ``header  value`` per line.
 
-:func:`render` turns :func:`tidegate.run.status.document`'s output into the
+:func:`render` turns :func:`fleet.run.status.document`'s output into the
 view; ``--json`` prints that document itself, so the two never disagree.
 """
 
@@ -212,7 +212,7 @@ def pack(fields: Sequence[str], width: int) -> list[str]:
 
 
 def render(doc: dict[str, Any], width: int) -> str:
-    """``tidegate status``'s view of :func:`tidegate.run.status.document`,
+    """``tidegate status``'s view of :func:`fleet.run.status.document`,
     every line at most ``width`` characters."""
     rps = doc["requests_per_s"]
     lines = pack(["tidegate status", f"nats {doc['nats']}",

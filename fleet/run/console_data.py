@@ -1,15 +1,15 @@
 """What the operator console shows, kept current in its process's memory.
 
 * :class:`Sampler`: ``tidegate status --json``'s document
-  (:func:`tidegate.run.status.document`, computed by the same reader,
-  :class:`tidegate.run.status.Source`), taken every ``interval`` seconds, and
+  (:func:`fleet.run.status.document`, computed by the same reader,
+  :class:`fleet.run.status.Source`), taken every ``interval`` seconds, and
   15 minutes of per-model points (queue depth, in flight, TTFT, tokens/s) for
   the charts. A NATS that goes away leaves the last document marked stale and
   the sampler retrying; nothing is lost but the points it could not take.
 * :class:`UsageFollower`: the ``<P>_USAGE`` stream, read from its start by
   an ephemeral ordered consumer into a :class:`~tidegate.control.usage_stats.UsageStats`.
 
-Both run as tasks owned by the console's ``TaskGroup`` (tidegate.run.console).
+Both run as tasks owned by the console's ``TaskGroup`` (fleet.run.console).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
+from fleet.run import status
 from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.control.queue_stats import Snapshot
 from tidegate.control.usage_stats import UsageStats
 from tidegate.errors import ProtocolError
-from tidegate.run import status
 from tidegate.wire.protocol import UsageRecord
 
 log = logging.getLogger("tidegate.console")

@@ -7,8 +7,8 @@ import json
 import re
 import shlex
 
-from tidegate.run.planning import Plan
-from tidegate.run.ports import connect_host
+from fleet.run.planning import Plan
+from fleet.run.ports import connect_host
 
 
 def banner(plan: Plan) -> str:

@@ -32,6 +32,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from fleet.run.console_data import Sampler, UsageFollower
 from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.control import batch_admin, operations
@@ -40,7 +41,6 @@ from tidegate.control.admin import NotFound, UsageError
 from tidegate.control.batches import open_stores
 from tidegate.control.usage_stats import WINDOWS, UsageStats
 from tidegate.errors import BrokerError, ProtocolError
-from tidegate.run.console_data import Sampler, UsageFollower
 
 log = logging.getLogger("tidegate.console")
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleet.run.servers import ManagedProcess
 from tidegate.errors import TidegateError
-from tidegate.run.servers import ManagedProcess
 
 log = logging.getLogger("tidegate.launcher")
 

@@ -1,6 +1,6 @@
 """``tidegate up``, step one: the command-line options, environment and config
 file resolved into a :class:`Plan` (the effective config, the embedded servers'
-ports, the children's environment); see :mod:`tidegate.run.launcher`."""
+ports, the children's environment); see :mod:`fleet.run.launcher`."""
 
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import tidegate
+from fleet.run.ports import connect_host, free_port, port_is_free
+from fleet.run.supervisor import RestartPolicy, names
 from tidegate import config as tgconfig
 from tidegate.broker import natsconfig
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
-from tidegate.run.ports import connect_host, free_port, port_is_free
-from tidegate.run.supervisor import RestartPolicy, names
 from tidegate.telemetry.observability import METRICS_HOST_ENV, METRICS_PORT_ENV
 
 DEFAULT_NATS_PORT = 4222
 DEFAULT_REDIS_PORT = 6379
 DEV_KEY_PREFIX = "sk-tg-"
-DEFAULT_CONSOLE_PORT = 8090  # tidegate console's default (tidegate.cli)
+DEFAULT_CONSOLE_PORT = 8090  # tidegate console's default (fleet.cli)
 MODELS_TIMEOUT = 10.0  # seconds for GET {backend}/models
 PROPS_TIMEOUT = 3.0  # seconds for llama-server's GET /props (best effort)
 
@@ -58,7 +58,7 @@ class UpOptions:
     # The embedded NATS's HTTP monitoring port (lists users and connections to
     # anyone who asks): off unless given, then bound to 127.0.0.1.
     nats_monitor_port: int | None = None
-    # The operator console (tidegate.run.console) on 127.0.0.1: None picks a
+    # The operator console (fleet.run.console) on 127.0.0.1: None picks a
     # free port (8090 when free), 0 runs none.
     console_port: int | None = None
 

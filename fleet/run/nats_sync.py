@@ -51,7 +51,7 @@ def with_server_settings(data_dir: Path, extra_args: Sequence[str], *,
     if ping_interval is not None:
         lines += [f'ping_interval: "{ping_interval}"', f"ping_max: {CLIENT_PING_MAX}"]
         if "--cluster" in args:
-            # Clustered by flags (tidegate.run.clusters), so no cluster block
+            # Clustered by flags (fleet.run.clusters), so no cluster block
             # of the caller's is replaced: the flags fill this one in.
             lines.append(f'cluster {{ ping_interval: "{ROUTE_PING}" }}')
     if not lines:

@@ -3,7 +3,7 @@
 Configuration from the config dataclasses (``tidegate.config.schema``), errors
 from ``tidegate.errors.CATALOGUE``, metrics from the instruments
 ``tidegate.telemetry.telemetry.Metrics`` creates, the CLI from
-:func:`tidegate.cli.build_parser`, the HTTP routes from the edge's OpenAPI
+:func:`fleet.cli.build_parser`, the HTTP routes from the edge's OpenAPI
 table (``edge.openapi.ROUTES``). docs/hooks.py hands :func:`pages` to
 ``mkdocs build``, so the pages exist only in the built site and cannot drift;
 :func:`undescribed` is what tests/test_docs_site.py holds at empty.
@@ -22,7 +22,7 @@ from typing import Any, Literal, cast
 
 from opentelemetry.metrics import Meter
 
-from tidegate.cli import build_parser
+from fleet.cli import build_parser
 from tidegate.config import schema
 from tidegate.errors import CATALOGUE
 from tidegate.telemetry.telemetry import Metrics
@@ -35,7 +35,7 @@ PAGES = {
     "reference/cli.md": "Command line",
     "reference/http.md": "HTTP routes",
 }
-NOTE = "Generated from the code by `tidegate.cli.reference` at every docs build: do not edit."
+NOTE = "Generated from the code by `fleet.cli.reference` at every docs build: do not edit."
 
 
 def pages() -> dict[str, str]:

@@ -4,39 +4,44 @@ gateway, breaking it on purpose, and watching it run."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
-from tidegate.cli.common import load_config
+from fleet.cli.common import load_config
 from tidegate.errors import ConfigError, TidegateError
 
 
-def _load_bench() -> None:
-    """``tidegate bench`` and ``tidegate chaos`` live in the checkout's
+def _load_bench(name: str) -> ModuleType:
+    """The checkout's ``bench.<name>``, loaded by name at run time.
+
+    ``tidegate bench`` and ``tidegate chaos`` live in the checkout's
     ``bench/``, which the wheel does not ship (its fake backends and peer
-    proxies are test tools, not the gateway). From an editable install the
-    checkout is found beside this package; its processes get it on
+    proxies are test tools, not the gateway), so no module of ``fleet``
+    imports it: the bench stands above the tools it drives (``fleet.run``
+    starts its pipelines) and is a plug-in of the command, found where an
+    editable install's checkout is. Its processes get the checkout on
     ``PYTHONPATH`` too (they run ``python -m bench.fake_server`` and such)."""
     root = Path(__file__).resolve().parents[2]
-    try:
-        import bench
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("bench") is None:
         if not (root / "bench" / "runner.py").is_file():
             raise TidegateError(
                 "tidegate bench and tidegate chaos run from a source checkout of tidegate "
                 "(git clone, then pip install -e '.[dev]'): the bench and its fake backends "
-                "are not part of the installed package.") from None
+                "are not part of the installed package.")
         sys.path.insert(0, str(root))
-    else:
-        root = Path(bench.__file__).resolve().parents[1]
+    module = importlib.import_module(f"bench.{name}")
+    root = Path(module.__file__ or root).resolve().parents[1]
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return module
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    _load_bench()
-    from bench import runner
+    runner = _load_bench("runner")
 
     options = runner.BenchOptions(out=Path(args.out), quick=args.quick,
                                   scenarios=runner.parse_scenarios(args.scenarios),
@@ -48,16 +53,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    _load_bench()
-    from bench import chaos
+    chaos = _load_bench("chaos")
 
     if args.duration <= 0 or args.concurrency < 1 or args.backends < 0:
         raise ConfigError("--duration must be > 0, --concurrency >= 1 and --backends >= 0")
-    return chaos.run(args.duration, args.concurrency, args.seed,
-                     Path(args.out) if args.out else None,
-                     workdir=Path(args.workdir) if args.workdir else None,
-                     resume=not args.no_resume, backends=args.backends,
-                     defaults=args.defaults)
+    return int(chaos.run(args.duration, args.concurrency, args.seed,
+                         Path(args.out) if args.out else None,
+                         workdir=Path(args.workdir) if args.workdir else None,
+                         resume=not args.no_resume, backends=args.backends,
+                         defaults=args.defaults))
 
 
 def _data_dir(args: argparse.Namespace) -> Path | None:
@@ -69,7 +73,7 @@ def _data_dir(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    from tidegate.run import console
+    from fleet.run import console
     from tidegate.telemetry import logs
 
     if args.interval <= 0:
@@ -82,7 +86,7 @@ def cmd_console(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tidegate.run import status
+    from fleet.run import status
 
     if args.interval is not None and args.interval <= 0:
         raise ConfigError(f"--interval: must be > 0, got {args.interval}")

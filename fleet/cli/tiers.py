@@ -7,22 +7,22 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidegate.cli.common import load_config
+from fleet.cli.common import load_config
 from tidegate.config import Config
 from tidegate.errors import ConfigError
 from tidegate.telemetry import logs
 
 if TYPE_CHECKING:
-    from tidegate.run.runtime import Serve
+    from fleet.run.runtime import Serve
 
 
 def _run_tier(tier: str, serve: Serve, config: Config) -> int:
     """A tier process's last step: check what the config names outside itself
     (files, variables: a ConfigError, one line, exit 2), freeze the startup
     heap (imports, config) out of the cyclic GC, then serve until stopped."""
-    from tidegate.run.instrumented import instrumented
-    from tidegate.run.preflight import preflight
-    from tidegate.run.runtime import freeze_startup_heap, run_service
+    from fleet.run.instrumented import instrumented
+    from fleet.run.preflight import preflight
+    from fleet.run.runtime import freeze_startup_heap, run_service
 
     preflight(config, tier)
     freeze_startup_heap()
@@ -54,7 +54,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tidegate.run import launcher, planning
+    from fleet.run import launcher, planning
 
     options = planning.UpOptions(
         config_path=args.config,
@@ -81,7 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _restart_policy(args: argparse.Namespace) -> Any:
-    from tidegate.run.supervisor import RestartPolicy
+    from fleet.run.supervisor import RestartPolicy
 
     if args.crash_limit < 1:
         raise ConfigError(f"--crash-limit: must be >= 1, got {args.crash_limit}")

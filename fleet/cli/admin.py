@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tidegate.cli.common import add_common, load_config
+from fleet.cli.common import add_common, load_config
 
 
 def checked_name(value: str) -> str:
@@ -192,7 +192,7 @@ def _audit_to_stderr() -> None:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from tidegate.cli import keys as commands
+    from fleet.cli import keys as commands
 
     _audit_to_stderr()
     config = load_config(args)
@@ -208,7 +208,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def cmd_policy(args: argparse.Namespace) -> int:
     _audit_to_stderr()
-    from tidegate.cli import keys as commands
+    from fleet.cli import keys as commands
 
     config = load_config(args)
     if args.policy_command == "set":
@@ -234,7 +234,7 @@ def cmd_batches(args: argparse.Namespace) -> int:
 
 def cmd_tenant(args: argparse.Namespace) -> int:
     _audit_to_stderr()
-    from tidegate.cli import tenants
+    from fleet.cli import tenants
 
     config = load_config(args)
     if args.tenant_command == "set":

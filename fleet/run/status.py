@@ -7,7 +7,7 @@ workers, slots, jobs; the adaptive limits of ``max_streams = "auto"``); Redis
 ``tidegate up`` (children, pids, restarts). Rates are the difference of two
 samples.
 
-The view (:mod:`tidegate.run.status_view`) fits the terminal's width. A NATS
+The view (:mod:`fleet.run.status_view`) fits the terminal's width. A NATS
 that goes away while the view watches is a line saying so, and the view
 reconnects; only a NATS missing at the start or in ``--json``/``--once`` ends
 the command (exit 1). Docs: docs/observability.md.
@@ -32,14 +32,14 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from fleet.run import status_view
+from fleet.run.supervisor import read_state
 from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.control import edges_registry, workers_registry
 from tidegate.control.admin import connect_once
 from tidegate.control.queue_stats import QueueStats, Snapshot
 from tidegate.errors import BrokerError
-from tidegate.run import status_view
-from tidegate.run.supervisor import read_state
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,12 +15,12 @@ import contextlib
 import logging
 import os
 
+from fleet.run.runtime import Serve
 from tidegate.broker import broker
 from tidegate.config import Config
 from tidegate.control import workers_registry
 from tidegate.control.queue_stats import QueueStats
 from tidegate.errors import TidegateError
-from tidegate.run.runtime import Serve
 from tidegate.telemetry import telemetry
 from tidegate.telemetry.observability import (
     METRICS_HOST_ENV,

@@ -3,7 +3,7 @@
 Used by the test suite's cluster fixtures and by ``tidegate chaos``.
 
 Invariants: every node has its own ports and state dir, so a restarted node
-(through :class:`~tidegate.run.servers.ManagedProcess`) comes back with its
+(through :class:`~fleet.run.servers.ManagedProcess`) comes back with its
 identity on the same ports; ``start()`` returns only once the whole cluster
 serves (a JetStream meta leader and every node healthy; every Redis slot
 assigned and ``cluster_state:ok``), and on failure stops everything it started.
@@ -20,8 +20,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from fleet.run.servers import NatsServer, RedisServer, free_port, stop_all
 from tidegate.errors import TidegateError
-from tidegate.run.servers import NatsServer, RedisServer, free_port, stop_all
 
 REDIS_SLOTS = 16384
 

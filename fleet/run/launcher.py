@@ -1,14 +1,14 @@
 """``tidegate up``: the whole gateway on one machine, as supervised child processes.
 
-:func:`~tidegate.run.planning.prepare` turns the options into a
-:class:`~tidegate.run.planning.Plan` (the effective config, ports, dev key);
+:func:`~fleet.run.planning.prepare` turns the options into a
+:class:`~fleet.run.planning.Plan` (the effective config, ports, dev key);
 :class:`Launcher` runs it: embedded nats-server and redis-server unless URLs
-were given, then dispatchers, workers and edges, each ``python -m tidegate
+were given, then dispatchers, workers and edges, each ``python -m fleet
 <tier> --config <data-dir>/tidegate.toml`` with every ``TIDEGATE_*`` variable
 stripped, so each child sees exactly the config the launcher validated.
 
-Invariants: every child is a :class:`~tidegate.run.servers.ManagedProcess`; an
-exited child is restarted (:mod:`tidegate.run.supervisor`), and only a crash
+Invariants: every child is a :class:`~fleet.run.servers.ManagedProcess`; an
+exited child is restarted (:mod:`fleet.run.supervisor`), and only a crash
 loop stops the whole (exit 1, with the child's log tail); a signal stops the
 children in dependency order (edges first, so streams drain); one launcher per
 data dir (a lock file). Each tier gets its own metrics port. Docs: docs/deploy.md.
@@ -28,11 +28,9 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from tidegate import config as tgconfig
-from tidegate.errors import TidegateError
-from tidegate.run.banner import banner
-from tidegate.run.planning import Plan, UpOptions, prepare
-from tidegate.run.servers import (
+from fleet.run.banner import banner
+from fleet.run.planning import Plan, UpOptions, prepare
+from fleet.run.servers import (
     SIGKILL,
     ManagedProcess,
     NatsServer,
@@ -42,7 +40,9 @@ from tidegate.run.servers import (
     stop_all,
     tcp_sockets,
 )
-from tidegate.run.supervisor import STATE_FILE, Supervisor, names
+from fleet.run.supervisor import STATE_FILE, Supervisor, names
+from tidegate import config as tgconfig
+from tidegate.errors import TidegateError
 
 log = logging.getLogger("tidegate.launcher")
 
@@ -196,7 +196,7 @@ class Launcher:
         self._wait_ready([server])
 
     def _tier(self, name: str, tier: str, edge_url: str = "") -> ManagedProcess:
-        argv = [sys.executable, "-m", "tidegate", tier, "--config", str(self.plan.config_file)]
+        argv = [sys.executable, "-m", "fleet", tier, "--config", str(self.plan.config_file)]
         log_path, env = self.plan.log_dir / f"{name}.log", self.plan.env_for(name)
         child = (_EdgeProcess(name, argv, log_path, env=env, port=self.plan.config.edge.port,
                               readyz=edge_url)
@@ -206,8 +206,8 @@ class Launcher:
 
     def _console(self, url: str) -> ManagedProcess:
         """``tidegate console`` (the operator page) on 127.0.0.1, with the
-        admin credentials ``tidegate setup`` used (tidegate.run.console)."""
-        argv = [sys.executable, "-m", "tidegate", "console", "--config",
+        admin credentials ``tidegate setup`` used (fleet.run.console)."""
+        argv = [sys.executable, "-m", "fleet", "console", "--config",
                 str(self.plan.config_file), "--port", str(self.plan.console_port),
                 "--data-dir", str(self.plan.data_dir)]
         child = ManagedProcess("console", argv, self.plan.log_dir / "console.log",

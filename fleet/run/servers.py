@@ -30,11 +30,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from fleet.run.nats_sync import CLIENT_PING, SYNC_ALWAYS, with_server_settings
+from fleet.run.ports import connect_host as connect_host
+from fleet.run.ports import free_port as free_port
+from fleet.run.ports import port_is_free as port_is_free
 from tidegate.errors import TidegateError
-from tidegate.run.nats_sync import CLIENT_PING, SYNC_ALWAYS, with_server_settings
-from tidegate.run.ports import connect_host as connect_host
-from tidegate.run.ports import free_port as free_port
-from tidegate.run.ports import port_is_free as port_is_free
 
 _PR_SET_PDEATHSIG = 1
 # Windows has no SIGKILL; Popen.send_signal(SIGTERM) is TerminateProcess there.
@@ -435,7 +435,7 @@ class NatsServer(ManagedProcess):
     leaves nats-server's own default (fsync every two minutes).
     ``ping_interval``: how often the server pings an idle client (two
     unanswered and it drops the connection, with the client's subscriptions),
-    ``"2s"`` by default (tidegate.run.nats_sync); ``None``: nats-server's 2 min.
+    ``"2s"`` by default (fleet.run.nats_sync); ``None``: nats-server's 2 min.
     """
 
     def __init__(

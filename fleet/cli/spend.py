@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from tidegate.cli.admin import checked_name  # one rule for every name flag
-from tidegate.cli.common import add_common, load_config
+from fleet.cli.admin import checked_name  # one rule for every name flag
+from fleet.cli.common import add_common, load_config
 from tidegate.config import Config
 
 BY = ("tenant", "key", "model", "day", "user")

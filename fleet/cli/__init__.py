@@ -1,9 +1,9 @@
 """The ``tidegate`` command: the parser and each command's function.
 
-Each command group has its module: ``tidegate.cli.tiers`` (up, edge,
-dispatcher, worker), ``tidegate.cli.common`` (common flags, config,
-nats-config), ``tidegate.cli.admin`` (keys, policy, tenant, batches),
-``tidegate.cli.spend`` (price, budget, usage), ``tidegate.cli.tools`` (bench,
+Each command group has its module: ``fleet.cli.tiers`` (up, edge,
+dispatcher, worker), ``fleet.cli.common`` (common flags, config,
+nats-config), ``fleet.cli.admin`` (keys, policy, tenant, batches),
+``fleet.cli.spend`` (price, budget, usage), ``fleet.cli.tools`` (bench,
 chaos, status, console). ``tidegate --help`` lists them; docs/reference/cli.md
 is generated from this parser.
 
@@ -21,11 +21,11 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from tidegate.cli.admin import admin_parsers, cmd_batches, cmd_keys, cmd_policy, cmd_tenant
-from tidegate.cli.common import add_common, cmd_config, cmd_nats_config, cmd_setup
-from tidegate.cli.spend import cmd_budget, cmd_price, cmd_usage, spend_parsers
-from tidegate.cli.tiers import cmd_dispatcher, cmd_edge, cmd_up, cmd_worker
-from tidegate.cli.tools import cmd_bench, cmd_chaos, cmd_console, cmd_status
+from fleet.cli.admin import admin_parsers, cmd_batches, cmd_keys, cmd_policy, cmd_tenant
+from fleet.cli.common import add_common, cmd_config, cmd_nats_config, cmd_setup
+from fleet.cli.spend import cmd_budget, cmd_price, cmd_usage, spend_parsers
+from fleet.cli.tiers import cmd_dispatcher, cmd_edge, cmd_up, cmd_worker
+from fleet.cli.tools import cmd_bench, cmd_chaos, cmd_console, cmd_status
 from tidegate.errors import ConfigError, TidegateError
 
 PROG = "tidegate"
