@@ -17,7 +17,28 @@ from typing import Any
 from tidegate.config import ModelConfig
 from tidegate.errors import ApiError, invalid_request
 from tidegate.validation.jsonbody import json_type, parse_object
-from tidegate.validation.openai_fields import check_chat, check_completion
+from tidegate.validation.openai_fields import (
+    MAX_LOGIT_BIAS,
+    MAX_METADATA,
+    MAX_TOOLS,
+    TOOL_CHOICES,
+    check_chat,
+    check_completion,
+)
+from tidegate.validation.schema_parts import (
+    BOOL,
+    CONTENT,
+    INT64,
+    MODEL,
+    OBJECT,
+    STRING,
+    Schema,
+    integer,
+    number,
+    obj,
+    only_when_streaming,
+    stop_strings,
+)
 from tidegate.wire.protocol import Api
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -303,3 +324,84 @@ def check_stop_lengths(stops: list[str], param: str) -> None:
             raise invalid_request(
                 f"'{param}' strings may be at most {MAX_STOP_CHARS} characters; "
                 f"{param}[{i}] has {len(stop)}.", param=param, code="invalid_value")
+
+
+# -- the request schemas (/openapi.json; tidegate.validation.schemas) --------------
+
+def _common(max_tokens: int) -> dict[str, Schema]:
+    """Fields chat and completions share (validate_body, check_common)."""
+    return {
+        "model": MODEL,
+        "stream": BOOL,
+        "stream_options": obj({"include_usage": BOOL}),
+        "max_tokens": integer(1, max_tokens),
+        "temperature": number(0.0, 2.0),
+        "top_p": number(0.0, 1.0),
+        "presence_penalty": number(-2.0, 2.0),
+        "frequency_penalty": number(-2.0, 2.0),
+        "n": {"type": "integer", "const": 1},
+        "stop": {"anyOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                           stop_strings(MAX_STOPS, MAX_STOP_CHARS)]},
+        "seed": integer(-INT64, INT64 - 1),
+        "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                       "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                       "additionalProperties": number(-100, 100)},
+        "user": STRING,
+        "echo": BOOL,
+        "store": BOOL,
+        "parallel_tool_calls": BOOL,
+    }
+
+
+_FUNCTION_NAME: Schema = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_CHAT_TOOL: Schema = {"anyOf": [
+    obj({"type": {"const": "function"}, "function": obj({
+        "name": _FUNCTION_NAME, "description": STRING, "parameters": OBJECT,
+        "strict": BOOL}, ("name",))}, ("type", "function")),
+    obj({"type": {"type": "string", "not": {"const": "function"}}}, ("type",)),
+]}
+_CHAT_MESSAGE: Schema = {"anyOf": [
+    obj({"role": {"enum": ["system", "developer", "user"]}, "content": CONTENT},
+         ("role", "content")),
+    obj({"role": {"enum": ["assistant", "tool", "function"]},
+          "content": {"anyOf": [CONTENT, {"type": "null"}]}}, ("role",)),
+]}
+
+
+def chat_schema(max_tokens: int) -> Schema:
+    return obj({
+        **_common(max_tokens),
+        "messages": {"type": "array", "minItems": 1, "items": _CHAT_MESSAGE},
+        "max_completion_tokens": integer(1, max_tokens),
+        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": _CHAT_TOOL},
+        "tool_choice": {"anyOf": [
+            {"enum": sorted(TOOL_CHOICES)},
+            obj({"type": {"const": "function"},
+                  "function": obj({"name": _FUNCTION_NAME}, ("name",))},
+                 ("type", "function")),
+            obj({"type": {"type": "string", "not": {"const": "function"}}}, ("type",))]},
+        "response_format": {"anyOf": [
+            obj({"type": {"enum": ["text", "json_object"]}}, ("type",)),
+            obj({"type": {"const": "json_schema"}, "json_schema": obj(
+                {"name": _FUNCTION_NAME, "schema": OBJECT, "strict": BOOL}, ("name",))},
+                ("type", "json_schema"))]},
+        "metadata": {"type": "object", "maxProperties": MAX_METADATA,
+                     "additionalProperties": STRING},
+        "logprobs": BOOL,
+        "top_logprobs": integer(0, 20),
+        "reasoning_effort": STRING,
+        "service_tier": STRING,
+    }, ("model", "messages"), dependentSchemas={
+        **only_when_streaming("stream_options"),
+        "top_logprobs": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    })
+
+
+def completions_schema(max_tokens: int) -> Schema:
+    return obj({
+        **_common(max_tokens),
+        "prompt": {"anyOf": [STRING, {"type": "array", "minItems": 1, "items": STRING}]},
+        "logprobs": integer(0, 5),
+        "best_of": {"type": "integer", "const": 1},
+        "suffix": STRING,
+    }, ("model", "prompt"), dependentSchemas=only_when_streaming("stream_options"))

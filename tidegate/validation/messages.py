@@ -22,6 +22,7 @@ from tidegate.config import ModelConfig
 from tidegate.errors import invalid_request
 from tidegate.validation.generation import (
     DEFAULT_MAX_DEPTH,
+    MAX_STOP_CHARS,
     Validated,
     check_number,
     check_stop_lengths,
@@ -32,6 +33,18 @@ from tidegate.validation.generation import (
     parse_json,
 )
 from tidegate.validation.jsonbody import json_type
+from tidegate.validation.schema_parts import (
+    BOOL,
+    MODEL,
+    OBJECT,
+    STRING,
+    Schema,
+    integer,
+    number,
+    obj,
+    stop_strings,
+    strings,
+)
 from tidegate.wire.protocol import Api
 
 __all__ = ["quota_user", "validate_messages", "validate_messages_body"]
@@ -285,3 +298,51 @@ def _tool_choice(body: dict[str, Any]) -> None:
     if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
         raise invalid_request("'tool_choice.name' must be a string for type 'tool'.",
                               param="tool_choice.name", code="invalid_type")
+
+
+# -- the request schemas (/openapi.json; tidegate.validation.schemas) --------------
+
+_BLOCK: Schema = {"anyOf": [
+    obj({"type": {"const": "text"}, "text": STRING}, ("type", "text")),
+    obj({"type": {"const": "image"}, "source": OBJECT}, ("type", "source")),
+    obj({"type": {"const": "tool_use"}, **strings("id", "name"), "input": OBJECT},
+         ("type", "id", "name")),
+    obj({"type": {"const": "tool_result"}, "tool_use_id": STRING, "content": {"anyOf": [
+        STRING, {"type": "array", "items": obj({"type": {"const": "text"}, "text": STRING},
+                                                 ("type", "text"))}]}},
+         ("type", "tool_use_id")),
+]}
+
+
+_SYSTEM: Schema = {"anyOf": [STRING, {"type": "array", "items": obj(
+    {"type": {"const": "text"}, "text": STRING}, ("type", "text"))}]}
+
+
+def messages_schema(max_tokens: int, *, count_tokens: bool = False) -> Schema:
+    required = ("model", "messages") if count_tokens else ("model", "max_tokens", "messages")
+    return obj({
+        "model": MODEL,
+        "max_tokens": integer(1, max_tokens),
+        "messages": {"type": "array", "minItems": 1, "items": {"anyOf": [
+            obj({"role": {"enum": [r for r in ROLES if r != "system"]},
+                  "content": {"anyOf": [STRING, {"type": "array", "items": _BLOCK}]}},
+                 ("role", "content")),
+            # a system turn holds what the top-level system does
+            obj({"role": {"const": "system"}, "content": _SYSTEM}, ("role", "content"))]}},
+        "system": _SYSTEM,
+        "stop_sequences": stop_strings(MAX_STOP_SEQUENCES, MAX_STOP_CHARS),
+        "temperature": number(0.0, 1.0),
+        "top_p": number(0.0, 1.0),
+        "top_k": integer(0),
+        "tools": {"type": "array", "items": obj(
+            {"name": STRING, "type": STRING, "input_schema": OBJECT},
+            ("name",), anyOf=[{"required": ["type"], "properties": {
+                "type": {"type": "string", "not": {"const": "custom"}}}},
+                {"required": ["input_schema"]}])},
+        "tool_choice": {"anyOf": [
+            obj({"type": {"const": "tool"}, "name": STRING}, ("type", "name")),
+            obj({"type": {"enum": [c for c in TOOL_CHOICE_TYPES if c != "tool"]}},
+                 ("type",))]},
+        "metadata": obj({"user_id": STRING}),
+        "stream": BOOL,
+    }, required)

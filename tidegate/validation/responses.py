@@ -28,6 +28,19 @@ from tidegate.validation.generation import (
     parse_json,
 )
 from tidegate.validation.jsonbody import json_type
+from tidegate.validation.schema_parts import (
+    BOOL,
+    CONTENT,
+    MODEL,
+    OBJECT,
+    STRING,
+    Schema,
+    integer,
+    number,
+    obj,
+    only_when_streaming,
+    strings,
+)
 from tidegate.wire.protocol import Api
 
 __all__ = ["DEFAULT_MAX_RESPONSE_BYTES", "check_embeddings_size", "embedding_inputs",
@@ -261,3 +274,64 @@ def _optional_object(body: dict[str, Any], key: str, *, allow_str: bool = False)
         return
     raise invalid_request(f"'{key}' must be an object, got {json_type(value)}.", param=key,
                           code="invalid_type")
+
+
+# -- the request schemas (/openapi.json; tidegate.validation.schemas) --------------
+
+_RESPONSE_ITEM: Schema = {
+    "type": "object",
+    "anyOf": [{"required": ["role"]}, {"required": ["type"]}],
+    "properties": {"type": STRING, "role": STRING, "content": CONTENT},
+    # stricter than the validator, which needs content with a role only for messages
+    "dependentRequired": {"role": ["content"]},
+}
+
+
+def responses_schema(max_tokens: int) -> Schema:
+    return obj({
+        "model": MODEL,
+        "input": {"anyOf": [STRING, {"type": "array", "items": _RESPONSE_ITEM}]},
+        "instructions": STRING,
+        "max_output_tokens": integer(1, max_tokens),
+        "max_tool_calls": integer(1),
+        "temperature": number(0.0, 2.0),
+        "top_p": number(0.0, 1.0),
+        "top_logprobs": integer(0, 20),
+        "tools": {"type": "array", "items": obj({"type": STRING}, ("type",))},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, OBJECT]},
+        **{key: BOOL for key in ("parallel_tool_calls", "store", "stream", "background")},
+        **strings("previous_response_id", "user", "prompt_cache_key", "safety_identifier",
+                   "service_tier"),
+        **{key: OBJECT for key in ("metadata", "text", "reasoning", "prompt")},
+        "conversation": {"anyOf": [OBJECT, STRING]},
+        "truncation": {"enum": list(TRUNCATIONS)},
+        "include": {"type": "array", "items": STRING},
+        "stream_options": OBJECT,
+    }, ("model",), anyOf=[{"required": ["input"]}, {"required": ["previous_response_id"]},
+                          {"required": ["prompt"]}],
+        dependentSchemas=only_when_streaming("stream_options"))
+
+
+_TOKEN = integer(0, (1 << 64) - 1)
+_TOKENS: Schema = {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
+                   "items": _TOKEN}
+
+
+def embeddings_schema() -> Schema:
+    return obj({
+        "model": MODEL,
+        "input": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
+             "items": {"type": "string", "minLength": 1}},
+            _TOKENS,
+            {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
+             "items": {"type": "array", "minItems": 1, "items": _TOKEN}},
+        ]},
+        "encoding_format": {"enum": list(ENCODINGS)},
+        "dimensions": integer(1),
+        "user": STRING,
+        "stream": {"const": False},
+    }, ("model", "input"), description=(
+        "Also bounded by inputs x dimensions: a request whose response could outgrow "
+        "the gateway's edge.max_response_bytes is a 400 before any work."))
