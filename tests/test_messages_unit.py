@@ -77,6 +77,8 @@ def _with(**fields: Any) -> bytes:
     (_with(tools=[{"input_schema": {}}]), "tools[0]"),
     (_with(tool_choice="auto"), "tool_choice"),
     (_with(tool_choice={"type": "tool"}), "tool_choice.name"),
+    (_with(service_tier=["auto"]), "service_tier"),
+    (_with(service_tier=1), "service_tier"),
     (_with(metadata="x"), "metadata"),
     (_with(metadata={"user_id": 5}), "metadata.user_id"),
     (_with(stream="yes"), "stream"),
@@ -138,6 +140,13 @@ def test_todays_claude_code_body_validates_and_translates() -> None:
     assert not {"thinking", "context_management", "output_config", "cache_control",
                 "metadata", "response_format"} & set(chat)
     assert "cache_control" not in json.dumps(chat)
+
+
+@pytest.mark.parametrize("tier", ["auto", "standard_only", "a-later-tier"])
+def test_service_tier_is_kept_for_anthropic_and_dropped_in_translation(tier: str) -> None:
+    body = {**TODAY, "service_tier": tier}
+    assert validate_messages(json.dumps(body).encode(), Api.MESSAGES, MODELS).body == body
+    assert "service_tier" not in to_chat(body, "up", stream=True)
 
 
 def test_output_format_is_a_response_format() -> None:

@@ -99,6 +99,12 @@ def validate_messages_body(body: dict[str, Any], api: Api, models: Mapping[str, 
     _thinking(body)
     _objects(body, "context_management", "edits")
     _output_config(body)
+    # A capacity hint: passed on to an Anthropic backend, which knows its own
+    # tiers (auto, standard_only today), and dropped in translation.
+    tier = body.get("service_tier")
+    if tier is not None and not isinstance(tier, str):
+        raise invalid_request(f"'service_tier' must be a string, got {json_type(tier)}.",
+                              param="service_tier", code="invalid_type")
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -344,5 +350,6 @@ def messages_schema(max_tokens: int, *, count_tokens: bool = False) -> Schema:
             obj({"type": {"enum": [c for c in TOOL_CHOICE_TYPES if c != "tool"]}},
                  ("type",))]},
         "metadata": obj({"user_id": STRING}),
+        "service_tier": STRING,
         "stream": BOOL,
     }, required)
