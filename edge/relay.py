@@ -58,7 +58,7 @@ from tidegate.wire.protocol import (
 
 log = logging.getLogger("tidegate.edge")
 
-CLIENT_CANCEL = "client_cancel"  # workers.job.CLIENT_CANCEL: readers get a final event
+CLIENT_CANCEL = "client_cancel"  # workers.job_state.CLIENT_CANCEL: readers get a final event
 
 _PING = b": ping\n\n"
 

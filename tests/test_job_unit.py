@@ -42,8 +42,9 @@ from tidegate.wire.protocol import (
 )
 from tidegate.wire.streamlog import LogCursor, LogOpen
 from workers.backends import Usage
-from workers.job import ACK_TIMEOUT, WORKER_SHUTDOWN, Job
+from workers.job import Job
 from workers.job_context import JobContext
+from workers.job_state import ACK_TIMEOUT, WORKER_SHUTDOWN
 from workers.resumable import ResumableJob
 from workers.tails import Tails
 

@@ -33,7 +33,6 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry import tracing
 from tidegate.wire.flow import SendWindow, first_seq
 from tidegate.wire.protocol import (
-    DUPLICATE_DELIVERY,
     Continue,
     Done,
     Error,
@@ -46,36 +45,20 @@ from tidegate.wire.protocol import (
 )
 from workers.backends import Backend, BackendStream, PushStream, Usage
 from workers.continuation import closing, continued, continued_stream
-from workers.fencing import FENCED
 from workers.job_context import JobContext, ack, resend, reserved
+from workers.job_state import (
+    ACK_TIMEOUT,
+    Ending,
+    Event,
+    JobState,
+    Settle,
+    cancelled,
+)
 from workers.limiter import AdaptiveLimit
 from workers.replica_continuation import Continuation, continuable, go_on
 from workers.replicas import ReplicaSet, open_on_replicas
 
 log = logging.getLogger("tidegate.worker")
-
-WORKER_SHUTDOWN = "worker_shutdown"
-ACK_TIMEOUT = "ack_timeout"
-# POST /v1/streams/{id}/cancel: every reader gets a final event saying so.
-CLIENT_CANCEL = "client_cancel"
-# A resumable stream's last reader left and none came back within the grace.
-RESUME_GRACE = "resume_grace"
-
-# Why a job ended early, as the error its edge (and the stream log) is sent.
-_CANCEL_ERRORS = {
-    WORKER_SHUTDOWN: ApiError(503, "The worker running this request is shutting down.",
-                              type="server_error", code=WORKER_SHUTDOWN, retryable=True,
-                              retry_after=1),
-    ACK_TIMEOUT: ApiError(503, "The client stopped acknowledging output; the request was "
-                               "cancelled.", type="server_error", code=ACK_TIMEOUT,
-                          retryable=True, retry_after=1),
-    CLIENT_CANCEL: ApiError(409, "The stream was cancelled (POST /v1/streams/{id}/cancel).",
-                            type="invalid_request_error", code="stream_cancelled"),
-    RESUME_GRACE: ApiError(409, "Every reader of this resumable stream left, and none came "
-                                "back within its grace; generation was stopped.",
-                           type="invalid_request_error", code="stream_abandoned"),
-}
-
 
 def _helper(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """A job's helper task; a failure is logged (the job goes on without it:
@@ -96,7 +79,7 @@ def _info(error: ApiError) -> ErrorInfo:
                      error.retryable, error.retry_after)
 
 
-class Job:
+class Job(JobState):
     # Called with every chunk message a resumable job sends (workers.resumable
     # sets it); None here, so a default job's chunk path only tests a local.
     _log_put: Callable[[bytes], None] | None = None
@@ -128,7 +111,7 @@ class Job:
         self.cancel_reason = ""
         self.task: asyncio.Task[None] | None = None
         self.stream: BackendStream | None = None
-        self.outcome = ""  # "done" | "error" once the job reached its end
+        self._start_state()  # phase HEAD, no outcome yet (workers.job_state)
         self.started = time.monotonic()
         self.queue_wait_ms = max(0.0, time.time() * 1000 - request.created_ms)
         self.first_chunk_at = 0.0
@@ -233,9 +216,22 @@ class Job:
             return
         finally:
             progress.cancel()
-        if self.outcome:
-            await self._report(self.outcome)
-        await ack(self.ctx, self.request, self.msg)
+        await self._settle(self.ending())
+
+    async def _settle(self, end: Ending) -> None:
+        """Do what ``end`` says (workers.job_state.Ending), in its order:
+        the record (or the metric alone), the error, the message's settling."""
+        if end.report:
+            await self._report(end.outcome)
+        elif end.outcome:
+            self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: end.outcome})
+        if end.error is not None:  # the edge (or the log's readers) may still listen
+            self.seq += 1
+            await self._send(Error(self.seq, _info(end.error)).encode())
+        if end.settle is Settle.ACK:
+            await ack(self.ctx, self.request, self.msg)
+        elif end.settle is Settle.NAK:
+            await self.msg.nak()
 
     async def _report(self, outcome: str) -> None:
         usage = self.stream.usage if self.stream is not None else Usage()
@@ -301,20 +297,7 @@ class Job:
         self.ctx.telemetry.metrics.cancellations.add(1, {tm.CAUSE: reason, tm.TIER: "worker"})
         if self.span is not None:
             self.span.add_event(tracing.CANCEL_EVENT, {tm.CAUSE: reason})
-        if reason in (FENCED, DUPLICATE_DELIVERY):  # nothing more, not even an ack: cut from
-            # NATS (workers/fencing.py), or another copy owns the stream (wire.protocol)
-            self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: reason})
-            return
-        if reason == WORKER_SHUTDOWN and not self.chunks_sent:
-            self.ctx.telemetry.metrics.jobs.add(1, {**self.attrs, tm.OUTCOME: "handed_back"})
-            await self.msg.nak()  # nothing reached the client: another worker takes over
-            return
-        await self._report("cancelled")
-        error = _CANCEL_ERRORS.get(reason)
-        if error is not None:  # the edge (or the log's readers) may still listen
-            self.seq += 1
-            await self._send(Error(self.seq, _info(error)).encode())
-        await ack(self.ctx, self.request, self.msg)
+        await self._settle(cancelled(reason, self.chunks_sent))
 
     async def _send(self, payload: bytes) -> None:
         """Send a message outside the window (Head, heartbeat, Done, Error;
@@ -339,8 +322,9 @@ class Job:
                               metadata.num_delivered, self.msg.reply or "").encode())
         if metadata.num_delivered > 1 and not await self._edge_still_waiting():
             log.info("dropping redelivered job %s: its edge did not confirm", self.request.id)
-            self.outcome = "dropped"
+            self.advance(Event.EDGE_SILENT)
             return
+        self.advance(Event.GO_AHEAD)
         watchdog = _helper(self._watchdog())
         try:
             await self._call_backend()
@@ -389,10 +373,11 @@ class Job:
             log.info("job %s: backend refused: %s", self.request.id, error.message)
             if limit is not None and error.status in (429, 503):
                 limit.overload(time.monotonic())
-            self.outcome = "error"
+            self.advance(Event.REFUSED)
             self.seq += 1
             await self._send(Error(self.seq, _info(error)).encode())
             return
+        self.advance(Event.OPENED)
         while True:
             try:
                 # A method lookup, not isinstance(): a runtime Protocol check
@@ -412,6 +397,7 @@ class Job:
             if following is None:
                 await self._fail(failure)
                 return
+            self.advance(Event.FAILOVER)
             stream, self.backend, self.running = following
             self.stream, self.limit = stream, None  # neither replica's latency alone
 
@@ -467,18 +453,18 @@ class Job:
         raised: ``tidegate.broker.poison``); nothing if it already ended."""
         if self.outcome:
             return
-        self.outcome = "error"
+        self.advance(Event.ABORTED)
         self.seq += 1
         await self._send(Error(self.seq, error).encode())
 
     async def _fail(self, error: BackendError) -> None:
         log.info("job %s: backend failed mid-stream: %s", self.request.id, error.message)
-        self.outcome = "error"
+        self.advance(Event.FAILED)
         self.seq += 1
         await self._send(Error(self.seq, _info(error)).encode())
 
     async def _done(self, stream: BackendStream) -> None:
-        self.outcome = "done"
+        self.advance(Event.DONE)
         usage = stream.usage
         limit = self.limit
         if limit is not None and self.first_chunk_at:

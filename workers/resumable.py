@@ -47,8 +47,9 @@ from tidegate.wire.protocol import (
 from tidegate.wire.streamlog import LogCursor, LogEvent
 from workers.backends import Backend
 from workers.continuation import continued
-from workers.job import RESUME_GRACE, Job
+from workers.job import Job
 from workers.job_context import JobContext
+from workers.job_state import RESUME_GRACE
 
 log = logging.getLogger("tidegate.worker")
 

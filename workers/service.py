@@ -55,8 +55,9 @@ from tidegate.wire.protocol import (
 from workers.backends import Backend, create_backend
 from workers.backends.load_probe import LoadProbe
 from workers.fencing import FENCED, Fence
-from workers.job import WORKER_SHUTDOWN, Job
+from workers.job import Job
 from workers.job_context import JobContext, ack, dropped, resend, reserved
+from workers.job_state import WORKER_SHUTDOWN
 from workers.limiter import AdaptiveLimit
 from workers.owners import ResponseOwners
 from workers.replicas import Breaker, ReplicaSet
