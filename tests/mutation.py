@@ -48,7 +48,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "stream": ("edge/stream.py", ["tests/test_stream_state.py", "tests/test_relay_direct.py",
                                   "tests/test_relay_copies.py"]),
     "relay": ("edge/relay.py", ["tests/test_relay_direct.py", "tests/test_relay_copies.py",
-                                "tests/test_relay_heads.py",
+                                "tests/test_relay_heads.py", "tests/test_relay_ends.py",
                                 "tests/test_flow.py", "tests/test_writers.py",
                                 "tests/test_fencing_token.py"]),
     "job": ("workers/job.py", ["tests/test_job_unit.py", "tests/test_fencing_token.py",

@@ -1,0 +1,157 @@
+"""How the edge lets go of a request's upstream (edge.relay), unit, no socket:
+a client that leaves, an error, a second copy, a body past its bound.
+
+| the end | what goes upstream |
+| --- | --- |
+| client gone, plain stream | ``Cancel`` to its worker (if one started it) and a tombstone, once |
+| client gone, resumable stream | ``Detach`` to its worker: it generates on into the log |
+| an error before any worker | a resumable stream's log gets the error, for its readers |
+| a second delivery | ``Cancel(duplicate_delivery)`` to the copy's worker |
+| the broker down meanwhile | nothing raised: the real outcome is the client's |
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from edge import instrument
+from edge.stream import Phase
+from tests.test_relay_direct import RecordingPublisher
+from tests.test_relay_heads import W1, W2, relay, sent
+from tidegate.errors import ApiError
+from tidegate.wire import streamlog
+from tidegate.wire.protocol import (
+    DUPLICATE_DELIVERY,
+    Cancel,
+    Detach,
+    Error,
+    Head,
+    decode_session,
+)
+
+
+class DownPublisher(RecordingPublisher):
+    """A broker that refuses everything (a partition, a restart)."""
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        raise ConnectionError("nats: connection closed")
+
+    async def tombstone(self, request_id: str, reason: str) -> None:
+        raise ConnectionError("nats: connection closed")
+
+
+async def test_a_plain_streams_client_gone_cancels_its_worker_and_tombstones_it_once() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    await r._on_head(Head(1, W1, 7, 1))
+    await r._leave("client_disconnected")
+    await r._leave("client_disconnected")
+    assert sent(publisher) == [(W1, Cancel("r1", "client_disconnected"))]
+    assert publisher.tombstones == [("r1", "client_disconnected")]
+    assert r.upstream_done
+
+
+async def test_before_any_worker_only_the_tombstone_stops_it() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    await r._cancel_upstream("slow_client")
+    assert sent(publisher) == []
+    assert publisher.tombstones == [("r1", "slow_client")]
+
+
+async def test_a_resumable_streams_client_gone_detaches_and_cancels_nothing() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher, resumable=True)
+    await r._on_head(Head(1, W1, 7, 1))
+    await r._leave("client_disconnected")
+    await r._leave("client_disconnected")
+    assert sent(publisher) == [(W1, Detach("r1", ""))]
+    assert publisher.tombstones == []
+    assert r.upstream_done
+
+
+async def test_a_resumable_stream_left_before_its_head_tells_no_one() -> None:
+    """Its worker, once it starts, sees no ack and detaches at its ack timeout."""
+    publisher = RecordingPublisher()
+    r = relay(publisher, resumable=True)
+    await r._leave("client_disconnected")
+    assert sent(publisher) == []
+    assert publisher.tombstones == []
+    assert r.upstream_done
+
+
+async def test_a_broker_that_is_down_does_not_mask_the_outcome() -> None:
+    r = relay(DownPublisher())
+    await r._on_head(Head(1, W1, 7, 1))
+    await r._cancel_upstream("client_disconnected")  # nothing raised
+    assert r.upstream_done
+    await r._cancel_second_delivery(Head(2, W2, 7, 2))
+    resumable = relay(DownPublisher(), resumable=True)
+    await resumable._on_head(Head(1, W1, 7, 1))
+    await resumable._leave("client_disconnected")
+    assert resumable.upstream_done
+
+
+async def test_a_second_delivery_is_told_to_drop_its_copy() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    await r._on_head(Head(1, W1, 7, 1))
+    publisher.published.clear()
+    await r._cancel_second_delivery(Head(2, W2, 7, 2))
+    assert sent(publisher) == [(W2, Cancel("r1", DUPLICATE_DELIVERY))]
+    assert r.control == W1
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+async def test_an_error_before_any_worker_reaches_a_resumable_streams_log(
+        resumable: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    failed: list[str] = []
+    monkeypatch.setattr(instrument, "failed", lambda e: failed.append(e.code or ""))
+    publisher = RecordingPublisher()
+    r = relay(publisher, resumable=resumable)
+    error = ApiError(429, "Too many requests.", type="rate_limit_error", code="rate_limited")
+    response = await r._fail(error)
+    assert response.status == 429
+    assert failed == ["rate_limited"]
+    subject = streamlog.subject(r.ctx.config.nats.subjects, "r1")
+    logged = [(s, decode_session(p)) for s, p in publisher.published]
+    if resumable:
+        assert len(logged) == 1
+        assert logged[0][0] == subject
+        end = logged[0][1]
+        assert isinstance(end, Error)
+        assert (end.seq, end.error.status, end.error.code) == (0, 429, "rate_limited")
+    else:
+        assert logged == []
+
+
+async def test_a_clients_own_cancel_is_no_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    failed: list[ApiError] = []
+    monkeypatch.setattr(instrument, "failed", failed.append)
+    r = relay(RecordingPublisher())
+    await r._fail(ApiError(499, "The client cancelled the request.", type="client_error",
+                           code="client_cancelled"))
+    assert failed == []
+
+
+async def test_an_error_once_streaming_leaves_the_log_to_its_worker() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher, resumable=True)
+    await r._on_head(Head(1, W1, 7, 1))
+    publisher.published.clear()
+    assert r.phase is Phase.STREAMING
+    await r._fail(ApiError(502, "Upstream broke.", type="server_error", code="backend_error"))
+    assert publisher.published == []
+
+
+async def test_a_collected_body_is_bounded_by_max_response_bytes() -> None:
+    r = relay(RecordingPublisher(), stream=False)
+    limit = r.ctx.config.edge.max_response_bytes
+    r._collect(b"x" * (limit - 1))
+    r._collect(b"y")
+    assert r.body_size == limit
+    assert [len(p) for p in r.body_parts] == [limit - 1, 1]
+    with pytest.raises(ApiError) as err:
+        r._collect(b"z")
+    assert (err.value.status, err.value.code) == (502, "response_too_large")
+    assert len(r.body_parts) == 2
