@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where to write (default: .tidegate/nats-auth)")
     natscfg.add_argument("--rotate", action="store_true",
                          help="new passwords even where credentials exist")
+    natscfg.add_argument("--edges", metavar="ID[,ID...]", default="",
+                         help="one login per edge, by edge.edge_id (edge.<id>.creds.toml): "
+                              "each reads only its own replies; without it the edges share one")
     setup = sub.add_parser(
         "setup", help="create or update every stream, consumer and bucket (admin)",
         description="Create or update every JetStream stream, consumer, KV bucket and object "

@@ -12,6 +12,10 @@ from typing import Any
 
 from tidegate import config as tgconfig
 from tidegate.config import Config
+from tidegate.errors import ConfigError
+
+# An edge id is a NATS subject token (tidegate.config.check).
+_EDGE_ID = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -77,10 +81,19 @@ def cmd_nats_config(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     out = Path(args.out)
-    auth = natsconfig.write(out, config.nats.subjects, rotate=args.rotate)
-    print(f"wrote {auth} and {out}/<tier>.creds.toml (edge, dispatcher, worker, admin)")
+    edges = tuple(e.strip() for e in args.edges.split(",") if e.strip())
+    bad = [e for e in edges if not _EDGE_ID.fullmatch(e)]
+    if bad or len(set(edges)) != len(edges):
+        raise ConfigError(f"--edges: distinct edge ids of letters, digits, '-' and '_', "
+                          f"got {args.edges!r}")
+    auth = natsconfig.write(out, config.nats.subjects, rotate=args.rotate, edges=edges)
+    logins = ", ".join((*(f"edge.{e}" for e in edges), "dispatcher", "worker", "admin")
+                       if edges else ("edge", "dispatcher", "worker", "admin"))
+    print(f"wrote {auth} and {out}/<name>.creds.toml ({logins})")
     print(f"  nats-server: -c {auth} (or include it in your server config)")
     print(f'  tidegate:    [nats] credentials = "{natsconfig.credentials_setting(out)}"')
+    if edges:
+        print("  each edge:   [edge] edge_id = one of " + ", ".join(edges))
     return 0
 
 

@@ -32,6 +32,9 @@ DEFAULT_CONSOLE_PORT = 8090  # tidegate console's default (fleet.cli)
 MODELS_TIMEOUT = 10.0  # seconds for GET {backend}/models
 PROPS_TIMEOUT = 3.0  # seconds for llama-server's GET /props (best effort)
 
+# An edge child's id (``edge.edge_id``), from ``tidegate up``'s child name.
+EDGE_ID_ENV = "TIDEGATE__EDGE__EDGE_ID"
+
 
 @dataclass(frozen=True, slots=True)
 class UpOptions:
@@ -114,12 +117,16 @@ class Plan:
         return urls
 
     def env_for(self, name: str) -> dict[str, str]:
-        """``child_env`` plus this child's metrics address, if it has one."""
+        """``child_env`` plus this child's metrics address, if it has one; an
+        edge's id is its name (its own NATS login's, ``edge.<name>``)."""
+        env = dict(self.child_env)
+        if name in names("edge", self.options.edges):
+            env[EDGE_ID_ENV] = name
         port = self.metrics_ports.get(name)
-        if port is None:
-            return self.child_env
-        return {**self.child_env, METRICS_PORT_ENV: str(port),
-                METRICS_HOST_ENV: self.config.edge.metrics_host}
+        if port is not None:
+            env.update({METRICS_PORT_ENV: str(port),
+                        METRICS_HOST_ENV: self.config.edge.metrics_host})
+        return env
 
 
 # --------------------------------------------------------------------------
@@ -178,7 +185,9 @@ def prepare(options: UpOptions, env: Mapping[str, str] | None = None) -> Plan:
         overrides.setdefault("nats", {})["url"] = f"nats://127.0.0.1:{nats_port}"
         if options.nats_auth:
             auth_dir = data_dir / "nats-auth"
-            nats_auth = natsconfig.write(auth_dir, base.nats.subjects)
+            # One login per edge: a stolen one reads no other edge's replies.
+            nats_auth = natsconfig.write(auth_dir, base.nats.subjects,
+                                         edges=tuple(names("edge", options.edges)))
             overrides["nats"]["credentials"] = natsconfig.credentials_setting(auth_dir)
     redis_password: str | None = None
     if redis_port is not None:

@@ -24,8 +24,10 @@ def preflight(config: Config, tier: str, env: Mapping[str, str] | None = None) -
     """Raise :class:`ConfigError` for the first thing ``tier`` could not start with."""
     env = os.environ if env is None else env
     metrics_address(env)
-    # The tier's NATS login and TLS files, read as its connection will.
-    connect_options(config.nats, f"tidegate-{tier}")
+    # The tier's NATS login and TLS files, read as its connection will (an
+    # edge's own login by its id, when it has one).
+    edge_id = config.edge.edge_id if tier == "edge" else ""
+    connect_options(config.nats, f"tidegate-{tier}-{edge_id}" if edge_id else f"tidegate-{tier}")
     if tier == "edge":
         from edge.tls import server_tls_context
 

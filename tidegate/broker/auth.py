@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from tidegate.broker.permissions import role_of
+from tidegate.broker.permissions import edge_login, role_of
 from tidegate.config import NatsConfig
 from tidegate.errors import ConfigError
 
@@ -51,10 +51,27 @@ def tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
     return context
 
 
+def _login(cfg: NatsConfig, client_name: str) -> Path | None:
+    """The credentials file of this client: an edge's own
+    (``edge.<edge id>``) when there is one, else its tier's."""
+    role = role_of(client_name)
+    edge_id = (client_name.removeprefix("tidegate-edge-")
+               if role == "edge" and client_name.startswith("tidegate-edge-") else "")
+    own = credentials_path(cfg, edge_login(edge_id)) if edge_id else None
+    if own is not None and own.exists():
+        return own
+    shared = credentials_path(cfg, role)
+    if own is not None and shared is not None and not shared.exists():
+        raise ConfigError(f"nats.credentials: no login for edge {edge_id!r}: neither {own} "
+                          f"nor {shared} exists (edge.edge_id must be one of the ids given "
+                          f"to `tidegate nats-config --edges`)")
+    return shared
+
+
 def connect_options(cfg: NatsConfig, client_name: str) -> dict[str, Any]:
     """Login and TLS keyword arguments for ``nats.connect`` for this client."""
     options: dict[str, Any] = {}
-    path = credentials_path(cfg, role_of(client_name))
+    path = _login(cfg, client_name)
     if path is not None:
         creds = load_credentials(path)
         options.update(user=creds["user"], password=creds["password"],

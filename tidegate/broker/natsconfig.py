@@ -7,7 +7,8 @@ Writes into one directory:
   permissions of :mod:`tidegate.broker.permissions`;
 * ``<tier>.creds.toml`` for edge, dispatcher, worker and admin (mode 0600) -
   point ``nats.credentials`` at ``<dir>/{tier}.creds.toml`` and each process
-  picks its own.
+  picks its own; with edge ids, ``edge.<id>.creds.toml`` per edge instead of
+  the edges' shared login (each reads only its own replies).
 
 Existing credentials are kept (a server already running with them keeps
 working) unless ``rotate`` is set; the permissions are always rewritten from
@@ -20,7 +21,7 @@ import os
 from pathlib import Path
 
 from tidegate.broker.auth import load_credentials
-from tidegate.broker.permissions import ROLES, Credentials, new_credentials, server_config
+from tidegate.broker.permissions import Credentials, new_credentials, server_config
 from tidegate.errors import ConfigError
 from tidegate.wire.subjects import Subjects
 
@@ -43,23 +44,28 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)  # an existing file keeps its mode otherwise
 
 
-def write(directory: Path, subjects: Subjects, *, rotate: bool = False) -> Path:
-    """Write ``auth.conf`` and the credentials; returns the auth.conf path."""
+def write(directory: Path, subjects: Subjects, *, rotate: bool = False,
+          edges: tuple[str, ...] = ()) -> Path:
+    """Write ``auth.conf`` and the credentials; returns the auth.conf path.
+    ``edges``: an own login per edge id (and no shared edge login)."""
     directory.mkdir(parents=True, exist_ok=True)
-    fresh = new_credentials()
     creds: dict[str, Credentials] = {}
-    for role in ROLES:
-        path = creds_file(directory, role)
+    for name, fresh in new_credentials(edges).items():
+        path = creds_file(directory, name)
         if path.exists() and not rotate:
             try:
                 old = load_credentials(path)
             except ConfigError:
                 old = None
             if old is not None:
-                creds[role] = Credentials(role, old["user"], old["password"])
+                creds[name] = Credentials(fresh.role, old["user"], old["password"],
+                                          fresh.edge_id)
                 continue
-        creds[role] = fresh[role]
-        _write_private(path, creds[role].to_toml())
+        creds[name] = fresh
+        _write_private(path, fresh.to_toml())
+    if edges:
+        # A shared edge login left from before would no longer log in.
+        creds_file(directory, "edge").unlink(missing_ok=True)
     auth = directory / AUTH_FILE
     _write_private(auth, server_config(subjects, creds))
     return auth

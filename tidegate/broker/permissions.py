@@ -29,9 +29,15 @@ BATCH_INBOX = "batch"
 ROLES = ("edge", "dispatcher", "worker", "admin")
 
 
-def inbox_prefix(role: str) -> str:
-    """The inbox prefix of ``role``'s connections (nats-py ``inbox_prefix``)."""
-    return f"_INBOX_{role}"
+def inbox_prefix(role: str, edge_id: str = "") -> str:
+    """The inbox prefix of ``role``'s connections (nats-py ``inbox_prefix``);
+    an edge with its own login has its own, under the edges'."""
+    return f"_INBOX_{role}.{edge_id}" if edge_id else f"_INBOX_{role}"
+
+
+def edge_login(edge_id: str) -> str:
+    """The credentials name (``nats.credentials``' ``{tier}``) of one edge's own login."""
+    return f"edge.{edge_id}"
 
 
 def role_of(client_name: str) -> str:
@@ -256,6 +262,16 @@ def access(subjects: Subjects) -> dict[str, Access]:
     return {"edge": edge, "dispatcher": dispatcher, "worker": worker}
 
 
+def edge_access(subjects: Subjects, edge_id: str) -> Access:
+    """One edge's own line: the edges' grants, but it reads only its own
+    replies (``<p>.out.<edge_id>.*``) and inbox, never another edge's."""
+    shared = access(subjects)["edge"]
+    own = {f"{inbox_prefix('edge')}.>": f"{inbox_prefix('edge', edge_id)}.>",
+           f"{subjects.prefix}.out.*.*": subjects.edge_inbox(edge_id)}
+    return Access(shared.api, shared.publish,
+                  tuple(own.get(subject, subject) for subject in shared.subscribe))
+
+
 def table(subjects: Subjects) -> dict[str, Rules]:
     """Role -> its nats-server rules, for the subjects of one prefix."""
     rules = {role: line.rules() for role, line in access(subjects).items()}
@@ -270,21 +286,36 @@ class Credentials:
     role: str
     user: str
     password: str = field(repr=False)
+    edge_id: str = ""  # one edge's own login (edge_login), else the tier's
 
     @property
     def inbox_prefix(self) -> str:
-        return inbox_prefix(self.role)
+        return inbox_prefix(self.role, self.edge_id)
+
+    @property
+    def name(self) -> str:
+        """Its name in ``nats.credentials``' ``{tier}``."""
+        return edge_login(self.edge_id) if self.edge_id else self.role
 
     def to_toml(self) -> str:
-        return (f'# tidegate NATS credentials for the {self.role} tier (keep private)\n'
+        whose = f"edge {self.edge_id}" if self.edge_id else f"{self.role} tier"
+        return (f'# tidegate NATS credentials for the {whose} (keep private)\n'
                 f'user = "{self.user}"\npassword = "{self.password}"\n'
                 f'inbox_prefix = "{self.inbox_prefix}"\n')
 
 
-def new_credentials() -> dict[str, Credentials]:
-    """Fresh random passwords (192 bits) for every role."""
-    return {role: Credentials(role, f"tidegate-{role}", secrets.token_urlsafe(24))
-            for role in ROLES}
+def new_credentials(edge_ids: tuple[str, ...] = ()) -> dict[str, Credentials]:
+    """Fresh random passwords (192 bits) by credentials name: every role's,
+    or, given ``edge_ids``, one login per edge instead of the edges' shared one."""
+    def password() -> str:
+        return secrets.token_urlsafe(24)
+
+    out = {role: Credentials(role, f"tidegate-{role}", password()) for role in ROLES
+           if not (edge_ids and role == "edge")}
+    for edge_id in edge_ids:
+        c = Credentials("edge", f"tidegate-edge-{edge_id}", password(), edge_id)
+        out[c.name] = c
+    return out
 
 
 def server_config(subjects: Subjects, creds: dict[str, Credentials]) -> str:
@@ -294,10 +325,10 @@ def server_config(subjects: Subjects, creds: dict[str, Credentials]) -> str:
     """
     rules = table(subjects)
     users = []
-    for role in ROLES:
-        c = creds[role]
+    for c in creds.values():
+        role_rules = edge_access(subjects, c.edge_id).rules() if c.edge_id else rules[c.role]
         users.append({"user": c.user, "password": c.password,
-                      "permissions": rules[role].as_config()})
+                      "permissions": role_rules.as_config()})
     # nats-server's config format accepts JSON syntax.
     return ("# Written by `tidegate nats-config`: one user per tidegate tier.\n"
             "# Permissions: tidegate/broker/permissions.py, docs/security.md.\n"
