@@ -294,15 +294,17 @@ async def test_watch_recovers_after_a_nats_restart(nats_server: ServerHandle) ->
         before, rec = await create_key(kv, "acme")
         table = KeyTable()
         task = asyncio.create_task(watch_keys(kv, table.apply, table.remove))
-        await eventually(lambda: accepts(table, before), 2.0)
+        await eventually(lambda: accepts(table, before), 15.0)
 
         await asyncio.to_thread(nats_server.restart)
         await eventually(lambda: nc.stats["reconnects"] >= 1 and nc.is_connected, 10.0)
         after, _ = await create_key(kv, "acme")
         await revoke_key(kv, rec.key_id)
+        # nats-py's own watch stays silent 10 s and more: a ceiling just under
+        # it tells ours apart while leaving a loaded machine room.
         took = await eventually(lambda: accepts(table, after) and not accepts(table, before),
-                                5.0)
-        assert took < 3.0
+                                9.0)
+        assert took < 9.0
     finally:
         if task is not None:
             task.cancel()
