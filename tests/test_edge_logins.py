@@ -11,10 +11,9 @@ from pathlib import Path
 import nats
 import nats.js.errors
 import pytest
-from nats.aio.client import Client as NATS
 
-from fleet.run.servers import NatsServer
 from tests.pipeline import wait_for
+from tests.test_nats_permissions import AuthServer, connect_as
 from tidegate.broker import natsconfig
 from tidegate.broker.auth import connect_options, load_credentials
 from tidegate.config import NatsConfig
@@ -26,35 +25,16 @@ pytestmark = [pytest.mark.pipeline]
 EDGES = ("edge-1", "edge-2")
 
 
-class Fleet:
-    def __init__(self, workdir: Path) -> None:
-        self.auth_dir = workdir / "auth"
-        self.auth = natsconfig.write(self.auth_dir, Subjects(), edges=EDGES)
-        self.server = NatsServer(workdir / "nats", extra_args=["-c", str(self.auth)])
-        self.server.start()
-
-    async def connect(self, name: str, errors: list[str]) -> NATS:
-        creds = load_credentials(natsconfig.creds_file(self.auth_dir, name))
-
-        async def on_error(exc: Exception) -> None:
-            errors.append(str(exc))
-
-        return await nats.connect(self.server.url, user=creds["user"],
-                                  password=creds["password"],
-                                  inbox_prefix=creds["inbox_prefix"], error_cb=on_error,
-                                  allow_reconnect=False)
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("edgelogins"))
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
+    server = AuthServer(tmp_path_factory.mktemp("edgelogins"), edges=EDGES)
     try:
-        yield f
+        yield server
     finally:
-        f.server.stop()
+        server.server.stop()
 
 
-def test_each_edge_gets_its_own_login_and_no_shared_one(fleet: Fleet) -> None:
+def test_each_edge_gets_its_own_login_and_no_shared_one(fleet: AuthServer) -> None:
     names = sorted(p.name for p in fleet.auth_dir.glob("*.creds.toml"))
     assert names == ["admin.creds.toml", "dispatcher.creds.toml", "edge.edge-1.creds.toml",
                      "edge.edge-2.creds.toml", "worker.creds.toml"]
@@ -65,7 +45,7 @@ def test_each_edge_gets_its_own_login_and_no_shared_one(fleet: Fleet) -> None:
     assert '"tidegate-edge"' not in conf
 
 
-def test_an_edge_picks_its_own_login_by_its_id(fleet: Fleet) -> None:
+def test_an_edge_picks_its_own_login_by_its_id(fleet: AuthServer) -> None:
     cfg = NatsConfig(credentials=natsconfig.credentials_setting(fleet.auth_dir))
     opts = connect_options(cfg, "tidegate-edge-edge-2")
     assert (opts["user"], opts["inbox_prefix"]) == ("tidegate-edge-edge-2",
@@ -83,10 +63,10 @@ def test_the_shared_login_is_gone_once_edges_have_their_own(tmp_path: Path) -> N
     assert natsconfig.creds_file(tmp_path, "edge.a").exists()
 
 
-async def test_an_edge_reads_its_own_replies_and_no_other_edges(fleet: Fleet) -> None:
+async def test_an_edge_reads_its_own_replies_and_no_other_edges(fleet: AuthServer) -> None:
     errors: list[str] = []
-    edge1 = await fleet.connect("edge.edge-1", errors)
-    worker = await fleet.connect("worker", errors)
+    edge1 = await connect_as(fleet, "edge.edge-1", errors)
+    worker = await connect_as(fleet, "worker", errors)
     got: list[bytes] = []
 
     async def on_msg(msg: nats.aio.msg.Msg) -> None:
@@ -109,10 +89,10 @@ async def test_an_edge_reads_its_own_replies_and_no_other_edges(fleet: Fleet) ->
 
 @pytest.mark.parametrize("subject", ["tg.out.edge-2.*", "tg.out.*.*", "tg.out.>",
                                      "_INBOX_edge.edge-2.>", "_INBOX_edge.>", "_INBOX_worker.>"])
-async def test_a_stolen_edge_login_cannot_read_another_edges_replies(fleet: Fleet,
+async def test_a_stolen_edge_login_cannot_read_another_edges_replies(fleet: AuthServer,
                                                                      subject: str) -> None:
     errors: list[str] = []
-    edge1 = await fleet.connect("edge.edge-1", errors)
+    edge1 = await connect_as(fleet, "edge.edge-1", errors)
     try:
         await edge1.subscribe(subject)
         await edge1.flush()

@@ -46,9 +46,12 @@ EDGE_ID = "permedge"
 
 
 class AuthServer:
-    def __init__(self, workdir: Path) -> None:
+    """nats-server under ``tidegate nats-config``'s auth.conf (``edges``: one
+    login per edge, as ``--edges`` writes)."""
+
+    def __init__(self, workdir: Path, edges: tuple[str, ...] = ()) -> None:
         self.auth_dir = workdir / "auth"
-        self.auth = natsconfig.write(self.auth_dir, Subjects())
+        self.auth = natsconfig.write(self.auth_dir, Subjects(), edges=edges)
         self.server = NatsServer(workdir / "nats", extra_args=["-c", str(self.auth)])
         self.server.start()
 
@@ -173,8 +176,8 @@ def test_resume_batches_and_files_work_under_the_permissions(
     assert auth_server.violations() == [], "\n".join(auth_server.violations())
 
 
-async def _connect(auth_server: AuthServer, role: str,
-                   errors: list[str]) -> NATS:
+async def connect_as(auth_server: AuthServer, role: str, errors: list[str]) -> NATS:
+    """A client with ``role``'s login (a credentials name: ``edge.<id>`` too)."""
     creds = auth_server.creds(role)
 
     async def on_error(exc: Exception) -> None:
@@ -189,7 +192,7 @@ async def _denied(auth_server: AuthServer, role: str,
                   action: Callable[[NATS], Awaitable[Any]]) -> str:
     """Run ``action`` as ``role``; the permissions violation the server reported."""
     errors: list[str] = []
-    nc = await _connect(auth_server, role, errors)
+    nc = await connect_as(auth_server, role, errors)
     async def attempt() -> None:
         try:
             await action(nc)
@@ -216,7 +219,7 @@ async def _denied(auth_server: AuthServer, role: str,
 async def _allowed(auth_server: AuthServer, role: str,
                    action: Callable[[NATS], Awaitable[Any]]) -> Any:
     errors: list[str] = []
-    nc = await _connect(auth_server, role, errors)
+    nc = await connect_as(auth_server, role, errors)
     try:
         result = await action(nc)
         # The positive event that gives a violation its chance: the server
