@@ -51,6 +51,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                                 "tests/test_relay_heads.py", "tests/test_relay_ends.py",
                                 "tests/test_flow.py", "tests/test_writers.py",
                                 "tests/test_fencing_token.py"]),
+    "job_state": ("workers/job_state.py", ["tests/test_job_state.py", "tests/test_job_unit.py"]),
     "job": ("workers/job.py", ["tests/test_job_unit.py", "tests/test_fencing_token.py",
                                "tests/test_replica_continuation.py"]),
     "continuation": ("workers/continuation.py", ["tests/test_continuation.py",
