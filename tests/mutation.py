@@ -55,6 +55,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "job": ("workers/job.py", ["tests/test_job_unit.py", "tests/test_fencing_token.py",
                                "tests/test_replica_continuation.py"]),
     "continuation": ("workers/continuation.py", ["tests/test_continuation.py",
+                                                 "tests/test_continued_streams.py",
                                                  "tests/test_replica_continuation.py",
                                                  "tests/test_job_unit.py"]),
     "replicas": ("workers/replicas.py", ["tests/test_replicas_unit.py",
