@@ -17,7 +17,15 @@ from tests.test_continuation import Chunks, request
 from tidegate.control.prices import PRICE_EXTRA, Price, price_spec
 from tidegate.wire.protocol import Api, Continue
 from workers.backends import Usage
-from workers.continuation import Closing, ContinuedResponses, JoinedStream
+from workers.continuation import (
+    Closing,
+    ContinuedResponses,
+    ContinuedStream,
+    JoinedStream,
+    _prefix_item,
+    _prefix_part,
+    continued_stream,
+)
 
 NEW_RESPONSE, NEW_ITEM = "resp_new", "msg_new"
 CLIENT_RESPONSE, CLIENT_ITEM = "resp_client", "msg_client"
@@ -187,3 +195,59 @@ async def test_a_spent_continuation_writes_only_its_end(api: Api, include_usage:
     assert (end.usage.completion_tokens, end.usage.finish_reason) == (0, "length")
     assert await end.read(1 << 16) == b""
     await end.aclose()
+
+
+async def test_a_responses_request_continues_as_its_splice_with_the_clients_limit() -> None:
+    r = request(Api.RESPONSES, input="hi", max_output_tokens=17)
+    chunks = Chunks(backend_stream())
+    chunks.usage = Usage()
+    stream = continued_stream(chunks, r, GOT_ALL)
+    out = await stream.read(1 << 16)
+    assert b'"max_output_tokens": 20' in out or b'"max_output_tokens":20' in out
+    assert b"response.created" not in out
+
+
+async def test_blank_events_and_comments_pass_and_take_no_number() -> None:
+    whole = backend_stream()
+    at = whole.index(b"event: response.output_text.delta")
+    noisy = whole[:at] + b": keep-alive\n\n\n\n" + whole[at:]
+    chunks = Chunks(noisy)
+    chunks.usage = Usage()
+    stream = ContinuedResponses(chunks, GOT_ALL, 17)
+    out = b""
+    while data := await stream.read(1 << 16):
+        out += data
+    assert b": keep-alive\n\n" in out
+    assert b"\n\n\n\n" not in out
+    numbers = [json.loads(b.split(b"\n")[1][6:])["sequence_number"]
+               for b in out.split(b"\n\n") if b.startswith(b"event: ")]
+    assert numbers == list(range(7, 13))
+
+
+def test_only_the_first_text_part_of_a_message_gets_the_delivered_text() -> None:
+    item = {"type": "message", "content": [{"type": "refusal", "refusal": "no"},
+                                           {"type": "output_text", "text": " a"},
+                                           {"type": "output_text", "text": " b"}]}
+    assert _prefix_item(item, "Hello")
+    assert [p.get("text") for p in item["content"]] == [None, "Hello a", " b"]
+    assert not _prefix_item({"type": "reasoning", "content": []}, "Hello")
+    assert not _prefix_part({"type": "output_text", "text": 5}, "Hello")
+
+
+async def test_a_continued_chat_stream_carries_the_clients_id_from_its_first_read() -> None:
+    role = b'data: {"id":"chatcmpl-new","choices":[{"delta":{"role":"assistant"}}]}\n\n'
+    word = b'data: {"id":"chatcmpl-new","choices":[{"delta":{"content":" on"}}]}\n\n'
+    s = ContinuedStream(Chunks(role, word, word), chat=True,  # the role chunk read alone
+                        response_id="chatcmpl-client")
+    first, second = await s.read(100), await s.read(100)
+    assert first == second == word.replace(b'"chatcmpl-new"', b'"chatcmpl-client"')
+    same = ContinuedStream(Chunks(word), chat=False, response_id="chatcmpl-new")
+    assert await same.read(100) == word
+
+
+async def test_a_usage_event_that_is_not_an_object_passes_unchanged() -> None:
+    odd = b'data: [{"usage": {"prompt_tokens": 1}}]\n\n'
+    chunks = Chunks(odd)
+    chunks.usage = Usage()
+    stream = JoinedStream(chunks, request(), Usage(completion_tokens=3))
+    assert await stream.read(1 << 16) == odd

@@ -295,8 +295,9 @@ class ContinuedResponses:
                     return b""
             elif kind in _CLOSING:
                 event = self._closing(event)
-        event = _SEQ.sub(b'"sequence_number":%d' % self._next, event, count=1)
-        self._next += 1
+        # Numbered events only: a comment (a keep-alive) takes no number.
+        event, numbered = _SEQ.subn(b'"sequence_number":%d' % self._next, event, count=1)
+        self._next += numbered
         for new, old in self._renames:
             event = event.replace(new, old)
         return event + b"\n\n"
