@@ -136,6 +136,8 @@ class Chunks:
         self.usage: Any = None
 
     async def read(self, max_bytes: int) -> bytes:
+        assert isinstance(max_bytes, int), max_bytes  # as a backend needs
+        assert max_bytes > 0, max_bytes
         return self.parts.pop(0) if self.parts else b""
 
     async def aclose(self) -> None:

@@ -251,3 +251,18 @@ async def test_a_usage_event_that_is_not_an_object_passes_unchanged() -> None:
     chunks.usage = Usage()
     stream = JoinedStream(chunks, request(), Usage(completion_tokens=3))
     assert await stream.read(1 << 16) == odd
+
+
+async def test_events_written_without_a_space_after_data_are_spliced_too() -> None:
+    """``data:{...}`` is as valid SSE as ``data: {...}`` (a backend may write either)."""
+    tight = backend_stream().replace(b"data: ", b"data:")
+    chunks = Chunks(tight)
+    chunks.usage = Usage()
+    out = await ContinuedResponses(chunks, GOT_ALL, 17).read(1 << 16)
+    assert b'"text":"Hello world"' in out
+    usage = (b'data:{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,'
+             b'"total_tokens":2}}\n\n')
+    usage_chunks = Chunks(usage)
+    usage_chunks.usage = Usage(prompt_tokens=1, completion_tokens=1)
+    joined = JoinedStream(usage_chunks, request(), Usage(completion_tokens=3))
+    assert b'"completion_tokens":4' in await joined.read(1 << 16)
