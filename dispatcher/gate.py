@@ -82,7 +82,7 @@ class QueueGate:
             return True
         try:
             state, position = await self.queue.enqueue(
-                model.name, request.id, request.tenant, request.klass == "batch", self.owner,
+                model.name, request.id, request.tenant, request.klass, self.owner,
                 time.time(), model.queue)
         except QuotaUnavailable as exc:
             # Without the shared queue, queueing cannot be fair or bounded:

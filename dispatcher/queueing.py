@@ -5,9 +5,11 @@ tag (one slot, so each script is atomic on Redis Cluster): ``qm:<model>`` (mode,
 limit, last p99, streaks, peak), ``lat:<model>:<w>`` and ``peak:<model>:<w>``
 per window, and the fair queue ``q:<model>:...``.
 
-Fairness: tenants are served round robin; within a tenant interactive before
-batch, then oldest first. Ownership: the dispatcher that queued a request keeps
-its JetStream message unacked until a grant; if it dies, the redelivery's
+Fairness: the best class waiting goes first, whoever's it is
+(``tidegate.wire.classes``: interactive, background, batch); within a class
+tenants are served round robin, and a tenant's requests oldest first.
+Ownership: the dispatcher that queued a request keeps its JetStream message
+unacked until a grant; if it dies, the redelivery's
 enqueue finds the entry and takes it over, so a queued request is never lost
 nor dispatched twice. Docs: docs/queue-mode.md#redis-keys.
 """
@@ -22,12 +24,42 @@ from typing import Any
 from dispatcher.quota import QuotaUnavailable
 from dispatcher.redis_client import RedisClient
 from tidegate.config import QueueModeConfig
+from tidegate.wire import classes
 from tidegate.wire.subjects import encode_token
 
+# How many requests will be granted before ``rid`` of ``tenant`` (1 = next):
+# its own better-class and older same-class requests, every other tenant's
+# better-class ones, and one turn per tenant with work of its class each round
+# (round robin within the class), those before it in turn order this round.
+_POSITION = """
+local function position(base, tenant, rid)
+  local tkey = base .. ':t:' .. tenant
+  local score = redis.call('ZSCORE', tkey, rid)
+  if not score then return 0 end
+  local lo = math.floor(tonumber(score) / 1e15) * 1e15
+  local hi = '(' .. (lo + 1e15)
+  local mine = redis.call('ZCOUNT', tkey, '-inf', '(' .. lo)
+  local rounds = redis.call('ZCOUNT', tkey, lo, '(' .. score)
+  local ahead, same, before, passed = 0, 1, 0, false
+  for _, other in ipairs(redis.call('ZRANGE', base .. ':tenants', 0, -1)) do
+    if other == tenant then passed = true
+    else
+      local okey = base .. ':t:' .. other
+      ahead = ahead + redis.call('ZCOUNT', okey, '-inf', '(' .. lo)
+      if redis.call('ZCOUNT', okey, lo, hi) > 0 then
+        same = same + 1
+        if not passed then before = before + 1 end
+      end
+    end
+  end
+  return mine + ahead + rounds * same + before + 1
+end
+"""
+
 # enqueue: KEYS = base (prefix of this model's queue keys). ARGV = request id,
-# tenant, class (0 interactive, 1 batch), owner, now ms, ttl ms, bound.
+# tenant, class rank (tidegate.wire.classes.rank), owner, now ms, ttl ms, bound.
 # Returns {state, position}: state is queued / granted / full.
-_ENQUEUE = """
+_ENQUEUE = _POSITION + """
 local base, rid, tenant, class = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
 local owner, now, ttl, bound = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local rkey = base .. ':r:' .. rid
@@ -46,14 +78,13 @@ redis.call('ZADD', base .. ':deadlines', now + ttl, rid)
 redis.call('HSET', rkey, 'owner', owner, 'tenant', tenant, 'state', 'queued')
 redis.call('PEXPIRE', rkey, ttl + 3600000)
 redis.call('INCR', base .. ':n')
-local ntenants = redis.call('ZCARD', base .. ':tenants')
-local trank = redis.call('ZRANK', base .. ':tenants', tenant)
-local rank = redis.call('ZRANK', tkey, rid)
-return {'queued', rank * ntenants + trank + 1}
+return {'queued', position(base, tenant, rid)}
 """
 
 # grant: KEYS = base. ARGV = capacity, now ms. Expires overdue entries, then
-# grants up to capacity, round robin over tenants. Returns a flat list
+# grants up to capacity: each time the best class any tenant has waiting, from
+# the tenant whose turn is oldest among those (a tenant's queue is ordered by
+# class, then age, so its head is its best). Returns a flat list
 # {kind, rid, owner, ...} with kind 'g' (granted) or 'x' (expired).
 _GRANT = """
 local base, capacity, now = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -75,28 +106,30 @@ end
 local overdue = redis.call('ZRANGEBYSCORE', base .. ':deadlines', '-inf', now, 'LIMIT', 0, 256)
 for _, rid in ipairs(overdue) do take(rid, 'x') end
 while capacity > 0 do
-  local first = redis.call('ZRANGE', base .. ':tenants', 0, 0)
-  if #first == 0 then break end
-  local tenant = first[1]
-  local head = redis.call('ZRANGE', base .. ':t:' .. tenant, 0, 0)
-  if #head == 0 then
-    redis.call('ZREM', base .. ':tenants', tenant)
-  else
-    local turn = redis.call('INCR', base .. ':turn')
-    redis.call('ZADD', base .. ':tenants', 'XX', turn, tenant)
-    take(head[1], 'g')
-    capacity = capacity - 1
+  local best, pick, rid = nil, nil, nil
+  for _, tenant in ipairs(redis.call('ZRANGE', base .. ':tenants', 0, -1)) do
+    local head = redis.call('ZRANGE', base .. ':t:' .. tenant, 0, 0, 'WITHSCORES')
+    if #head == 0 then
+      redis.call('ZREM', base .. ':tenants', tenant)
+    else
+      local class = math.floor(tonumber(head[2]) / 1e15)
+      if best == nil or class < best then best, pick, rid = class, tenant, head[1] end
+    end
   end
+  if pick == nil then break end
+  local turn = redis.call('INCR', base .. ':turn')
+  redis.call('ZADD', base .. ':tenants', 'XX', turn, pick)
+  take(rid, 'g')
+  capacity = capacity - 1
 end
 return out
 """
 
-# positions: KEYS = base. ARGV = request ids. Round-robin estimate of how many
-# requests will be granted before each (1 = next); -1 = already granted,
-# -2 = expired (so an owner whose grant message was lost still learns it).
-_POSITIONS = """
+# positions: KEYS = base. ARGV = request ids. Each one's position (see
+# _POSITION); -1 = already granted, -2 = expired (so an owner whose grant
+# message was lost still learns it).
+_POSITIONS = _POSITION + """
 local base = KEYS[1]
-local ntenants = redis.call('ZCARD', base .. ':tenants')
 local out = {}
 for i, rid in ipairs(ARGV) do
   local rkey = base .. ':r:' .. rid
@@ -105,10 +138,7 @@ for i, rid in ipairs(ARGV) do
   local pos = 0
   if state == 'granted' then pos = -1
   elseif state == 'expired' then pos = -2
-  elseif tenant then
-    local rank = redis.call('ZRANK', base .. ':t:' .. tenant, rid)
-    local trank = redis.call('ZRANK', base .. ':tenants', tenant)
-    if rank and trank then pos = rank * ntenants + trank + 1 end
+  elseif tenant then pos = position(base, tenant, rid)
   end
   out[i] = pos
 end
@@ -239,12 +269,13 @@ class QueueMode:
 
     # -- the fair queue ------------------------------------------------------------
 
-    async def enqueue(self, model: str, request_id: str, tenant: str, batch: bool, owner: str,
+    async def enqueue(self, model: str, request_id: str, tenant: str, klass: str, owner: str,
                       now: float, cfg: QueueModeConfig) -> tuple[str, int]:
+        """Queue a request of class ``klass`` (tidegate.wire.classes)."""
         state, position = await self._run(self._enqueue(
             keys=[self._queue(model)],
-            args=[request_id, encode_token(tenant), 1 if batch else 0, owner, int(now * 1000),
-                  int(cfg.ttl * 1000), cfg.max_queued]))
+            args=[request_id, encode_token(tenant), classes.rank(klass), owner,
+                  int(now * 1000), int(cfg.ttl * 1000), cfg.max_queued]))
         return str(state), int(position)
 
     async def queued(self, model: str) -> int:

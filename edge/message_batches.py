@@ -30,6 +30,7 @@ from tidegate.broker import objects
 from tidegate.control.batches import Stores
 from tidegate.errors import ApiError, BrokerError, ProtocolError, invalid_request
 from tidegate.validation.jsonbody import parse_object
+from tidegate.wire import classes
 from tidegate.wire import message_batch as mb
 from tidegate.wire.batch import (
     BatchRecord,
@@ -103,7 +104,7 @@ def _checker(api: BatchApi, principal: Principal) -> Any:
         try:
             Request(id="-", reply="-", model=valid.model.name, api=valid.api, stream=False,
                     body=valid.body, created_ms=0, deadline_ms=0, window_bytes=0,
-                    window_msgs=0, klass="batch").encode()
+                    window_msgs=0, klass=classes.BATCH).encode()
         except ProtocolError:
             raise invalid_request("The request contains a number outside the 64-bit "
                                   "integer range.", code="invalid_value") from None

@@ -18,11 +18,12 @@ from nats.js.api import PubAck
 
 from edge.auth import Principal
 from edge.state import EdgeState
+from tidegate import apis
 from tidegate.broker import bodies, patient
 from tidegate.config import Config, ModelConfig
 from tidegate.errors import ApiError, BrokerError, ProtocolError, invalid_request, unavailable
 from tidegate.validation.generation import Validated, model_not_found
-from tidegate.wire import streamlog
+from tidegate.wire import classes, streamlog
 from tidegate.wire.protocol import Request
 
 log = logging.getLogger("tidegate.edge")
@@ -81,6 +82,9 @@ def build_request(state: EdgeState, principal: Principal, valid: Validated,
         extra=dict(carrier),
         resumable=grace is not None,
         grace=grace or 0.0,
+        # Responses' background mode waits behind what a client waits on.
+        klass=(classes.BACKGROUND if valid.body.get("background") is True
+               and apis.of(valid.api).background else classes.INTERACTIVE),
     )
 
 

@@ -63,11 +63,11 @@ class FakeQueue:
         self.answer_positions = positions or []
         self.enqueued: list[tuple[str, str, bool]] = []
 
-    async def enqueue(self, model: str, request_id: str, tenant: str, batch: bool,
+    async def enqueue(self, model: str, request_id: str, tenant: str, klass: str,
                       owner: str, now: float, cfg: Any) -> tuple[str, int]:
         if self.down:
             raise QuotaUnavailable("redis down")
-        self.enqueued.append((request_id, tenant, batch))
+        self.enqueued.append((request_id, tenant, klass))
         return self.state, self.position
 
     async def positions(self, model: str, request_ids: list[str]) -> list[int]:
@@ -128,7 +128,7 @@ async def test_queued_is_held_unacked_and_told_its_position() -> None:
     queue = FakeQueue(position=3)
     gate, rec = make(queue)
     assert not await admit(gate, rec, klass="batch")
-    assert queue.enqueued == [("r1", "acme", True)]
+    assert queue.enqueued == [("r1", "acme", "batch")]
     [status] = rec.statuses()
     assert (status.admission, status.position) == (Admission.QUEUED, 3)
     assert status.headers == {"x-ratelimit-limit-tokens": "9"}

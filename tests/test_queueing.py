@@ -11,6 +11,7 @@ import pytest
 from dispatcher.queueing import QueueMode, p99
 from dispatcher.quota import connect
 from tidegate.config import QueueModeConfig
+from tidegate.wire.classes import BACKGROUND, BATCH, INTERACTIVE
 
 CFG = QueueModeConfig(ttft_p99=0.2, window=1.0, enter_after=2, exit_after=2, ttl=10.0,
                       max_queued=5, min_concurrency=2)
@@ -23,27 +24,51 @@ async def queue(redis_server: Any) -> AsyncIterator[QueueMode]:
     await client.aclose()
 
 
-async def test_round_robin_across_tenants_interactive_first(queue: QueueMode) -> None:
+async def test_round_robin_across_tenants_within_the_best_class_first(queue: QueueMode) -> None:
     now = 1000.0
     for i in range(3):
-        await queue.enqueue("m", f"a{i}", "a", False, "d1", now + i, CFG)
-    await queue.enqueue("m", "b-batch", "b", True, "d1", now + 3, CFG)
-    await queue.enqueue("m", "b0", "b", False, "d1", now + 4, CFG)
+        await queue.enqueue("m", f"a{i}", "a", INTERACTIVE, "d1", now + i, CFG)
+    await queue.enqueue("m", "b-batch", "b", BATCH, "d1", now + 3, CFG)
+    await queue.enqueue("m", "b0", "b", INTERACTIVE, "d1", now + 4, CFG)
     grants = await queue.grant("m", 5, now + 5)
     order = [g.request_id for g in grants]
     assert all(g.granted for g in grants)
-    # a and b alternate; within b the interactive request goes before the batch one.
-    assert order == ["a0", "b0", "a1", "b-batch", "a2"]
+    # a and b alternate while both have interactive requests; b's batch
+    # request waits for every interactive one, a's too.
+    assert order == ["a0", "b0", "a1", "a2", "b-batch"]
     assert await queue.queued("m") == 0
+
+
+async def test_an_interactive_request_goes_before_every_tenants_older_lower_class_work(
+        queue: QueueMode) -> None:
+    """Batch lines and background responses queued first, by other tenants:
+    an interactive request that comes later is granted first, then
+    background work, then batch (tidegate.wire.classes)."""
+    now = 2000.0
+    await queue.enqueue("m", "x-batch0", "x", BATCH, "d1", now, CFG)
+    await queue.enqueue("m", "x-batch1", "x", BATCH, "d1", now + 1, CFG)
+    await queue.enqueue("m", "y-bg", "y", BACKGROUND, "d1", now + 2, CFG)
+    assert await queue.enqueue("m", "z-chat", "z", INTERACTIVE, "d1", now + 3, CFG) == (
+        "queued", 1)
+    assert await queue.positions("m", ["z-chat", "y-bg", "x-batch0", "x-batch1"]) == [
+        1, 2, 3, 4]
+    assert [g.request_id for g in await queue.grant("m", 1, now + 4)] == ["z-chat"]
+    assert [g.request_id for g in await queue.grant("m", 1, now + 4)] == ["y-bg"]
+    assert [g.request_id for g in await queue.grant("m", 2, now + 4)] == ["x-batch0",
+                                                                            "x-batch1"]
+    # a class this version does not know (off the broker, untrusted) waits last
+    await queue.enqueue("m", "odd", "x", "priority-9", "d1", now + 5, CFG)
+    await queue.enqueue("m", "bg", "y", BACKGROUND, "d1", now + 6, CFG)
+    assert [g.request_id for g in await queue.grant("m", 2, now + 7)] == ["bg", "odd"]
 
 
 async def test_bound_expiry_and_takeover(queue: QueueMode) -> None:
     now = 2000.0
     for i in range(5):
-        assert (await queue.enqueue("m", f"r{i}", "t", False, "d1", now, CFG))[0] == "queued"
-    assert (await queue.enqueue("m", "r5", "t", False, "d1", now, CFG))[0] == "full"
+        assert (await queue.enqueue("m", f"r{i}", "t", INTERACTIVE, "d1", now, CFG))[0] == "queued"
+    assert (await queue.enqueue("m", "r5", "t", INTERACTIVE, "d1", now, CFG))[0] == "full"
     # A redelivered request is taken over by its new dispatcher, not queued twice.
-    assert await queue.enqueue("m", "r0", "t", False, "d2", now, CFG) == ("queued", 0)
+    assert await queue.enqueue("m", "r0", "t", INTERACTIVE, "d2", now, CFG) == ("queued", 0)
     assert await queue.queued("m") == 5
     grants = await queue.grant("m", 1, now + 1)
     assert [(g.request_id, g.owner, g.granted) for g in grants] == [("r0", "d2", True)]
@@ -52,7 +77,7 @@ async def test_bound_expiry_and_takeover(queue: QueueMode) -> None:
     assert not any(g.granted for g in expired)
     # Positions tell an owner whose grant message was lost what happened.
     assert await queue.positions("m", ["r0", "r1", "nope"]) == [-1, -2, 0]
-    assert (await queue.enqueue("m", "r0", "t", False, "d3", now, CFG))[0] == "granted"
+    assert (await queue.enqueue("m", "r0", "t", INTERACTIVE, "d3", now, CFG))[0] == "granted"
 
 
 async def test_enters_and_leaves_queue_mode_with_hysteresis(queue: QueueMode) -> None:

@@ -29,6 +29,7 @@ from tidegate.control.batches import Stores, bucket_names
 from tidegate.errors import ApiError, ProtocolError, invalid_request
 from tidegate.telemetry.untrusted import BadInput
 from tidegate.validation.jsonbody import parse_object
+from tidegate.wire import classes
 from tidegate.wire.batch import (
     BatchLine,
     BatchRecord,
@@ -110,7 +111,7 @@ def check_body(line: BatchLine, endpoint: str, models: Mapping[str, ModelConfig]
     valid = dialect.validate(json.dumps(body).encode(), models)
     template = Request(id="-", reply="-", model=valid.model.name, api=valid.api, stream=False,
                        body=valid.body, created_ms=0, deadline_ms=0, window_bytes=0,
-                       window_msgs=0, klass="batch")
+                       window_msgs=0, klass=classes.BATCH)
     try:
         template.encode()
     except ProtocolError:

@@ -10,9 +10,8 @@ Writes into one directory:
   picks its own; with edge ids, ``edge.<id>.creds.toml`` per edge instead of
   the edges' shared login (each reads only its own replies).
 
-Existing credentials are kept (a server already running with them keeps
-working) unless ``rotate`` is set; the permissions are always rewritten from
-the current table.
+Existing credentials are kept unless ``rotate`` is set (a running server
+keeps working); the permissions are always rewritten from the current table.
 """
 
 from __future__ import annotations
