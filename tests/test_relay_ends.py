@@ -12,20 +12,30 @@ a client that leaves, an error, a second copy, a body past its bound.
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from typing import Any
+
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from edge import instrument
+from edge.relay import Relay
+from edge.sse_writer import SseWriter
 from edge.stream import Phase
 from tests.test_relay_direct import RecordingPublisher
 from tests.test_relay_heads import W1, W2, relay, sent
+from tidegate.config import Config
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
 from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
     Cancel,
+    Chunk,
     Detach,
     Error,
     Head,
+    Request,
     decode_session,
 )
 
@@ -155,3 +165,113 @@ async def test_a_collected_body_is_bounded_by_max_response_bytes() -> None:
         r._collect(b"z")
     assert (err.value.status, err.value.code) == (502, "response_too_large")
     assert len(r.body_parts) == 2
+
+
+class Recorded(SseWriter):
+    """The SSE writer, its writes and reconnects recorded instead of sent."""
+
+    __slots__ = ("reconnects", "writes")
+
+    def __init__(self, request: Request, config: Config) -> None:
+        super().__init__(make_mocked_request("POST", "/v1/chat/completions"), request, {},
+                         config)
+        self.writes: list[tuple[bytes, bool]] = []
+        self.reconnects: list[tuple[str, int]] = []
+
+    async def write(self, data: bytes, *, last: bool = False) -> None:
+        self.writes.append((data, last))
+
+    async def reconnect(self, request_id: str, last_event_id: int) -> None:
+        self.reconnects.append((request_id, last_event_id))
+
+
+def recorded(r: Relay) -> Recorded:
+    out = Recorded(r.request, r.ctx.config)
+    r.out = out
+    return out
+
+
+class Log:
+    """The edge's StreamLog: what it was asked to store."""
+
+    def __init__(self) -> None:
+        self.refills: list[tuple[str, int]] = []
+
+    async def refill(self, request_id: str, tail: Any) -> None:
+        self.refills.append((request_id, len(tail)))
+
+
+def with_log(r: Relay) -> Log:
+    log = Log()
+    r.ctx = dataclasses.replace(r.ctx, streamlog=log)  # type: ignore[arg-type]
+    return log
+
+
+@pytest.mark.parametrize(("code", "streaming", "refilled"), [
+    ("worker_lost", True, True), ("worker_lost", False, False), ("backend_error", True, False)])
+async def test_the_silence_limits_worker_lost_stores_what_the_client_got(
+        code: str, streaming: bool, refilled: bool) -> None:
+    """A resumable stream whose worker went silent: the log gets the tail the
+    log may lack before the end is told (the worker_gone path does the same)."""
+    publisher = RecordingPublisher()
+    r = relay(publisher, resumable=True)
+    log = with_log(r)
+    if streaming:
+        await r._on_head(Head(1, W1, 7, 1))
+        assert r.tail is not None
+        r.tail.add(Chunk(2, b'data: {"a": 1}\n\n'))
+    await r._fail(ApiError(502, "gone", type="server_error", code=code))
+    assert bool(log.refills) is refilled
+    if refilled:
+        assert log.refills == [("r1", 1)]
+        assert r.tail is None  # at most once
+        await r.refill_log()
+        assert len(log.refills) == 1
+
+
+async def test_a_body_past_its_bound_is_a_server_error() -> None:
+    r = relay(RecordingPublisher(), stream=False)
+    with pytest.raises(ApiError) as err:
+        r._collect(b"x" * (r.ctx.config.edge.max_response_bytes + 1))
+    assert (err.value.type, err.value.status) == ("server_error", 502)
+    assert "stream=true" in err.value.message
+
+
+async def test_a_cancel_is_counted_by_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    reasons: list[str] = []
+    monkeypatch.setattr(instrument, "cancelled", reasons.append)
+    r = relay(RecordingPublisher())
+    await r._cancel_upstream("client_disconnected")
+    await r._cancel_upstream("client_disconnected")
+    assert reasons == ["client_disconnected"]
+
+
+@pytest.mark.parametrize("numbered", [True, False])
+async def test_a_draining_edge_sends_its_client_to_resume_and_detaches(numbered: bool) -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher, resumable=True)
+    out = recorded(r)
+    await r._on_head(Head(1, W1, 7, 1))
+    publisher.published.clear()
+    if not numbered:
+        r.ids = None
+    elif r.ids is not None:
+        r.ids.last = 4
+    await r._reconnect()
+    assert out.reconnects == [("r1", 4 if numbered and r.ids is not None else 0)]
+    assert sent(publisher) == [(W1, Detach("r1", ""))]
+    assert r.last_write > 0
+
+
+async def test_a_tick_with_nothing_due_sends_nothing_and_the_end_is_written_last() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    out = recorded(r)
+    await r._on_head(Head(1, W1, 7, 1))
+    publisher.published.clear()
+    await r._on_tick(time.monotonic())
+    assert sent(publisher) == []
+    assert out.writes == []
+    await r._write(b"data: [DONE]\n\n", last=True)
+    await r._write(b"x")
+    assert out.writes == [(b"data: [DONE]\n\n", True), (b"x", False)]
