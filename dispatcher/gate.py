@@ -177,7 +177,8 @@ class QueueGate:
         metrics, attrs = tm.get().metrics, {tm.MODEL: model.name}
         metrics.queue_mode.set(1 if state.queueing else 0, attrs)
         metrics.queue_mode_limit.set(state.limit if state.queueing else 0, attrs)
-        metrics.queue_mode_queued.set(self.backlog[model.name], attrs)
+        for klass, n in (await self.queue.queued_by_class(model.name)).items():
+            metrics.queue_mode_queued.set(n, {**attrs, tm.REQUEST_CLASS: klass})
 
     async def _running(self, model: ModelConfig) -> int:
         """Jobs admitted and not finished: waiting in the jobs stream or running."""

@@ -75,9 +75,10 @@ redis.call('ZADD', tkey, class * 1e15 + now, rid)
 local turn = tonumber(redis.call('GET', base .. ':turn') or '0')
 redis.call('ZADD', base .. ':tenants', 'NX', turn, tenant)
 redis.call('ZADD', base .. ':deadlines', now + ttl, rid)
-redis.call('HSET', rkey, 'owner', owner, 'tenant', tenant, 'state', 'queued')
+redis.call('HSET', rkey, 'owner', owner, 'tenant', tenant, 'state', 'queued', 'class', class)
 redis.call('PEXPIRE', rkey, ttl + 3600000)
 redis.call('INCR', base .. ':n')
+redis.call('INCR', base .. ':n:' .. class)
 return {'queued', position(base, tenant, rid)}
 """
 
@@ -93,6 +94,8 @@ local function take(rid, kind)
   local rkey = base .. ':r:' .. rid
   local tenant = redis.call('HGET', rkey, 'tenant')
   local owner = redis.call('HGET', rkey, 'owner') or ''
+  local class = redis.call('HGET', rkey, 'class')
+  if class then redis.call('DECR', base .. ':n:' .. class) end
   redis.call('ZREM', base .. ':deadlines', rid)
   if tenant then
     local tkey = base .. ':t:' .. tenant
@@ -280,6 +283,14 @@ class QueueMode:
 
     async def queued(self, model: str) -> int:
         return int(await self._run(self.redis.get(f"{self._queue(model)}:n")) or 0)
+
+    async def queued_by_class(self, model: str) -> dict[str, int]:
+        """How many requests of each class wait (tidegate.wire.classes)."""
+        base = self._queue(model)
+        counts = await self._run(self.redis.mget(
+            [f"{base}:n:{i}" for i in range(len(classes.CLASSES))]))
+        return {klass: max(0, int(n or 0)) for klass, n in zip(classes.CLASSES, counts,
+                                                                  strict=True)}
 
     async def grant(self, model: str, capacity: int, now: float) -> list[Grant]:
         flat = await self._run(self._grant(keys=[self._queue(model)],

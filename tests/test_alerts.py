@@ -61,7 +61,7 @@ def exported() -> set[str]:
     tel = telemetry.setup(TelemetrySettings.from_env("test", {}))
     attrs = {tm.MODEL: "m", tm.OUTCOME: "o", tm.ERROR_TYPE: "e", tm.TOKEN_TYPE: "input",
              tm.CAUSE: "c", tm.TIER: "t", tm.LIMIT: "l", tm.SLOT_STATE: "used",
-             tm.OPERATION: "chat"}
+             tm.OPERATION: "chat", tm.REQUEST_CLASS: "interactive"}
     m = tel.metrics
     for instrument in vars(m).values():
         for method in ("record", "add", "set"):

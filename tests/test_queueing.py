@@ -52,7 +52,9 @@ async def test_an_interactive_request_goes_before_every_tenants_older_lower_clas
         "queued", 1)
     assert await queue.positions("m", ["z-chat", "y-bg", "x-batch0", "x-batch1"]) == [
         1, 2, 3, 4]
+    assert await queue.queued_by_class("m") == {INTERACTIVE: 1, BACKGROUND: 1, BATCH: 2}
     assert [g.request_id for g in await queue.grant("m", 1, now + 4)] == ["z-chat"]
+    assert await queue.queued_by_class("m") == {INTERACTIVE: 0, BACKGROUND: 1, BATCH: 2}
     assert [g.request_id for g in await queue.grant("m", 1, now + 4)] == ["y-bg"]
     assert [g.request_id for g in await queue.grant("m", 2, now + 4)] == ["x-batch0",
                                                                             "x-batch1"]
@@ -60,6 +62,7 @@ async def test_an_interactive_request_goes_before_every_tenants_older_lower_clas
     await queue.enqueue("m", "odd", "x", "priority-9", "d1", now + 5, CFG)
     await queue.enqueue("m", "bg", "y", BACKGROUND, "d1", now + 6, CFG)
     assert [g.request_id for g in await queue.grant("m", 2, now + 7)] == ["bg", "odd"]
+    assert await queue.queued_by_class("m") == {INTERACTIVE: 0, BACKGROUND: 0, BATCH: 0}
 
 
 async def test_bound_expiry_and_takeover(queue: QueueMode) -> None:

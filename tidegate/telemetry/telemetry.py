@@ -41,6 +41,7 @@ TIER = "tidegate.tier"
 OUTCOME = "tidegate.outcome"
 LIMIT = "tidegate.quota.limit"
 TENANT = "tidegate.tenant"
+REQUEST_CLASS = "tidegate.request.class"  # interactive, background, batch (tidegate.wire.classes)
 CURRENCY = "tidegate.currency"
 BUDGET = "tidegate.budget"  # a budget's scope id (docs/spend.md)
 THRESHOLD = "tidegate.budget.threshold"  # the fraction of a budget an alert is about
