@@ -12,19 +12,21 @@ a client that leaves, an error, a second copy, a body past its bound.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from edge import instrument
 from edge.relay import Relay
 from edge.sse_writer import SseWriter
 from edge.stream import Phase
-from tests.test_relay_direct import RecordingPublisher
-from tests.test_relay_heads import W1, W2, relay, sent
+from tests.test_relay_direct import RecordingPublisher, wait_for
+from tests.test_relay_heads import JOB_ACK, W1, W2, relay, sent
 from tidegate.config import Config
 from tidegate.errors import ApiError
 from tidegate.wire import streamlog
@@ -170,13 +172,18 @@ async def test_a_collected_body_is_bounded_by_max_response_bytes() -> None:
 class Recorded(SseWriter):
     """The SSE writer, its writes and reconnects recorded instead of sent."""
 
-    __slots__ = ("reconnects", "writes")
+    __slots__ = ("failed", "reconnects", "writes")
 
     def __init__(self, request: Request, config: Config) -> None:
         super().__init__(make_mocked_request("POST", "/v1/chat/completions"), request, {},
                          config)
         self.writes: list[tuple[bytes, bool]] = []
         self.reconnects: list[tuple[str, int]] = []
+        self.failed: list[ApiError] = []
+
+    async def fail(self, error: ApiError) -> web.StreamResponse:
+        self.failed.append(error)
+        return web.Response(status=error.status)
 
     async def write(self, data: bytes, *, last: bool = False) -> None:
         self.writes.append((data, last))
@@ -275,3 +282,53 @@ async def test_a_tick_with_nothing_due_sends_nothing_and_the_end_is_written_last
     await r._write(b"data: [DONE]\n\n", last=True)
     await r._write(b"x")
     assert out.writes == [(b"data: [DONE]\n\n", True), (b"x", False)]
+
+
+async def running(r: Relay) -> asyncio.Task[Any]:
+    """``r.run()`` as the handler's task, past its worker's Head."""
+    task = asyncio.create_task(r.run())
+    r.session.feed(Head(1, W1, 7, 1, JOB_ACK))
+    await wait_for(lambda: r.phase is Phase.STREAMING, 5)
+    return task
+
+
+async def test_a_client_that_goes_away_cancels_the_backend_call() -> None:
+    """The handler is cancelled (aiohttp does so when the client hangs up):
+    the worker is told to stop at once, and the request is tombstoned."""
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    recorded(r)
+    task = await running(r)
+    publisher.published.clear()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sent(publisher) == [(W1, Cancel("r1", "client_disconnected"))]
+    assert publisher.tombstones == [("r1", "client_disconnected")]
+
+
+async def test_a_malformed_message_ends_the_stream_with_a_retryable_502() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    out = recorded(r)
+    task = await running(r)
+    publisher.published.clear()
+    r.session.feed(Chunk(2, 12345))  # type: ignore[arg-type]  # well framed, wrong type
+    await asyncio.wait_for(task, 5)
+    assert [(e.status, e.code, e.retryable) for e in out.failed] == [
+        (502, "protocol_error", True)]
+    assert sent(publisher) == [(W1, Cancel("r1", "edge:protocol_error"))]
+
+
+async def test_a_worker_found_dead_mid_stream_is_handed_back_from_the_loop() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    recorded(r)
+    task = await running(r)
+    publisher.published.clear()
+    r.session.worker_lost(W1)  # as the edge's probe tells it; the loop acts on it
+    await wait_for(lambda: len(publisher.published) >= 2, 5)
+    assert sent(publisher)[:2] == [(W1, Cancel("r1", DUPLICATE_DELIVERY)), (JOB_ACK, b"-NAK")]
+    assert r.handed_back
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
