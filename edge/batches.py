@@ -18,16 +18,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from edge.body import read_within
-from edge.files import API, BatchApi, not_found, page
-from tidegate.errors import ApiError, invalid_request
+from edge.files import API, BatchApi, page
+from tidegate.errors import invalid_request, no_such
 from tidegate.validation.jsonbody import parse_object
 from tidegate.wire.batch import (
     BATCH_PREFIX,
     ENDPOINTS,
     FILE_PREFIX,
     BatchRecord,
-    TransitionError,
-    cancel,
     new_batch_id,
     new_file_id,
     parse_window,
@@ -84,7 +82,7 @@ async def create_batch(request: web.Request) -> web.Response:
                               code="missing_required_parameter")
     file = await api.file(request, file_id) if valid_id(file_id, FILE_PREFIX) else None
     if file is None:
-        raise not_found("File", file_id)
+        raise no_such("File", file_id)
     if file.purpose != "batch":
         raise invalid_request(f"File {file_id} has purpose {file.purpose!r}, not 'batch'.",
                               param="input_file_id")
@@ -99,8 +97,7 @@ async def create_batch(request: web.Request) -> web.Response:
         completion_window=window if isinstance(window, str) else "24h", created_at=now,
         expires_at=now + int(seconds), output_file_id=new_file_id(),
         error_file_id=new_file_id(), metadata=metadata)
-    await (await api.stores()).create_batch(batch)
-    log.info("batch %s created by tenant %s from %s", batch.id, principal.tenant, file_id)
+    batch = await api.desk.create_batch(api.auth(request), batch)
     return web.json_response(batch.to_openai())
 
 
@@ -122,7 +119,7 @@ async def _batch(api: BatchApi, request: web.Request) -> BatchRecord:
         batch = await (await api.stores()).get_batch(principal.tenant, batch_id)
         if batch is not None:
             return batch
-    raise not_found("Batch", batch_id)
+    raise no_such("Batch", batch_id)
 
 
 async def get_batch(request: web.Request) -> web.Response:
@@ -144,15 +141,6 @@ async def list_batches(request: web.Request) -> web.Response:
 async def cancel_batch(request: web.Request) -> web.Response:
     api = request.app[API]
     batch = await _batch(api, request)
-
-    def change(current: BatchRecord) -> BatchRecord | None:
-        try:
-            return cancel(current, int(time.time()))
-        except TransitionError:
-            raise ApiError(409, f"Cannot cancel a batch with status {current.status}.",
-                           type="invalid_request_error", code="batch_not_cancellable") \
-                from None
-
-    updated = await (await api.stores()).update_batch(batch.id, change)
+    updated = await api.desk.cancel_batch(api.auth(request), batch.id)
     log.info("batch %s: cancel requested", batch.id)
     return web.json_response(updated.to_openai())

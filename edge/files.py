@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,7 +24,8 @@ from edge.auth import Principal, authorization
 from edge.body import deadline
 from tidegate.broker import objects
 from tidegate.control.batches import Stores, open_stores
-from tidegate.errors import ApiError, BrokerError, invalid_request
+from tidegate.control.desk import Desk
+from tidegate.errors import ApiError, BrokerError, invalid_request, no_such
 from tidegate.wire.batch import FILE_PREFIX, FileRecord, new_file_id, valid_id
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ class BatchApi:
 
     def __init__(self, state: EdgeState) -> None:
         self.state = state
+        # Records and deletions go through a dispatcher (tidegate.control.desk):
+        # this edge's credentials only read the stores and publish chunks.
+        self.desk = Desk(state.nc, state.config.nats.subjects)
         self._stores: Stores | None = None
         self._lock = asyncio.Lock()
 
@@ -58,6 +61,11 @@ class BatchApi:
     def principal(self, request: web.Request) -> Principal:
         return self.state.keys.authenticate(authorization(request.headers))
 
+    @staticmethod
+    def auth(request: web.Request) -> str:
+        """The key :meth:`principal` accepted, for the desk to check again."""
+        return authorization(request.headers) or ""
+
     async def file(self, request: web.Request, file_id: str) -> FileRecord:
         """The caller's file, or 404."""
         principal = self.principal(request)
@@ -65,15 +73,10 @@ class BatchApi:
             file = await (await self.stores()).get_file(principal.tenant, file_id)
             if file is not None:
                 return file
-        raise not_found("File", file_id)
+        raise no_such("File", file_id)
 
 
 API: web.AppKey[BatchApi] = web.AppKey("tidegate_batch_api", BatchApi)
-
-
-def not_found(kind: str, object_id: str) -> ApiError:
-    return ApiError(404, f"No such {kind} object: {object_id}", type="invalid_request_error",
-                    code="not_found", param="id")
 
 
 def register(app: web.Application, state: EdgeState) -> None:
@@ -105,51 +108,48 @@ async def upload(request: web.Request) -> web.Response:
     if room is not None and (room <= 0 or (request.content_length or 0) > room + _ENVELOPE):
         raise _over_quota(cfg.tenant_storage_bytes)
     file_id = new_file_id()
+    auth = api.auth(request)
     try:
         async with deadline(request, api.state.config.edge):
-            purpose, filename, size = await _receive(request, stores, file_id, limit, room)
-        if size < 0:
+            purpose, filename, chunks = await _receive(request, stores, file_id, limit, room)
+        if chunks is None:
             raise invalid_request("The upload has no 'file' field.", param="file",
                                   code="missing_required_parameter")
         if purpose != "batch":
             raise invalid_request(f"purpose must be 'batch' (tidegate's files are batch "
                                   f"inputs), got {purpose!r}.", param="purpose")
-        now = int(time.time())
-        file = FileRecord(id=file_id, tenant=principal.tenant, size=size, created_at=now,
-                          filename=filename[:256], purpose=purpose,
-                          expires_at=now + int(cfg.file_ttl))
-        await stores.put_file(file)
+        file = await api.desk.record_file(auth, file_id, filename, purpose, chunks)
         # Concurrent uploads each saw room for themselves: counted again with
         # this file recorded, the tenant must still be within its quota.
         after = await _room(stores, principal.tenant, cfg.tenant_storage_bytes)
         if after is not None and after < 0:
             raise _over_quota(cfg.tenant_storage_bytes)
     except BaseException:
-        await _discard(stores, file_id)
+        await discard(api, auth, file_id)
         raise
-    log.info("file %s uploaded by tenant %s: %d bytes", file_id, principal.tenant, size)
+    log.info("file %s uploaded by tenant %s: %d bytes", file_id, principal.tenant, file.size)
     return web.json_response(file.to_openai())
 
 
 async def _receive(request: web.Request, stores: Stores, file_id: str, limit: int,
-                   room: int | None) -> tuple[str, str, int]:
-    """The upload's purpose, filename and size (-1: no file part), its file
-    part streamed into the store as ``file_id``. 413 past ``limit`` or the
+                   room: int | None) -> tuple[str, str, objects.Chunks | None]:
+    """The upload's purpose, filename and chunks (None: no file part), its
+    file part published as chunks ``file_id``. 413 past ``limit`` or the
     tenant's ``room``."""
     api = request.app[API]
     reader = await request.multipart()
     cap = limit if room is None else min(limit, room)
-    purpose, filename, size = "", "", -1
+    purpose, filename, chunks = "", "", None
     try:
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "purpose":
                 purpose = (await part.text()).strip()
-            elif part.name == "file" and size < 0:
+            elif part.name == "file" and chunks is None:
                 filename = part.filename or "upload.jsonl"
-                size = await objects.put(api.state.js, stores.files_bucket, file_id,
-                                         _chunks(part), limit=cap)
+                chunks = await objects.put_chunks(api.state.js, stores.files_bucket, file_id,
+                                                  _chunks(part), limit=cap)
             else:
                 await part.release()
     except objects.TooLarge:
@@ -166,7 +166,7 @@ async def _receive(request: web.Request, stores: Stores, file_id: str, limit: in
         # boundary ("Reading after EOF"), a bad part header, broken chunking.
         raise invalid_request(f"The multipart body is malformed or incomplete: {exc}.",
                               param="file", code="invalid_body") from None
-    return purpose, filename, size
+    return purpose, filename, chunks
 
 
 async def _room(stores: Stores, tenant: str, quota: int) -> int | None:
@@ -178,12 +178,13 @@ async def _room(stores: Stores, tenant: str, quota: int) -> int | None:
     return quota - sum(f.size for f in await stores.list_files(tenant))
 
 
-async def _discard(stores: Stores, file_id: str) -> None:
-    """Remove whatever an unfinished upload left (object chunks, meta, file
-    record); idempotent. Shielded: it runs while the handler is being
-    cancelled (client gone) or timed out, and must not be cut short."""
+async def discard(api: BatchApi, auth: str, file_id: str) -> None:
+    """Have a dispatcher remove whatever an unfinished upload left (chunks,
+    and the file if it was recorded); idempotent. Shielded: it runs while the
+    handler is being cancelled (client gone) or timed out, and must not be
+    cut short."""
     try:
-        await asyncio.shield(stores.delete_file(file_id))
+        await asyncio.shield(api.desk.discard(auth, file_id))
     except Exception as exc:  # the upload's own error matters more; the TTL ages it out
         log.warning("could not remove the unfinished upload %s: %s", file_id, exc)
 
@@ -279,5 +280,5 @@ def _safe(filename: str) -> str:
 async def delete_file(request: web.Request) -> web.Response:
     api = request.app[API]
     file = await api.file(request, request.match_info["file_id"])
-    await (await api.stores()).delete_file(file.id)
+    await api.desk.delete_file(api.auth(request), file.id)
     return web.json_response({"id": file.id, "object": "file", "deleted": True})

@@ -11,7 +11,6 @@ batch answers 404, the same as one that does not exist.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -23,7 +22,7 @@ from aiohttp import web
 from edge.anthropic import credentials
 from edge.auth import Principal
 from edge.body import read_within
-from edge.files import API, BatchApi
+from edge.files import API, BatchApi, discard
 from edge.publish import models_for
 from tidegate.apis.messages import DIALECT as MESSAGES
 from tidegate.broker import objects
@@ -36,10 +35,7 @@ from tidegate.wire.batch import (
     BatchRecord,
     BatchStatus,
     Counts,
-    FileRecord,
     LineSplitter,
-    TransitionError,
-    cancel,
     new_batch_id,
     new_file_id,
 )
@@ -135,12 +131,12 @@ async def create(request: web.Request) -> web.Response:
     now = int(time.time())
     record_id, file_id = new_batch_id(), new_file_id()
     window = min(_WINDOW, config.batch.max_window)
+    auth = credentials(request.headers) or ""
     try:
-        await objects.put(api.state.js, stores.files_bucket, file_id, _aiter(lines))
-        await stores.put_file(FileRecord(
-            id=file_id, tenant=principal.tenant, size=size, created_at=now,
-            filename=f"{mb.public_id(record_id)}_requests.jsonl", purpose="batch",
-            expires_at=now + int(config.batch.file_ttl)))
+        chunks = await objects.put_chunks(api.state.js, stores.files_bucket, file_id,
+                                          _aiter(lines))
+        await api.desk.record_file(auth, file_id, f"{mb.public_id(record_id)}_requests.jsonl",
+                                   "batch", chunks)
         if quota and await _room(stores, principal.tenant, quota) < 0:
             raise _over_quota(quota)  # concurrent creates each saw room for themselves
         batch = BatchRecord(
@@ -149,9 +145,9 @@ async def create(request: web.Request) -> web.Response:
             completion_window=f"{int(window)}s", created_at=now,
             expires_at=now + int(window), output_file_id=new_file_id(),
             error_file_id=new_file_id(), counts=Counts(total=len(lines)))
-        await stores.create_batch(batch)
+        batch = await api.desk.create_batch(auth, batch)
     except BaseException:
-        await _discard(stores, file_id)
+        await discard(api, auth, file_id)
         raise
     log.info("message batch %s created by tenant %s: %d requests", batch.id,
              principal.tenant, len(lines))
@@ -173,13 +169,6 @@ def _over_quota(quota: int) -> ApiError:
                          f"its quota of {quota} bytes; delete files you no longer need "
                          f"(DELETE /v1/files/{{file_id}}) and retry.",
                     type="invalid_request_error", code="storage_quota_exceeded")
-
-
-async def _discard(stores: Stores, file_id: str) -> None:
-    try:  # shielded: it runs while the handler is being cancelled too
-        await asyncio.shield(stores.delete_file(file_id))
-    except Exception as exc:  # the create's own error matters more; the TTL ages it out
-        log.warning("could not remove the input of a failed batch create %s: %s", file_id, exc)
 
 
 async def retrieve(request: web.Request) -> web.Response:
@@ -223,19 +212,15 @@ async def list_batches(request: web.Request) -> web.Response:
 async def cancel_batch(request: web.Request) -> web.Response:
     api = request.app[API]
     batch = await _batch(api, request)
-
-    def change(current: BatchRecord) -> BatchRecord | None:
-        if current.status is BatchStatus.FINALIZING:
-            return None  # every request has finished: nothing is left to cancel
-        try:
-            return cancel(current, int(time.time()))
-        except TransitionError:
-            raise ApiError(409, f"Message Batch {mb.public_id(current.id)} has ended; only "
-                                "a batch in progress can be canceled.",
-                           type="invalid_request_error", code="batch_not_cancellable") \
-                from None
-
-    updated = await (await api.stores()).update_batch(batch.id, change)
+    try:
+        updated = await api.desk.cancel_batch(credentials(request.headers) or "", batch.id,
+                                              keep_finalizing=True)
+    except ApiError as exc:
+        if exc.code != "batch_not_cancellable":
+            raise
+        raise ApiError(409, f"Message Batch {mb.public_id(batch.id)} has ended; only a batch "
+                            "in progress can be canceled.", type="invalid_request_error",
+                       code="batch_not_cancellable") from None
     log.info("message batch %s: cancel requested", batch.id)
     return web.json_response(_view(api, request, updated))
 

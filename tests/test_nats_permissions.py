@@ -297,6 +297,27 @@ async def test_edge_credentials_cannot_pull_jobs_read_policies_write_keys_or_spo
 
 
 @pytest.mark.asyncio
+async def test_stolen_edge_credentials_cannot_give_away_forge_or_delete_files_and_batches(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    """Issue 44 row 7: an edge's records of files and batches are a
+    dispatcher's to write (tidegate.control.desk). With the edge's login, a
+    file record that gives a file to another tenant, a batch that bills one,
+    an object's meta (which names its content) and a purge are refused; the
+    chunks of an upload and a question to the desk are what it may send."""
+    s = Subjects()
+    files, meta, batches = "TG_FILES", "TG_FILEMETA", "TG_BATCHES"
+    file_id = "file-" + "a" * 32
+    owner_changed = json.dumps({"id": file_id, "tenant": "evil", "size": 1, "created_at": 0,
+                                "filename": "x", "purpose": "batch"}).encode()
+    await _denied(auth_server, "edge", _publish(f"$KV.{meta}.{file_id}", owner_changed))
+    await _denied(auth_server, "edge", _publish(f"$KV.{batches}.batch_{'b' * 32}", b"{}"))
+    await _denied(auth_server, "edge", _publish(f"$O.{files}.M.ZmlsZQ==", b"{}"))
+    await _denied(auth_server, "edge", _api(f"$JS.API.STREAM.PURGE.OBJ_{files}"))
+    await _allowed(auth_server, "edge", _publish(f"$O.{files}.C.{file_id}", b"chunk"))
+    await _allowed(auth_server, "edge", _publish(s.desk, b"not an ask"))
+
+
+@pytest.mark.asyncio
 async def test_worker_credentials_cannot_publish_requests_or_touch_keys(
         pipeline: Pipeline, auth_server: AuthServer) -> None:
     s = Subjects()

@@ -90,6 +90,13 @@ def invalid_request(message: str, *, param: str | None = None,
     return ApiError(400, message, type="invalid_request_error", code=code, param=param)
 
 
+def no_such(kind: str, object_id: str) -> ApiError:
+    """404 for a file or batch id its caller does not own (another tenant's
+    reads as missing, never 403)."""
+    return ApiError(404, f"No such {kind} object: {object_id}", type="invalid_request_error",
+                    code="not_found", param="id")
+
+
 def unavailable(message: str, *, code: str = "service_unavailable",
                 retry_after: float = 1.0) -> ApiError:
     return ApiError(503, message, type="service_unavailable", code=code, retryable=True,

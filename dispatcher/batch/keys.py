@@ -8,13 +8,15 @@ ends lines not yet released; running lines finish.
 
 :class:`BatchKeys` follows the keys bucket live; config keys allow every model
 and never expire. Until the bucket's replay is done, :meth:`BatchKeys.check`
-answers ``None`` (unknown: release waits). Docs: docs/batch.md#per-key-rules.
+answers ``None`` (unknown: release waits). :meth:`BatchKeys.holder` finds
+whose a key is for the desk (dispatcher.batch.desk). Docs: docs/batch.md#per-key-rules.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from tidegate.config import Config, ModelConfig
 from tidegate.control.keys import KEY_ID_LENGTH, KeyRecord, key_digest
@@ -27,20 +29,40 @@ def _revoked(key_id: str) -> ApiError:
                     code="revoked_api_key")
 
 
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Whose a key is: the fields a batch record keeps of its creator."""
+
+    tenant: str
+    key_id: str
+    user: str
+
+
+def _invalid() -> ApiError:
+    return ApiError(401, "Incorrect API key provided (it is not repeated here).",
+                    type="authentication_error", code="invalid_api_key")
+
+
 class BatchKeys:
     """Key id -> record, followed live from the keys bucket (sans-I/O: the
     runner feeds it ``on_put`` / ``on_delete`` / ``on_synced``)."""
 
     def __init__(self, config: Config) -> None:
-        self._static = {key_digest(k)[:KEY_ID_LENGTH] for k in config.api_keys()}
+        # Whole digests: a key is matched by all of its SHA-256, never by the
+        # 12 hex digits of its id (48 bits can be searched for).
+        self._static_digests = {key_digest(k) for k in config.api_keys()}
+        self._static = {d[:KEY_ID_LENGTH] for d in self._static_digests}
         self._records: dict[str, KeyRecord] = {}
+        self._by_digest: dict[str, KeyRecord] = {}
         self.synced = asyncio.Event()
 
     def on_put(self, digest: str, record: KeyRecord) -> None:
         self._records[digest[:KEY_ID_LENGTH]] = record
+        self._by_digest[digest] = record
 
     def on_delete(self, digest: str) -> None:
         self._records.pop(digest[:KEY_ID_LENGTH], None)
+        self._by_digest.pop(digest, None)
 
     def on_synced(self) -> None:
         self.synced.set()
@@ -65,3 +87,25 @@ class BatchKeys:
             raise ApiError(403, f"This API key may not use model '{model.name}'. Allowed: "
                                 f"{', '.join(record.models)}.", type="permission_error",
                            code="model_not_allowed", param="model")
+
+    def holder(self, authorization: str, now: float | None = None) -> Holder:
+        """Whose key the ``Bearer <key>`` value carries, by the edge's rules
+        (edge.auth.KeyTable.authenticate): 401 for no such key, a revoked or
+        an expired one. Call only once :meth:`known`."""
+        scheme, _, key = authorization.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise _invalid()
+        try:
+            digest = key_digest(key)
+        except UnicodeEncodeError:
+            raise _invalid() from None
+        if digest in self._static_digests:
+            return Holder("default", digest[:KEY_ID_LENGTH], "")
+        record = self._by_digest.get(digest)
+        if record is None:
+            raise _invalid()
+        if record.expired(time.time() if now is None else now):
+            raise ApiError(401, f"This API key ({record.key_id}) has expired.",
+                           type="authentication_error", code="expired_api_key")
+        return Holder(record.tenant, digest[:KEY_ID_LENGTH], record.user)

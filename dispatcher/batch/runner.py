@@ -27,6 +27,7 @@ import nats.errors
 import nats.js.errors
 
 from dispatcher.batch import files as bf
+from dispatcher.batch.desk import Desk
 from dispatcher.batch.lease import Leadership
 from dispatcher.batch.release import Release
 from dispatcher.batch.state import INBOX, BatchRun, InFlight, Pending
@@ -66,6 +67,10 @@ class Runner(Leadership, Release):
         keys_kv = await ensure_keys_bucket(self.js, self.config)
         keys = asyncio.create_task(watch_keys(keys_kv, self.keys.on_put, self.keys.on_delete,
                                               on_synced=self.keys.on_synced))
+        # Every dispatcher, leader or not, writes file and batch records for edges.
+        desk = await self.nc.subscribe(self.subjects.desk, queue="desk",
+                                       cb=Desk(self.config, self.nc, self.stores,
+                                               self.keys).on_message)
         next_lease = next_refresh = next_slots = 0.0
         try:
             while not stop.is_set():
@@ -115,6 +120,7 @@ class Runner(Leadership, Release):
             self.watch.close()
             follower.cancel()
             keys.cancel()
+            await desk.unsubscribe()
             await sub.unsubscribe()
             self._abandon()
             if self.leader:

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import nats.js.errors
@@ -70,50 +71,89 @@ async def _ensure_store(js: JetStreamContext, bucket: str, *, ttl: float, replic
         return await js.object_store(bucket)  # created concurrently
 
 
+@dataclass(frozen=True, slots=True)
+class Chunks:
+    """What :func:`put_chunks` wrote: the chunk subject's id and the object's
+    size, chunk count and SHA-256 digest (the format's ``SHA-256=`` text)."""
+
+    nuid: str
+    size: int
+    count: int
+    digest: str
+
+
 async def put(js: JetStreamContext, bucket: str, name: str, chunks: AsyncIterator[bytes],
               *, limit: int = 0, chunk_size: int = CHUNK) -> int:
     """Store ``chunks`` as object ``name``; returns its size. With ``limit``,
     raises :class:`TooLarge` (and purges what was written) once more arrives."""
     nuid = js._nc._nuid.next().decode()  # the format's chunk subject id
-    chunk_subject = f"$O.{bucket}.C.{nuid}"
-    stream = f"OBJ_{bucket}"
-    digest = hashlib.sha256()
-    pending = bytearray()
-    size = count = 0
     try:
-        async for data in chunks:
-            size += len(data)
-            if limit and size > limit:
-                raise TooLarge(f"object exceeds {limit} bytes")
-            pending += data
-            while len(pending) >= chunk_size:
-                piece = bytes(pending[:chunk_size])
-                del pending[:chunk_size]
-                digest.update(piece)
-                await js.publish(chunk_subject, piece)
-                count += 1
-        if pending:
-            piece = bytes(pending)
-            digest.update(piece)
-            await js.publish(chunk_subject, piece)
-            count += 1
-        info = api.ObjectInfo(
-            name=name, bucket=bucket, nuid=nuid, size=size, chunks=count,
-            mtime=datetime.now(UTC).isoformat(),
-            digest="SHA-256=" + base64.urlsafe_b64encode(digest.digest()).decode(),
-            options=api.ObjectMetaOptions(max_chunk_size=chunk_size))
+        written = await put_chunks(js, bucket, nuid, chunks, limit=limit, chunk_size=chunk_size)
         previous = await _info(js, bucket, name)
-        await js.publish(_meta_subject(bucket, name), json.dumps(info.as_dict()).encode(),
-                         headers={"Nats-Rollup": "sub"})
+        await seal(js, bucket, name, written, chunk_size=chunk_size)
     except BaseException:
         try:
-            await js.purge_stream(stream, subject=chunk_subject)
+            await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{nuid}")
         except Exception:  # the original error matters more; the TTL ages chunks out
             pass
         raise
     if previous is not None and previous.nuid and previous.nuid != nuid:
-        await js.purge_stream(stream, subject=f"$O.{bucket}.C.{previous.nuid}")
-    return size
+        await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{previous.nuid}")
+    return written.size
+
+
+async def put_chunks(js: JetStreamContext, bucket: str, nuid: str,
+                     chunks: AsyncIterator[bytes], *, limit: int = 0,
+                     chunk_size: int = CHUNK) -> Chunks:
+    """Publish ``chunks`` on the chunk subject ``nuid``, ``chunk_size`` at a
+    time, and nothing else: no object exists until :func:`seal` names them
+    (a tier that may only publish chunks, the edge, uploads this way). With
+    ``limit``, raises :class:`TooLarge` once more arrives; what was written
+    stays for the caller to purge."""
+    chunk_subject = f"$O.{bucket}.C.{nuid}"
+    digest = hashlib.sha256()
+    pending = bytearray()
+    size = count = 0
+    async for data in chunks:
+        size += len(data)
+        if limit and size > limit:
+            raise TooLarge(f"object exceeds {limit} bytes")
+        pending += data
+        while len(pending) >= chunk_size:
+            piece = bytes(pending[:chunk_size])
+            del pending[:chunk_size]
+            digest.update(piece)
+            await js.publish(chunk_subject, piece)
+            count += 1
+    if pending:
+        piece = bytes(pending)
+        digest.update(piece)
+        await js.publish(chunk_subject, piece)
+        count += 1
+    return Chunks(nuid, size, count,
+                  "SHA-256=" + base64.urlsafe_b64encode(digest.digest()).decode())
+
+
+async def seal(js: JetStreamContext, bucket: str, name: str, written: Chunks, *,
+               chunk_size: int = CHUNK) -> None:
+    """Make the chunks ``written`` the object ``name`` (its meta entry, which
+    replaces any earlier one of that name)."""
+    info = api.ObjectInfo(
+        name=name, bucket=bucket, nuid=written.nuid, size=written.size, chunks=written.count,
+        mtime=datetime.now(UTC).isoformat(), digest=written.digest,
+        options=api.ObjectMetaOptions(max_chunk_size=chunk_size))
+    await js.publish(_meta_subject(bucket, name), json.dumps(info.as_dict()).encode(),
+                     headers={"Nats-Rollup": "sub"})
+
+
+async def exists(js: JetStreamContext, bucket: str, name: str) -> bool:
+    """Whether the store holds an object ``name``."""
+    return await _info(js, bucket, name) is not None
+
+
+async def purge_chunks(js: JetStreamContext, bucket: str, nuid: str) -> None:
+    """Remove the chunks published on ``nuid`` (an upload never sealed)."""
+    await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{nuid}")
 
 
 async def _info(js: JetStreamContext, bucket: str, name: str) -> api.ObjectInfo | None:

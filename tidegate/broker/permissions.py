@@ -165,6 +165,13 @@ class _Grants:
         stream = f"OBJ_{bucket}"
         return self.get(stream)._add((f"STREAM.PURGE.{stream}",), (f"$O.{bucket}.>",))
 
+    def chunks(self, bucket: str) -> _Grants:
+        """Read an object store and publish chunks to it, nothing else: no
+        object exists until a tier with :meth:`objects` seals it (its meta),
+        and nothing is purged (tidegate.control.desk)."""
+        stream = f"OBJ_{bucket}"
+        return self.get(stream)._add(publish=(f"$O.{bucket}.C.>",))
+
     def messages(self, *subjects: str) -> _Grants:
         """Core or JetStream publishes (a JetStream publish is a plain publish
         whose ack the server sends to the publisher's inbox)."""
@@ -202,7 +209,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
     edge = (_Grants().bind(*streams)
             # No usage subject: workers report usage, an edge never does, and a
             # record forged with stolen edge credentials would bill a tenant.
-            .messages(s.requests_wildcard, f"{p}.ctl.*",
+            .messages(s.requests_wildcard, f"{p}.ctl.*", s.desk,
                       streamlog.wildcard(s), streamlog.edge_cancel_subject(s),
                       # -NAK of a job whose worker it found dead (tidegate.broker.liveness):
                       # another worker runs it at once, not after ack_wait.
@@ -210,7 +217,11 @@ def access(subjects: Subjects) -> dict[str, Access]:
             .watch(s.keys_bucket).write(keyuse).watch(tenants)
             .write(s.cancels_bucket).write(edges)
             .read(log)  # resume and background responses read the log
-            .objects(files).watch(filemeta).write(filemeta).watch(batches).write(batches)
+            # Files and batches read, uploads' chunks published; their records
+            # and deletions are a dispatcher's, for the key the edge passes on
+            # (tidegate.control.desk): stolen edge credentials give away, forge
+            # and delete nothing.
+            .chunks(files).watch(filemeta).watch(batches)
             .bind(_kv(batchout))
             .objects(bodies)  # stores a body too large for a message
             .done((inbox("edge"), f"{p}.out.*.*", streamlog.edge_cancel_subject(s))))
@@ -236,8 +247,10 @@ def access(subjects: Subjects) -> dict[str, Access]:
                   # Reads a claimed body (admission, routing); stores a batch
                   # line's too large for a message (dispatcher.batch.release).
                   .objects(bodies)
+                  # The desk's answers, to the asking edge's inbox.
+                  .messages(inbox("edge"))
                   .done((inbox("dispatcher"), s.load_wildcard, s.edge_inbox(BATCH_INBOX),
-                         f"{p}.grant.*")))
+                         f"{p}.grant.*", s.desk)))
     worker = (_Grants().bind(*streams)
               .pull(jobs, "*")  # one durable per model (and per replica)
               # A redelivered resumable job reads its log for output of the

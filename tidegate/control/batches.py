@@ -77,6 +77,10 @@ class Stores:
         file = self._readable(file_id, await _get(self.filemeta, file_id), FileRecord.decode)
         return file if file is not None and file.tenant == tenant else None
 
+    async def filemeta_entry(self, file_id: str) -> bytes | None:
+        """The file's record as stored, whoever's it is (None: no record)."""
+        return await _get(self.filemeta, file_id)
+
     async def put_file(self, file: FileRecord) -> None:
         await self.filemeta.put(file.id, file.encode())
 

@@ -7,6 +7,7 @@
     <p>.ctl.<worker>            core NATS               edge -> worker (acks, cancel)
     <p>.load.<model>            core NATS               workers -> dispatchers
     <p>.usage.<model>           JetStream <P>_USAGE     worker/edge -> dispatchers
+    <p>.desk                    core NATS request-reply edge -> dispatchers (file/batch records)
     KV <P>_CANCELS, _KEYS, _POLICIES, _WORKERS, _AFFINITY, _CLAIMS, _RESPONSES
 
 Free-form names map into one token with :func:`encode_token`, a reversible escape,
@@ -183,6 +184,12 @@ class Subjects:
         lost a request's Head (which names its worker); the worker that holds
         the request answers, the others ignore it."""
         return f"{self.prefix}.ctl.any"
+
+    @property
+    def desk(self) -> str:
+        """Edges ask a dispatcher here to write a tenant's file and batch
+        records (tidegate.control.desk): edge credentials may not."""
+        return f"{self.prefix}.desk"
 
     @property
     def keys_bucket(self) -> str:
