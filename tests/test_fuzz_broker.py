@@ -143,6 +143,9 @@ async def test_every_tier_survives_garbage_on_every_subject(pipeline: Pipeline) 
         for data in garbage:
             for subject in core:
                 await nc.publish(subject, data)
+            # The dispatchers' desk, asked (a reply subject) and told.
+            await nc.publish(subjects.desk, data, reply=nc.new_inbox())
+            await nc.publish(subjects.desk, data)
             for subject in (subjects.request("interactive", "fuzz"), f"tg.job.{model}",
                             f"tg.usage.{model}"):
                 await js.publish(subject, data)
