@@ -195,7 +195,8 @@ class QueueMode:
     def state_key(self, model: str) -> str:
         return f"{self._base}:qm:{encode_token(model)}"
 
-    def _queue(self, model: str) -> str:
+    def queue_key(self, model: str) -> str:
+        """The model's fair queue (its per-class counts: ``<key>:n:<rank>``)."""
         return f"{self._base}:q:{encode_token(model)}"
 
     async def _run(self, coro: Any) -> Any:
@@ -276,29 +277,29 @@ class QueueMode:
                       now: float, cfg: QueueModeConfig) -> tuple[str, int]:
         """Queue a request of class ``klass`` (tidegate.wire.classes)."""
         state, position = await self._run(self._enqueue(
-            keys=[self._queue(model)],
+            keys=[self.queue_key(model)],
             args=[request_id, encode_token(tenant), classes.rank(klass), owner,
                   int(now * 1000), int(cfg.ttl * 1000), cfg.max_queued]))
         return str(state), int(position)
 
     async def queued(self, model: str) -> int:
-        return int(await self._run(self.redis.get(f"{self._queue(model)}:n")) or 0)
+        return int(await self._run(self.redis.get(f"{self.queue_key(model)}:n")) or 0)
 
     async def queued_by_class(self, model: str) -> dict[str, int]:
         """How many requests of each class wait (tidegate.wire.classes)."""
-        base = self._queue(model)
+        base = self.queue_key(model)
         counts = await self._run(self.redis.mget(
             [f"{base}:n:{i}" for i in range(len(classes.CLASSES))]))
         return {klass: max(0, int(n or 0)) for klass, n in zip(classes.CLASSES, counts,
                                                                   strict=True)}
 
     async def grant(self, model: str, capacity: int, now: float) -> list[Grant]:
-        flat = await self._run(self._grant(keys=[self._queue(model)],
+        flat = await self._run(self._grant(keys=[self.queue_key(model)],
                                            args=[max(0, capacity), int(now * 1000)]))
         return [Grant(flat[i + 1], flat[i + 2], flat[i] == "g") for i in range(0, len(flat), 3)]
 
     async def positions(self, model: str, request_ids: Sequence[str]) -> list[int]:
         if not request_ids:
             return []
-        out = await self._run(self._positions(keys=[self._queue(model)], args=list(request_ids)))
+        out = await self._run(self._positions(keys=[self.queue_key(model)], args=list(request_ids)))
         return [int(p) for p in out]

@@ -237,6 +237,7 @@ async def test_console_in_a_browser(pipeline: Pipeline, tmp_path: Path) -> None:
                         assert int(row["slots"]) == m["slots"]["total"] == 8, (row, m)
                         assert 0 <= int(row["in_flight"]) <= m["slots"]["total"], (row, m)
                         assert row["mode"] == m["queue_mode"]["mode"], (row, m)
+                        assert row["held"] == str(m["queue_mode"]["queued"]), (row, m)
                         assert row["adaptive_limit"] == (
                             str(m["slots"]["total"]) if m["adaptive"] else "-"), (row, m)
                         assert row["queue_limit"] == (

@@ -79,7 +79,9 @@ def test_json_shows_models_workers_and_queues(pipeline: Pipeline) -> None:
     max_streams = pipeline.config.models[0].max_streams
     assert model["slots"] == {"total": max_streams, "used": 0, "free": max_streams}
     assert model["queue"] == {"depth": 0, "waiting": 0, "running": 0, "oldest_age_s": 0}
-    assert model["queue_mode"] == {"mode": "normal", "limit": 0, "p99_ms": 0.0, "queued": 0}
+    assert model["queue_mode"] == {"mode": "normal", "limit": 0, "p99_ms": 0.0, "queued": 0,
+                                   "queued_by_class": {"interactive": 0, "background": 0,
+                                                       "batch": 0}}
     assert set(model["rates"]) == {"started_per_s", "finished_per_s"}
     assert doc["requests_per_s"] == 0.0  # nothing arrived between the two samples
     # (finished_per_s is left out: a usage record may land just after the
@@ -96,16 +98,23 @@ def test_queue_mode_from_redis(pipeline: Pipeline) -> None:
     async def set_mode(mode: str) -> None:
         client = aioredis.Redis.from_url(pipeline.config.redis.url, decode_responses=True)
         try:
-            key = QueueMode(client, pipeline.config.nats.subject_prefix).state_key(MODEL)
+            queue = QueueMode(client, pipeline.config.nats.subject_prefix)
+            key = queue.state_key(MODEL)
             await client.hset(key, mapping={"mode": mode, "limit": 7, "p99_ms": 812.5})
+            # Held requests, as the queue's scripts count them per class.
+            base = queue.queue_key(MODEL)
+            await client.mset({f"{base}:n": 5 if mode == "queue" else 0,
+                               f"{base}:n:0": 3 if mode == "queue" else 0,
+                               f"{base}:n:1": 2 if mode == "queue" else 0})
         finally:
             await client.aclose()
 
     asyncio.run(set_mode("queue"))
     try:
         doc = status_json(pipeline)
-        assert doc["models"][0]["queue_mode"] == {"mode": "queue", "limit": 7, "p99_ms": 812.5,
-                                                  "queued": 0}
+        assert doc["models"][0]["queue_mode"] == {
+            "mode": "queue", "limit": 7, "p99_ms": 812.5, "queued": 5,
+            "queued_by_class": {"interactive": 3, "background": 2, "batch": 0}}
         out = io.StringIO()
         assert status.run(pipeline.config, once=True, interval=0.1, out=out) == 0
         view = out.getvalue()
@@ -114,6 +123,7 @@ def test_queue_mode_from_redis(pipeline: Pipeline) -> None:
         assert MODEL in view
         assert "queue" in view
         assert "812 ms" in view
+        assert "5 (i3 bg2)" in view  # held, by class
     finally:
         asyncio.run(set_mode("normal"))
 

@@ -215,3 +215,16 @@ def test_a_terminal_is_redrawn_in_place_and_a_tall_frame_loses_rows_not_cells() 
     status._Screen(term, width=200, rows=200).frame(view)
     assert term.getvalue().split("\x1b[K\n")[:-1] == ["\x1b[H" + view.splitlines()[0],
                                                        *view.splitlines()[1:]]
+
+
+def test_held_requests_show_their_classes_when_any_is_not_interactive() -> None:
+    from fleet.run.status_view import held
+
+    def qm(queued: int, **by_class: int) -> dict[str, object]:
+        return {"queued": queued, "queued_by_class": by_class}
+
+    assert held(qm(0)) == "0"
+    assert held(qm(5, interactive=5, background=0, batch=0)) == "5"
+    assert held(qm(4, interactive=1, background=0, batch=3)) == "4 (i1 b3)"
+    assert held(qm(2, background=2)) == "2 (bg2)"
+    assert held({"queued": 3}) == "3"  # a document from before classes were counted

@@ -4,6 +4,7 @@ filter, the edge's outcome classification and the registry's encoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -192,6 +193,9 @@ def test_genai_attributes() -> None:
     assert attrs["gen_ai.request.max_tokens"] == 5
     assert attrs["gen_ai.request.temperature"] == 0.5
     assert attrs["tidegate.tenant"] == "acme"
+    assert attrs["tidegate.request.class"] == "interactive"
+    batch = dataclasses.replace(completion, klass="batch")
+    assert tracing.request_attributes(batch, "chat")["tidegate.request.class"] == "batch"
     assert "messages" not in json.dumps(attrs)
     usage = tracing.usage_attributes(3, 4, "stop", 2)
     assert usage == {"gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": 4,

@@ -48,6 +48,7 @@ class QueueModeView:
     limit: int = 0
     p99_ms: float = 0.0
     queued: int = 0  # held in the fair queue
+    by_class: tuple[tuple[str, int], ...] = ()  # of those, per class (tidegate.wire.classes)
 
 
 async def _queue_modes(config: Config) -> dict[str, QueueModeView]:
@@ -63,11 +64,12 @@ async def _queue_modes(config: Config) -> dict[str, QueueModeView]:
             try:
                 state = await queue.state(model.name)
                 queued = await queue.queued(model.name)
+                by_class = tuple((await queue.queued_by_class(model.name)).items())
             except QuotaUnavailable:
                 out[model.name] = QueueModeView("?")
                 continue
             out[model.name] = QueueModeView("queue" if state.queueing else "normal",
-                                            state.limit, state.p99_ms, queued)
+                                            state.limit, state.p99_ms, queued, by_class)
     finally:
         await client.aclose()
     return out
@@ -117,7 +119,7 @@ def document(config: Config, snap: Snapshot, previous: Snapshot | None,
                       "oldest_age_s": round(q.oldest_age, 3)},
             "queue_mode": None if mode is None else {
                 "mode": mode.mode, "limit": mode.limit, "p99_ms": mode.p99_ms,
-                "queued": mode.queued},
+                "queued": mode.queued, "queued_by_class": dict(mode.by_class)},
             "rates": None if before is None else {
                 "started_per_s": _rate(q.delivered, before.delivered, dt),
                 "finished_per_s": _rate(snap.finished.get(q.model, 0),

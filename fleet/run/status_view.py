@@ -235,6 +235,17 @@ def render(doc: dict[str, Any], width: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def held(queue_mode: dict[str, Any]) -> str:
+    """Requests held in queue mode: the count, and by class when any is not
+    interactive ("5 (i3 bg2)")."""
+    total = queue_mode["queued"]
+    by_class = {k: n for k, n in (queue_mode.get("queued_by_class") or {}).items() if n}
+    if not total or set(by_class) <= {"interactive"}:
+        return str(total)
+    short = {"interactive": "i", "background": "bg", "batch": "b"}
+    return f"{total} ({' '.join(f'{short.get(k, k)}{n}' for k, n in by_class.items())})"
+
+
 def models_table(models: list[dict[str, Any]]) -> Table:
     table = Table("Models", (
         Column("model", wrap=True), Column("workers", "wrk", right=True),
@@ -254,7 +265,7 @@ def models_table(models: list[dict[str, Any]]) -> Table:
             q["waiting"], q["running"], age(q["oldest_age_s"]), mode,
             "-" if qm is None or mode != "queue" else qm["limit"],
             "-" if qm is None or not qm["p99_ms"] else f"{qm['p99_ms']:.0f} ms",
-            "-" if qm is None else qm["queued"],
+            "-" if qm is None else held(qm),
             "-" if rates is None else f"{rates['started_per_s']:g}",
             "-" if rates is None else f"{rates['finished_per_s']:g}")
     return table

@@ -154,6 +154,7 @@ def request_attributes(request: Request, operation: str) -> dict[str, Any]:
         tm.MODEL: request.model,
         REQUEST_ID: request.id,
         TENANT: request.tenant,
+        tm.REQUEST_CLASS: request.klass,
         "gen_ai.request.stream": request.stream,
     }
     body = request.body

@@ -51,6 +51,14 @@
 
   const ms = (v) => v === null || v === undefined ? "-" : `${Math.round(v)} ms`;
   const age = (s) => s < 120 ? `${Math.round(s)}s` : s < 7200 ? `${Math.round(s / 60)}m` : `${(s / 3600).toFixed(1)}h`;
+  // As `tidegate status` (fleet.run.status_view.held): "5 (i3 bg2)".
+  const held = (qm) => {
+    if (!qm) return "-";
+    const short = { interactive: "i", background: "bg", batch: "b" };
+    const parts = Object.entries(qm.queued_by_class || {}).filter(([, n]) => n > 0);
+    if (!qm.queued || parts.every(([k]) => k === "interactive")) return String(qm.queued);
+    return `${qm.queued} (${parts.map(([k, n]) => `${short[k] || k}${n}`).join(" ")})`;
+  };
   const when = (t) => t ? new Date(t * 1000).toISOString().replace(".000", "").replace("T", " ") : "never";
 
   function button(row, label, action) {
@@ -90,6 +98,8 @@
       cell(tr, m.slots.used, "num", "in_flight");
       cell(tr, m.queue.depth, "num", "depth");
       cell(tr, m.queue.waiting, "num", "waiting");
+      // Queue mode's held requests, per class that has any (tidegate.wire.classes).
+      cell(tr, held(qm), "", "held");
       cell(tr, age(m.queue.oldest_age_s), "num", "oldest");
       cell(tr, ms(m.live.ttft_p50_ms), "num", "ttft_p50");
       cell(tr, ms(m.live.ttft_p99_ms), "num", "ttft_p99");
