@@ -303,6 +303,24 @@ async def test_a_full_log_ends_a_job_nobody_reads_live(detached: bool) -> None:
     assert r.msg.fate[-1] == "ack"
 
 
+async def test_a_client_that_leaves_a_full_log_ends_its_job_at_once() -> None:
+    """The log filled while the client read live (the job went on for it);
+    once it leaves, nothing it generates can reach anyone, reader or resume:
+    cancelled with LOG_FULL, not after the readers' grace (an hour here)."""
+    sizes = await _sizes()
+    r = rig(_config(resume={"max_stream_bytes": sizes[0] + sizes[1]}),
+            stream=FakeStream(events(3), hang=True))
+    async with running(r) as task:
+        await r.changes.until(lambda: "Error" in r.log.kinds())
+        await timers_due()
+        assert r.job.cancel_reason == ""  # still read live
+        r.job.on_detach("")
+        await timers_due()
+        assert r.job.cancel_reason == LOG_FULL
+        await task
+    assert [u.outcome for u in r.nc.usage()] == ["cancelled"]
+
+
 # -- readers: bound by one reader's acks, or not ----------------------------------
 
 

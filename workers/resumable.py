@@ -337,9 +337,16 @@ class ResumableJob(Job):
         if reader:
             self.readers.pop(reader, None)
         elif self.original:
-            log.info("job %s: its client left; resumable, generating on", self.request.id)
             self.original = False
             self._unbind()
+            if self._log_budget < 0:
+                # The log is full: no reader can resume past its end, so what
+                # the backend generates from here reaches no one.
+                log.info("job %s: its client left a full log; cancelling", self.request.id)
+                asyncio.get_running_loop().call_soon(self.cancel, LOG_FULL)
+            else:
+                log.info("job %s: its client left; resumable, generating on",
+                         self.request.id)
         self._check_readers()
 
     def _ack_timed_out(self) -> bool:
