@@ -45,11 +45,18 @@ class BatchApi:
 
     def __init__(self, state: EdgeState) -> None:
         self.state = state
-        # Records and deletions go through a dispatcher (tidegate.control.desk):
-        # this edge's credentials only read the stores and publish chunks.
-        self.desk = Desk(state.nc, state.config.nats.subjects)
+        self._desk: Desk | None = None
         self._stores: Stores | None = None
         self._lock = asyncio.Lock()
+
+    @property
+    def desk(self) -> Desk:
+        """Records and deletions go through a dispatcher (tidegate.control.desk):
+        this edge's credentials only read the stores and publish chunks. Made
+        on first use: building the app reads nothing but the config."""
+        if self._desk is None:
+            self._desk = Desk(self.state.nc, self.state.config.nats.subjects)
+        return self._desk
 
     async def stores(self) -> Stores:
         if self._stores is None:
