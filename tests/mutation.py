@@ -63,7 +63,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                                          "tests/test_replica_failover.py",
                                          "tests/test_replica_continuation.py"]),
     "resumable": ("workers/resumable.py", ["tests/test_job_unit.py", "tests/test_log_end.py",
-                                           "tests/test_resumable_rules.py"]),
+                                           "tests/test_resumable_rules.py",
+                                           "tests/test_resumable_copies.py"]),
 }
 
 # mutmut's exit codes per mutant (mutmut/stats.py), folded into the table's columns.
