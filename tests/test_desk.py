@@ -216,3 +216,14 @@ async def test_a_malformed_ask_gets_no_answer_and_the_desk_keeps_serving(desks: 
     await desks.upload(A)
     assert sub.pending_msgs == 0
     await sub.unsubscribe()
+
+
+async def test_a_request_the_desk_fails_on_is_answered_500_not_left_to_time_out(
+        desks: Desks, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(tenant: str, file_id: str) -> None:
+        raise RuntimeError("a record nobody foresaw")
+
+    monkeypatch.setattr(desks.stores, "get_file", broken)
+    with pytest.raises(ApiError) as caught:
+        await desks.client.delete_file(A, new_file_id())
+    assert (caught.value.status, caught.value.code) == (500, "internal_error")

@@ -25,6 +25,7 @@ from tidegate.config import Config
 from tidegate.control import desk
 from tidegate.control.batches import Stores
 from tidegate.errors import ApiError, ProtocolError, invalid_request, no_such, unavailable
+from tidegate.telemetry.untrusted import BadInput
 from tidegate.wire.batch import (
     BATCH_PREFIX,
     FILE_PREFIX,
@@ -39,6 +40,7 @@ from tidegate.wire.batch import (
 )
 
 log = logging.getLogger("tidegate.batch")
+_BAD_INPUT = BadInput("dispatcher", log)
 
 
 def _forged(why: str) -> ApiError:
@@ -64,7 +66,7 @@ class Desk:
             ask = desk.Ask.decode(msg.data)
             reply = desk.answer(await self.answer(ask))
         except ProtocolError as exc:
-            log.warning("desk: dropped a malformed request: %s", exc)
+            _BAD_INPUT.drop("desk", "malformed", str(exc))  # counted, logged at most every 10 s
             return
         except ApiError as exc:
             reply = desk.refusal(exc)
@@ -72,6 +74,11 @@ class Desk:
             log.warning("desk: broker error (%s); the edge is told to retry", exc)
             reply = desk.refusal(unavailable("The batch API's stores did not answer; retry.",
                                              retry_after=1))
+        except Exception:
+            # A record nobody foresaw must not leave its edge waiting out desk.WAIT.
+            log.exception("desk: a request failed")
+            reply = desk.refusal(ApiError(500, "The dispatcher could not store this change.",
+                                          type="server_error", code="internal_error"))
         try:
             await self.nc.publish(msg.reply, reply)
         except nats.errors.Error as exc:

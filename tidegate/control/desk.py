@@ -113,16 +113,13 @@ def read_answer(data: bytes) -> bytes:
         if "ok" in m:
             return bytes(m["ok"])
         status, message, type_, code, param, retry_after = m["error"]
+        refused = ApiError(int(status), str(message), type=str(type_), code=code, param=param,
+                           retryable=status >= 500, retry_after=float(retry_after))
     except Exception:
         raise ApiError(502, "A dispatcher gave an answer this gateway node cannot read.",
                        type="server_error", code="protocol_error", retryable=True,
                        retry_after=1) from None
-    return _raise(ApiError(int(status), str(message), type=str(type_), code=code, param=param,
-                           retryable=status >= 500, retry_after=float(retry_after)))
-
-
-def _raise(exc: ApiError) -> bytes:
-    raise exc
+    raise refused
 
 
 class Desk:
