@@ -9,6 +9,7 @@ tenant, the ids or the record from the edge instead of from the key.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -35,8 +36,10 @@ A, B = f"Bearer {A_KEY}", f"Bearer {B_KEY}"
 class Desks:
     """A desk service answering on the server, its stores, and an edge's client."""
 
-    def __init__(self, nc: NATS, stores: Stores, keys: BatchKeys, client: desk.Desk) -> None:
+    def __init__(self, nc: NATS, stores: Stores, keys: BatchKeys, client: desk.Desk,
+                 service: DeskService) -> None:
         self.nc, self.stores, self.keys, self.client = nc, stores, keys, client
+        self.service = service
 
     async def upload(self, auth: str, data: bytes = b'{"line": 1}\n') -> str:
         """An edge's upload: chunks published, then the desk asked to record them."""
@@ -65,10 +68,10 @@ async def desks(module_nats_url: str) -> AsyncIterator[Desks]:
         digest = key_digest(key)
         keys.on_put(digest, KeyRecord(key_id=digest[:12], tenant=tenant, user=f"u-{tenant}"))
     keys.on_synced()
-    sub = await nc.subscribe(config.nats.subjects.desk, queue="desk",
-                             cb=DeskService(config, nc, stores, keys).on_message)
+    service = DeskService(config, nc, stores, keys)
+    sub = await nc.subscribe(config.nats.subjects.desk, queue="desk", cb=service.on_message)
     try:
-        yield Desks(nc, stores, keys, desk.Desk(nc, config.nats.subjects))
+        yield Desks(nc, stores, keys, desk.Desk(nc, config.nats.subjects), service)
     finally:
         await sub.unsubscribe()
         await nc.close()
@@ -175,9 +178,22 @@ async def test_a_discard_removes_an_unrecorded_uploads_chunks(desks: Desks) -> N
     assert await chunks_kept() == 0
 
 
+async def test_a_desk_that_is_reading_the_keys_answers_once_it_has_read_them(
+        desks: Desks) -> None:
+    """A dispatcher answers the desk as it starts: an upload made before its
+    first read of the keys waits for that read (CI at 0749c7f: a 503)."""
+    desks.keys.synced.clear()
+    upload = asyncio.create_task(desks.upload(A))
+    await asyncio.sleep(0.3)
+    desks.keys.on_synced()
+    file_id = await upload
+    assert (await desks.stores.get_file("tenant-a", file_id)) is not None
+
+
 async def test_a_desk_that_has_not_read_the_keys_or_is_gone_asks_for_a_retry(
         desks: Desks) -> None:
     desks.keys.synced.clear()
+    desks.service.keys_wait = 0.05
     with pytest.raises(ApiError) as caught:
         await desks.upload(A)
     assert (caught.value.status, caught.value.retryable) == (503, True)
