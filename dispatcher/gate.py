@@ -1,5 +1,4 @@
 """The dispatcher's side of queue mode: hold queued requests, release on grant.
-
 Per dispatcher process, for every model with ``queue.ttft_p99`` set:
 
 * a controller tick (every ``_TICK`` s): one dispatcher at a time (a Redis
@@ -10,7 +9,9 @@ Per dispatcher process, for every model with ``queue.ttft_p99`` set:
 * the requests it queued stay unacked JetStream messages it holds (in-progress
   acks keep them from redelivery); a grant on ``<p>.grant.<dispatcher>``
   dispatches them, an expiry rejects them with 503 ``queue_timeout``;
-* queued clients get their position (a Status QUEUED) whenever it changes.
+* queued clients get their position (a Status QUEUED) whenever it changes;
+* a request costs its reserved tokens over its tier's weight and waits its
+  class's TTL, never past its deadline.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nats.js import JetStreamContext
 
 from dispatcher.queueing import ModeState, QueueMode
 from dispatcher.quota import QuotaUnavailable
+from tidegate.apis import reservation
 from tidegate.config import Config, ModelConfig
 from tidegate.telemetry import telemetry as tm
 from tidegate.wire.protocol import Admission, ErrorInfo, Request, Status
@@ -80,10 +82,14 @@ class QueueGate:
         mode = self.modes.get(model.name, ModeState())
         if not mode.queueing and not self.backlog.get(model.name):
             return True
+        now = time.time()
+        # Never queued past the request's deadline (the edge gave up then).
+        ttl = max(0.001, min(model.queue.ttl_for(request.klass),
+                             request.deadline_ms / 1000 - now))
         try:
             state, position = await self.queue.enqueue(
                 model.name, request.id, request.tenant, request.klass, self.owner,
-                time.time(), model.queue)
+                now, model.queue, cost=self.cost(request, model), ttl=ttl)
         except QuotaUnavailable as exc:
             # Without the shared queue, queueing cannot be fair or bounded:
             # run the request rather than lose it.
@@ -91,11 +97,10 @@ class QueueGate:
             return True
         if state == "granted":
             return True
-        if state in ("full", "expired"):
-            code = "queue_full" if state == "full" else "queue_timeout"
-            message = (f"Model '{model.name}' is overloaded and its queue is full."
-                       if state == "full" else
-                       f"The request waited longer than {model.queue.ttl:g}s in the queue.")
+        if state in ("full", "expired", "displaced"):
+            code = "queue_timeout" if state == "expired" else "queue_full"
+            message = (f"The request waited longer than {ttl:g}s in the queue."
+                       if state == "expired" else _full(model.name))
             await self._reject(request, msg, headers, code, message)
             return False
         self.held[request.id] = Held(request, msg, headers, reserved, position)
@@ -103,6 +108,16 @@ class QueueGate:
                                                     headers=headers or None).encode())
         tm.get().metrics.dispatch_decisions.add(1, {tm.MODEL: model.name, tm.OUTCOME: "queued"})
         return False
+
+    def cost(self, request: Request, model: ModelConfig) -> float:
+        """A request's turns in the fair queue: the tokens it reserves (prompt
+        estimate + its output cap), over its tenant's tier weight."""
+        tier = self.config.tier_of(request.tenant)
+        try:
+            tokens = reservation(request.api, request.body, model.reserve_max_tokens)
+        except Exception:  # a body a dialect cannot size: one turn, never a lost request
+            tokens = 1
+        return max(1, tokens) / (tier.weight if tier is not None else 1.0)
 
     async def _reject(self, request: Request, msg: Msg, headers: dict[str, str], code: str,
                       message: str) -> None:
@@ -205,6 +220,9 @@ class QueueGate:
                     # (core NATS is at most once): act on what Redis says.
                     if position == -1:
                         await self.dispatch(held.request, held.msg, held.headers, held.reserved)
+                    elif position == -3:
+                        await self._reject(held.request, held.msg, held.headers, "queue_full",
+                                           _full(model.name))
                     else:
                         await self._reject(held.request, held.msg, held.headers,
                                            "queue_timeout",
@@ -214,3 +232,8 @@ class QueueGate:
                     held.position = position
                     await self.nc.publish(held.request.reply,
                                           Status(Admission.QUEUED, position).encode())
+
+
+def _full(model: str) -> str:
+    return (f"Model '{model}' is overloaded and its queue is full (a request of a lower "
+            "class gives up its place to one of a higher class).")

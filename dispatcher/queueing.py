@@ -3,15 +3,15 @@
 State shared by every dispatcher lives in Redis under the quota store's hash
 tag (one slot, so each script is atomic on Redis Cluster): ``qm:<model>`` (mode,
 limit, last p99, streaks, peak), ``lat:<model>:<w>`` and ``peak:<model>:<w>``
-per window, and the fair queue ``q:<model>:...``.
-
-Fairness: the best class waiting goes first, whoever's it is
-(``tidegate.wire.classes``: interactive, background, batch); within a class
-tenants are served round robin, and a tenant's requests oldest first.
+per window, and the fair queue ``q:<model>:...``. Fairness: the best class
+waiting goes first (``tidegate.wire.classes``); within a class tenants share
+by tokens (start-time fair queueing: a grant adds its reserved tokens / its
+tier's weight to its tenant's virtual time, and the tenant furthest behind
+goes next), a tenant's requests oldest first.
 Ownership: the dispatcher that queued a request keeps its JetStream message
-unacked until a grant; if it dies, the redelivery's
-enqueue finds the entry and takes it over, so a queued request is never lost
-nor dispatched twice. Docs: docs/queue-mode.md#redis-keys.
+unacked until a grant; if it dies, the redelivery's enqueue takes the entry
+over, so a queued request is never lost nor dispatched twice. Docs:
+docs/queue-mode.md#redis-keys.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from tidegate.wire.subjects import encode_token
 
 # How many requests will be granted before ``rid`` of ``tenant`` (1 = next):
 # its own better-class and older same-class requests, every other tenant's
-# better-class ones, and one turn per tenant with work of its class each round
-# (round robin within the class), those before it in turn order this round.
+# better-class ones, and one turn per tenant with work of its class each round,
+# those before it in turn order this round. Counted in requests, as if each
+# were of the same size: an estimate once tokens weigh the turns (_GRANT).
 _POSITION = """
 local function position(base, tenant, rid)
   local tkey = base .. ':t:' .. tenant
@@ -56,41 +57,20 @@ local function position(base, tenant, rid)
 end
 """
 
-# enqueue: KEYS = base (prefix of this model's queue keys). ARGV = request id,
-# tenant, class rank (tidegate.wire.classes.rank), owner, now ms, ttl ms, bound.
-# Returns {state, position}: state is queued / granted / full.
-_ENQUEUE = _POSITION + """
-local base, rid, tenant, class = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
-local owner, now, ttl, bound = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local rkey = base .. ':r:' .. rid
-local state = redis.call('HGET', rkey, 'state')
-if state then
-  redis.call('HSET', rkey, 'owner', owner)
-  return {state, 0}
+# Taking a request out of the queue (granted, expired or displaced): every
+# count and index it is in, once. A tenant left with nothing waiting leaves
+# the turn order; its virtual time is kept an hour (``vt``), so one that comes
+# back at once still owes for what it was just granted.
+_REMOVE = """
+local function leave(base, tenant)
+  local vt = redis.call('ZSCORE', base .. ':tenants', tenant)
+  if vt then
+    redis.call('HSET', base .. ':vt', tenant, vt)
+    redis.call('PEXPIRE', base .. ':vt', 3600000)
+  end
+  redis.call('ZREM', base .. ':tenants', tenant)
 end
-local n = tonumber(redis.call('GET', base .. ':n') or '0')
-if n >= bound then return {'full', n} end
-local tkey = base .. ':t:' .. tenant
-redis.call('ZADD', tkey, class * 1e15 + now, rid)
-local turn = tonumber(redis.call('GET', base .. ':turn') or '0')
-redis.call('ZADD', base .. ':tenants', 'NX', turn, tenant)
-redis.call('ZADD', base .. ':deadlines', now + ttl, rid)
-redis.call('HSET', rkey, 'owner', owner, 'tenant', tenant, 'state', 'queued', 'class', class)
-redis.call('PEXPIRE', rkey, ttl + 3600000)
-redis.call('INCR', base .. ':n')
-redis.call('INCR', base .. ':n:' .. class)
-return {'queued', position(base, tenant, rid)}
-"""
-
-# grant: KEYS = base. ARGV = capacity, now ms. Expires overdue entries, then
-# grants up to capacity: each time the best class any tenant has waiting, from
-# the tenant whose turn is oldest among those (a tenant's queue is ordered by
-# class, then age, so its head is its best). Returns a flat list
-# {kind, rid, owner, ...} with kind 'g' (granted) or 'x' (expired).
-_GRANT = """
-local base, capacity, now = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
-local out = {}
-local function take(rid, kind)
+local function remove(base, rid, state)
   local rkey = base .. ':r:' .. rid
   local tenant = redis.call('HGET', rkey, 'tenant')
   local owner = redis.call('HGET', rkey, 'owner') or ''
@@ -100,10 +80,69 @@ local function take(rid, kind)
   if tenant then
     local tkey = base .. ':t:' .. tenant
     redis.call('ZREM', tkey, rid)
-    if redis.call('ZCARD', tkey) == 0 then redis.call('ZREM', base .. ':tenants', tenant) end
+    if redis.call('ZCARD', tkey) == 0 then leave(base, tenant) end
   end
-  redis.call('HSET', rkey, 'state', kind == 'g' and 'granted' or 'expired')
+  redis.call('HSET', rkey, 'state', state)
   redis.call('DECR', base .. ':n')
+  return owner
+end
+"""
+
+# enqueue: KEYS = base (prefix of this model's queue keys). ARGV = request id,
+# tenant, class rank (tidegate.wire.classes.rank), owner, now ms, ttl ms, bound,
+# cost (its reserved tokens / its tier's weight). Returns {state, position}:
+# state is queued / granted / full / expired / displaced. A full queue makes
+# room for a better class: the newest request of the worst class waiting, if
+# worse than this one, is displaced (its owner learns it from positions).
+_ENQUEUE = _POSITION + _REMOVE + """
+local base, rid, tenant, class = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
+local owner, now, ttl, bound = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local cost = tonumber(ARGV[8])
+local rkey = base .. ':r:' .. rid
+local state = redis.call('HGET', rkey, 'state')
+if state then
+  redis.call('HSET', rkey, 'owner', owner)
+  return {state, 0}
+end
+local n = tonumber(redis.call('GET', base .. ':n') or '0')
+if n >= bound then
+  local victim, worst = nil, (class + 1) * 1e15
+  for _, other in ipairs(redis.call('ZRANGE', base .. ':tenants', 0, -1)) do
+    local tail = redis.call('ZRANGE', base .. ':t:' .. other, -1, -1, 'WITHSCORES')
+    if #tail > 0 and tonumber(tail[2]) >= worst then victim, worst = tail[1], tonumber(tail[2]) end
+  end
+  if victim == nil then return {'full', n} end
+  remove(base, victim, 'displaced')
+end
+local tkey = base .. ':t:' .. tenant
+redis.call('ZADD', tkey, class * 1e15 + now, rid)
+if not redis.call('ZSCORE', base .. ':tenants', tenant) then
+  local clock = tonumber(redis.call('GET', base .. ':turn') or '0')
+  local owed = tonumber(redis.call('HGET', base .. ':vt', tenant) or '0')
+  redis.call('HDEL', base .. ':vt', tenant)
+  redis.call('ZADD', base .. ':tenants', math.max(clock, owed), tenant)
+end
+redis.call('ZADD', base .. ':deadlines', now + ttl, rid)
+redis.call('HSET', rkey, 'owner', owner, 'tenant', tenant, 'state', 'queued', 'class', class,
+           'cost', cost)
+redis.call('PEXPIRE', rkey, ttl + 3600000)
+redis.call('INCR', base .. ':n')
+redis.call('INCR', base .. ':n:' .. class)
+return {'queued', position(base, tenant, rid)}
+"""
+
+# grant: KEYS = base. ARGV = capacity, now ms. Expires overdue entries, then
+# grants up to capacity: each time the best class any tenant has waiting, from
+# the tenant of least virtual time among those (a tenant's queue is ordered by
+# class, then age, so its head is its best). The grant sets the virtual clock
+# (``turn``: where a tenant that starts waiting begins) to that tenant's time
+# and adds the request's cost to it. Returns a flat list {kind, rid, owner, ...}
+# with kind 'g' (granted) or 'x' (expired).
+_GRANT = _REMOVE + """
+local base, capacity, now = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
+local out = {}
+local function take(rid, kind)
+  local owner = remove(base, rid, kind == 'g' and 'granted' or 'expired')
   table.insert(out, kind); table.insert(out, rid); table.insert(out, owner)
 end
 local overdue = redis.call('ZRANGEBYSCORE', base .. ':deadlines', '-inf', now, 'LIMIT', 0, 256)
@@ -113,15 +152,17 @@ while capacity > 0 do
   for _, tenant in ipairs(redis.call('ZRANGE', base .. ':tenants', 0, -1)) do
     local head = redis.call('ZRANGE', base .. ':t:' .. tenant, 0, 0, 'WITHSCORES')
     if #head == 0 then
-      redis.call('ZREM', base .. ':tenants', tenant)
+      leave(base, tenant)
     else
       local class = math.floor(tonumber(head[2]) / 1e15)
       if best == nil or class < best then best, pick, rid = class, tenant, head[1] end
     end
   end
   if pick == nil then break end
-  local turn = redis.call('INCR', base .. ':turn')
-  redis.call('ZADD', base .. ':tenants', 'XX', turn, pick)
+  local vt = tonumber(redis.call('ZSCORE', base .. ':tenants', pick))
+  local cost = tonumber(redis.call('HGET', base .. ':r:' .. rid, 'cost') or '1')
+  redis.call('SET', base .. ':turn', vt)
+  redis.call('ZADD', base .. ':tenants', 'XX', vt + cost, pick)
   take(rid, 'g')
   capacity = capacity - 1
 end
@@ -129,8 +170,8 @@ return out
 """
 
 # positions: KEYS = base. ARGV = request ids. Each one's position (see
-# _POSITION); -1 = already granted, -2 = expired (so an owner whose grant
-# message was lost still learns it).
+# _POSITION); -1 = already granted, -2 = expired, -3 = displaced (so an owner
+# whose grant message was lost, or who was never told, still learns it).
 _POSITIONS = _POSITION + """
 local base = KEYS[1]
 local out = {}
@@ -141,6 +182,7 @@ for i, rid in ipairs(ARGV) do
   local pos = 0
   if state == 'granted' then pos = -1
   elseif state == 'expired' then pos = -2
+  elseif state == 'displaced' then pos = -3
   elseif tenant then pos = position(base, tenant, rid)
   end
   out[i] = pos
@@ -274,12 +316,17 @@ class QueueMode:
     # -- the fair queue ------------------------------------------------------------
 
     async def enqueue(self, model: str, request_id: str, tenant: str, klass: str, owner: str,
-                      now: float, cfg: QueueModeConfig) -> tuple[str, int]:
-        """Queue a request of class ``klass`` (tidegate.wire.classes)."""
+                      now: float, cfg: QueueModeConfig, cost: float = 1.0,
+                      ttl: float | None = None) -> tuple[str, int]:
+        """Queue a request of class ``klass`` (tidegate.wire.classes) that
+        costs ``cost`` turns (its reserved tokens / its tenant's tier weight)
+        for ``ttl`` seconds (its class's TTL by default)."""
+        ttl = cfg.ttl_for(klass) if ttl is None else ttl
         state, position = await self._run(self._enqueue(
             keys=[self.queue_key(model)],
             args=[request_id, encode_token(tenant), classes.rank(klass), owner,
-                  int(now * 1000), int(cfg.ttl * 1000), cfg.max_queued]))
+                  int(now * 1000), int(ttl * 1000), cfg.max_queued,
+                  repr(max(float(cost), 1e-6))]))
         return str(state), int(position)
 
     async def queued(self, model: str) -> int:

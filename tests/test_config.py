@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tidegate import config as tgconfig
-from tidegate.config import Config, ModelConfig
+from tidegate.config import Config, ModelConfig, TierConfig
 from tidegate.errors import ConfigError
 
 NO_ENV: dict[str, str] = {}
@@ -167,6 +167,8 @@ def _exotic() -> Config:
                         base_url="http://127.0.0.1:8000/v1", api_key_env="KEY",
                         upstream_model="llama"),
         ),
+        tiers=(TierConfig(name="gold", weight=4.0, tenants=("acme", "b c")),
+               TierConfig(name="free", weight=0.25)),
     )
 
 

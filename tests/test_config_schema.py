@@ -23,7 +23,7 @@ import pytest
 
 from fleet.run.preflight import preflight
 from tidegate import config as tgconfig
-from tidegate.config import Config, ModelConfig, schema
+from tidegate.config import Config, ModelConfig, TierConfig, schema
 from tidegate.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -115,6 +115,11 @@ BAD: dict[str, Any] = {
     "models[0].queue.ttl": 0.0, "models[0].queue.min_concurrency": 0,
     "models[0].price_input": -1.0, "models[0].price_cached_input": 2e6,
     "models[0].price_output": -1.0, "models[0].price_request": -1.0,
+    "models[0].queue.background_ttl": 0.0, "models[0].queue.batch_ttl": 0.0,
+    "tiers[0].name": Bad("t", {"tiers": [{}, {"name": "t"}]}, good="u"),
+    "tiers[0].weight": 0.0,
+    "tiers[0].tenants": Bad(["a"], {"tiers": [{}, {"name": "u", "tenants": ["a"]}]},
+                            good=["b"]),
 }
 
 # Keys for which every value of the type is valid, and why.
@@ -126,6 +131,7 @@ ANY_VALUE: dict[str, str] = {
 
 
 KEYS = {key.name: key.type for key in schema.walk()}
+LISTS = {"models": ModelConfig(name="m"), "tiers": TierConfig(name="t")}  # a first entry each
 
 
 def _closed(tp: Any) -> bool:
@@ -144,9 +150,10 @@ def _bad(key: str) -> Bad:
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     for name, value in extra.items():
-        if name == "models":
-            for mine, theirs in zip(base["models"], value, strict=False):
+        if name in LISTS and name in base:
+            for mine, theirs in zip(base[name], value, strict=False):
                 _merge(mine, theirs)
+            base[name] += value[len(base[name]):]
         elif isinstance(value, dict) and isinstance(base.get(name), dict):
             _merge(base[name], value)
         else:
@@ -154,11 +161,20 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
+def _list(key: str) -> str | None:
+    """The list of tables ``key`` is in (``models[0].name``: models), if any."""
+    return next((name for name in LISTS if key.startswith(f"{name}[0].")), None)
+
+
 def _raw(key: str, value: Any, context: dict[str, Any]) -> dict[str, Any]:
-    """The overrides setting ``key`` to ``value`` beside ``context`` (and one model)."""
+    """The overrides setting ``key`` to ``value`` beside ``context`` (and one
+    model, and one tier for a tier's key)."""
     raw: dict[str, Any] = {"models": [{"name": "m"}]}
-    at = raw["models"][0] if key.startswith("models[0].") else raw
-    *path, leaf = key.removeprefix("models[0].").split(".")
+    table = _list(key)
+    if table == "tiers":
+        raw["tiers"] = [{"name": "t"}]
+    at = raw[table][0] if table else raw
+    *path, leaf = key.removeprefix(f"{table}[0].").split(".")
     for part in path:
         at = at.setdefault(part, {})
     at[leaf] = value
@@ -196,15 +212,16 @@ def test_a_bad_value_is_refused_at_start_naming_the_key(key: str) -> None:
     message = _refusal(_raw(key, bad.value, bad.context), {})
     assert message is not None, f"{key} = {bad.value!r} was accepted"
     assert "\n" not in message
-    assert key.removeprefix("models[0].") in message, message
-    if key.startswith("models[0]."):
-        assert "models[0]" in message, message
+    table = _list(key)
+    assert key.removeprefix(f"{table}[0].") in message, message
+    if table:
+        assert f"{table}[" in message, message
     # A good value beside the same context is accepted: the value is what is refused.
     good = _default(key) if bad.good is None else bad.good
     assert _refusal(_raw(key, good, bad.context), {}) is None
 
 
-@pytest.mark.parametrize("key", sorted(k for k in KEYS if not k.startswith("models[")))
+@pytest.mark.parametrize("key", sorted(k for k in KEYS if not _list(k)))
 def test_a_bad_value_in_the_environment_is_refused_naming_the_key(key: str) -> None:
     bad = _bad(key) if key not in ANY_VALUE else Bad(None)
     if key in ANY_VALUE or bad.context:
@@ -228,8 +245,9 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_key(key: str) -> None:
 
 
 def _default(key: str) -> Any:
-    at: Any = Config() if not key.startswith("models[0].") else ModelConfig(name="m")
-    for part in key.removeprefix("models[0].").split("."):
+    table = _list(key)
+    at: Any = LISTS[table] if table else Config()
+    for part in key.removeprefix(f"{table}[0].").split("."):
         at = getattr(at, part)
     if key == "models[0].max_streams":
         return 64  # set from the backend at construction; unset is not a TOML value

@@ -62,12 +62,15 @@ class FakeQueue:
         self.state, self.position, self.down = state, position, down
         self.answer_positions = positions or []
         self.enqueued: list[tuple[str, str, bool]] = []
+        self.costs: list[tuple[float, float | None]] = []  # each enqueue's cost and ttl
 
     async def enqueue(self, model: str, request_id: str, tenant: str, klass: str,
-                      owner: str, now: float, cfg: Any) -> tuple[str, int]:
+                      owner: str, now: float, cfg: Any, cost: float = 1.0,
+                      ttl: float | None = None) -> tuple[str, int]:
         if self.down:
             raise QuotaUnavailable("redis down")
         self.enqueued.append((request_id, tenant, klass))
+        self.costs.append((cost, ttl))
         return self.state, self.position
 
     async def positions(self, model: str, request_ids: list[str]) -> list[int]:
@@ -129,6 +132,11 @@ async def test_queued_is_held_unacked_and_told_its_position() -> None:
     gate, rec = make(queue)
     assert not await admit(gate, rec, klass="batch")
     assert queue.enqueued == [("r1", "acme", "batch")]
+    # a batch line waits up to batch_ttl (240 s), but never past its deadline (60 s away)
+    [(cost, ttl)] = queue.costs
+    assert cost >= 1
+    assert ttl is not None
+    assert 0 < ttl <= 60
     [status] = rec.statuses()
     assert (status.admission, status.position) == (Admission.QUEUED, 3)
     assert status.headers == {"x-ratelimit-limit-tokens": "9"}
@@ -178,16 +186,20 @@ async def test_grants_dispatch_or_expire_what_this_dispatcher_holds() -> None:
 async def test_positions_update_and_a_lost_grant_is_recovered_from_redis() -> None:
     queue = FakeQueue(position=5)
     gate, rec = make(queue)
-    for rid in ("same", "moved", "granted", "expired"):
+    for rid in ("same", "moved", "granted", "expired", "displaced"):
         await admit(gate, rec, rid)
     rec.events.clear()
-    # Redis says: same place, moved up to 2, granted (-1), expired (-2).
-    queue.answer_positions = [5, 2, -1, -2]
+    # Redis says: same place, moved up to 2, granted (-1), expired (-2),
+    # displaced by a better class (-3).
+    queue.answer_positions = [5, 2, -1, -2, -3]
     await gate._send_positions([MODEL])
     assert ("dispatch", ("granted", True)) in rec.events
     queued = [s for s in rec.statuses() if s.admission is Admission.QUEUED]
     assert [s.position for s in queued] == [2], "only a changed position is sent"
     rejected = [s for s in rec.statuses() if s.admission is Admission.REJECTED]
-    assert [s.error.code for s in rejected] == ["queue_timeout"]  # type: ignore[union-attr]
+    assert [s.error.code for s in rejected] == [  # type: ignore[union-attr]
+        "queue_timeout", "queue_full"]
+    assert all(s.error.retryable for s in rejected)  # type: ignore[union-attr]
     assert ("ack", "expired") in rec.events
+    assert ("ack", "displaced") in rec.events
     assert set(gate.held) == {"same", "moved"}

@@ -126,9 +126,10 @@ def _configuration() -> str:
 
 
 def table(section: str) -> str:
-    """The TOML table a section is: ``[edge]``, ``[[models]]``, ``[models.queue]``."""
-    if section == "models[0]":
-        return "[[models]]"
+    """The TOML table a section is: ``[edge]``, ``[[models]]``, ``[models.queue]``,
+    ``[[tiers]]``."""
+    if section in ("models[0]", "tiers[0]"):
+        return f"[[{section[:-3]}]]"
     return f"[{section.replace('models[0].', 'models.')}]"
 
 

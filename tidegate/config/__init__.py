@@ -47,6 +47,7 @@ from tidegate.config.sections import (
     StorageKind,
     StreamLimit,
     StreamsConfig,
+    TierConfig,
     WorkerConfig,
     WsConfig,
     replica_name,
@@ -60,8 +61,8 @@ __all__ = [
     "BatchConfig", "Config", "DispatcherConfig",
     "EdgeConfig", "GrpcConfig", "LoggingConfig", "ModelConfig", "NatsConfig", "QueueModeConfig",
     "QuotaFailure", "RedisConfig", "ResumeConfig", "RoutingConfig", "SessionConfig",
-    "SimulatorConfig", "SpendConfig", "StorageKind", "StreamLimit", "StreamsConfig", "WorkerConfig",
-    "WsConfig", "dump_toml", "from_dict", "load", "replica_name",
+    "SimulatorConfig", "SpendConfig", "StorageKind", "StreamLimit", "StreamsConfig", "TierConfig",
+    "WorkerConfig", "WsConfig", "dump_toml", "from_dict", "load", "replica_name",
 ]
 
 
@@ -104,7 +105,7 @@ def dump_toml(config: Config) -> str:
     lines: list[str] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if f.name == "models":
+        if f.name in ("models", "tiers"):
             continue
         lines.append(f"[{f.name}]")
         lines.extend(_toml_items(value))
@@ -116,6 +117,10 @@ def dump_toml(config: Config) -> str:
         lines.extend(_toml_items(model.simulator))
         lines.append("[models.queue]")
         lines.extend(_toml_items(model.queue))
+        lines.append("")
+    for tier in config.tiers:
+        lines.append("[[tiers]]")
+        lines.extend(_toml_items(tier))
         lines.append("")
     return "\n".join(lines)
 

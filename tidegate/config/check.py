@@ -242,6 +242,7 @@ def check_values(config: Config) -> None:
     if not 0 <= r.grace <= r.max_grace:
         raise ConfigError(f"resume.grace: must be in [0, resume.max_grace], got {r.grace}")
     _check_spend(config)
+    _check_tiers(config)
     if not config.models:
         raise ConfigError("models: at least one [[models]] entry is required")
     names = config.model_index()
@@ -310,7 +311,9 @@ def check_values(config: Config) -> None:
             raise ConfigError(f"{where}.queue.ttft_p99: must be >= 0 (0 = off), got {q.ttft_p99}")
         for name, value in (("queue.window", q.window), ("queue.enter_after", q.enter_after),
                             ("queue.exit_after", q.exit_after), ("queue.max_queued", q.max_queued),
-                            ("queue.ttl", q.ttl), ("queue.min_concurrency", q.min_concurrency)):
+                            ("queue.ttl", q.ttl), ("queue.background_ttl", q.background_ttl),
+                            ("queue.batch_ttl", q.batch_ttl),
+                            ("queue.min_concurrency", q.min_concurrency)):
             _positive(f"{where}.{name}", value)
         if not 0 < q.exit_ratio <= 1:
             raise ConfigError(f"{where}.queue.exit_ratio: must be in (0, 1], got {q.exit_ratio}")
@@ -339,6 +342,24 @@ def check_values(config: Config) -> None:
         if not isinstance(arguments, dict):
             raise ConfigError(f"{where}.simulator.tool_arguments: must be a JSON object, got "
                               f"{m.simulator.tool_arguments[:80]!r}")
+
+
+def _check_tiers(config: Config) -> None:
+    seen: dict[str, str] = {}
+    names: set[str] = set()
+    for i, tier in enumerate(config.tiers):
+        where = f"tiers[{i}]"
+        if not tier.name or tier.name in names:
+            raise ConfigError(f"{where}.name: must be a name no other tier has, got "
+                              f"{tier.name!r}")
+        names.add(tier.name)
+        if not 0 < tier.weight <= 1000:
+            raise ConfigError(f"{where}.weight: must be in (0, 1000], got {tier.weight}")
+        for tenant in tier.tenants:
+            if not tenant or tenant in seen:
+                raise ConfigError(f"{where}.tenants: {tenant!r} is "
+                                  + (f"in tier {seen[tenant]!r} too" if tenant else "empty"))
+            seen[tenant] = tier.name
 
 
 def _check_spend(config: Config) -> None:

@@ -21,7 +21,7 @@ from functools import cache
 from typing import Any
 
 from tidegate.config import sections
-from tidegate.config.sections import Config, ModelConfig
+from tidegate.config.sections import Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +36,16 @@ class Key:
 
 
 def walk(cls: type[Any] = Config, prefix: str = "") -> Iterator[Key]:
-    """Every leaf key under ``cls``, ``models`` walked as ``models[0]``."""
+    """Every leaf key under ``cls``, the lists of tables (``models``, ``tiers``)
+    walked as their first entry (``models[0]``)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         tp, name = hints[f.name], f"{prefix}{f.name}"
         if dataclasses.is_dataclass(tp):
             yield from walk(tp, f"{name}.")  # type: ignore[arg-type]
-        elif cls is Config and f.name == "models":
-            yield from walk(ModelConfig, "models[0].")
+        elif cls is Config and f.name in ("models", "tiers"):
+            yield from walk(typing.get_args(tp)[0], f"{name}[0].")
         else:
             default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
                        else f.default)

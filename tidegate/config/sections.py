@@ -62,9 +62,30 @@ class QueueModeConfig:
     enter_after: int = 3  # consecutive bad windows before queue mode
     exit_after: int = 3  # consecutive good windows before leaving it
     exit_ratio: float = 0.7  # a good window in queue mode has P99 below ttft_p99 x this
-    max_queued: int = 1000  # hard bound; past it, 503 + Retry-After
-    ttl: float = 60.0  # a queued request waits at most this long, then 503
+    # Hard bound; past it, 503 + Retry-After, unless a lower class waits: then
+    # the newest request of the lowest class gives up its place (503 too).
+    max_queued: int = 1000
+    ttl: float = 60.0  # an interactive request waits at most this long, then 503
+    # A background response or a batch line waits longer (but never past the
+    # request's deadline, edge.queue_timeout after it came); a batch line retries.
+    background_ttl: float = 240.0
+    batch_ttl: float = 240.0  # the same for a batch line
     min_concurrency: int = 1  # admission floor while in queue mode
+
+    def ttl_for(self, klass: str) -> float:
+        """How long a request of ``klass`` (tidegate.wire.classes) may wait."""
+        return {"background": self.background_ttl, "batch": self.batch_ttl}.get(klass, self.ttl)
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """A tier of tenants: the share of a saturated model's tokens each of its
+    tenants gets beside other tenants of one class in queue mode
+    (docs/queue-mode.md#admitting-the-limit-and-the-fair-queue)."""
+
+    name: str  # (required) unique
+    weight: float = 1.0  # tokens per turn against a tenant of weight 1 (no tier's weight)
+    tenants: tuple[str, ...] = ()  # its tenants; a tenant of no tier has weight 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,6 +549,11 @@ class Config:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     spend: SpendConfig = field(default_factory=SpendConfig)
     models: tuple[ModelConfig, ...] = (ModelConfig(name="tidegate-sim", aliases=("sim",)),)
+    tiers: tuple[TierConfig, ...] = ()
+
+    def tier_of(self, tenant: str) -> TierConfig | None:
+        """The tier ``tenant`` is in (None: none, weight 1)."""
+        return next((t for t in self.tiers if tenant in t.tenants), None)
 
     def model_index(self) -> dict[str, ModelConfig]:
         """Every name a client may use (names and aliases) -> its model."""

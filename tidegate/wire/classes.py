@@ -4,8 +4,8 @@ A request's class (``Request.klass``, and its subject ``<p>.req.<class>.<tenant>
 is ``interactive`` (a client waits on it), ``background`` (a Responses
 ``background: true`` request: generated into its log, read later) or ``batch``
 (a batch line). Queue mode (``dispatcher.queueing``) grants the best class
-waiting across every tenant first, round robin over tenants within a class.
-Docs: docs/queue-mode.md#fairness.
+waiting across every tenant first, tenants sharing by tokens within a class.
+Docs: docs/queue-mode.md#admitting-the-limit-and-the-fair-queue.
 """
 
 from __future__ import annotations
