@@ -31,7 +31,8 @@ from nats.js import JetStreamContext
 from dispatcher.queueing import ModeState, QueueMode
 from dispatcher.quota import QuotaUnavailable
 from tidegate.apis import reservation
-from tidegate.config import Config, ModelConfig
+from tidegate.config import Config, ModelConfig, TierConfig
+from tidegate.control.tenants import TenantTable
 from tidegate.telemetry import telemetry as tm
 from tidegate.wire.protocol import Admission, ErrorInfo, Request, Status
 
@@ -62,6 +63,7 @@ class QueueGate:
     dispatch: Dispatch
     refund: Refund
     owner: str = field(default_factory=lambda: secrets.token_hex(6))
+    tenants: TenantTable = field(default_factory=TenantTable)  # followed from <P>_TENANTS
     held: dict[str, Held] = field(default_factory=dict)
     modes: dict[str, ModeState] = field(default_factory=dict)
     backlog: dict[str, int] = field(default_factory=dict)
@@ -112,12 +114,22 @@ class QueueGate:
     def cost(self, request: Request, model: ModelConfig) -> float:
         """A request's turns in the fair queue: the tokens it reserves (prompt
         estimate + its output cap), over its tenant's tier weight."""
-        tier = self.config.tier_of(request.tenant)
+        tier = self.tier(request.tenant)
         try:
             tokens = reservation(request.api, request.body, model.reserve_max_tokens)
         except Exception:  # a body a dialect cannot size: one turn, never a lost request
             tokens = 1
         return max(1, tokens) / (tier.weight if tier is not None else 1.0)
+
+    def tier(self, tenant: str) -> TierConfig | None:
+        """The tenant's tier: the one ``tidegate tenant set --tier`` named, if
+        the config still has it, else the config's."""
+        settings = self.tenants.get(tenant)
+        if settings is not None and settings.tier:
+            named = next((t for t in self.config.tiers if t.name == settings.tier), None)
+            if named is not None:
+                return named
+        return self.config.tier_of(tenant)
 
     async def _reject(self, request: Request, msg: Msg, headers: dict[str, str], code: str,
                       message: str) -> None:

@@ -40,6 +40,7 @@ from tidegate.control.affinity import ensure_buckets as ensure_routing_buckets
 from tidegate.control.budgets import BudgetSet, ensure_budgets_bucket, watch_budgets
 from tidegate.control.policies import PolicySet, ensure_policies_bucket, watch_policies
 from tidegate.control.prices import PriceBook, ensure_prices_bucket, watch_prices
+from tidegate.control.tenants import ensure_tenants_bucket, watch_tenants
 from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
 from tidegate.telemetry import telemetry as tm
@@ -309,6 +310,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
             log.warning("could not refund %s: %s", request_id, exc)
 
     gate = QueueGate(config, nc, js, queue, dispatcher.dispatch, refund)
+    # Tenants' tiers set with `tidegate tenant set --tier` (queue mode's weights).
+    tenants_kv = await ensure_tenants_bucket(js, config) if gate.models() else None
     if gate.models():
         dispatcher.gate = gate
     cancels = await broker.ensure_cancels_bucket(js, config)
@@ -338,6 +341,8 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                 tg.create_task(watch_budgets(budgets_kv, budgets,
                                              on_synced=budgets_synced.set)),
                 tg.create_task(watch_prices(prices_kv, prices, on_synced=prices_synced.set)),
+                *([tg.create_task(watch_tenants(tenants_kv, gate.tenants))]
+                  if tenants_kv is not None else []),
                 *([tg.create_task(follow_bucket(
                     await workers_registry.ensure_bucket(js, config), view.on_put,
                     view.on_delete)),

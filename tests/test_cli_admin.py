@@ -161,6 +161,23 @@ def test_policy_set_list_delete(cli: Cli) -> None:
     assert "Traceback" not in missing.stderr
 
 
+def test_a_tenants_tier_is_set_listed_and_checked_against_the_config(
+        cli: Cli, tmp_path: Path) -> None:
+    """``tenant set --tier`` names one of the config's [[tiers]] (queue mode's
+    weights, docs/queue-mode.md); any other name is one line, no traceback."""
+    config = tmp_path / "tiers.toml"
+    config.write_text('[[tiers]]\nname = "paid"\nweight = 4.0\n')
+    out = cli.ok("tenant", "set", "acme", "--tier", "paid", "--config", str(config))
+    assert out.strip() == "set tenant acme: resumable off, tier paid"
+    bad = cli("tenant", "set", "acme", "--tier", "gold", "--config", str(config))
+    assert bad.returncode != 0
+    assert "Traceback" not in bad.stderr
+    assert "tier must name one of the config's [[tiers]] (paid), got 'gold'" in bad.stderr
+    assert cli.json("tenant", "list", "--config", str(config)) == [
+        {"tenant": "acme", "resumable": False, "grace": None, "tier": "paid"}]
+    assert "paid" in cli.ok("tenant", "list", "--config", str(config))
+
+
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------

@@ -161,7 +161,11 @@ async def test_admin_changes_match_the_cli(pipeline: Pipeline, console: str,
                               {"tenant": tenant, "resumable": True, "grace": 5})
     assert got == 200, body
     tenants = json.loads(cli(pipeline, "tenant", "list", "--json").stdout)
-    assert {"tenant": tenant, "resumable": True, "grace": 5.0} in tenants
+    assert {"tenant": tenant, "resumable": True, "grace": 5.0, "tier": ""} in tenants
+    # a tier the config does not have is refused, as by the CLI
+    got, body, _ = await call(console, "tenants", admin_key,
+                              {"tenant": tenant, "resumable": True, "tier": "gold"})
+    assert got == 400, body
     got, body, _ = await call(console, "tenants/delete", admin_key, {"tenant": tenant})
     assert got == 200, body
     # batches: an unknown batch is 404.

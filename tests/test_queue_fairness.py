@@ -9,16 +9,28 @@ tenant whatever its requests cost), or without the rule it names.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import nats
 import pytest
 
 from dispatcher.gate import QueueGate
 from dispatcher.queueing import QueueMode
 from dispatcher.quota import connect
+from tests.poll import eventually
 from tidegate.config import Config, ModelConfig, QueueModeConfig, TierConfig
+from tidegate.control import operations
+from tidegate.control.admin import UsageError
+from tidegate.control.tenants import (
+    TenantSettings,
+    TenantTable,
+    ensure_tenants_bucket,
+    set_tenant,
+    watch_tenants,
+)
 from tidegate.wire.classes import BACKGROUND, BATCH, INTERACTIVE
 from tidegate.wire.protocol import Api, Request
 
@@ -125,12 +137,47 @@ def _request(tenant: str, max_tokens: int, deadline_ms: int = 10**13) -> Request
                    window_msgs=64, tenant=tenant)
 
 
-def test_a_requests_cost_is_its_reserved_tokens_over_its_tiers_weight() -> None:
-    config = Config(tiers=(TierConfig(name="gold", weight=4.0, tenants=("acme",)),))
+def _gate(config: Config) -> QueueGate:
     gate = QueueGate.__new__(QueueGate)
-    gate.config = config
+    gate.config, gate.tenants = config, TenantTable()
+    return gate
+
+
+def test_a_requests_cost_is_its_reserved_tokens_over_its_tiers_weight() -> None:
+    gate = _gate(Config(tiers=(TierConfig(name="gold", weight=4.0, tenants=("acme",)),)))
     model = ModelConfig(name="m")
     plain = gate.cost(_request("other", 400), model)
     assert 400 < plain < 450  # the output cap and a few prompt tokens
     assert gate.cost(_request("acme", 400), model) == pytest.approx(plain / 4)
     assert gate.cost(_request("other", 4000), model) > 9 * plain
+
+
+async def test_a_tier_set_with_the_tenant_cli_reaches_the_dispatcher_over_the_config(
+        module_nats_url: str) -> None:
+    """``tidegate tenant set acme --tier paid`` writes <P>_TENANTS; the
+    dispatcher's gate follows it (a real nats-server): the named tier wins
+    over the config's, and one the config no longer has falls back to it."""
+    config = Config(nats=Config().nats.__class__(subject_prefix="f" + uuid.uuid4().hex[:6]),
+                    tiers=(TierConfig(name="paid", weight=8.0),
+                           TierConfig(name="basic", weight=2.0, tenants=("acme",))))
+    gate = _gate(config)
+    nc = await nats.connect(module_nats_url)
+    try:
+        kv = await ensure_tenants_bucket(nc.jetstream(), config)
+        synced = asyncio.Event()
+        watch = asyncio.create_task(watch_tenants(kv, gate.tenants, on_synced=synced.set))
+        await synced.wait()
+        assert gate.tier("acme") == config.tiers[1]  # the config's
+        await operations.set_tenant(nc.jetstream(), config, "test",
+                                    operations.tenant_settings(config, "acme", tier="paid"))
+        await eventually(lambda: gate.tier("acme") == config.tiers[0], 30,
+                         "the tier set in KV at the gate")
+        stale = TenantSettings("acme", tier="gone")  # a tier since removed from the config
+        await set_tenant(kv, stale)
+        await eventually(lambda: gate.tenants.get("acme") == stale, 30, "the stale tier")
+        assert gate.tier("acme") == config.tiers[1]
+        with pytest.raises(UsageError, match=r"tier must name one of .*paid, basic.*'gone'"):
+            operations.tenant_settings(config, "acme", tier="gone")
+        watch.cancel()
+    finally:
+        await nc.close()

@@ -147,10 +147,14 @@ def _tenant_parsers(sub: Any) -> None:
     add_common(tset)
     tset.add_argument("tenant", metavar="TENANT", type=checked_name,
                       help="the tenant the settings are for")
-    tset.add_argument("--resumable", type=_on_off, required=True, metavar="on|off",
-                      help="every streaming request of the tenant is resumable")
+    tset.add_argument("--resumable", type=_on_off, default=False, metavar="on|off",
+                      help="every streaming request of the tenant is resumable "
+                           "(default: off)")
     tset.add_argument("--grace", type=_seconds, metavar="SECONDS",
                       help="the tenant's resume grace (default: resume.grace)")
+    tset.add_argument("--tier", default="", metavar="NAME",
+                      help="a [[tiers]] name: the tenant's weight in queue mode "
+                           "(default: its tier in the config, if any)")
     tdelete = tenant_sub.add_parser("delete", help="delete a tenant's settings")
     add_common(tdelete)
     tdelete.add_argument("tenant", metavar="TENANT", type=checked_name,
@@ -238,7 +242,7 @@ def cmd_tenant(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     if args.tenant_command == "set":
-        return tenants.cli_set(config, args.tenant, args.resumable, args.grace)
+        return tenants.cli_set(config, args.tenant, args.resumable, args.grace, args.tier)
     if args.tenant_command == "list":
         return tenants.cli_list(config, args.json)
     return tenants.cli_delete(config, args.tenant)

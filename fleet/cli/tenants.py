@@ -18,15 +18,17 @@ from tidegate.control.tenants import (
 )
 
 
-def cli_set(config: Config, tenant: str, resumable: bool, grace: float | None) -> int:
-    settings = operations.tenant_settings(config, tenant, resumable, grace)
+def cli_set(config: Config, tenant: str, resumable: bool, grace: float | None,
+            tier: str = "") -> int:
+    settings = operations.tenant_settings(config, tenant, resumable, grace, tier)
 
     async def work(js: JetStreamContext) -> None:
         await operations.set_tenant(js, config, "cli", settings)
 
     admin.run(config, work)
     print(f"set tenant {tenant}: resumable {'on' if resumable else 'off'}"
-          + (f", grace {grace:g}s" if grace is not None else ""))
+          + (f", grace {grace:g}s" if grace is not None else "")
+          + (f", tier {tier}" if tier else ""))
     return 0
 
 
@@ -36,15 +38,16 @@ def cli_list(config: Config, as_json: bool = False) -> int:
 
     tenants = admin.run(config, work)
     if as_json:
-        print(json.dumps([{"tenant": t.tenant, "resumable": t.resumable, "grace": t.grace}
-                          for t in tenants]))
+        print(json.dumps([{"tenant": t.tenant, "resumable": t.resumable, "grace": t.grace,
+                           "tier": t.tier} for t in tenants]))
         return 0
     if not tenants:
         print(f"no tenant settings in {bucket_name(config)}")
         return 0
-    admin.print_table(["TENANT", "RESUMABLE", "GRACE"],
+    admin.print_table(["TENANT", "RESUMABLE", "GRACE", "TIER"],
                  [[t.tenant, "on" if t.resumable else "off",
-                   "-" if t.grace is None else f"{t.grace:g}s"] for t in tenants])
+                   "-" if t.grace is None else f"{t.grace:g}s", t.tier or "-"]
+                  for t in tenants])
     return 0
 
 

@@ -203,12 +203,13 @@ class Console:
         return {"deleted": probe.as_dict()}
 
     async def tenant_set(self, request: web.Request, by: str) -> dict[str, Any]:
-        body = await _body(request, {"tenant", "resumable", "grace"})
+        body = await _body(request, {"tenant", "resumable", "grace", "tier"})
         settings = operations.tenant_settings(self.config, _text(body, "tenant"),
-                                              body.get("resumable"), body.get("grace"))
+                                              body.get("resumable"), body.get("grace"),
+                                              body.get("tier", ""))
         await operations.set_tenant(self.js, self.config, by, settings)
         return {"tenant": settings.tenant, "resumable": settings.resumable,
-                "grace": settings.grace}
+                "grace": settings.grace, "tier": settings.tier}
 
     async def tenant_delete(self, request: web.Request, by: str) -> dict[str, Any]:
         body = await _body(request, {"tenant"})

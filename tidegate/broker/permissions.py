@@ -236,8 +236,9 @@ def access(subjects: Subjects) -> dict[str, Access]:
                   ._add((f"CONSUMER.INFO.{jobs}.*", f"CONSUMER.INFO.{requests}.*",
                          f"STREAM.MSG.GET.{jobs}"))
                   .watch(s.policies_bucket).watch(prices).watch(budgets)
-                  # Read only: per-key rules re-checked for batch lines.
-                  .watch(s.keys_bucket)
+                  # Read only: per-key rules re-checked for batch lines; the
+                  # tenants' tiers (queue mode's weights).
+                  .watch(s.keys_bucket).watch(tenants)
                   .watch(s.cancels_bucket).write(s.cancels_bucket)
                   .watch(s.workers_bucket)
                   .watch(s.affinity_bucket).write(s.affinity_bucket)

@@ -187,9 +187,13 @@ async def list_policies(js: JetStreamContext, config: Config) -> list[dict[str, 
 # --------------------------------------------------------------------------
 
 
-def tenant_settings(config: Config, tenant: str, resumable: object,
-                    grace: object = None) -> tgtenants.TenantSettings:
+def tenant_settings(config: Config, tenant: str, resumable: object = False,
+                    grace: object = None, tier: object = "") -> tgtenants.TenantSettings:
     check_name("tenant set: tenant", tenant)
+    tiers = [t.name for t in config.tiers]
+    if not isinstance(tier, str) or (tier and tier not in tiers):
+        raise UsageError(f"tenant set: tier must name one of the config's [[tiers]] "
+                         f"({', '.join(tiers) or 'none configured'}), got {tier!r}")
     if not isinstance(resumable, bool):
         raise UsageError(f"tenant set: resumable must be true or false, got {resumable!r}")
     if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float)):
@@ -198,7 +202,7 @@ def tenant_settings(config: Config, tenant: str, resumable: object,
         raise UsageError(f"tenant set: --grace must be between 0 and resume.max_grace "
                          f"({config.resume.max_grace:g}), got {grace:g}")
     return tgtenants.TenantSettings(tenant, resumable,
-                                    None if grace is None else float(grace))
+                                    None if grace is None else float(grace), tier)
 
 
 async def set_tenant(js: JetStreamContext, config: Config, by: str,
@@ -206,7 +210,8 @@ async def set_tenant(js: JetStreamContext, config: Config, by: str,
     await tgtenants.set_tenant(await tgtenants.ensure_tenants_bucket(js, config), settings)
     audit(by, "tenant.set", tenant=settings.tenant,
           resumable="on" if settings.resumable else "off",
-          grace="default" if settings.grace is None else f"{settings.grace:g}")
+          grace="default" if settings.grace is None else f"{settings.grace:g}",
+          tier=settings.tier or "default")
 
 
 async def delete_tenant(js: JetStreamContext, config: Config, by: str, tenant: str) -> None:
@@ -220,7 +225,7 @@ async def delete_tenant(js: JetStreamContext, config: Config, by: str, tenant: s
 
 async def list_tenants(js: JetStreamContext, config: Config) -> list[dict[str, Any]]:
     kv = await tgtenants.ensure_tenants_bucket(js, config)
-    return [{"tenant": t.tenant, "resumable": t.resumable, "grace": t.grace}
+    return [{"tenant": t.tenant, "resumable": t.resumable, "grace": t.grace, "tier": t.tier}
             for t in await tgtenants.list_tenants(kv)]
 
 

@@ -1,11 +1,13 @@
 """Per-tenant settings in NATS KV, changed live: ``tidegate tenant``.
 
-Today one setting: ``resumable`` (every streaming request of the tenant is a
-resumable stream, docs/resume.md), with an optional ``grace`` in seconds that
-replaces ``resume.grace`` for the tenant. The bucket ``<P>_TENANTS`` holds one
-JSON value per tenant, keyed by :func:`tidegate.wire.subjects.encode_token` of
-its name; every edge follows it (:func:`watch_tenants`) and applies a change
-within about a second, like API keys and policies.
+``resumable`` (every streaming request of the tenant is a resumable stream,
+docs/resume.md), with an optional ``grace`` in seconds that replaces
+``resume.grace`` for the tenant; ``tier``, a ``[[tiers]]`` name that weighs
+the tenant in queue mode over the config's tiers (docs/queue-mode.md). The
+bucket ``<P>_TENANTS`` holds one JSON value per tenant, keyed by
+:func:`tidegate.wire.subjects.encode_token` of its name; every edge and
+dispatcher follows it (:func:`watch_tenants`) and applies a change within
+about a second, like API keys and policies.
 """
 
 from __future__ import annotations
@@ -35,23 +37,28 @@ class TenantSettings:
     tenant: str
     resumable: bool = False
     grace: float | None = None  # seconds; None: resume.grace
+    tier: str = ""  # a [[tiers]] name; "": the config's tier for the tenant, if any
 
     def encode(self) -> bytes:
-        return json.dumps({"resumable": self.resumable, "grace": self.grace}).encode()
+        return json.dumps({"resumable": self.resumable, "grace": self.grace,
+                           "tier": self.tier}).encode()
 
     @classmethod
     def decode(cls, tenant: str, data: bytes) -> TenantSettings:
         try:
             m = json.loads(data)
             grace = m.get("grace")
+            tier = m.get("tier") or ""
+            if not isinstance(tier, str):
+                raise TypeError(f"tier must be a string, got {tier!r}")
             return cls(tenant, bool(m.get("resumable", False)),
-                       None if grace is None else float(grace))
+                       None if grace is None else float(grace), tier)
         except (ValueError, TypeError, AttributeError) as exc:
             raise ProtocolError(f"malformed settings of tenant {tenant!r}: {exc}") from exc
 
 
 class TenantTable:
-    """Tenant -> settings, as the edge knows them (sans-I/O)."""
+    """Tenant -> settings, as an edge or a dispatcher knows them (sans-I/O)."""
 
     def __init__(self) -> None:
         self._by_tenant: dict[str, TenantSettings] = {}

@@ -238,6 +238,7 @@
     }), "no policies");
     fill("tenants", tenants.data.map((t) => (tr) => {
       cell(tr, t.tenant); cell(tr, t.resumable ? "on" : "off"); cell(tr, t.grace === null ? "default" : `${t.grace}s`);
+      cell(tr, t.tier || "-");
       button(tr, "Delete", () => act("tenants/delete", {tenant: t.tenant}, () => said(`deleted tenant ${t.tenant}`)));
     }), "no tenant settings");
     fill("batches", batches.data.map((b) => (tr) => {
@@ -286,6 +287,7 @@
       const body = {tenant: f.tenant.value, resumable: f.resumable.checked};
       const g = number(f.grace.value);
       if (g !== undefined) body.grace = g;
+      if (f.tier.value) body.tier = f.tier.value;
       act("tenants", body, () => said(`set tenant ${body.tenant}`));
     });
     $("usage-window").addEventListener("change", () => refreshUsage());
