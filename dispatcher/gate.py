@@ -1,17 +1,17 @@
 """The dispatcher's side of queue mode: hold queued requests, release on grant.
-Per dispatcher process, for every model with ``queue.ttft_p99`` set:
+Per dispatcher process, for every model (queue mode: ``queue.ttft_p99`` set):
 
 * a controller tick (every ``_TICK`` s): one dispatcher at a time (a Redis
-  lease) folds finished windows into the model's mode, reads how many jobs are
-  in flight from JetStream (``num_pending + num_ack_pending`` of the model's
-  worker consumer), grants queued requests up to the limit, and expires the
-  overdue; every dispatcher refreshes its cached mode;
+  lease) folds finished windows into the model's mode, grants queued requests
+  up to the limit less the jobs in flight (``num_pending + num_ack_pending``
+  of the model's consumers), and expires the overdue; every dispatcher
+  refreshes its cached mode;
 * the requests it queued stay unacked JetStream messages it holds (in-progress
   acks keep them from redelivery); a grant on ``<p>.grant.<dispatcher>``
   dispatches them, an expiry rejects them with 503 ``queue_timeout``;
 * queued clients get their position (a Status QUEUED) whenever it changes;
-* a request costs its reserved tokens over its tier's weight and waits its
-  class's TTL, never past its deadline.
+* a request costs its reserved tokens over its tier's weight, waits its
+  class's TTL; a lower class waits for spare slots, queue mode or not.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ from dispatcher.quota import QuotaUnavailable
 from tidegate.apis import reservation
 from tidegate.config import Config, ModelConfig, TierConfig
 from tidegate.control.tenants import TenantTable
+from tidegate.control.workers_registry import TTL as WORKER_TTL
+from tidegate.control.workers_registry import WorkerInfo
 from tidegate.telemetry import telemetry as tm
+from tidegate.wire import classes
 from tidegate.wire.protocol import Admission, ErrorInfo, Request, Status
 
 log = logging.getLogger("tidegate.dispatcher")
@@ -54,6 +57,28 @@ class Held:
     position: int = 0
 
 
+class WorkerSlots:
+    """Each live worker's slots per model, followed from ``<P>_WORKERS``
+    (sans-I/O: the dispatcher feeds it ``on_put`` / ``on_delete``)."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerInfo] = {}
+
+    def on_put(self, key: str, value: bytes) -> None:
+        try:
+            self._workers[key] = WorkerInfo.decode(value)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self._workers.pop(key, None)  # malformed: counts for nothing
+
+    def on_delete(self, key: str) -> None:
+        self._workers.pop(key, None)
+
+    def of(self, model: str, now: float) -> int:
+        """The model's slots on live workers that are not draining (0: none known)."""
+        return sum(w.models[model].slots for w in self._workers.values()
+                   if model in w.models and not w.draining and now - w.updated <= WORKER_TTL)
+
+
 @dataclass(slots=True)
 class QueueGate:
     config: Config
@@ -67,13 +92,17 @@ class QueueGate:
     held: dict[str, Held] = field(default_factory=dict)
     modes: dict[str, ModeState] = field(default_factory=dict)
     backlog: dict[str, int] = field(default_factory=dict)
+    workers: WorkerSlots = field(default_factory=WorkerSlots)  # followed from <P>_WORKERS
+    full: dict[str, bool] = field(default_factory=dict)  # jobs admitted >= the model's slots
 
     @property
     def grant_subject(self) -> str:
         return f"{self.config.nats.subject_prefix}.grant.{self.owner}"
 
     def models(self) -> list[ModelConfig]:
-        return [m for m in self.config.models if m.queue.ttft_p99 > 0]
+        """Every model: lower classes wait for spare capacity on each, and
+        those with ``queue.ttft_p99`` also have queue mode."""
+        return list(self.config.models)
 
     # -- admission ---------------------------------------------------------------
 
@@ -82,7 +111,9 @@ class QueueGate:
         """True: dispatch now. False: the gate took the request (queued or
         answered it)."""
         mode = self.modes.get(model.name, ModeState())
-        if not mode.queueing and not self.backlog.get(model.name):
+        if not (mode.queueing or (self.backlog.get(model.name) and model.queue.ttft_p99 > 0)
+                or (request.klass != classes.INTERACTIVE
+                    and (self.full.get(model.name) or self.backlog.get(model.name)))):
             return True
         now = time.time()
         # Never queued past the request's deadline (the edge gave up then).
@@ -163,13 +194,22 @@ class QueueGate:
         await self.nc.subscribe(self.grant_subject, cb=self.on_grant)
         last_positions = last_progress = time.monotonic()
         progress_every = self.config.dispatcher.ack_wait / 3
+        paused: set[str] = set()
         while not stop.is_set():
             now = time.monotonic()
             for model in models:
                 try:
                     await self._control(model)
                 except QuotaUnavailable as exc:
-                    log.warning("queue mode for %s paused: %s", model.name, exc)
+                    # Once per outage, not per tick: every model has a gate.
+                    if model.name not in paused:
+                        paused.add(model.name)
+                        log.warning("queue for %s paused (held requests wait, new ones "
+                                    "run): %s", model.name, exc)
+                else:
+                    if model.name in paused:
+                        paused.discard(model.name)
+                        log.info("queue for %s resumed", model.name)
             if now - last_positions >= _POSITIONS_EVERY:
                 last_positions = now
                 await self._send_positions(models)
@@ -181,10 +221,19 @@ class QueueGate:
 
     async def _control(self, model: ModelConfig) -> None:
         now = time.time()
+        running = await self._running(model)
+        slots = self.workers.of(model.name, now)
+        self.full[model.name] = 0 < slots <= running
+        queue_mode = model.queue.ttft_p99 > 0
         if await self.queue.lead(model.name, self.owner, hold=_TICK * 4):
-            running = await self._running(model)
-            state = await self.queue.evaluate(model.name, running, now, model.queue)
-            capacity = state.limit - running if state.queueing else 1 << 30
+            state = (await self.queue.evaluate(model.name, running, now, model.queue)
+                     if queue_mode else ModeState())
+            if state.queueing:
+                capacity = state.limit - running
+            elif queue_mode:
+                capacity = 1 << 30  # left queue mode: the queue goes in fair order
+            else:  # lower classes only, on spare capacity (no slots known: let them go)
+                capacity = slots - running if slots else 1 << 30
             grants = await self.queue.grant(model.name, capacity, now)
             if grants:
                 by_owner: dict[str, list[tuple[str, bool]]] = {}
@@ -194,28 +243,36 @@ class QueueGate:
                     subject = f"{self.config.nats.subject_prefix}.grant.{owner}"
                     await self.nc.publish(subject, msgpack.packb(items))
         else:
-            state = await self.queue.state(model.name)
+            state = await self.queue.state(model.name) if queue_mode else ModeState()
         previous = self.modes.get(model.name)
         if previous is not None and previous.queueing != state.queueing:
             log.warning("model %s %s queue mode (p99 TTFT %.0f ms, limit %d)", model.name,
                         "entered" if state.queueing else "left", state.p99_ms, state.limit)
         self.modes[model.name] = state
+        before = self.backlog.get(model.name)
         self.backlog[model.name] = await self.queue.queued(model.name)
         metrics, attrs = tm.get().metrics, {tm.MODEL: model.name}
         metrics.queue_mode.set(1 if state.queueing else 0, attrs)
         metrics.queue_mode_limit.set(state.limit if state.queueing else 0, attrs)
-        for klass, n in (await self.queue.queued_by_class(model.name)).items():
-            metrics.queue_mode_queued.set(n, {**attrs, tm.REQUEST_CLASS: klass})
+        if queue_mode or before or self.backlog[model.name]:
+            for klass, n in (await self.queue.queued_by_class(model.name)).items():
+                metrics.queue_mode_queued.set(n, {**attrs, tm.REQUEST_CLASS: klass})
 
     async def _running(self, model: ModelConfig) -> int:
-        """Jobs admitted and not finished: waiting in the jobs stream or running."""
+        """Jobs admitted and not finished: waiting in the jobs stream or
+        running, in the model's queue and each replica's (routing homes)."""
         subjects = self.config.nats.subjects
-        try:
-            info = await self.js.consumer_info(subjects.jobs_stream,
-                                               subjects.worker_consumer(model.name))
-        except Exception:
-            return 0  # no worker has created its consumer yet: nothing runs
-        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        consumers = [subjects.worker_consumer(model.name)]
+        if len(model.replicas) > 1:
+            consumers += [subjects.replica_consumer(model.name, r) for r in model.replica_names]
+        running = 0
+        for consumer in consumers:
+            try:
+                info = await self.js.consumer_info(subjects.jobs_stream, consumer)
+            except Exception:
+                continue  # no worker has created this consumer yet: nothing runs there
+            running += int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        return running
 
     async def _send_positions(self, models: list[ModelConfig]) -> None:
         for model in models:

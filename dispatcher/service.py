@@ -72,7 +72,7 @@ class Dispatcher:
         self.subjects = config.nats.subjects
         self.cancels = CancelRegistry(ttl=config.streams.max_age)
         self.models = config.model_index()
-        self.gate: QueueGate | None = None  # set when a model has queue mode configured
+        self.gate: QueueGate | None = None  # the fair queue (dispatcher.gate); None in unit tests
         self.router: Router | None = None  # set when a model has several replicas
         self.metrics = tm.get().metrics
 
@@ -310,10 +310,11 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
             log.warning("could not refund %s: %s", request_id, exc)
 
     gate = QueueGate(config, nc, js, queue, dispatcher.dispatch, refund)
-    # Tenants' tiers set with `tidegate tenant set --tier` (queue mode's weights).
-    tenants_kv = await ensure_tenants_bucket(js, config) if gate.models() else None
-    if gate.models():
-        dispatcher.gate = gate
+    # Tenants' tiers set with `tidegate tenant set --tier` (queue mode's
+    # weights); the workers' slots (lower classes wait for spare capacity).
+    tenants_kv = await ensure_tenants_bucket(js, config)
+    workers_kv = await workers_registry.ensure_bucket(js, config)
+    dispatcher.gate = gate
     cancels = await broker.ensure_cancels_bucket(js, config)
     view = ReplicaView(config)
     if view.models and config.routing.affinity == "auto":
@@ -341,11 +342,10 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                 tg.create_task(watch_budgets(budgets_kv, budgets,
                                              on_synced=budgets_synced.set)),
                 tg.create_task(watch_prices(prices_kv, prices, on_synced=prices_synced.set)),
-                *([tg.create_task(watch_tenants(tenants_kv, gate.tenants))]
-                  if tenants_kv is not None else []),
-                *([tg.create_task(follow_bucket(
-                    await workers_registry.ensure_bucket(js, config), view.on_put,
-                    view.on_delete)),
+                tg.create_task(watch_tenants(tenants_kv, gate.tenants)),
+                tg.create_task(follow_bucket(workers_kv, gate.workers.on_put,
+                                             gate.workers.on_delete)),
+                *([tg.create_task(follow_bucket(workers_kv, view.on_put, view.on_delete)),
                    tg.create_task(follow_bucket(
                        dispatcher.router.homes, dispatcher.router.home_cache.on_put,
                        dispatcher.router.home_cache.on_delete))]

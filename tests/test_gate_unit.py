@@ -8,6 +8,7 @@ or refunded: the same paths test_queue_mode.py drives on real servers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -61,7 +62,7 @@ class FakeQueue:
                  positions: list[int] | None = None, down: bool = False) -> None:
         self.state, self.position, self.down = state, position, down
         self.answer_positions = positions or []
-        self.enqueued: list[tuple[str, str, bool]] = []
+        self.enqueued: list[tuple[str, str, str]] = []
         self.costs: list[tuple[float, float | None]] = []  # each enqueue's cost and ttl
 
     async def enqueue(self, model: str, request_id: str, tenant: str, klass: str,
@@ -203,3 +204,48 @@ async def test_positions_update_and_a_lost_grant_is_recovered_from_redis() -> No
     assert ("ack", "expired") in rec.events
     assert ("ack", "displaced") in rec.events
     assert set(gate.held) == {"same", "moved"}
+
+
+async def test_lower_classes_wait_for_spare_capacity_on_a_model_without_queue_mode() -> None:
+    """No queue mode (the default): interactive requests always go; a
+    background response or batch line goes only while the model has a free
+    slot and nothing of its class waits, else it is queued for a grant."""
+    plain = dataclasses.replace(MODEL, queue=tgconfig.QueueModeConfig())
+    queue = FakeQueue(position=1)
+    gate, rec = make(queue, mode=None)
+
+    async def goes(rid: str, klass: str = "interactive") -> bool:
+        return await gate.admit(request(rid, klass), FakeMsg(rec, rid),  # type: ignore[arg-type]
+                                {}, plain, True)
+
+    gate.full["m"] = True  # the workers' slots are all taken
+    assert await goes("chat")
+    assert not await goes("bg", "background")
+    assert not await goes("line", "batch")
+    assert [rid for rid, _, _ in queue.enqueued] == ["bg", "line"]
+    assert set(gate.held) == {"bg", "line"}
+    assert [s.admission for s in rec.statuses()] == [Admission.QUEUED] * 2
+    # a free slot: a lower class goes at once, unless its class already waits
+    gate.full["m"] = False
+    assert await goes("bg2", "background")
+    gate.backlog["m"] = 2
+    assert not await goes("bg3", "background")
+    assert await goes("chat2")  # a backlog holds interactive requests only in queue mode
+
+
+def test_a_models_slots_are_its_live_workers_not_draining_ones() -> None:
+    from dispatcher.gate import WorkerSlots
+    from tidegate.control.workers_registry import SlotInfo, WorkerInfo
+
+    now = time.time()
+    slots = WorkerSlots()
+    slots.on_put("w1", WorkerInfo("w1", updated=now, models={"m": SlotInfo(4, 4)}).encode())
+    slots.on_put("w2", WorkerInfo("w2", updated=now, models={"m": SlotInfo(3, 0)}).encode())
+    slots.on_put("w3", WorkerInfo("w3", updated=now, draining=True,
+                                  models={"m": SlotInfo(8, 0)}).encode())
+    slots.on_put("w4", WorkerInfo("w4", updated=now - 60, models={"m": SlotInfo(8, 0)}).encode())
+    slots.on_put("w5", b"not json")
+    assert slots.of("m", now) == 7
+    slots.on_delete("w2")
+    assert slots.of("m", now) == 4
+    assert slots.of("other", now) == 0
