@@ -474,9 +474,12 @@ class Job(JobState):
             else:
                 limit.whole(self._mark, self._backend_at, usage.completion_tokens,
                             time.monotonic(), stalled=self.stall_time)
-        if usage.response_id and self.ctx.owners is not None:
-            # Recorded before the Done: a client that has the end may follow up.
-            await self.ctx.owners.record(self._client_response_id(usage), self.request.tenant)
+        # Recorded before the Done: a client that has the end may follow up. A
+        # continued answer's usage names no id (its calls' are joined): the Continue's.
+        owners = self.ctx.owners
+        if (owners is not None and apis.of(self.request.api).previous_field
+                and (response_id := self._client_response_id(usage))):
+            await owners.record(response_id, self.request.tenant)
         self.seq += 1
         cost = prices.format_money(prices.job_cost(
             self.price, "done", usage.prompt_tokens, usage.completion_tokens,
