@@ -21,6 +21,7 @@ from typing import Any
 from tests.poll import eventually
 from tests.test_job_metrics import Observed
 from tests.test_job_unit import (
+    CONFIG,
     FakeBackend,
     FakeMsg,
     FakeStream,
@@ -40,13 +41,11 @@ from workers.job_state import WORKER_SHUTDOWN
 
 # -- the price: the Done, the usage record --------------------------------------------
 
-PRICED = tgconfig.from_dict({
-    "session": {"heartbeat_interval": 0.1, "ack_timeout": 0.6, "worker_lost_after": 6},
-    "worker": {"ack_wait": 0.3, "resume_timeout": 0.3},
-    "models": [{"name": "m", "simulator": {}, "price_input": 2.0, "price_cached_input": 0.5,
-                "price_output": 8.0, "price_request": 0.25}],
-    "spend": {"currency": "EUR"},
-})
+# test_job_unit's CONFIG (its session and worker timings), with a priced model.
+PRICED = dataclasses.replace(
+    CONFIG, spend=dataclasses.replace(CONFIG.spend, currency="EUR"),
+    models=(tgconfig.ModelConfig(name="m", price_input=2.0, price_cached_input=0.5,
+                                 price_output=8.0, price_request=0.25),))
 
 
 def priced(stream: FakeStream) -> tuple[Job, Any, Any]:
