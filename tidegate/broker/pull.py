@@ -7,7 +7,8 @@ the moment it arrives.
 Invariant (credit): the puller keeps at most ``capacity`` messages requested
 or being handled, so a worker asks exactly for its free slots and queued work
 stays in JetStream for any worker. An expired pull request's undelivered
-credit (``Nats-Pending-Messages``) is requested again.
+credit (``Nats-Pending-Messages``) is requested again. A stopped puller
+keeps its inbox until its requests expire and NAKs what still arrives.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Puller:
         # delivery (its num_pending), for rules that ask for what is there.
         self.pending = 0
         self._done_hook = on_done
+        self._stopping = False  # set once run() saw its stop: arrivals are given back
 
     @property
     def busy(self) -> int:
@@ -93,6 +95,12 @@ class Puller:
             self._wake.set()
             return
         self.outstanding = max(0, self.outstanding - 1)
+        if self._stopping:
+            # Asked for before the stop, not to be started now: back at once
+            # to another puller, rather than after the consumer's ack_wait.
+            self._wake.set()
+            await msg.nak()
+            return
         task = asyncio.create_task(self._handler(msg))
         self.tasks.add(task)
         task.add_done_callback(self._on_done)
@@ -134,4 +142,21 @@ class Puller:
                     self._last_progress = time.monotonic()
         finally:
             stop_wait.cancel()
+            if stop.is_set():
+                await self._give_back()
             await sub.unsubscribe()
+
+    async def _give_back(self) -> None:
+        """Until the pull requests still open at the server are spent. One
+        delivered into an inbox nobody reads any more would sit unacked for
+        the consumer's ack_wait before redelivery, so the inbox stays until
+        each request expires (its 408 returns the credit, at most
+        ``expires`` s) and what still arrives is NAKed to another puller."""
+        self._stopping = True
+        deadline = time.monotonic() + self._expires + 1.0
+        while self.outstanding > 0 and (left := deadline - time.monotonic()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                break
