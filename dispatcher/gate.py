@@ -224,6 +224,8 @@ class QueueGate:
         running = await self._running(model)
         slots = self.workers.of(model.name, now)
         self.full[model.name] = 0 < slots <= running
+        if slots:
+            tm.get().metrics.slots_spare.set(max(0, slots - running), {tm.MODEL: model.name})
         queue_mode = model.queue.ttft_p99 > 0
         if await self.queue.lead(model.name, self.owner, hold=_TICK * 4):
             state = (await self.queue.evaluate(model.name, running, now, model.queue)

@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.queueing import QueueMode
 from dispatcher.quota import connect
@@ -37,7 +38,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
     models = paced_simulator(1, 20.0)
     models[0]["simulator"]["length"] = 200
     yield from running_pipeline(workdir, module_nats_url, module_redis_url,
-                                overrides={"models": models,
+                                metrics=True, overrides={"models": models,
                                            "nats": {"subject_prefix": "s" + uuid.uuid4().hex[:6]}})
 
 
@@ -58,7 +59,7 @@ async def test_background_work_waits_for_a_free_slot_behind_interactive_work(
         first = asyncio.create_task(stream(session, pipeline.url, MODEL, "long one",
                                            progress=progress))
         await eventually(lambda: progress.get("long one", 0) >= 3, 60, "the first stream")
-        await asyncio.sleep(1.0)  # the gate's ticks see the slot taken
+        await eventually(lambda: _spare(pipeline) == 0, 60, "the gate seeing the slot taken")
         background = [await client.responses.create(model=MODEL, input=f"later {i}",
                                                     background=True, max_output_tokens=5)
                       for i in range(3)]
@@ -87,3 +88,13 @@ async def _finished(client: openai.AsyncOpenAI,
     response = await client.responses.retrieve(rid)
     assert response.status in ("queued", "in_progress", *FINISHED), response.status
     return response if response.status in FINISHED else None
+
+
+def _spare(pipeline: Pipeline) -> float | None:
+    """The dispatcher's ``tidegate_slots_spare`` for the model (None: not set yet)."""
+    for family in text_string_to_metric_families(pipeline.scrape("dispatcher")):
+        for sample in family.samples:
+            if (sample.name == "tidegate_slots_spare"
+                    and sample.labels.get("gen_ai_request_model") == MODEL):
+                return sample.value
+    return None

@@ -241,6 +241,10 @@ class Metrics:
         self.queue_mode_queued = meter.create_gauge(
             "tidegate.queue_mode.queued", unit="{request}",
             description="Requests held in the model's queue-mode fair queue")
+        self.slots_spare = meter.create_gauge(
+            "tidegate.slots.spare", unit="{slot}",
+            description="The model's slots on live workers less its jobs in flight, as "
+                        "the dispatcher's gate sees them (0: lower classes wait)")
         self.spend = meter.create_counter(
             "tidegate.spend", unit="{currency}",
             description="Money spent, in spend.currency, by tenant and model (the cost "
