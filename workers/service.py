@@ -571,6 +571,11 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
                 pool.load.draining = True  # dispatchers stop routing here at once
                 for model in pool.replicas:
                     pool.load.changed(model)
+            # Each pull loop ends at stop once its open pull requests are
+            # spent, a job they still deliver going to another worker
+            # (tidegate.broker.pull); cancelled if it overstays.
+            if pullers:
+                await asyncio.wait(pullers, timeout=config.worker.fetch_timeout + 2.0)
             for puller in pullers:
                 puller.cancel()
             await pool.drain(config.worker.shutdown_timeout)

@@ -142,9 +142,11 @@ class Puller:
                     self._last_progress = time.monotonic()
         finally:
             stop_wait.cancel()
-            if stop.is_set():
-                await self._give_back()
-            await sub.unsubscribe()
+            try:
+                if stop.is_set():
+                    await self._give_back()
+            finally:
+                await sub.unsubscribe()
 
     async def _give_back(self) -> None:
         """Until the pull requests still open at the server are spent. One
