@@ -177,7 +177,8 @@ def test_resume_batches_and_files_work_under_the_permissions(
 
 
 async def connect_as(auth_server: AuthServer, role: str, errors: list[str]) -> NATS:
-    """A client with ``role``'s login (a credentials name: ``edge.<id>`` too)."""
+    """A client with ``role``'s login (a credentials name: ``edge.<id>`` too),
+    named as that tier's processes are (so its JetStream binds, never creates)."""
     creds = auth_server.creds(role)
 
     async def on_error(exc: Exception) -> None:
@@ -185,7 +186,7 @@ async def connect_as(auth_server: AuthServer, role: str, errors: list[str]) -> N
 
     return await nats.connect(auth_server.url, user=creds["user"], password=creds["password"],
                               inbox_prefix=creds["inbox_prefix"], error_cb=on_error,
-                              allow_reconnect=False)
+                              allow_reconnect=False, name=f"tidegate-{role}-test")
 
 
 async def _denied(auth_server: AuthServer, role: str,
@@ -467,3 +468,82 @@ async def test_a_reader_makes_only_ephemerals_and_the_dispatcher_reads_keys_read
     assert await _allowed(auth_server, "dispatcher", get) == record
     await _denied(auth_server, "worker", get)
     await _denied(auth_server, "dispatcher", _publish(f"$KV.{s.keys_bucket}.{digest}", b"{}"))
+
+
+@pytest.mark.asyncio
+async def test_the_routing_grants_are_the_ones_routing_uses(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    """Routing's KV use, through the product's own code under each tier's
+    login: a worker claims a routed job's copy (a create, then a get when the
+    other copy came first) and writes a conversation's home; a dispatcher's
+    fallback reads a claim. What neither does is not granted: a worker
+    watches no claims or homes and writes no cancels; a dispatcher writes no
+    claims or homes."""
+    from nats.aio.msg import Msg
+
+    from tidegate.broker import broker
+    from tidegate.control.affinity import ensure_buckets
+    from tidegate.wire.affinity import CLAIM_HEADER
+    from workers.routing import Claim, WorkerRouting
+
+    config, s = pipeline.config, Subjects()
+    request_id = "claimed" + "0" * 17
+
+    def copy(name: str) -> Msg:
+        return Msg(None, subject="x", data=b"", headers={CLAIM_HEADER: name})  # type: ignore[arg-type]
+
+    async def claim_both(nc: NATS) -> list[str]:
+        homes, claims = await ensure_buckets(broker.jetstream(nc, config.nats), config)
+        routing = WorkerRouting(nc, homes, claims, s.affinity_bucket)
+        verdicts = [await routing.claim(copy("routed"), request_id),
+                    await routing.claim(copy("fallback"), request_id),
+                    await routing.claim(copy("routed"), request_id)]  # its own, redelivered
+        await nc.publish(f"$KV.{s.affinity_bucket}.grants-home", b"r1")  # note_home's write
+        return verdicts
+
+    assert await _allowed(auth_server, "worker", claim_both) == [Claim.RUN, Claim.DROP,
+                                                                 Claim.RUN]
+
+    async def read_claim(nc: NATS) -> bytes:
+        _, claims = await ensure_buckets(broker.jetstream(nc, config.nats), config)
+        return (await claims.get(request_id)).value or b""
+
+    assert await _allowed(auth_server, "dispatcher", read_claim) == b"routed"
+    for bucket in (s.claims_bucket, s.affinity_bucket):
+        await _denied(auth_server, "worker", _api(f"$JS.API.CONSUMER.CREATE.KV_{bucket}",
+                                                  {"stream_name": f"KV_{bucket}"}))
+        await _denied(auth_server, "dispatcher", _publish(f"$KV.{bucket}.forged", b"r2"))
+    await _denied(auth_server, "worker", _publish(s.cancel_key(request_id), b"forged"))
+
+
+@pytest.mark.asyncio
+async def test_a_worker_reads_and_records_response_owners_under_its_login(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    """workers.owners with the worker's login: a follow-up naming a response
+    its tenant owns passes, another tenant's is refused as not found."""
+    from tidegate.broker import broker
+    from tidegate.errors import BackendError
+    from tidegate.wire.protocol import Api, Request
+    from workers.owners import ResponseOwners
+
+    config = pipeline.config
+
+    async def owners(nc: NATS) -> list[str]:
+        kv = await broker.ensure_owners_bucket(broker.jetstream(nc, config.nats), config)
+        table = ResponseOwners(kv, 15.0)
+        await table.record("resp_grants1", "acme")
+        outcomes = []
+        for tenant in ("acme", "evil"):
+            follow_up = Request(id="f" * 24, reply="x", model="tidegate-sim",
+                                api=Api.RESPONSES, stream=False, created_ms=0, deadline_ms=0,
+                                body={"previous_response_id": "resp_grants1"},
+                                window_bytes=1024, window_msgs=8, tenant=tenant)
+            try:
+                await table.check(follow_up)
+                outcomes.append("ok")
+            except BackendError as exc:
+                outcomes.append(str(exc.code))
+        return outcomes
+
+    assert await _allowed(auth_server, "worker", owners) == ["ok",
+                                                            "previous_response_not_found"]

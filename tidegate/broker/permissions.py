@@ -239,10 +239,10 @@ def access(subjects: Subjects) -> dict[str, Access]:
                   # Read only: per-key rules re-checked for batch lines; the
                   # tenants' tiers (queue mode's weights).
                   .watch(s.keys_bucket).watch(tenants)
-                  .watch(s.cancels_bucket).write(s.cancels_bucket)
+                  .watch(s.cancels_bucket).write(s.cancels_bucket)  # a batch's cancels
                   .watch(s.workers_bucket)
-                  .watch(s.affinity_bucket).write(s.affinity_bucket)
-                  .watch(s.claims_bucket).write(s.claims_bucket)
+                  # Follows the homes workers write; reads a claim (routing's fallback).
+                  .watch(s.affinity_bucket).get(_kv(s.claims_bucket))
                   .objects(files).watch(filemeta).write(filemeta)
                   .watch(batches).write(batches).watch(batchout).write(batchout)
                   # Reads a claimed body (admission, routing); stores a batch
@@ -264,13 +264,14 @@ def access(subjects: Subjects) -> dict[str, Access]:
                         # presence, which commands nothing; the answer goes to
                         # the asking worker's inbox.
                         f"{p}.live.*", inbox("worker"))
-              .watch(s.cancels_bucket).write(s.cancels_bucket)
+              .watch(s.cancels_bucket)
               .write(s.workers_bucket)
               .watch(prices)  # each job is costed at its model's price
               # Who owns each Responses API response (workers.owners).
               .get(_kv(s.responses_bucket)).write(s.responses_bucket)
-              .watch(s.affinity_bucket).write(s.affinity_bucket)
-              .watch(s.claims_bucket).write(s.claims_bucket)
+              # Writes a conversation's home; claims a routed job's copy (a
+              # create, then a get when another copy was first: workers.routing).
+              .write(s.affinity_bucket).get(_kv(s.claims_bucket)).write(s.claims_bucket)
               .objects(bodies)  # reads a claimed body, deletes it once the job is done
               .done((inbox("worker"), f"{p}.ctl.*", f"{p}.live.*")))
     return {"edge": edge, "dispatcher": dispatcher, "worker": worker}
