@@ -1,7 +1,7 @@
 """A soak: mixed traffic on ``tidegate up --workers 2`` for an hour, a worker
 SIGKILLed every 5 minutes (issue 43 item 6; docs/reliability.md, "Soak").
 
-    python -m bench.soak [--duration 3600] [--kill-every 300] [--rate 12] [--out DIR]
+    python -m bench.soak [--duration 3600] [--kill-every 300] [--rate 12] [--warmup S] [--out DIR]
 
 Traffic, ``--rate`` requests a second on the shipped defaults (the built-in
 simulator): chat SSE, chat JSON, Responses SSE, WebSocket chat, resumable
@@ -421,7 +421,7 @@ def plot(samples: list[tuple[float, str, int, int]], path: Path) -> None:
 
 
 def run(duration: float, kill_every: float, rate: float, out: Path,
-        max_slope: float) -> dict[str, Any]:
+        max_slope: float, warmup: float | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     stack = Stack(out)
     samples: list[tuple[float, str, int, int]] = []
@@ -433,7 +433,9 @@ def run(duration: float, kill_every: float, rate: float, out: Path,
         after = stack.jetstream()
     finally:
         stack.stop()
-    warmup = max(60.0, duration / 10)
+    # The slope is read after the warm-up: past the hour-long retentions
+    # (streams.max_age, recent cancels) a process's memory should be flat.
+    warmup = max(60.0, duration / 10) if warmup is None else warmup
     rss = slopes(samples, warmup)
     growth = consumer_growth(consumers, warmup)
     bodies = {name: s["messages"] for name, s in after.items()
@@ -462,10 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=12.0, help="requests per second")
     parser.add_argument("--max-slope", type=float, default=1.0,
                         help="RSS % of its mean per hour a long-lived process may grow")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="seconds before the slopes are read (default: a tenth, >= 60)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="tidegate-soak-"))
-    report = run(args.duration, args.kill_every, args.rate, out, args.max_slope)
+    report = run(args.duration, args.kill_every, args.rate, out, args.max_slope, args.warmup)
     print(json.dumps({k: v for k, v in report.items() if k != "streams_after"}, indent=2))
     print(f"report: {out / 'soak.json'}, plot: {out / 'soak-rss.svg'}")
     return 0 if report["ok"] else 1
