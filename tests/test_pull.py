@@ -85,3 +85,37 @@ async def test_a_message_delivered_to_a_stopped_puller_goes_to_another_at_once(
         stop_live.set()
         await live_task
         await other.close()
+
+
+async def test_a_stopped_puller_does_not_take_back_what_it_gave_back(
+        nc: NATS, nats_server: ServerHandle) -> None:
+    """Alone at the server, the stopped puller's open request would be the
+    first to get its own NAKed message again (and again: each delivery counts
+    to the consumer's max_deliver). The NAK's delay outlasts that request, so
+    the message's next delivery is the next puller's."""
+    async def never(msg: Msg) -> None:
+        raise AssertionError("a stopped puller started a message")
+
+    first = Puller(nc, STREAM, CONSUMER, never, capacity=4, expires=3.0)
+    stop_first = asyncio.Event()
+    running = asyncio.create_task(first.run(stop_first))
+    await eventually(lambda: _waiting(nc), 30, "the first puller's request at the server")
+    stop_first.set()
+    await asyncio.sleep(0)
+    await nc.jetstream().publish(SUBJECT, b"job")
+    await asyncio.wait_for(running, 60)
+    got: list[Msg] = []
+
+    async def keep(msg: Msg) -> None:
+        got.append(msg)
+        await msg.ack()
+
+    stop_live = asyncio.Event()
+    live = Puller(nc, STREAM, CONSUMER, keep, capacity=1, expires=3.0)
+    live_task = asyncio.create_task(live.run(stop_live))
+    try:
+        await eventually(lambda: got, 120, "the message at the next puller")
+        assert got[0].metadata.num_delivered == 2, got[0].metadata
+    finally:
+        stop_live.set()
+        await live_task

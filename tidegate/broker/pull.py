@@ -8,7 +8,8 @@ Invariant (credit): the puller keeps at most ``capacity`` messages requested
 or being handled, so a worker asks exactly for its free slots and queued work
 stays in JetStream for any worker. An expired pull request's undelivered
 credit (``Nats-Pending-Messages``) is requested again. A stopped puller
-keeps its inbox until its requests expire and NAKs what still arrives.
+keeps its inbox until its requests expire and NAKs what still arrives
+(delayed past them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -96,10 +98,16 @@ class Puller:
             return
         self.outstanding = max(0, self.outstanding - 1)
         if self._stopping:
-            # Asked for before the stop, not to be started now: back at once
-            # to another puller, rather than after the consumer's ack_wait.
+            # Asked for before the stop, not to be started now: back to
+            # another puller, rather than after the consumer's ack_wait. The
+            # delay outlasts this puller's open requests (each sent before
+            # the stop, so expired by then): an immediate redelivery could
+            # land in one of them again, and each counts to max_deliver.
             self._wake.set()
-            await msg.nak()
+            try:
+                await msg.nak(delay=self._expires + 0.25)
+            except nats.errors.Error:
+                pass  # closing: redelivered after ack_wait, as before
             return
         task = asyncio.create_task(self._handler(msg))
         self.tasks.add(task)
