@@ -4,14 +4,14 @@ Per dispatcher process, for every model (queue mode: ``queue.ttft_p99`` set):
 * a controller tick (every ``_TICK`` s): one dispatcher at a time (a Redis
   lease) folds finished windows into the model's mode, grants queued requests
   up to the limit less the jobs in flight (``num_pending + num_ack_pending``
-  of the model's consumers), and expires the overdue; every dispatcher
-  refreshes its cached mode;
+  of the model's consumers), expires the overdue; each refreshes its mode;
 * the requests it queued stay unacked JetStream messages it holds (in-progress
   acks keep them from redelivery); a grant on ``<p>.grant.<dispatcher>``
   dispatches them, an expiry rejects them with 503 ``queue_timeout``;
 * queued clients get their position (a Status QUEUED) whenever it changes;
 * a request costs its reserved tokens over its tier's weight, waits its
-  class's TTL; a lower class waits for spare slots, queue mode or not.
+  class's TTL; a lower class waits for spare slots, queue mode or not, and
+  an interactive request that finds them full asks for a preemption.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dispatcher.queueing import ModeState, QueueMode
 from dispatcher.quota import QuotaUnavailable
 from tidegate.apis import reservation
 from tidegate.config import Config, ModelConfig, TierConfig
+from tidegate.control.queue_stats import jobs_of
 from tidegate.control.tenants import TenantTable
 from tidegate.control.workers_registry import TTL as WORKER_TTL
 from tidegate.control.workers_registry import WorkerInfo
@@ -94,6 +95,7 @@ class QueueGate:
     backlog: dict[str, int] = field(default_factory=dict)
     workers: WorkerSlots = field(default_factory=WorkerSlots)  # followed from <P>_WORKERS
     full: dict[str, bool] = field(default_factory=dict)  # jobs admitted >= the model's slots
+    _preempting: set[asyncio.Task[None]] = field(default_factory=set)  # preempt_for's timers
 
     @property
     def grant_subject(self) -> str:
@@ -170,6 +172,33 @@ class QueueGate:
                                                     headers=headers or None).encode())
         await msg.ack()
         await self.refund(request.id)
+
+    # -- preemption ----------------------------------------------------------------
+
+    def preempt_for(self, request: Request, model: ModelConfig) -> None:
+        """An interactive request was just dispatched: if every slot of its
+        model was taken, and still is ``queue.preempt_after`` s later, a
+        worker holding a background response of the model is asked to hand
+        one back (workers.preemption), once for this request."""
+        after = model.queue.preempt_after
+        if (request.klass != classes.INTERACTIVE or after <= 0
+                or not self.full.get(model.name)):
+            return
+        task = asyncio.get_running_loop().create_task(self._preempt_later(model, after))
+        self._preempting.add(task)
+        task.add_done_callback(self._preempting.discard)
+
+    async def _preempt_later(self, model: ModelConfig, after: float) -> None:
+        await asyncio.sleep(after)
+        if not self.full.get(model.name):
+            return  # a slot freed meanwhile
+        try:
+            await self.nc.publish(self.config.nats.subjects.preempt(model.name), b"")
+        except Exception as exc:  # the request waits for a slot, as without preemption
+            log.debug("could not ask for a preemption on %s: %s", model.name, exc)
+            return
+        tm.get().metrics.dispatch_decisions.add(1, {tm.MODEL: model.name,
+                                                    tm.OUTCOME: "preempt_asked"})
 
     # -- grants ------------------------------------------------------------------
 
@@ -263,18 +292,7 @@ class QueueGate:
     async def _running(self, model: ModelConfig) -> int:
         """Jobs admitted and not finished: waiting in the jobs stream or
         running, in the model's queue and each replica's (routing homes)."""
-        subjects = self.config.nats.subjects
-        consumers = [subjects.worker_consumer(model.name)]
-        if len(model.replicas) > 1:
-            consumers += [subjects.replica_consumer(model.name, r) for r in model.replica_names]
-        running = 0
-        for consumer in consumers:
-            try:
-                info = await self.js.consumer_info(subjects.jobs_stream, consumer)
-            except Exception:
-                continue  # no worker has created this consumer yet: nothing runs there
-            running += int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-        return running
+        return sum(await jobs_of(self.js, self.config, model))
 
     async def _send_positions(self, models: list[ModelConfig]) -> None:
         for model in models:

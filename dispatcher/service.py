@@ -216,6 +216,8 @@ class Dispatcher:
                 self.router.schedule_fallback(request, msg.data, job_headers, routed)
             self.metrics.dispatch_decisions.add(1, {tm.MODEL: request.model,
                                                     tm.OUTCOME: "admitted"})
+            if self.gate is not None and model is not None:
+                self.gate.preempt_for(request, model)
         except Exception as exc:
             if poison.is_transient(exc):
                 raise

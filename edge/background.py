@@ -175,8 +175,8 @@ async def _read_log(state: EdgeState, request_id: str,
     """A snapshot of the log: every entry stored now, read with direct gets
     (no consumer, no attach): (cursor, its open entry, the events, the end).
     A log that went silent for longer than the edge's limits ends as a live
-    reader's would: ``worker_lost`` once a worker ran it, else
-    ``no_worker_available``."""
+    reader's would: ``worker_lost`` once a worker ran it, else (or once it
+    was handed back) ``no_worker_available``."""
     try:
         open_ = await state.streamlog.lookup(request_id, tenant)
     except ApiError as error:
@@ -212,7 +212,7 @@ async def _read_log(state: EdgeState, request_id: str,
     if end is None:
         cfg = state.config
         silent = time.time() - last_at
-        if cursor.control:
+        if cursor.control and not cursor.requeued:
             if silent > cfg.session.heartbeat_interval * cfg.session.worker_lost_after:
                 end = LogEnd(error=streamlog.WORKER_LOST)
         elif silent > cfg.edge.queue_timeout + cfg.session.heartbeat_interval:

@@ -286,6 +286,8 @@ class LogReader:
     def _silence_left(self) -> float:
         cfg = self._log.config
         now = time.monotonic()
+        if self.cursor.requeued:  # back in JetStream: waits for a worker as a new one does
+            return self._last_entry + cfg.edge.queue_timeout + cfg.session.heartbeat_interval - now
         if self.cursor.control:  # a worker runs it: heartbeats are logged
             limit = cfg.session.heartbeat_interval * cfg.session.worker_lost_after
             return self._last_entry + limit - now
@@ -295,7 +297,7 @@ class LogReader:
         return cfg.edge.queue_timeout + cfg.session.heartbeat_interval - waited
 
     def _silence_error(self) -> ErrorInfo:
-        if self.cursor.control:
+        if self.cursor.control and not self.cursor.requeued:
             return streamlog.WORKER_LOST
         return ErrorInfo(503, "server_error", "no_worker_available",
                          "No worker started this request in time.", True, 5.0)

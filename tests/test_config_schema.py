@@ -116,6 +116,7 @@ BAD: dict[str, Any] = {
     "models[0].price_input": -1.0, "models[0].price_cached_input": 2e6,
     "models[0].price_output": -1.0, "models[0].price_request": -1.0,
     "models[0].queue.background_ttl": 0.0, "models[0].queue.batch_ttl": 0.0,
+    "models[0].queue.preempt_after": -1.0, "models[0].queue.max_preemptions": 11,
     "tiers[0].name": Bad("t", {"tiers": [{}, {"name": "t"}]}, good="u"),
     "tiers[0].weight": 0.0,
     "tiers[0].tenants": Bad(["a"], {"tiers": [{}, {"name": "u", "tenants": ["a"]}]},

@@ -10,6 +10,7 @@ from workers.job_state import (
     ACK_TIMEOUT,
     CANCEL_ERRORS,
     CLIENT_CANCEL,
+    PREEMPTED,
     RESUME_GRACE,
     TRANSITIONS,
     WORKER_SHUTDOWN,
@@ -96,6 +97,8 @@ def test_a_job_that_ran_to_its_end_is_recorded_and_acked() -> None:
     (ACK_TIMEOUT, 0, Ending("cancelled", True, CANCEL_ERRORS[ACK_TIMEOUT], Settle.ACK)),
     (CLIENT_CANCEL, 9, Ending("cancelled", True, CANCEL_ERRORS[CLIENT_CANCEL], Settle.ACK)),
     (RESUME_GRACE, 9, Ending("cancelled", True, CANCEL_ERRORS[RESUME_GRACE], Settle.ACK)),
+    (PREEMPTED, 0, Ending(PREEMPTED, False, None, Settle.REQUEUE)),
+    (PREEMPTED, 7, Ending(PREEMPTED, False, None, Settle.REQUEUE)),
     ("client_gone", 2, Ending("cancelled", True, None, Settle.ACK)),
 ])
 def test_a_cancelled_job_ends_by_its_reason(reason: str, sent: int, expected: Ending) -> None:

@@ -547,3 +547,16 @@ async def test_a_worker_reads_and_records_response_owners_under_its_login(
 
     assert await _allowed(auth_server, "worker", owners) == ["ok",
                                                             "previous_response_not_found"]
+
+
+@pytest.mark.asyncio
+async def test_only_a_dispatcher_asks_for_a_preemption_and_only_workers_hear_it(
+        pipeline: Pipeline, auth_server: AuthServer) -> None:
+    """workers.preemption: a stolen edge or worker login cannot make
+    background work hand its slots back (each hand-back costs a delivery)."""
+    s = Subjects()
+    await _allowed(auth_server, "dispatcher", _publish(s.preempt("tidegate-sim")))
+    await _allowed(auth_server, "worker", _subscribe(s.preempt("tidegate-sim")))
+    await _denied(auth_server, "edge", _publish(s.preempt("tidegate-sim")))
+    await _denied(auth_server, "worker", _publish(s.preempt("tidegate-sim")))
+    await _denied(auth_server, "edge", _subscribe(s.preempt_wildcard))

@@ -59,7 +59,7 @@ async def test_background_work_waits_for_a_free_slot_behind_interactive_work(
         first = asyncio.create_task(stream(session, pipeline.url, MODEL, "long one",
                                            progress=progress))
         await eventually(lambda: progress.get("long one", 0) >= 3, 60, "the first stream")
-        await eventually(lambda: _spare(pipeline) == 0, 60, "the gate seeing the slot taken")
+        await eventually(lambda: spare_slots(pipeline) == 0, 60, "the gate seeing the slot taken")
         background = [await client.responses.create(model=MODEL, input=f"later {i}",
                                                     background=True, max_output_tokens=5)
                       for i in range(3)]
@@ -90,7 +90,7 @@ async def _finished(client: openai.AsyncOpenAI,
     return response if response.status in FINISHED else None
 
 
-def _spare(pipeline: Pipeline) -> float | None:
+def spare_slots(pipeline: Pipeline) -> float | None:
     """The dispatcher's ``tidegate_slots_spare`` for the model (None: not set yet)."""
     for family in text_string_to_metric_families(pipeline.scrape("dispatcher")):
         for sample in family.samples:

@@ -29,6 +29,11 @@ ACK_TIMEOUT = "ack_timeout"
 CLIENT_CANCEL = "client_cancel"
 # A resumable stream's last reader left and none came back within the grace.
 RESUME_GRACE = "resume_grace"
+# A background response's slot taken for an interactive request (workers.preemption).
+PREEMPTED = "preempted"
+# Seconds a preempted job's message stays out of JetStream's delivery: the
+# interactive request it made room for is pulled first.
+REQUEUE_DELAY = 2.0
 
 
 class Phase(IntEnum):
@@ -69,6 +74,7 @@ OUTCOMES = {Event.EDGE_SILENT: "dropped", Event.REFUSED: "error", Event.DONE: "d
 class Settle(Enum):
     ACK = "ack"  # done with: JetStream forgets it
     NAK = "nak"  # another worker runs it at once
+    REQUEUE = "requeue"  # handed back in its log, continued after a pause (preempted)
     NONE = "none"  # not a word: another copy owns the stream, or NATS cut this worker off
 
 
@@ -106,10 +112,13 @@ def cancelled(reason: str, chunks_sent: int) -> Ending:
     | --- | --- |
     | fenced, duplicate delivery | nothing: NATS cut it off, or another copy owns the stream |
     | worker shutdown, no output | handed back (nak): another worker runs it at once |
+    | preempted | requeued: no record, no error; a later copy continues its log |
     | anything else | a ``cancelled`` record, the reason's error if it has one, ack |
     """
     if reason in (FENCED, DUPLICATE_DELIVERY):
         return Ending(reason, False, None, Settle.NONE)
+    if reason == PREEMPTED:
+        return Ending(PREEMPTED, False, None, Settle.REQUEUE)
     if reason == WORKER_SHUTDOWN and not chunks_sent:
         return Ending("handed_back", False, None, Settle.NAK)
     return Ending("cancelled", True, CANCEL_ERRORS.get(reason), Settle.ACK)

@@ -49,7 +49,7 @@ from workers.backends import Backend
 from workers.continuation import continued
 from workers.job import Job
 from workers.job_context import JobContext
-from workers.job_state import RESUME_GRACE
+from workers.job_state import REQUEUE_DELAY, RESUME_GRACE, Ending, Settle
 
 log = logging.getLogger("tidegate.worker")
 
@@ -157,6 +157,41 @@ class ResumableJob(Job):
                                   config.edge.publish_patience)
         except Exception as exc:  # out of patience, or the worker is going
             log.warning("job %s: its log's end was not stored: %s", self.request.id, exc)
+
+    @property
+    def log_continuable(self) -> bool:
+        """Whether a later copy could continue this job from its log (not
+        past ``resume.max_stream_bytes``)."""
+        return self._log_budget >= 0
+
+    async def _settle(self, end: Ending) -> None:
+        if end.settle is Settle.REQUEUE:
+            await self._hand_back()
+        await super()._settle(end)
+
+    async def _hand_back(self) -> None:
+        """A preempted job (workers.preemption) goes back to JetStream: its
+        log stored up to here, then, after output, its own ``LogHandBack`` (a
+        later copy continues the log on it, without asking this worker), and
+        its message NAKed with :data:`REQUEUE_DELAY`, so the interactive
+        request that wanted the slot gets it first."""
+        outbox = self._log_outbox
+        assert outbox is not None
+        await outbox.flush()
+        if self.chunks_sent:
+            config = self.ctx.config
+            attempt = self.msg.metadata.num_delivered
+            try:
+                await patient.publish(
+                    broker.jetstream(self.ctx.nc, config.nats), self.ctx.nc, self._log_subject,
+                    streamlog.LogHandBack(self.ctx.control_subject).encode(),
+                    {"Nats-Msg-Id": f"{self.request.id}.{attempt}.handback"},
+                    config.edge.publish_patience)
+            except Exception as exc:  # the next copy asks this worker instead (_judge_first)
+                log.warning("job %s: its hand-back was not stored: %s", self.request.id, exc)
+        log.info("job %s preempted after %d chunks; back in %gs", self.request.id,
+                 self.chunks_sent, REQUEUE_DELAY)
+        await self.msg.nak(delay=REQUEUE_DELAY)
 
     def _account(self, data: bytes) -> bytes:
         message = super()._account(data)

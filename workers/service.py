@@ -60,6 +60,7 @@ from workers.job_context import JobContext, ack, dropped, resend, reserved
 from workers.job_state import WORKER_SHUTDOWN
 from workers.limiter import AdaptiveLimit
 from workers.owners import ResponseOwners
+from workers.preemption import Preemptions
 from workers.replicas import Breaker, ReplicaSet
 from workers.resumable import ResumableJob, ends_stored
 from workers.routing import AT_HOME, Claim, LoadReporter, ReplicaPullers, WorkerRouting
@@ -105,6 +106,7 @@ class Pool:
         self.registry_wake = asyncio.Event()
         # Set by serve(): a worker cut from NATS runs no job (workers/fencing.py).
         self.fence: Fence | None = None
+        self.preemption = Preemptions(ctx)  # background jobs that may give up their slot
         ctx.telemetry.metrics.observe_worker_slots(self._slot_observations)
         ctx.telemetry.metrics.observe_worker_limit(self._limit_observations)
 
@@ -303,6 +305,7 @@ class Pool:
         if group is not None:
             job.replicas, job.replica = self.replica_sets.get(group.model), group.replica
         self.jobs[request.id] = job
+        self.preemption.started(job)
         if group is not None:
             group.started(request.id)
         if limit is not None:
@@ -320,6 +323,7 @@ class Pool:
                 # same way. The edge gets an error, the quota its refund.
                 await poison.terminate(msg, BAD_INPUT, "job", exc, self._fail_poison(job))
         finally:
+            self.preemption.ended(job)
             if limit is not None:
                 limit.release(time.monotonic())
             if group is not None:

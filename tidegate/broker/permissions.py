@@ -228,7 +228,7 @@ def access(subjects: Subjects) -> dict[str, Access]:
     dispatcher = (_Grants().bind(*streams)
                   .pull(requests, s.dispatcher_consumer).pull(usage, "reconcilers")
                   .messages(s.jobs_wildcard, f"{p}.out.*.*", f"{p}.usage.>", f"{p}.ctl.*",
-                            s.requests_wildcard, f"{p}.grant.*",
+                            s.requests_wildcard, f"{p}.grant.*", s.preempt_wildcard,
                             # -NAK of a batch line's job whose worker the runner
                             # found dead (tidegate.broker.liveness), as the edge does.
                             f"$JS.ACK.{jobs}.>")
@@ -273,7 +273,8 @@ def access(subjects: Subjects) -> dict[str, Access]:
               # create, then a get when another copy was first: workers.routing).
               .write(s.affinity_bucket).get(_kv(s.claims_bucket)).write(s.claims_bucket)
               .objects(bodies)  # reads a claimed body, deletes it once the job is done
-              .done((inbox("worker"), f"{p}.ctl.*", f"{p}.live.*")))
+              # Asked to hand back a background response (workers.preemption).
+              .done((inbox("worker"), f"{p}.ctl.*", f"{p}.live.*", s.preempt_wildcard)))
     return {"edge": edge, "dispatcher": dispatcher, "worker": worker}
 
 

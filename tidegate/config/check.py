@@ -315,6 +315,12 @@ def check_values(config: Config) -> None:
                             ("queue.batch_ttl", q.batch_ttl),
                             ("queue.min_concurrency", q.min_concurrency)):
             _positive(f"{where}.{name}", value)
+        if q.preempt_after < 0:
+            raise ConfigError(f"{where}.queue.preempt_after: must be >= 0 (0 = never), got "
+                              f"{q.preempt_after}")
+        if not 0 <= q.max_preemptions <= 10:
+            raise ConfigError(f"{where}.queue.max_preemptions: must be in [0, 10], got "
+                              f"{q.max_preemptions}")
         if not 0 < q.exit_ratio <= 1:
             raise ConfigError(f"{where}.queue.exit_ratio: must be in (0, 1], got {q.exit_ratio}")
         if m.simulator.ttft < 0:

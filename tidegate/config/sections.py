@@ -70,6 +70,14 @@ class QueueModeConfig:
     # request's deadline, edge.queue_timeout after it came); a batch line retries.
     background_ttl: float = 240.0
     batch_ttl: float = 240.0  # the same for a batch line
+    # An interactive request dispatched while every slot of the model is
+    # taken, still waiting this many seconds later, takes one from a
+    # background response, which is continued later from its stream log
+    # (docs/queue-mode.md#preemption). 0: never. Queue mode or not.
+    preempt_after: float = 0.2
+    # Times one background response may be handed back; never more than
+    # worker.max_deliver - 2 (each hand-back is a delivery).
+    max_preemptions: int = 2
     min_concurrency: int = 1  # admission floor while in queue mode
 
     def ttl_for(self, klass: str) -> float:

@@ -25,12 +25,32 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from tidegate.config import Config
+from tidegate.config import Config, ModelConfig
 from tidegate.control import workers_registry
 from tidegate.control.workers_registry import WorkerInfo
 from tidegate.telemetry import telemetry as tm
 
 log = logging.getLogger("tidegate.queue_stats")
+
+
+async def jobs_of(js: JetStreamContext, config: Config, model: ModelConfig) -> tuple[int, int]:
+    """(waiting, running) of a model's jobs now: ``num_pending`` and
+    ``num_ack_pending`` of its queue's consumer and each replica's (routing
+    homes). A consumer no worker has made yet, or that does not answer,
+    counts nothing."""
+    subjects = config.nats.subjects
+    consumers = [subjects.worker_consumer(model.name)]
+    if len(model.replicas) > 1:
+        consumers += [subjects.replica_consumer(model.name, r) for r in model.replica_names]
+    waiting = running = 0
+    for consumer in consumers:
+        try:
+            info = await js.consumer_info(subjects.jobs_stream, consumer)
+        except Exception:
+            continue
+        waiting += int(info.num_pending or 0)
+        running += int(info.num_ack_pending or 0)
+    return waiting, running
 
 POLL_INTERVAL = 5.0
 

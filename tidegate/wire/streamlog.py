@@ -335,6 +335,13 @@ class LogCursor:
         return self._output
 
     @property
+    def requeued(self) -> bool:
+        """The worker of the last Head handed the job back (found dead by an
+        edge, or preempted): it waits for its next worker, as a new request
+        waits for its first."""
+        return bool(self.handed_back) and self.handed_back == self.control
+
+    @property
     def next_seq(self) -> int:
         """The seq the log's next message takes (0: no Head yet)."""
         return self._expected

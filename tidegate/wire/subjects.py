@@ -160,6 +160,16 @@ class Subjects:
     def load_wildcard(self) -> str:
         return f"{self.prefix}.load.*"
 
+    def preempt(self, model: str) -> str:
+        """Dispatchers -> workers: an interactive request waits for a slot of
+        ``model``; a worker holding a background response of it (subscribed
+        in a queue group only while it does) hands one back (workers.preemption)."""
+        return f"{self.prefix}.preempt.{encode_token(model)}"
+
+    @property
+    def preempt_wildcard(self) -> str:
+        return f"{self.prefix}.preempt.*"
+
     def control(self, worker_id: str) -> str:
         return f"{self.prefix}.ctl.{worker_id}"
 

@@ -1,0 +1,103 @@
+"""workers.preemption's choices and a preempted job's hand-back, on the
+resumable job's fakes (tests/test_resumable_rules.py). The pipeline test is
+tests/test_preemption.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.test_job_unit import FakeStream, events
+from tests.test_resumable_rules import OWN, QUIET, configured, rig, running
+from tidegate.wire import streamlog
+from tidegate.wire.protocol import Api
+from workers.job_state import PREEMPTED
+from workers.preemption import Preemptions
+
+BACKGROUND = {"background": True}
+RESPONSES_BODY: dict[str, Any] = {"model": "m", "input": "hi", "max_output_tokens": 50}
+
+
+class Waiting:
+    """The jobs stream's consumer as consumer_info answers it."""
+
+    def __init__(self, pending: int) -> None:
+        self.pending = pending
+
+    async def consumer_info(self, stream: str, consumer: str) -> Any:
+        return SimpleNamespace(num_pending=self.pending, num_ack_pending=1)
+
+
+def preemptions(rigged: Any, pending: int = 1) -> Preemptions:
+    p = Preemptions(rigged.job.ctx)
+    p.ctx = SimpleNamespace(config=rigged.job.ctx.config, nc=rigged.nc,  # type: ignore[assignment]
+                            jetstream=lambda: Waiting(pending))
+    return p
+
+
+def background(**kwargs: Any) -> Any:
+    return rig(api=Api.RESPONSES, body=dict(RESPONSES_BODY), extra=BACKGROUND, **kwargs)
+
+
+def _off() -> Any:
+    model = QUIET.models[0]
+    queue = dataclasses.replace(model.queue, preempt_after=0.0)
+    return dataclasses.replace(QUIET, models=(dataclasses.replace(model, queue=queue),))
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ({}, True),
+    ({"extra": {}}, False),  # a connection reads it: its client would see the seam
+    ({"config": configured("restart")}, False),  # the model does not continue
+    ({"delivered": 3}, False),  # handed back twice already (queue.max_preemptions)
+    ({"delivered": 2}, True),
+    ({"config": _off()}, False),  # queue.preempt_after = 0
+])
+async def test_what_may_be_preempted(case: dict[str, Any], expected: bool) -> None:
+    kwargs = {"api": Api.RESPONSES, "body": RESPONSES_BODY, "extra": BACKGROUND, **case}
+    r = rig(**kwargs)
+    assert preemptions(r).preemptible(r.job) is expected
+
+
+async def test_a_job_that_cannot_be_continued_is_not_preempted() -> None:
+    r = background()
+    r.job.request.body["tools"] = [{"type": "function", "name": "f"}]  # a half-written call
+    assert not preemptions(r).preemptible(r.job)
+
+
+async def test_the_job_with_the_least_output_goes_and_only_while_a_job_waits() -> None:
+    first, second = background(), background()
+    second.job.request = dataclasses.replace(second.job.request, id="r2")
+    first.job.chunks_sent, second.job.chunks_sent = 9, 2
+    cancelled: list[tuple[str, str]] = []
+    for r in (first, second):
+        r.job.cancel = (lambda reason, job=r.job:  # type: ignore[method-assign]
+                        cancelled.append((job.request.id, reason)))
+    idle = preemptions(first, pending=0)
+    idle.held["m"] = {first.job, second.job}
+    assert await idle.preempt("m") is None  # the interactive request found a slot
+    p = preemptions(first)
+    p.held["m"] = {first.job, second.job}
+    assert await p.preempt("m") is second.job
+    assert cancelled == [("r2", PREEMPTED)]
+    assert p.held["m"] == {first.job}
+    assert await p.preempt("other") is None
+
+
+async def test_a_preempted_job_stores_its_log_hands_back_and_is_requeued() -> None:
+    r = background(stream=FakeStream(events(5), hang=True))
+    async with running(r) as task:
+        await r.changes.until(lambda: r.job.chunks_sent >= 5)
+        r.job.cancel(PREEMPTED)
+        await task
+    assert r.msg.fate[-1] == "nak", r.msg.fate
+    assert "ack" not in r.msg.fate
+    assert r.backend.requests
+    # Its hand-back names this worker, stored after every chunk the log got.
+    stored = [(subject, streamlog.decode_entry(payload)) for subject, payload, _ in r.nc.stored]
+    assert stored[-1] == (r.job._log_subject, [streamlog.LogHandBack(OWN)]), stored
+    assert r.log.kinds().count("Chunk") == 5
+    assert not {"Error", "Done"} & set(r.log.kinds())

@@ -1,0 +1,116 @@
+"""Preemption, the worker's side: a background response gives its slot to an
+interactive request, and is continued later from its log (docs/queue-mode.md).
+
+A dispatcher that dispatched an interactive request while every slot of its
+model was taken, and still sees them taken ``queue.preempt_after`` s later,
+publishes on ``<p>.preempt.<model>``, which only workers holding a
+preemptible job of that model hear (one queue group). If a job of the model
+still waits in JetStream, the one that hears it hands back its preemptible
+job with the fewest chunks sent: it stores its log and hand-back and is NAKed
+(workers.resumable); a later copy continues it, as after a worker's death.
+
+Preemptible: a Responses background request (no connection reads it) that
+continues (``failover = "continue"``, rebuildable, its log not full), handed
+back under ``queue.max_preemptions`` times (and ``worker.max_deliver`` - 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from tidegate.apis.delivered import responses_continuable, text_continuable
+from tidegate.control.queue_stats import jobs_of
+from workers.job import Job
+from workers.job_context import JobContext
+from workers.job_state import PREEMPTED, Phase
+from workers.resumable import ResumableJob
+
+log = logging.getLogger("tidegate.worker")
+
+QUEUE_GROUP = "preempt"
+
+
+class Preemptions:
+    """This worker's preemptible jobs per model, and its subscriptions."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.models = ctx.config.model_index()
+        self.held: dict[str, set[ResumableJob]] = {}
+        self._subs: dict[str, Subscription] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def preemptible(self, job: Job) -> bool:
+        model = self.models.get(job.request.model)
+        if (model is None or model.queue.preempt_after <= 0 or model.failover != "continue"
+                or not isinstance(job, ResumableJob)
+                or not job.request.extra.get("background") or not job.log_continuable
+                or job.cancel_reason or job.phase is Phase.ENDED):
+            return False
+        limit = min(model.queue.max_preemptions, self.config.worker.max_deliver - 2)
+        if job.msg.metadata.num_delivered - 1 >= limit:
+            return False
+        return bool(text_continuable(job.request) or responses_continuable(job.request))
+
+    def started(self, job: Job) -> None:
+        """A job begins: held (and the model's subject followed) if preemptible."""
+        if isinstance(job, ResumableJob) and self.preemptible(job):
+            self.held.setdefault(job.request.model, set()).add(job)
+            self._sync(job.request.model)
+
+    def ended(self, job: Job) -> None:
+        jobs = self.held.get(job.request.model)
+        if jobs is not None and job in jobs:
+            jobs.discard(job)
+            self._sync(job.request.model)
+
+    def _sync(self, model: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._follow(model))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _follow(self, model: str) -> None:
+        """Subscribed to the model's preempt subject exactly while a
+        preemptible job of it runs here (the lock orders the changes)."""
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            want = bool(self.held.get(model))
+            sub = self._subs.get(model)
+            try:
+                if want and sub is None:
+                    self._subs[model] = await self.ctx.nc.subscribe(
+                        self.config.nats.subjects.preempt(model), queue=QUEUE_GROUP,
+                        cb=self._on_preempt(model))
+                elif not want and sub is not None:
+                    del self._subs[model]
+                    await sub.unsubscribe()
+            except Exception as exc:  # NATS down: the next change tries again
+                log.debug("preempt subscription of %s: %s", model, exc)
+
+    def _on_preempt(self, model: str) -> Callable[[Msg], Awaitable[None]]:
+        async def on_preempt(_msg: Msg) -> None:
+            await self.preempt(model)
+        return on_preempt
+
+    async def preempt(self, model: str) -> ResumableJob | None:
+        """Hand back one preemptible job of ``model`` if a job of it waits
+        for a slot; the job handed back, or None."""
+        config = self.models.get(model)
+        candidates = [j for j in self.held.get(model, ()) if self.preemptible(j)]
+        if config is None or not candidates:
+            return None
+        waiting, _ = await jobs_of(self.ctx.jetstream(), self.config, config)
+        if not waiting:
+            return None  # the interactive request found a slot meanwhile
+        job = min(candidates, key=lambda j: j.chunks_sent)
+        log.info("job %s: its slot goes to an interactive request of %s", job.request.id,
+                 model)
+        job.cancel(PREEMPTED)
+        self.ended(job)
+        return job
