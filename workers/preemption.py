@@ -102,11 +102,13 @@ class Preemptions:
         """Hand back one preemptible job of ``model`` if a job of it waits
         for a slot; the job handed back, or None."""
         config = self.models.get(model)
-        candidates = [j for j in self.held.get(model, ()) if self.preemptible(j)]
-        if config is None or not candidates:
+        if config is None or not any(self.preemptible(j) for j in self.held.get(model, ())):
             return None
         waiting, _ = await jobs_of(self.ctx.jetstream(), self.config, config)
-        if not waiting:
+        # Chosen after the wait, with no await before the cancel: two asks
+        # at once never pick the same job.
+        candidates = [j for j in self.held.get(model, ()) if self.preemptible(j)]
+        if not waiting or not candidates:
             return None  # the interactive request found a slot meanwhile
         job = min(candidates, key=lambda j: j.chunks_sent)
         log.info("job %s: its slot goes to an interactive request of %s", job.request.id,
