@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from dispatcher.batch.desk import Desk as DeskService
 from dispatcher.batch.keys import BatchKeys
@@ -202,6 +203,32 @@ async def test_a_desk_that_has_not_read_the_keys_or_is_gone_asks_for_a_retry(
     with pytest.raises(ApiError) as caught:
         await alone.delete_file(A, new_file_id())
     assert (caught.value.status, caught.value.code) == (503, "dispatcher_unavailable")
+
+
+async def test_an_ask_made_before_any_dispatcher_listens_is_answered_once_one_does(
+        desks: Desks) -> None:
+    """No dispatcher's desk yet (one starting: "no responders", nobody took
+    the ask): the edge asks again until one answers, within its wait (CI at
+    61feaee: an upload right after the start got 503 at once)."""
+    subjects = Config().nats.subjects.__class__(prefix="latedesk")
+    file_id = new_file_id()
+    asked = asyncio.create_task(desk.Desk(desks.nc, subjects).delete_file(A, file_id))
+    await asyncio.sleep(1.0)  # asked, and refused for "no responders", a few times
+    assert not asked.done()
+    answered: list[bytes] = []
+
+    async def late_desk(msg: Msg) -> None:
+        answered.append(msg.data)
+        await msg.respond(desk.refusal(ApiError(404, "no such file", type="invalid_request_error",
+                                                code="not_found")))
+
+    sub = await desks.nc.subscribe(subjects.desk, queue="desk", cb=late_desk)
+    try:
+        with pytest.raises(ApiError) as caught:
+            await asked
+    finally:
+        await sub.unsubscribe()
+    assert (caught.value.status, len(answered)) == (404, 1)
 
 
 def test_asks_round_trip_and_garbage_is_refused() -> None:

@@ -13,6 +13,7 @@ keys their holder has. An answer is a record or an OpenAI error.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ OPS = frozenset((FILE, DELETE, DISCARD, BATCH, CANCEL))
 # Seconds an edge waits for an answer: a desk's work is a few KV and stream
 # writes; past this the dispatchers are gone or wedged, and the client retries.
 WAIT = 10.0
+_AGAIN = 0.25  # seconds between asks while no dispatcher listens
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,11 @@ def read_answer(data: bytes) -> bytes:
     raise refused
 
 
+def _unanswered() -> ApiError:
+    return unavailable("No dispatcher answered to store this change; retry.",
+                       code="dispatcher_unavailable", retry_after=5)
+
+
 class Desk:
     """The edge's side: one method per operation, each an :class:`Ask` and its answer."""
 
@@ -130,11 +137,23 @@ class Desk:
         self.subject = subjects.desk
 
     async def ask(self, ask: Ask) -> bytes:
-        try:
-            msg = await self.nc.request(self.subject, ask.encode(), timeout=WAIT)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
-            raise unavailable("No dispatcher answered to store this change; retry.",
-                              code="dispatcher_unavailable", retry_after=5) from None
+        """The answer within :data:`WAIT` s. While no dispatcher listens (one
+        starting or restarting: "no responders", so nobody took the ask) it
+        is asked again; a dispatcher that took it and went silent is not
+        (it may have done the change), the client gets a retryable 503."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while True:
+            try:
+                msg = await self.nc.request(self.subject, ask.encode(),
+                                            timeout=max(0.1, deadline - loop.time()))
+                break
+            except nats.errors.NoRespondersError:
+                if loop.time() + _AGAIN >= deadline:
+                    raise _unanswered() from None
+                await asyncio.sleep(_AGAIN)
+            except (nats.errors.TimeoutError, TimeoutError):
+                raise _unanswered() from None
         return read_answer(msg.data)
 
     async def record_file(self, auth: str, file_id: str, filename: str, purpose: str,
