@@ -54,7 +54,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "job_state": ("workers/job_state.py", ["tests/test_job_state.py", "tests/test_job_unit.py"]),
     "job": ("workers/job.py", ["tests/test_job_unit.py", "tests/test_job_metrics.py",
                                "tests/test_job_rules.py", "tests/test_job_rules_flow.py",
-                               "tests/test_fencing_token.py",
+                               "tests/test_job_rules_more.py", "tests/test_fencing_token.py",
                                "tests/test_replica_continuation.py"]),
     "continuation": ("workers/continuation.py", ["tests/test_continuation.py",
                                                  "tests/test_continued_streams.py",
