@@ -115,7 +115,8 @@ class QueueGate:
         mode = self.modes.get(model.name, ModeState())
         if not (mode.queueing or (self.backlog.get(model.name) and model.queue.ttft_p99 > 0)
                 or (request.klass != classes.INTERACTIVE
-                    and (self.full.get(model.name) or self.backlog.get(model.name)))):
+                    and (self.backlog.get(model.name)
+                         or (self.full.get(model.name) and await self._full_now(model))))):
             return True
         now = time.time()
         # Never queued past the request's deadline (the edge gave up then).
@@ -288,6 +289,14 @@ class QueueGate:
         if queue_mode or before or self.backlog[model.name]:
             for klass, n in (await self.queue.queued_by_class(model.name)).items():
                 metrics.queue_mode_queued.set(n, {**attrs, tm.REQUEST_CLASS: klass})
+
+    async def _full_now(self, model: ModelConfig) -> bool:
+        """The last tick's ``full``, read again: a slot freed since (a batch
+        runner releases a line the moment one does) lets the request go now
+        rather than at the next tick's grant."""
+        full = 0 < self.workers.of(model.name, time.time()) <= await self._running(model)
+        self.full[model.name] = full
+        return full
 
     async def _running(self, model: ModelConfig) -> int:
         """Jobs admitted and not finished: waiting in the jobs stream or

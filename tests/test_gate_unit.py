@@ -213,21 +213,30 @@ async def test_lower_classes_wait_for_spare_capacity_on_a_model_without_queue_mo
     plain = dataclasses.replace(MODEL, queue=tgconfig.QueueModeConfig())
     queue = FakeQueue(position=1)
     gate, rec = make(queue, mode=None)
+    jobs = SimpleNamespace(running=1)  # the model's one slot is taken
+
+    async def consumer_info(stream: str, consumer: str) -> Any:
+        return SimpleNamespace(num_pending=0, num_ack_pending=jobs.running)
+
+    gate.js = SimpleNamespace(consumer_info=consumer_info)  # type: ignore[assignment]
+    gate.workers.of = lambda model, now: 1  # type: ignore[method-assign]
 
     async def goes(rid: str, klass: str = "interactive") -> bool:
         return await gate.admit(request(rid, klass), FakeMsg(rec, rid),  # type: ignore[arg-type]
                                 {}, plain, True)
 
-    gate.full["m"] = True  # the workers' slots are all taken
+    gate.full["m"] = True  # the last tick found the workers' slots all taken
     assert await goes("chat")
     assert not await goes("bg", "background")
     assert not await goes("line", "batch")
     assert [rid for rid, _, _ in queue.enqueued] == ["bg", "line"]
     assert set(gate.held) == {"bg", "line"}
     assert [s.admission for s in rec.statuses()] == [Admission.QUEUED] * 2
-    # a free slot: a lower class goes at once, unless its class already waits
-    gate.full["m"] = False
+    # A slot freed since that tick: read again, a lower class goes at once
+    # (a batch runner releases a line the moment one frees).
+    jobs.running = 0
     assert await goes("bg2", "background")
+    assert gate.full["m"] is False
     gate.backlog["m"] = 2
     assert not await goes("bg3", "background")
     assert await goes("chat2")  # a backlog holds interactive requests only in queue mode
