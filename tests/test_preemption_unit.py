@@ -13,7 +13,7 @@ import pytest
 from tests.test_job_unit import FakeStream, events
 from tests.test_resumable_rules import OWN, QUIET, configured, rig, running
 from tidegate.wire import streamlog
-from tidegate.wire.protocol import Api
+from tidegate.wire.protocol import Api, Head
 from workers.job_state import PREEMPTED
 from workers.preemption import Preemptions
 
@@ -98,6 +98,20 @@ async def test_a_preempted_job_stores_its_log_hands_back_and_is_requeued() -> No
     assert r.backend.requests
     # Its hand-back names this worker, stored after every chunk the log got.
     stored = [(subject, streamlog.decode_entry(payload)) for subject, payload, _ in r.nc.stored]
-    assert stored[-1] == (r.job._log_subject, [streamlog.LogHandBack(OWN)]), stored
+    assert stored[-1] == (r.job._log_subject, [streamlog.LogHandBack(OWN, True)]), stored
     assert r.log.kinds().count("Chunk") == 5
     assert not {"Error", "Done"} & set(r.log.kinds())
+
+
+def test_only_a_preempted_hand_back_makes_readers_wait_for_the_next_worker() -> None:
+    """An edge's hand-back of a dead worker leaves readers on the usual
+    silence limit (its next copy may find it cannot continue: worker_lost);
+    a preempting worker's makes them wait as a new request does."""
+    for preempted in (False, True):
+        entry = streamlog.LogHandBack(OWN, preempted)
+        decoded = streamlog.decode_entry(entry.encode())
+        assert decoded == [entry]
+        cursor = streamlog.LogCursor()
+        cursor.feed(Head(1, OWN, 7, 1, "$JS.ACK.x"))
+        cursor.feed(decoded[0])
+        assert cursor.requeued is preempted

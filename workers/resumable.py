@@ -184,7 +184,7 @@ class ResumableJob(Job):
             try:
                 await patient.publish(
                     broker.jetstream(self.ctx.nc, config.nats), self.ctx.nc, self._log_subject,
-                    streamlog.LogHandBack(self.ctx.control_subject).encode(),
+                    streamlog.LogHandBack(self.ctx.control_subject, preempted=True).encode(),
                     {"Nats-Msg-Id": f"{self.request.id}.{attempt}.handback"},
                     config.edge.publish_patience)
             except Exception as exc:  # the next copy asks this worker instead (_judge_first)

@@ -79,9 +79,14 @@ class LogHandBack(NamedTuple):
     can no longer answer the next worker's ``Head``)."""
 
     control: str
+    # Written by a worker that gave its slot away (workers.preemption): the
+    # job waits in JetStream to be continued, however long a slot takes. An
+    # edge's hand-back of a dead worker is not: its next copy may find it
+    # cannot continue, and readers then end at the usual silence.
+    preempted: bool = False
 
     def encode(self) -> bytes:
-        return _pack([VERSION, Kind.LOG_HANDBACK, 0, self.control])
+        return _pack([VERSION, Kind.LOG_HANDBACK, 0, self.control, *([True] * self.preempted)])
 
 
 LogEntry = LogOpen | LogHandBack | SessionMessage
@@ -166,7 +171,7 @@ def decode_entry(data: bytes) -> list[LogEntry]:
     if kind == Kind.LOG_HANDBACK:
         if len(t) < 4 or not isinstance(t[3], str):
             raise ProtocolError("malformed log hand-back entry")
-        return [LogHandBack(t[3])]
+        return [LogHandBack(t[3], len(t) > 4 and t[4] is True)]
     if kind == Kind.MUX:
         if len(t) % 2:
             raise ProtocolError("malformed mux batch in the log")
@@ -267,7 +272,8 @@ class LogCursor:
     so its seqs start again and the event ids go on.
     """
 
-    __slots__ = ("_after", "_expected", "_floor", "_output", "control", "ended", "handed_back",
+    __slots__ = ("_after", "_expected", "_floor", "_output", "_preempted", "control", "ended",
+                 "handed_back",
                  "ids", "open")
 
     def __init__(self, after: int = 0) -> None:
@@ -281,6 +287,7 @@ class LogCursor:
         self.ids = EventIds()
         self.control = ""  # the worker's control subject, from the last Head
         self.handed_back = ""  # the worker an edge last found dead (LogHandBack)
+        self._preempted = False  # ... or that handed its job back itself (preempted)
         self.open: LogOpen | None = None
         self.ended = False
 
@@ -295,6 +302,7 @@ class LogCursor:
         if kind is LogHandBack:
             assert isinstance(entry, LogHandBack)
             self.handed_back = entry.control
+            self._preempted = entry.preempted
             return []
         if kind is Head:
             assert isinstance(entry, Head)
@@ -336,10 +344,9 @@ class LogCursor:
 
     @property
     def requeued(self) -> bool:
-        """The worker of the last Head handed the job back (found dead by an
-        edge, or preempted): it waits for its next worker, as a new request
-        waits for its first."""
-        return bool(self.handed_back) and self.handed_back == self.control
+        """The worker of the last Head gave its job back (preempted): it
+        waits for its next worker, as a new request waits for its first."""
+        return self._preempted and bool(self.handed_back) and self.handed_back == self.control
 
     @property
     def next_seq(self) -> int:
