@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import nats
 import pytest
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KeyValue
 
 from tests.test_workers_registry_read import _KV, _Entry, _Watcher
-from tidegate.broker.kvwatch import snapshot
+from tidegate.broker.kvwatch import _follow, snapshot
 from tidegate.control import batches, workers_registry
 from tidegate.control.tenants import TenantSettings, list_tenants
 from tidegate.wire.subjects import encode_token
@@ -63,3 +64,38 @@ async def test_a_read_leaves_no_consumer_behind(module_nats_url: str,
         assert (await js.stream_info(stream)).state.consumer_count == 0
     finally:
         await nc.close()
+
+
+class _Changes:
+    """A watcher's replay, its "no more values" marker, live changes, its end."""
+
+    def __init__(self, *changes: SimpleNamespace | None) -> None:
+        self._changes = list(changes)
+
+    def __aiter__(self) -> _Changes:
+        return self
+
+    async def __anext__(self) -> SimpleNamespace | None:
+        if not self._changes:
+            raise StopAsyncIteration
+        return self._changes.pop(0)
+
+
+def _change(key: str, revision: int, operation: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(key=key, value=b"v", revision=revision, operation=operation)
+
+
+async def test_a_follow_that_takes_no_deletes_remembers_no_key() -> None:
+    """Cancel tombstones expire by their bucket's TTL, which tells a watcher
+    nothing: a follow that remembered each live key grew for as long as the
+    tier ran (the soak's worker). With a delete callback it must remember
+    them, to report keys gone while it re-watched."""
+    changes = (_change("a", 1), None, _change("b", 2), _change("c", 3))
+    put: list[str] = []
+    live = await _follow(None, _Changes(*changes), set(), lambda k, _: put.append(k),  # type: ignore[arg-type]
+                         None, None, 0.5)
+    assert (put, live) == (["a", "b", "c"], set())
+    deleted: list[str] = []
+    live = await _follow(None, _Changes(*changes, _change("b", 4, KV_DEL)),  # type: ignore[arg-type]
+                         {"a", "gone"}, lambda k, _: None, deleted.append, None, 0.5)
+    assert (live, deleted) == ({"a", "c"}, ["gone", "b"])

@@ -392,7 +392,8 @@ async def watch_cancels(kv: KeyValue, on_cancel: Callable[[str, str], None], *,
     def put(key: str, value: bytes) -> None:
         on_cancel(key, value.decode(errors="replace"))
 
-    await follow_bucket(kv, put, lambda key: None, on_synced=on_synced)
+    # Tombstones expire by the bucket's TTL: nothing to do, or to remember, on a delete.
+    await follow_bucket(kv, put, None, on_synced=on_synced)
 
 
 async def follow_cancels(tg: asyncio.TaskGroup, kv: KeyValue,

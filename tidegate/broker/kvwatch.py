@@ -99,13 +99,16 @@ async def snapshot(kv: KeyValue) -> dict[str, bytes]:
     return out
 
 
-async def follow_bucket(kv: KeyValue, on_put: OnPut, on_delete: OnDelete, *,
+async def follow_bucket(kv: KeyValue, on_put: OnPut, on_delete: OnDelete | None, *,
                         on_synced: Callable[[], None] | None = None,
                         check_interval: float = 0.5) -> None:
     """Call ``on_put(key, value)`` / ``on_delete(key)`` for every entry, existing
     ones first, then ``on_synced()`` once, then live changes. Runs until
     cancelled; NATS outages are logged and ridden out, never raised, and so
-    is a callback that raises on one entry (counted as a bad message)."""
+    is a callback that raises on one entry (counted as a bad message).
+    Without ``on_delete`` no live key is remembered: a bucket whose keys
+    expire by its TTL (no delete marker reaches the watcher) would otherwise
+    grow that set for as long as the follow runs."""
     live: set[str] = set()
     synced = False
     while True:
@@ -126,7 +129,7 @@ async def follow_bucket(kv: KeyValue, on_put: OnPut, on_delete: OnDelete, *,
 
 
 async def _follow(kv: KeyValue, watcher: Any, before: set[str], on_put: OnPut,
-                  on_delete: OnDelete, on_synced: Callable[[], None] | None,
+                  on_delete: OnDelete | None, on_synced: Callable[[], None] | None,
                   check_interval: float) -> set[str]:
     """Follow one watcher until it stalls (then return the live keys) or the
     task is cancelled."""
@@ -155,20 +158,23 @@ async def _follow(kv: KeyValue, watcher: Any, before: set[str], on_put: OnPut,
                 replaying = False
                 # Keys live before a re-watch that the replay did not repeat
                 # were removed without a trace (e.g. purged): report them.
-                for key in before - replayed:
-                    on_delete(key)
+                if on_delete is not None:
+                    for key in before - replayed:
+                        on_delete(key)
                 if on_synced is not None:
                     on_synced()
             continue
         last_revision = max(last_revision, entry.revision or 0)
-        if replaying:
+        if replaying and on_delete is not None:
             replayed.add(entry.key)
         try:
             if entry.operation in (KV_DEL, KV_PURGE):
                 live.discard(entry.key)
-                on_delete(entry.key)
+                if on_delete is not None:
+                    on_delete(entry.key)
             else:
-                live.add(entry.key)
+                if on_delete is not None:
+                    live.add(entry.key)
                 on_put(entry.key, entry.value or b"")
         except Exception as exc:
             # One entry a callback cannot take (a hostile or corrupt record)
