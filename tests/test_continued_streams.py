@@ -77,7 +77,10 @@ async def spliced(go: Continue, size: int, limit: Any = 17) -> list[dict[str, An
     while data := await stream.read(1 << 16):
         out += data
     assert out.endswith(b"\n\n")
-    assert (stream.usage.prompt_tokens, stream.usage.completion_tokens) == (10, 2 + go.tokens)
+    # The tenant's prompt is the request's own: the delivered tokens this call
+    # read again are the operator's.
+    assert (stream.usage.prompt_tokens, stream.usage.completion_tokens,
+            stream.usage.operator_prompt_tokens) == (10 - go.tokens, 2 + go.tokens, go.tokens)
     events = []
     for block in out.split(b"\n\n")[:-1]:
         lines = block.split(b"\n")
@@ -109,7 +112,7 @@ async def test_a_continued_responses_stream_goes_on_where_its_client_stopped(siz
     assert response["id"] == CLIENT_RESPONSE
     assert response["output"] == [{"id": "rs_1", "type": "reasoning"},
                                   message("Hello world", CLIENT_ITEM)]
-    assert response["usage"] == {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15}
+    assert response["usage"] == {"input_tokens": 7, "output_tokens": 5, "total_tokens": 12}
     assert response["max_output_tokens"] == 20  # the client's, not the continuation's 17
 
 
@@ -164,10 +167,12 @@ async def test_a_joined_chat_streams_usage_and_cost_are_the_whole_responses() ->
                                      "choices": [{"delta": {"content": " on"}}]}
     end = json.loads((await stream.read(1 << 16))[6:])
     assert end["id"] == "chatcmpl-client"
-    assert end["usage"] == {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
-    assert end["x_tidegate"] == {"cost": "0.00011", "currency": "USD"}  # 20 x 2 + 7 x 10 / 1e6
+    # The request's own prompt: 12 less the 3 delivered tokens read again;
+    # those and the broken call's 8 are the operator's, priced to nobody.
+    assert end["usage"] == {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}
+    assert end["x_tidegate"] == {"cost": "0.000088", "currency": "USD"}  # 9 x 2 + 7 x 10 / 1e6
     assert (stream.usage.prompt_tokens, stream.usage.completion_tokens,
-            stream.usage.finish_reason) == (20, 7, "stop")
+            stream.usage.finish_reason, stream.usage.operator_prompt_tokens) == (9, 7, "stop", 11)
     assert stream.call_usage == chunks.usage
     assert await stream.read(1 << 16) == b""
 

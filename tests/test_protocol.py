@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -448,3 +449,10 @@ def test_usage_record_round_trip_and_reserved_default() -> None:
     assert UsageRecord.decode(legacy).reserved is True
     with pytest.raises(ProtocolError):
         UsageRecord.decode(b"\x93garbage")
+    # A continuation's extra prompt (the operator's) travels; an older record has none.
+    continued = dataclasses.replace(record, operator_prompt_tokens=40)
+    assert UsageRecord.decode(continued.encode()).operator_prompt_tokens == 40
+    assert UsageRecord.decode(legacy).operator_prompt_tokens == 0
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ProtocolError, match="operator_prompt_tokens"):
+            UsageRecord.decode(dataclasses.replace(record, operator_prompt_tokens=bad).encode())

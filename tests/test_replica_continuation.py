@@ -20,7 +20,7 @@ from tests.test_job_unit import CONFIG, FakeMsg, FakeNats, FakeStream, kinds
 from tidegate.errors import BackendError
 from tidegate.wire.protocol import Api, Chunk, Continue, Done, Error, Request
 from workers.backends import Usage
-from workers.continuation import JoinedStream, continued_stream
+from workers.continuation import JoinedStream, continued_stream, joined
 from workers.job import Job
 from workers.job_context import JobContext
 from workers.replica_continuation import (
@@ -114,19 +114,38 @@ async def test_the_joined_stream_drops_the_opening_and_counts_the_whole_response
     out = [await joined.read(100) for _ in range(4)]
     assert out[:2] == [word(" on"), word(" and")]
     assert out[2].startswith(word(" on"))
+    # The tenant pays the request's own prompt once: this call's 12 less the
+    # 5 delivered tokens it reads again; the broken call's 8 and those 5 are
+    # the operator's.
     usage = json.loads(out[2][len(word(" on")) + 6:])["usage"]
-    assert usage == {"prompt_tokens": 20, "completion_tokens": 8, "total_tokens": 28}
+    assert usage == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15}
     assert out[3] == b""
-    assert joined.usage == Usage(20, 8, "stop", 5)
+    assert joined.usage == Usage(7, 8, "stop", 5, operator_prompt_tokens=13)
     assert joined.call_usage == Usage(12, 3, "stop", 4)
     await joined.aclose()
     assert inner.closed
 
 
+def test_the_tenant_pays_one_prompt_the_operator_the_rest() -> None:
+    # The continuing call's prompt less the delivered events it reads again.
+    assert joined(Usage(0, 5), Usage(12, 3, "stop", 9)) == Usage(
+        7, 8, "stop", 7, operator_prompt_tokens=5)
+    # No call followed the broken one (the limit was reached): its prompt.
+    assert joined(Usage(9, 4, cached_tokens=2), Usage(0, 0, "length")) == Usage(
+        9, 4, "length", 2)
+    # A backend counting fewer prompt tokens than was delivered: never below 0.
+    assert joined(Usage(0, 50), Usage(20, 1, "stop", 20)) == Usage(
+        0, 51, "stop", 0, operator_prompt_tokens=20)
+    # Continued twice: each continuation's extra is the operator's.
+    twice = joined(Usage(0, 6), Usage(15, 2, "", operator_prompt_tokens=4))
+    assert (twice.prompt_tokens, twice.operator_prompt_tokens) == (9, 10)
+
+
 async def test_an_edge_continuation_counts_what_the_dead_worker_delivered() -> None:
     """A worker's death (the edge's Continue with 5 delivered events): the
     continuing stream's usage chunk, and the usage Done and the usage record
-    take, count those 5 with its own 3: the client got one response of 8."""
+    take, count those 5 with its own 3: the client got one response of 8.
+    Its prompt is the request's own: the call's 12 less the 5 it read again."""
     usage_event = (b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":12,'
                    b'"completion_tokens":3,"total_tokens":15}}\n\n')
     inner = Reads(role() + word(" on"), word(" and") + usage_event,
@@ -135,8 +154,8 @@ async def test_an_edge_continuation_counts_what_the_dead_worker_delivered() -> N
     out = b"".join([await stream.read(100) for _ in range(3)])
     assert out.startswith(word(" on") + word(" and")), "the role chunk dropped"
     usage = json.loads(out[len(word(" on") + word(" and")) + 6:])["usage"]
-    assert usage == {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}
-    assert stream.usage == Usage(12, 8, "stop")
+    assert usage == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15}
+    assert stream.usage == Usage(7, 8, "stop", operator_prompt_tokens=5)
 
 
 async def test_a_continuation_keeps_the_response_id_the_client_saw() -> None:
@@ -223,9 +242,12 @@ async def test_a_stream_broken_mid_way_goes_on_on_the_other_replica() -> None:
     assert (asked.body["max_tokens"], asked.body["stop"]) == (8, ["\n"])
     done = nc.session()[-1]
     assert isinstance(done, Done)
-    assert (done.prompt_tokens, done.completion_tokens) == (7 + 9, 2 + 2)
+    # The tenant pays a's prompt once (b's 9 less the 2 delivered tokens it
+    # read again); the rest, 7 + 9 - 7, is the operator's.
+    assert (done.prompt_tokens, done.completion_tokens) == (7, 2 + 2)
     [record] = nc.usage()
-    assert (record.outcome, record.prompt_tokens, record.completion_tokens) == ("done", 16, 4)
+    assert (record.outcome, record.prompt_tokens, record.completion_tokens,
+            record.operator_prompt_tokens) == ("done", 7, 4, 9)
     assert rs.breakers["a"].state.value == "open", "the failure counts in a's breaker"
     assert rs.breakers["b"].state.value == "closed"
     assert job.running == "b"

@@ -207,11 +207,22 @@ class JoinedStream:
 
 
 def joined(before: Usage, after: Usage) -> Usage:
-    """One response's usage from its calls': tokens added, the last finish."""
-    return Usage(prompt_tokens=before.prompt_tokens + after.prompt_tokens,
+    """One response's usage from its calls' (``before``: the calls that broke
+    and the events delivered from them; ``after``: the call that goes on):
+    completion tokens added, the last finish. The tenant pays for one prompt,
+    the request's own: the continuing call's less the delivered text it reads
+    again (events counted as tokens), or the broken calls' when no call
+    followed. Every other prompt token is ``operator_prompt_tokens``: the
+    operator's, in no quota, spend or usage of the tenant (docs/resume.md)."""
+    total = (before.prompt_tokens + after.prompt_tokens + before.operator_prompt_tokens
+             + after.operator_prompt_tokens)
+    own = (after.prompt_tokens - min(before.completion_tokens, after.prompt_tokens)
+           if after.prompt_tokens else before.prompt_tokens)
+    return Usage(prompt_tokens=own,
                  completion_tokens=before.completion_tokens + after.completion_tokens,
                  finish_reason=after.finish_reason,
-                 cached_tokens=before.cached_tokens + after.cached_tokens)
+                 cached_tokens=min(before.cached_tokens + after.cached_tokens, own),
+                 operator_prompt_tokens=total - own)
 
 
 # The events that open a Responses stream, in OpenAI's order (the edge's
@@ -247,9 +258,9 @@ class ContinuedResponses:
       parsed and encoded again; each delta only gets its number and ids.
 
     The job's usage (``usage``: ``Done`` and the usage record) is the whole
-    response's as the client saw it: this call's prompt tokens (the
-    delivered text among them: what the continuation cost) and every output
-    token, the dead worker's delivered ones included."""
+    response's as the client saw it: the request's own prompt tokens (the
+    delivered text this call read again is the operator's, :func:`joined`)
+    and every output token, the dead worker's delivered ones included."""
 
     __slots__ = ("_buf", "_drop", "_go", "_limit", "_next", "_renames", "_stream")
 
@@ -336,10 +347,15 @@ class ContinuedResponses:
                 if _prefix_item(item, text):
                     break
             usage = response.get("usage")
-            if isinstance(usage, dict):
-                for key in ("output_tokens", "total_tokens"):
-                    if isinstance(usage.get(key), int):
-                        usage[key] += tokens
+            if isinstance(usage, dict):  # as the job's usage counts it (joined)
+                read_again = 0
+                if isinstance(usage.get("input_tokens"), int):
+                    read_again = min(tokens, usage["input_tokens"])
+                    usage["input_tokens"] -= read_again
+                if isinstance(usage.get("output_tokens"), int):
+                    usage["output_tokens"] += tokens
+                if isinstance(usage.get("total_tokens"), int):
+                    usage["total_tokens"] += tokens - read_again
             if "max_output_tokens" in response:
                 response["max_output_tokens"] = self._limit
         lines[data[0]] = b"data: " + json.dumps(obj, separators=(",", ":")).encode()

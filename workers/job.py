@@ -247,7 +247,8 @@ class Job(JobState):
             ttft_ms=(self.first_chunk_at - self.started) * 1000 if self.first_chunk_at else 0.0,
             duration_ms=(now - self.started) * 1000, attempt=self.msg.metadata.num_delivered,
             reserved=reserved(self.msg), cached_tokens=usage.cached_tokens, cost_nanos=cost,
-            currency=self.ctx.prices.currency if self.ctx.prices and self.price else "")
+            currency=self.ctx.prices.currency if self.ctx.prices and self.price else "",
+            operator_prompt_tokens=usage.operator_prompt_tokens)
         self._observe(record, now)
         await self.ctx.report(record)
 
@@ -270,6 +271,8 @@ class Job(JobState):
         if record.completion_tokens:
             metrics.token_usage.record(record.completion_tokens,
                                        {**attrs, tm.TOKEN_TYPE: "output"})
+        if record.operator_prompt_tokens:
+            metrics.operator_tokens.add(record.operator_prompt_tokens, {tm.MODEL: record.model})
         if self.first_chunk_at:
             metrics.time_to_first_token.record(queue_wait + record.ttft_ms / 1000, attrs)
             if outcome == "done" and record.completion_tokens > 1:

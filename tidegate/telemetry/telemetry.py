@@ -249,6 +249,10 @@ class Metrics:
             "tidegate.spend", unit="{currency}",
             description="Money spent, in spend.currency, by tenant and model (the cost "
                         "of every finished job at its model's price)")
+        self.operator_tokens = meter.create_counter(
+            "tidegate.operator.prompt_tokens", unit="{token}",
+            description="Prompt tokens continuations cost beyond their requests' own "
+                        "(delivered text read again): the operator's, billed to no tenant")
         self.budget_alerts = meter.create_counter(
             "tidegate.budget.alerts", unit="{alert}",
             description="A budget's spend crossed an alert threshold (spend.alert_at), by "

@@ -239,6 +239,9 @@ class UsageRecord:
     # model's price when the worker picked the job up; "" = no price set.
     cost_nanos: int = 0
     currency: str = ""
+    # Prompt tokens a continuation cost beyond the request's own: the
+    # operator's, in neither prompt_tokens, the quota nor cost_nanos.
+    operator_prompt_tokens: int = 0
 
     def encode(self) -> bytes:
         fields = {f: getattr(self, f) for f in self.__slots__}
@@ -251,7 +254,7 @@ class UsageRecord:
             if not isinstance(m, dict) or m.get("v") != VERSION:
                 raise ProtocolError("usage record is not a version-1 map")
             known = {f: m[f] for f in cls.__slots__ if f in m}
-            for name in ("cached_tokens", "cost_nanos"):
+            for name in ("cached_tokens", "cost_nanos", "operator_prompt_tokens"):
                 value = known.get(name, 0)
                 if isinstance(value, bool) or not isinstance(value, int) or not (
                         0 <= value < 1 << 62):

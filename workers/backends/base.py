@@ -36,6 +36,10 @@ class Usage:
     # Of prompt_tokens, those the backend served from its prefix cache
     # (usage.prompt_tokens_details.cached_tokens): priced at the cached price.
     cached_tokens: int = 0
+    # Prompt tokens a continuation cost beyond the request's own prompt (the
+    # delivered text read again, a broken call's prompt): the operator's,
+    # outside prompt_tokens and the tenant's bill (workers.continuation.joined).
+    operator_prompt_tokens: int = 0
     # A Responses API answer's id, as the backend named it (workers.owners).
     response_id: str = ""
 
