@@ -430,4 +430,8 @@ class ResumableJob(Job):
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
+        # A bound method of the job held by the job: a cycle, which would
+        # keep every ended resumable job (its request, its body) until the
+        # rare full collection (tests/test_job_cycles.py).
+        self._log_put = None
         super().release()
