@@ -238,6 +238,38 @@ def test_session_restarts_a_redelivered_job() -> None:
     assert s.outcome.body == b'"whole"'
 
 
+def test_a_preempted_line_waits_again_and_restarts() -> None:
+    """Its worker gave the slot away (workers.preemption): a QUEUED status
+    with the worker's last seq puts the line back in the queue (the queue
+    timeout, from then, not the silence limit); the next Head starts it over.
+    A dispatcher's QUEUED (seq 0), late, or an earlier attempt's, changes
+    nothing."""
+    s = LineSession("r", LIMITS, now=0)
+    s.feed(Head(1, "ctl.w1"), 0)
+    s.feed(Chunk(2, b"partial"), 1)
+    for stale in (Status(Admission.QUEUED, 3), Status(Admission.QUEUED, seq=1)):
+        assert s.feed(stale, 1) == []
+        assert s.phase is Phase.RUNNING
+    assert s.feed(Status(Admission.QUEUED, seq=2), 2) == []
+    assert s.phase is Phase.ADMITTED
+    assert s.tick(2 + LIMITS.lost_after + 1) == [], "no silent worker to wait for"
+    assert s.outcome is None
+    assert s.feed(Head(1 << 20, "ctl.w2", attempt=2), 11) == [("ctl.w2", Ack("r", 0))]
+    s.feed(Chunk((1 << 20) + 1, b'"whole"'), 12)
+    s.feed(Done((1 << 20) + 2, 0, 0, "stop"), 12)
+    assert s.outcome is not None
+    assert s.outcome.body == b'"whole"', "nothing of the preempted attempt"
+    late = LineSession("r2", LIMITS, now=0)
+    late.feed(Head(1, "ctl.w1"), 0)
+    late.feed(Status(Admission.QUEUED, seq=1), 1)
+    late.tick(LIMITS.queue_timeout + 0.5)  # past it from the line's start, not from 1
+    assert late.outcome is None
+    late.tick(1 + LIMITS.queue_timeout)
+    assert late.outcome is not None
+    assert late.outcome.error is not None
+    assert late.outcome.error.code == "no_worker_available"
+
+
 def test_a_dead_workers_job_is_handed_back_once_and_restarts() -> None:
     ack = "$JS.ACK.TG_JOBS.w.1.9.9.0.0"
     s = LineSession("r", LIMITS, now=0)

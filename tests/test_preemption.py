@@ -1,11 +1,11 @@
 """Preemption with the shipped defaults (workers/preemption.py): an interactive
-request that finds the model's only slot held by a background response takes
-it; the background response is handed back and continued from its log, its
-text byte-exact against an uninterrupted run of its input (the simulator's
-deterministic mode). Real nats-server, redis-server, edge, dispatcher, worker.
+request that finds the model's only slot held by a background response or a
+batch line takes it. The background response is handed back and continued
+from its log, the batch line runs anew; each answer byte-exact against an
+uninterrupted run of its input (the simulator's deterministic mode). Real
+nats-server, redis-server, edge, dispatcher, worker, batch runner.
 
-Without preemption the interactive stream waits for the background response
-to finish (3 s), which has then completed before it.
+Without preemption the interactive stream waits for the other to finish (3 s).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, stream
 from tests.poll import eventually
+from tests.test_batch_pipeline import chat_line, lines_of, poll, submit
 from tests.test_spare_capacity import spare_slots
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.timeout(240)]
@@ -83,3 +85,32 @@ async def test_an_interactive_stream_takes_a_background_responses_slot_losing_no
     got = answer["output"][0]["content"][0]["text"]
     assert got == whole["output"][0]["content"][0]["text"]
     assert answer["usage"]["output_tokens"] == LENGTH, answer["usage"]
+
+
+async def test_an_interactive_stream_takes_a_batch_lines_slot_and_the_line_runs_again(
+        pipeline: Pipeline) -> None:
+    """A batch line holds the only slot; an interactive stream takes it. The
+    line's runner hears it waits again, and its next copy runs it anew: its
+    answer is the one an uninterrupted request gets, its usage counted once."""
+    text = f"batch-line-{uuid.uuid4().hex}"
+    async with openai.AsyncOpenAI(base_url=pipeline.base_url, api_key=DEV_KEY,
+                                  max_retries=0, timeout=60) as client:
+        batch = await submit(client, [chat_line("only", text, MODEL, max_tokens=LENGTH)])
+
+        async def running() -> bool:
+            return (await client.batches.retrieve(batch.id)).status == "in_progress"
+
+        await eventually(running, 60, "the batch running")
+        await eventually(lambda: spare_slots(pipeline) == 0, 60, "the line holding the slot")
+        async with aiohttp.ClientSession() as session:
+            raw, _ = await stream(session, pipeline.url, MODEL, "interactive", max_tokens=5)
+        assert raw.endswith(b"data: [DONE]\n\n")
+        done = await poll(client, batch.id, {"completed", "failed", "expired"}, within=120)
+        assert done.status == "completed", done
+        [line] = await lines_of(client, done.output_file_id)
+        whole = await client.chat.completions.create(
+            model=MODEL, max_tokens=LENGTH, messages=[{"role": "user", "content": text}])
+    assert "preempted; back in" in pipeline.logs()
+    body = line["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == whole.choices[0].message.content
+    assert body["usage"] == whole.usage.model_dump(exclude_none=True), body["usage"]

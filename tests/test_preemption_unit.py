@@ -4,16 +4,21 @@ tests/test_preemption.py."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tests.test_job_unit import FakeStream, events
-from tests.test_resumable_rules import OWN, QUIET, configured, rig, running
-from tidegate.wire import streamlog
-from tidegate.wire.protocol import Api, Head
+from tests.poll import eventually
+from tests.test_job_unit import REPLY, FakeBackend, FakeMsg, FakeNats, FakeStream, events, kinds
+from tests.test_resumable_rules import CHAT_BODY, OWN, QUIET, configured, rig, running
+from tidegate.wire import classes, streamlog
+from tidegate.wire.protocol import Admission, Api, Head, Request
+from workers.job import Job
+from workers.job_context import JobContext
 from workers.job_state import PREEMPTED
 from workers.preemption import Preemptions
 
@@ -115,3 +120,58 @@ def test_only_a_preempted_hand_back_makes_readers_wait_for_the_next_worker() -> 
         cursor.feed(Head(1, OWN, 7, 1, "$JS.ACK.x"))
         cursor.feed(decoded[0])
         assert cursor.requeued is preempted
+
+
+# -- batch lines: nothing delivered before their end, so they run anew -----------------
+
+
+def batch_line(delivered: int = 1, **fields: Any) -> tuple[Job, FakeMsg, FakeNats]:
+    now_ms = int(time.time() * 1000)
+    request = Request(**{  # type: ignore[arg-type]
+        "id": "b1", "reply": REPLY, "model": "m", "api": Api.CHAT, "stream": False,
+        "body": dict(CHAT_BODY), "created_ms": now_ms, "deadline_ms": now_ms + 600_000,
+        "window_bytes": 1 << 20, "window_msgs": 128, "klass": classes.BATCH, **fields})
+    msg, nc = FakeMsg(delivered=delivered), FakeNats()
+    ctx = JobContext(config=configured("restart"), nc=nc, control_subject=OWN)  # type: ignore[arg-type]
+    return Job(msg, request, FakeBackend(FakeStream(events(3), hang=True)), ctx), msg, nc  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ({}, True),  # whatever the model's failover: it restarts, nothing was delivered
+    ({"delivered": 3}, False),  # handed back twice already
+    ({"stream": True}, False),
+    ({"klass": classes.INTERACTIVE}, False),
+    ({"klass": classes.BACKGROUND}, False),  # continued from its log, when resumable
+])
+def test_what_batch_line_may_be_preempted(case: dict[str, Any], expected: bool) -> None:
+    job, _, _ = batch_line(**case)
+    assert Preemptions(job.ctx).preemptible(job) is expected
+
+
+async def test_a_batch_line_goes_before_a_background_response() -> None:
+    line, _, _ = batch_line()
+    response = background()
+    response.job.chunks_sent = 0
+    cancelled: list[str] = []
+    for job in (line, response.job):
+        job.cancel = lambda reason, job=job: cancelled.append(job.request.id)  # type: ignore[method-assign]
+    p = preemptions(response)
+    p.held["m"] = {line, response.job}
+    assert await p.preempt("m") is line, "the lowest class first"
+    assert await p.preempt("m") is response.job
+    assert cancelled == ["b1", "r1"]
+
+
+async def test_a_preempted_batch_line_tells_its_runner_and_is_requeued() -> None:
+    job, msg, nc = batch_line()
+    task = asyncio.create_task(job.run())
+    await eventually(lambda: kinds(nc).count("Chunk") == 3, 5.0, "three chunks out")
+    job.cancel(PREEMPTED)
+    await asyncio.wait_for(task, 5)
+    assert kinds(nc) == ["Head", "Chunk", "Chunk", "Chunk", "Status"]
+    status = nc.session()[-1]
+    assert (status.admission, status.seq) == (Admission.QUEUED, job.seq)
+    assert job.seq == 4, "its last seq: the runner tells it from a dispatcher's"
+    assert msg.fate[-1] == "nak", msg.fate
+    assert "ack" not in msg.fate
+    assert nc.usage() == [], "its next copy reports the line's usage"

@@ -33,6 +33,7 @@ from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry import tracing
 from tidegate.wire.flow import SendWindow, first_seq
 from tidegate.wire.protocol import (
+    Admission,
     Continue,
     Done,
     Error,
@@ -43,11 +44,13 @@ from tidegate.wire.protocol import (
     UsageRecord,
     encode_chunk,
 )
+from tidegate.wire.protocol import Status as Standing
 from workers.backends import Backend, BackendStream, PushStream, Usage
 from workers.continuation import closing, continued, continued_stream
 from workers.job_context import JobContext, ack, resend, reserved
 from workers.job_state import (
     ACK_TIMEOUT,
+    REQUEUE_DELAY,
     Ending,
     Event,
     JobState,
@@ -232,6 +235,23 @@ class Job(JobState):
             await ack(self.ctx, self.request, self.msg)
         elif end.settle is Settle.NAK:
             await self.msg.nak()
+        elif end.settle is Settle.REQUEUE:
+            await self._requeue()
+
+    async def _requeue(self) -> None:
+        """A preempted batch line (workers.preemption) goes back to JetStream:
+        its runner hears that it waits again (a ``QUEUED`` status: no longer
+        a silent worker, queued instead), then its message is NAKed with
+        :data:`REQUEUE_DELAY`, so the interactive request that wanted the slot
+        gets it first. None of it was delivered: a later copy runs it anew."""
+        # Its last seq tells it from a dispatcher's (seq 0); never retransmitted.
+        queued = Standing(Admission.QUEUED, seq=self.seq).encode()
+        if self.outbox is not None:
+            self.outbox.put(self.request.mux, self.request.id, queued)
+        else:
+            await self.ctx.nc.publish(self.request.reply, queued)
+        log.info("job %s preempted; back in %gs", self.request.id, REQUEUE_DELAY)
+        await self.msg.nak(delay=REQUEUE_DELAY)
 
     async def _report(self, outcome: str) -> None:
         usage = self.stream.usage if self.stream is not None else Usage()

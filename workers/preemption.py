@@ -1,17 +1,20 @@
-"""Preemption, the worker's side: a background response gives its slot to an
-interactive request, and is continued later from its log (docs/queue-mode.md).
+"""Preemption, the worker's side: a batch line or a background response gives
+its slot to an interactive request (docs/queue-mode.md#preemption).
 
 A dispatcher that dispatched an interactive request while every slot of its
 model was taken, and still sees them taken ``queue.preempt_after`` s later,
 publishes on ``<p>.preempt.<model>``, which only workers holding a
 preemptible job of that model hear (one queue group). If a job of the model
-still waits in JetStream, the one that hears it hands back its preemptible
-job with the fewest chunks sent: it stores its log and hand-back and is NAKed
-(workers.resumable); a later copy continues it, as after a worker's death.
+still waits in JetStream, the one that hears it hands back a preemptible
+job: the lowest class, then the least output, then the latest started. A
+background response stores its log and hand-back, and a later copy continues
+it, as after a worker's death (workers.resumable); a batch line, of which
+nothing is delivered before its end, tells its runner it waits again and
+runs anew (workers.job). Either is NAKed for ``REQUEUE_DELAY``.
 
-Preemptible: a Responses background request (no connection reads it) that
-continues (``failover = "continue"``, rebuildable, its log not full), handed
-back under ``queue.max_preemptions`` times (and ``worker.max_deliver`` - 2).
+Preemptible, handed back under ``queue.max_preemptions`` times (and
+``worker.max_deliver`` - 2): a batch line; a Responses background request
+that continues (``failover = "continue"``, rebuildable, its log not full).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from nats.aio.subscription import Subscription
 
 from tidegate.apis.delivered import responses_continuable, text_continuable
 from tidegate.control.queue_stats import jobs_of
+from tidegate.wire import classes
 from workers.job import Job
 from workers.job_context import JobContext
 from workers.job_state import PREEMPTED, Phase
@@ -42,26 +46,30 @@ class Preemptions:
         self.ctx = ctx
         self.config = ctx.config
         self.models = ctx.config.model_index()
-        self.held: dict[str, set[ResumableJob]] = {}
+        self.held: dict[str, set[Job]] = {}
         self._subs: dict[str, Subscription] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def preemptible(self, job: Job) -> bool:
         model = self.models.get(job.request.model)
-        if (model is None or model.queue.preempt_after <= 0 or model.failover != "continue"
-                or not isinstance(job, ResumableJob)
-                or not job.request.extra.get("background") or not job.log_continuable
-                or job.cancel_reason or job.phase is Phase.ENDED):
+        if (model is None or model.queue.preempt_after <= 0 or job.cancel_reason
+                or job.phase is Phase.ENDED):
             return False
         limit = min(model.queue.max_preemptions, self.config.worker.max_deliver - 2)
         if job.msg.metadata.num_delivered - 1 >= limit:
             return False
-        return bool(text_continuable(job.request) or responses_continuable(job.request))
+        request = job.request
+        if not isinstance(job, ResumableJob):  # only a batch line's runner is told it waits
+            return request.klass == classes.BATCH and not request.stream
+        if (model.failover != "continue" or not request.extra.get("background")
+                or not job.log_continuable):
+            return False
+        return bool(text_continuable(request) or responses_continuable(request))
 
     def started(self, job: Job) -> None:
         """A job begins: held (and the model's subject followed) if preemptible."""
-        if isinstance(job, ResumableJob) and self.preemptible(job):
+        if self.preemptible(job):
             self.held.setdefault(job.request.model, set()).add(job)
             self._sync(job.request.model)
 
@@ -98,7 +106,7 @@ class Preemptions:
             await self.preempt(model)
         return on_preempt
 
-    async def preempt(self, model: str) -> ResumableJob | None:
+    async def preempt(self, model: str) -> Job | None:
         """Hand back one preemptible job of ``model`` if a job of it waits
         for a slot; the job handed back, or None."""
         config = self.models.get(model)
@@ -110,7 +118,8 @@ class Preemptions:
         candidates = [j for j in self.held.get(model, ()) if self.preemptible(j)]
         if not waiting or not candidates:
             return None  # the interactive request found a slot meanwhile
-        job = min(candidates, key=lambda j: j.chunks_sent)
+        job = min(candidates, key=lambda j: (-classes.rank(j.request.klass), j.chunks_sent,
+                                             -j.started))
         log.info("job %s: its slot goes to an interactive request of %s", job.request.id,
                  model)
         job.cancel(PREEMPTED)

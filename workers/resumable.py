@@ -49,7 +49,7 @@ from workers.backends import Backend
 from workers.continuation import continued
 from workers.job import Job
 from workers.job_context import JobContext
-from workers.job_state import REQUEUE_DELAY, RESUME_GRACE, Ending, Settle
+from workers.job_state import REQUEUE_DELAY, RESUME_GRACE
 
 log = logging.getLogger("tidegate.worker")
 
@@ -164,12 +164,7 @@ class ResumableJob(Job):
         past ``resume.max_stream_bytes``)."""
         return self._log_budget >= 0
 
-    async def _settle(self, end: Ending) -> None:
-        if end.settle is Settle.REQUEUE:
-            await self._hand_back()
-        await super()._settle(end)
-
-    async def _hand_back(self) -> None:
+    async def _requeue(self) -> None:
         """A preempted job (workers.preemption) goes back to JetStream: its
         log stored up to here, then, after output, its own ``LogHandBack`` (a
         later copy continues the log on it, without asking this worker), and

@@ -4,7 +4,8 @@ The runner is a client of the pipeline like an edge. :class:`LineSession` turns
 the line's session messages and the clock into what the runner must send (acks)
 and, at the end, one :class:`Outcome`. Unlike the edge's relay: the body is
 collected whole, so a redelivered job (``Head.attempt > 1``) is simply
-restarted (``Ack seq 0``); a worker the liveness probe finds dead gets a
+restarted (``Ack seq 0``), as is one a worker preempted (a ``QUEUED``
+``Status`` first: it waits again); a worker the liveness probe finds dead gets a
 ``-NAK`` at once (:meth:`LineSession.worker_lost`); every failure is classified
 for the retry policy: ``RETRY`` (5xx, worker lost, gap, silence), ``WAIT`` (a
 retryable rejection, after ``retry_after``), ``ERROR`` (4xx, final).
@@ -114,6 +115,14 @@ class LineSession:
                     self._end(Outcome(Verdict.ERROR, error.status, error=error))
             elif self.phase is Phase.PUBLISHED:
                 self.phase = Phase.ADMITTED
+            elif (self.phase is Phase.RUNNING and message.admission is Admission.QUEUED
+                  and message.seq >= self.expected_seq - 1 > 0):
+                # Its worker gave the slot to an interactive request
+                # (workers.preemption; a dispatcher's status has seq 0, an
+                # earlier attempt's a lower one): the line waits for a worker
+                # again, under the queue timeout; its next Head starts it over.
+                self.phase, self.started = Phase.ADMITTED, now
+                self._parts, self._size = [], 0
             return []
         if kind is Head:
             assert isinstance(message, Head)

@@ -303,7 +303,8 @@ class ErrorInfo(NamedTuple):
 
 
 class Status(NamedTuple):
-    """Dispatcher -> edge: what admission decided. Always ``seq = 0``.
+    """Dispatcher -> edge: what admission decided, with ``seq = 0``. A worker
+    handing a preempted batch line back sends ``QUEUED`` with its last seq.
 
     ``headers`` are response headers the edge adds (OpenAI's
     ``x-ratelimit-*`` family), on admission as on rejection.
