@@ -1,22 +1,18 @@
 """Preemption, the worker's side: a batch line or a background response gives
-its slot to an interactive request (docs/queue-mode.md#preemption).
+its slot to an interactive request (docs/priorities.md#preemption).
 
 A dispatcher that dispatched an interactive request while every slot of its
 model was taken, and still sees them taken ``queue.preempt_after`` s later,
-publishes on ``<p>.preempt.<model>``, which only workers holding a
-preemptible job of that model hear (one queue group). If a job of the model
-still waits in JetStream, the one that hears it hands back a preemptible
-job: the lowest class, then the least output, then the latest started. A
-background response stores its log and hand-back, and a later copy continues
-it, as after a worker's death (workers.resumable); a batch line, of which
-nothing is delivered before its end, tells its runner it waits again and
-runs anew (workers.job). Either is NAKed for ``REQUEUE_DELAY``.
-
-Preemptible, handed back under ``queue.max_preemptions`` times (and
+publishes on ``<p>.preempt.<model>``, heard only by workers holding a
+preemptible job of it (one queue group). If a job of the model still waits
+in JetStream, the one that hears it hands back a job (lowest class, least
+output, latest started), NAKed for ``REQUEUE_DELAY``: a background response
+stores its log and hand-back and is continued later (workers.resumable); a
+batch line, nothing of it delivered, tells its runner it waits and runs anew.
+Preemptible, under ``queue.max_preemptions`` hand-backs (and
 ``worker.max_deliver`` - 2): a batch line; a Responses background request
 that continues (``failover = "continue"``, rebuildable, its log not full).
 """
-
 from __future__ import annotations
 
 import asyncio

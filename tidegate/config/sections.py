@@ -73,7 +73,7 @@ class QueueModeConfig:
     # An interactive request dispatched while every slot of the model is
     # taken, still waiting this many seconds later, takes one from a
     # background response, which is continued later from its stream log
-    # (docs/queue-mode.md#preemption). 0: never. Queue mode or not.
+    # (docs/priorities.md#preemption). 0: never. Queue mode or not.
     preempt_after: float = 0.2
     # Times one background response may be handed back; never more than
     # worker.max_deliver - 2 (each hand-back is a delivery).

@@ -5,7 +5,7 @@ is ``interactive`` (a client waits on it), ``background`` (a Responses
 ``background: true`` request: generated into its log, read later) or ``batch``
 (a batch line). Queue mode (``dispatcher.queueing``) grants the best class
 waiting across every tenant first, tenants sharing by tokens within a class.
-Docs: docs/queue-mode.md#admitting-the-limit-and-the-fair-queue.
+Docs: docs/priorities.md#the-order.
 """
 
 from __future__ import annotations
