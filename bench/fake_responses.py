@@ -24,6 +24,8 @@ from typing import Any
 from aiohttp import web
 
 from bench.fake_records import FakeHost, FakeRecord, _Faults
+from tidegate.apis.responses import DIALECT as RESPONSES
+from workers.backends.greedy import greedy_plan
 
 __all__ = ["answer_embeddings", "answer_responses"]
 
@@ -80,7 +82,12 @@ async def answer_responses(fake: FakeHost, request: web.Request, record: FakeRec
     ttft = cfg.ttft if faults.ttft is None else faults.ttft
     itl = cfg.itl if faults.itl is None else faults.itl
     rid, mid = f"resp_fake{record.id}", f"msg_fake{record.id}"
-    pieces = [fake._texts[i % 26] for i in range(n)]
+    if cfg.deterministic:  # the greedy model's text, a trailing assistant item continued
+        plan = greedy_plan(True, RESPONSES.chat_body(body) or {}, None if limit is None
+                           else int(limit), cfg.tokens)
+        pieces, n = list(plan), len(plan)
+    else:
+        pieces = [fake._texts[i % 26] for i in range(n)]
     text = "".join(pieces)
     prompt = input_tokens(body)
     usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},

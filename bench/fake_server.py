@@ -44,7 +44,9 @@ def _control_app(fake: FakeBackend) -> web.Application:
 async def _serve(args: argparse.Namespace) -> None:
     # Records stay small: the benchmark reads them right after each scenario.
     fake = FakeBackend(FakeConfig(ttft=args.ttft, itl=args.itl, tokens=args.tokens,
-                                  token_size=args.token_size, max_records=args.max_records))
+                                  token_size=args.token_size, max_records=args.max_records,
+                                  deterministic=args.deterministic,
+                                  saturate_at=args.saturate_at))
     await fake.start(args.host, args.port)
     runner = web.AppRunner(_control_app(fake), access_log=None)
     await runner.setup()
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="upper bound; requests set max_tokens")
     parser.add_argument("--token-size", type=int, default=4)
     parser.add_argument("--max-records", type=int, default=20_000)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="greedy-model text, assistant prefixes continued")
+    parser.add_argument("--saturate-at", type=int, default=0,
+                        help="past this many concurrent streams, slow down like a GPU batch")
     args = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
         run_async(_serve(args))

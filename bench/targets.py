@@ -125,13 +125,14 @@ class Targets:
 
     # -- the backend -------------------------------------------------------
 
-    def start_fake(self) -> Target:
+    def start_fake(self, *options: str) -> Target:
+        """The fake backend, with ``bench.fake_server``'s ``options`` if any."""
         port, control = free_port(_HOST), free_port(_HOST)
         self.control_url = f"http://{_HOST}:{control}"
         self.fake = self._proc(
             "fake-backend",
             _python("bench.fake_server", "--host", _HOST, "--port", str(port),
-                    "--control-port", str(control)),
+                    "--control-port", str(control), *options),
             ready=lambda: http_ok(f"{self.control_url}/healthz"))
         self.fake.start()
         self.fake_url = f"http://{_HOST}:{port}/v1"
