@@ -1,7 +1,6 @@
 """An interactive burst on a backend that lower classes fill (issue 49 item 4).
 
-    python -m bench.preemption_bench [--slots 32] [--burst 64] [--fill 32]
-        [--fill-tokens 1500] [--runs 1] [--set SECTION.KEY=VALUE]
+    python -m bench.preemption_bench [--slots 32] [--burst 64] [--fill 32] [--runs 1]
 
 The fake backend is deterministic (greedy text, a trailing assistant part
 continued) and slows past ``--slots`` streams, as a GPU's batch does;

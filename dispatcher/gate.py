@@ -148,12 +148,16 @@ class QueueGate:
     def cost(self, request: Request, model: ModelConfig) -> float:
         """A request's turns in the fair queue: the tokens it reserves (prompt
         estimate + its output cap), over its tenant's tier weight."""
-        tier = self.tier(request.tenant)
         try:
             tokens = reservation(request.api, request.body, model.reserve_max_tokens)
         except Exception:  # a body a dialect cannot size: one turn, never a lost request
             tokens = 1
-        return max(1, tokens) / (tier.weight if tier is not None else 1.0)
+        return max(1, tokens) / self.weight(request.tenant)
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's tier weight (1 without a tier)."""
+        tier = self.tier(tenant)
+        return tier.weight if tier is not None else 1.0
 
     def tier(self, tenant: str) -> TierConfig | None:
         """The tenant's tier: the one ``tidegate tenant set --tier`` named, if
@@ -179,22 +183,26 @@ class QueueGate:
     def preempt_for(self, request: Request, model: ModelConfig) -> None:
         """An interactive request was just dispatched: if every slot of its
         model was taken, and still is ``queue.preempt_after`` s later, a
-        worker holding a background response of the model is asked to hand
-        one back (workers.preemption), once for this request."""
+        worker holding a batch line, a background response or a lighter
+        tier's stream of the model is asked to hand one back
+        (workers.preemption), once for this request; the ask carries the
+        request's tier weight."""
         after = model.queue.preempt_after
         if (request.klass != classes.INTERACTIVE or after <= 0
                 or not self.full.get(model.name)):
             return
-        task = asyncio.get_running_loop().create_task(self._preempt_later(model, after))
+        weight = self.weight(request.tenant)
+        task = asyncio.get_running_loop().create_task(
+            self._preempt_later(model, after, repr(weight).encode()))
         self._preempting.add(task)
         task.add_done_callback(self._preempting.discard)
 
-    async def _preempt_later(self, model: ModelConfig, after: float) -> None:
+    async def _preempt_later(self, model: ModelConfig, after: float, weight: bytes) -> None:
         await asyncio.sleep(after)
         if not self.full.get(model.name):
             return  # a slot freed meanwhile
         try:
-            await self.nc.publish(self.config.nats.subjects.preempt(model.name), b"")
+            await self.nc.publish(self.config.nats.subjects.preempt(model.name), weight)
         except Exception as exc:  # the request waits for a slot, as without preemption
             log.debug("could not ask for a preemption on %s: %s", model.name, exc)
             return

@@ -45,6 +45,7 @@ from tidegate.errors import ProtocolError
 from tidegate.telemetry import logs, tracing
 from tidegate.telemetry import telemetry as tm
 from tidegate.telemetry.untrusted import BadInput
+from tidegate.wire import classes
 from tidegate.wire.cancels import CancelRegistry
 from tidegate.wire.protocol import (
     RESERVED_HEADER,
@@ -196,6 +197,9 @@ class Dispatcher:
         job_headers = {"Nats-Msg-Id": request.id,
                        **({RESERVED_HEADER: "1"} if reserved else {}),
                        **tracing.job_headers(msg.headers)}
+        weight = self.gate.weight(request.tenant) if self.gate is not None else 1.0
+        if weight != 1.0:  # a lighter tier's stream may give way to a heavier's
+            job_headers[classes.WEIGHT_HEADER] = repr(weight)
         model = self.models.get(request.model)
         routed = None
         if self.router is not None and model is not None and self.router.applies(model):

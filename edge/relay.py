@@ -349,6 +349,9 @@ class Relay(StreamState):
                 break
             elif kind is Status:
                 assert isinstance(m, Status)
+                if m.seq:  # a worker's, not a dispatcher's: it gave the slot away
+                    self._requeued(m.seq)
+                    continue
                 if m.headers:
                     self.headers.update(m.headers)
                 if m.admission is Admission.REJECTED:
@@ -442,6 +445,20 @@ class Relay(StreamState):
                 head.control, Cancel(self.request.id, DUPLICATE_DELIVERY).encode())
         except Exception as exc:  # unconfirmed, the copy drops itself at worker.resume_timeout
             log.warning("could not cancel the second delivery of %s: %s", self.request.id, exc)
+
+    def _requeued(self, seq: int) -> None:
+        """This attempt's worker gave the stream's slot to a heavier tier's
+        request (workers.preemption) and NAKed the job itself: as after its
+        death, the next worker's Head gets a ``Continue`` with the delivered
+        text, and its silence limit waits for that worker."""
+        if (self.phase is not Phase.STREAMING or seq < self.floor_seq or self.upstream_done
+                or self.delivered is None):
+            return  # not streaming, an earlier attempt's, or nothing kept to continue
+        log.info("request %s: its worker %s gave the slot away; waiting for the next",
+                 self.request.id, self.control)
+        self.delivered.pending = True
+        self.handed_back = True
+        self.session.unfollow()  # alive, but no longer this stream's worker
 
     async def _on_head(self, head: Head) -> None:
         key = (head.control, head.job_seq, head.attempt)

@@ -26,6 +26,7 @@ from dispatcher.quota import BudgetCharge, QuotaResult, QuotaUnavailable, Scope
 from dispatcher.service import Dispatcher
 from tidegate import config as tgconfig
 from tidegate.control.policies import Policy, PolicySet
+from tidegate.wire import classes
 from tidegate.wire.protocol import (
     RESERVED_HEADER,
     Admission,
@@ -150,6 +151,30 @@ async def test_unreserved_job_carries_no_reserved_header() -> None:
     await dispatcher.handle(FakeMsg(log, request().encode()))  # type: ignore[arg-type]
     _, _, headers = next(e for n, e in log.events if n == "job")
     assert RESERVED_HEADER not in headers
+
+
+class TieredGate:
+    """The queue gate, as far as dispatching reads it: acme's tier weighs 4."""
+
+    def weight(self, tenant: str) -> float:
+        return 4.0 if tenant == "acme" else 1.0
+
+    async def admit(self, *_: Any) -> bool:
+        return True
+
+    def preempt_for(self, request: Request, model: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize(("tenant", "weight"), [("acme", "4.0"), ("other", None)])
+async def test_a_tiered_tenants_job_carries_its_weight(tenant: str, weight: str | None) -> None:
+    """Read by a worker deciding whose stream gives way (workers.preemption);
+    the default weight, 1, goes unsaid."""
+    dispatcher, log = make(ADMIT)
+    dispatcher.gate = TieredGate()  # type: ignore[assignment]
+    await dispatcher.handle(FakeMsg(log, request(tenant=tenant).encode()))  # type: ignore[arg-type]
+    _, _, headers = next(e for n, e in log.events if n == "job")
+    assert headers.get(classes.WEIGHT_HEADER) == weight
 
 
 async def test_rejected_gets_its_error_and_no_job() -> None:

@@ -8,6 +8,7 @@ or refunded: the same paths test_queue_mode.py drives on real servers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ import msgpack
 from dispatcher.gate import QueueGate
 from dispatcher.queueing import ModeState
 from dispatcher.quota import QuotaUnavailable
+from tests.poll import eventually
 from tidegate import config as tgconfig
 from tidegate.wire.protocol import Admission, Api, Request, Status, decode_session
 
@@ -258,3 +260,30 @@ def test_a_models_slots_are_its_live_workers_not_draining_ones() -> None:
     slots.on_delete("w2")
     assert slots.of("m", now) == 4
     assert slots.of("other", now) == 0
+
+
+async def test_a_preempt_ask_carries_the_requests_tier_weight() -> None:
+    """Workers give a stream's slot only to a heavier tier: the ask says how
+    heavy the request that waits is (workers.preemption)."""
+    config = tgconfig.from_dict({
+        "models": [{"name": "m", "simulator": {}, "queue": {"preempt_after": 0.01}}],
+        "tiers": [{"name": "gold", "weight": 4, "tenants": ["acme"]}]})
+    asks: list[tuple[str, bytes]] = []
+
+    class Nats:
+        async def publish(self, subject: str, payload: bytes) -> None:
+            asks.append((subject, payload))
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    gate = QueueGate(config, Nats(), SimpleNamespace(), FakeQueue(),  # type: ignore[arg-type]
+                     nothing, nothing)
+    gate.preempt_for(request(), config.models[0])  # a slot is free: no ask
+    gate.full["m"] = True
+    gate.preempt_for(request(klass="background"), config.models[0])  # only for interactive
+    gate.preempt_for(request(), config.models[0])
+    await eventually(lambda: asks, 5.0, "the ask")
+    await asyncio.sleep(0.05)
+    assert asks == [(config.nats.subjects.preempt("m"), b"4.0")]
+    assert (gate.weight("acme"), gate.weight("other")) == (4.0, 1.0)

@@ -10,6 +10,8 @@ Without preemption the interactive stream waits for the other to finish (3 s).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +20,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, stream
+from tests.pipeline import DEV_KEY, Pipeline, running_pipeline, stream, tenant_keys
 from tests.poll import eventually
 from tests.test_batch_pipeline import chat_line, lines_of, poll, submit
 from tests.test_spare_capacity import spare_slots
@@ -28,6 +30,7 @@ pytestmark = [pytest.mark.pipeline, pytest.mark.timeout(240)]
 MODEL = "tidegate-sim"
 LENGTH = 150  # tokens at 50 a second: a background answer holds the slot 3 s
 HEADERS = {"Authorization": f"Bearer {DEV_KEY}"}
+TIERS = [{"name": "gold", "weight": 4, "tenants": ["vip"]}]  # DEV_KEY's tenant weighs 1
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
                              "deterministic": True}}]
     yield from running_pipeline(tmp_path_factory.mktemp("preempt"), module_nats_url,
                                 module_redis_url, metrics=True,
-                                overrides={"models": models,
+                                overrides={"models": models, "tiers": TIERS,
                                            "nats": {"subject_prefix": "p" + uuid.uuid4().hex[:6]}})
 
 
@@ -114,3 +117,37 @@ async def test_an_interactive_stream_takes_a_batch_lines_slot_and_the_line_runs_
     body = line["response"]["body"]
     assert body["choices"][0]["message"]["content"] == whole.choices[0].message.content
     assert body["usage"] == whole.usage.model_dump(exclude_none=True), body["usage"]
+
+
+async def test_a_heavier_tiers_stream_takes_a_lighter_ones_slot_which_goes_on(
+        pipeline: Pipeline) -> None:
+    """An untiered tenant's stream holds the only slot; a gold tenant's
+    (weight 4) takes it. The lighter stream pauses and goes on, continued
+    from what its client got: byte for byte what an uninterrupted run sends."""
+    [vip] = await tenant_keys(pipeline, "vip")
+    text = f"light-{uuid.uuid4().hex}"
+    progress: dict[str, int] = {}
+    async with aiohttp.ClientSession() as session:
+        light = asyncio.create_task(stream(session, pipeline.url, MODEL, text,
+                                           progress=progress))
+        await eventually(lambda: progress.get(text, 0) >= 5, 60, "the light stream going")
+        await eventually(lambda: spare_slots(pipeline) == 0, 60, "the gate seeing the slot taken")
+        heavy, _ = await stream(session, pipeline.url, MODEL, "heavy", max_tokens=5,
+                                headers={"Authorization": f"Bearer {vip}"})
+        assert heavy.endswith(b"data: [DONE]\n\n")
+        assert not light.done(), "the heavier stream ran in the light one's slot"
+        raw, _ = await light
+        whole, _ = await stream(session, pipeline.url, MODEL, text)
+    assert "gave the slot away" in pipeline.logs()
+    assert events(raw) == events(whole), "each event once, in order, the same text"
+
+
+def events(raw: bytes) -> list[tuple[str, Any]]:
+    """A chat stream's events as (content, finish reason), its ids left out
+    (each request has its own)."""
+    out = []
+    for event in raw.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            choice = json.loads(event[6:])["choices"][0]
+            out.append((choice["delta"].get("content", ""), choice.get("finish_reason")))
+    return out

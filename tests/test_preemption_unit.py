@@ -15,8 +15,9 @@ import pytest
 from tests.poll import eventually
 from tests.test_job_unit import REPLY, FakeBackend, FakeMsg, FakeNats, FakeStream, events, kinds
 from tests.test_resumable_rules import CHAT_BODY, OWN, QUIET, configured, rig, running
+from tidegate import config as tgconfig
 from tidegate.wire import classes, streamlog
-from tidegate.wire.protocol import Admission, Api, Head, Request
+from tidegate.wire.protocol import Admission, Api, Head, Request, Status
 from workers.job import Job
 from workers.job_context import JobContext
 from workers.job_state import PREEMPTED
@@ -175,3 +176,87 @@ async def test_a_preempted_batch_line_tells_its_runner_and_is_requeued() -> None
     assert msg.fate[-1] == "nak", msg.fate
     assert "ack" not in msg.fate
     assert nc.usage() == [], "its next copy reports the line's usage"
+
+
+# -- streams of a lighter tier: their edge continues them from the delivered text -------
+
+TIERED = tgconfig.from_dict({
+    "session": {"heartbeat_interval": 30, "ack_timeout": 600},
+    "worker": {"ack_wait": 30},
+    "models": [{"name": "m", "simulator": {}}],
+    "tiers": [{"name": "gold", "weight": 4, "tenants": ["vip"]}]})
+
+
+def tier_stream(weight: float | None = None, config: tgconfig.Config = TIERED,
+                **fields: Any) -> tuple[Job, FakeMsg, FakeNats]:
+    now_ms = int(time.time() * 1000)
+    request = Request(**{  # type: ignore[arg-type]
+        "id": "s1", "reply": REPLY, "model": "m", "api": Api.CHAT, "stream": True,
+        "body": dict(CHAT_BODY), "created_ms": now_ms, "deadline_ms": now_ms + 600_000,
+        "window_bytes": 1 << 20, "window_msgs": 128, **fields})
+    msg, nc = FakeMsg(), FakeNats()
+    if weight is not None:
+        msg.headers[classes.WEIGHT_HEADER] = repr(weight)
+    ctx = JobContext(config=config, nc=nc, control_subject=OWN)  # type: ignore[arg-type]
+    return Job(msg, request, FakeBackend(FakeStream(events(3), hang=True)), ctx), msg, nc  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("weight", "for_weight", "fields", "expected"), [
+    (None, 4.0, {}, True),  # untiered (1) gives way to gold (4)
+    (None, 1.0, {}, False),  # never to its own weight
+    (4.0, 4.0, {}, False),
+    (2.0, 4.0, {}, True),
+    (None, 4.0, {"stream": False}, False),  # a body is only collected: nothing to continue
+    (None, 4.0, {"klass": classes.BACKGROUND}, False),
+    (None, 4.0, {"body": {**CHAT_BODY, "n": 2}}, False),  # not rebuildable from text
+])
+def test_which_stream_gives_way_to_a_heavier_tier(weight: float | None, for_weight: float,
+                                                 fields: dict[str, Any],
+                                                 expected: bool) -> None:
+    job, _, _ = tier_stream(weight, **fields)
+    assert Preemptions(job.ctx).preemptible(job, for_weight) is expected
+
+
+def test_streams_are_held_only_where_a_heavier_tier_exists() -> None:
+    held, _, _ = tier_stream()
+    p = Preemptions(held.ctx)
+    p._sync = lambda model: None  # type: ignore[method-assign]  # no NATS here
+    p.started(held)
+    assert p.held["m"] == {held}
+    restart = dataclasses.replace(TIERED, models=(dataclasses.replace(
+        TIERED.models[0], failover="restart"),))
+    for config in (configured(), restart):  # no tier heavier than 1; not continued
+        job, _, _ = tier_stream(config=config)
+        q = Preemptions(job.ctx)
+        q._sync = lambda model: None  # type: ignore[method-assign]
+        q.started(job)
+        assert q.held == {}
+
+
+async def test_the_lightest_stream_gives_way_and_only_to_a_heavier_request() -> None:
+    light, _, _ = tier_stream(0.5)
+    plain, _, _ = tier_stream()
+    plain.request = dataclasses.replace(plain.request, id="s2")
+    cancelled: list[str] = []
+    for job in (light, plain):
+        job.cancel = lambda reason, job=job: cancelled.append(job.request.id)  # type: ignore[method-assign]
+    p = Preemptions(light.ctx)
+    p.ctx = SimpleNamespace(config=TIERED, nc=None,  # type: ignore[assignment]
+                            jetstream=lambda: Waiting(1))
+    p.held["m"] = {light, plain}
+    assert await p.preempt("m", 0.5) is None, "no stream lighter than the asker"
+    assert await p.preempt("m", 4.0) is light
+    assert await p.preempt("m", 4.0) is plain
+    assert cancelled == ["s1", "s2"]
+
+
+async def test_a_preempted_stream_tells_its_edge_and_is_requeued() -> None:
+    job, msg, nc = tier_stream()
+    task = asyncio.create_task(job.run())
+    await eventually(lambda: kinds(nc).count("Chunk") == 3, 5.0, "three chunks out")
+    job.cancel(PREEMPTED)
+    await asyncio.wait_for(task, 5)
+    assert kinds(nc)[-1] == "Status"
+    assert nc.session()[-1] == Status(Admission.QUEUED, seq=job.seq)
+    assert msg.fate[-1] == "nak", msg.fate
+    assert nc.usage() == [], "its next copy reports the stream's usage"

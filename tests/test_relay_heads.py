@@ -11,6 +11,7 @@ no socket: the decision table of a stream's takeovers.
 | another worker's | worker gone, output, text kept | ``Continue`` with that text |
 | another worker's | worker gone, output, resumable | ``Continue`` to the log, client to resume |
 | another worker's | worker gone, output, nothing kept | ``worker_lost`` |
+| any worker's | its live worker gave the slot away | ``Continue`` with the text |
 
 The pipeline tests (test_failover, test_continuation_apis) see the same
 through real processes; these see it where mutation testing can
@@ -38,10 +39,12 @@ from tidegate.wire.flow import first_seq
 from tidegate.wire.protocol import (
     DUPLICATE_DELIVERY,
     Ack,
+    Admission,
     Cancel,
     Continue,
     ControlMessage,
     Head,
+    Status,
     decode_control,
 )
 
@@ -271,3 +274,38 @@ async def test_a_collected_body_is_dropped_when_its_job_restarts(failover: str,
     await r._on_head(Head(first_seq(2), W2, 7, 2, JOB_ACK))
     assert (r.body_parts, r.body_size) == ([], 0)
     assert sent(publisher) == [(W2, Ack("r1", 0))]
+
+
+@pytest.mark.parametrize("next_worker", [W1, W2])
+async def test_a_stream_its_live_worker_gave_away_continues_on_the_next(
+        next_worker: str) -> None:
+    """Preempted for a heavier tier (workers.preemption): its worker, alive,
+    says the stream waits again (a QUEUED status with its last seq) and NAKs
+    the job. The next Head, of any worker, the same one too, gets a
+    Continue with the delivered text, not a cancel as a duplicate."""
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    await streaming_on_w1(publisher, r, "Hel", "lo")
+    await r._handle([Status(Admission.QUEUED, seq=3)], 0.0)
+    assert r.handed_back
+    assert r.session.worker == "", "its worker lives, but is no longer this stream's"
+    await r._on_head(Head(first_seq(2), next_worker, 7, 2, JOB_ACK))
+    assert sent(publisher) == [(next_worker, Continue("r1", "Hello", 2,
+                                                      response_id="chatcmpl-1"))]
+    assert r.control == next_worker
+
+
+async def test_a_dispatchers_or_an_earlier_attempts_queued_status_changes_nothing() -> None:
+    publisher = RecordingPublisher()
+    r = relay(publisher)
+    await r._on_head(Head(first_seq(2), W1, 7, 2, JOB_ACK))
+    r.wrote_chunks = True
+    assert r.delivered is not None
+    r.delivered.add(chunk("Hel"))
+    publisher.published.clear()
+    for status in (Status(Admission.ADMITTED), Status(Admission.QUEUED, seq=3)):
+        await r._handle([status], 0.0)  # a dispatcher's, late; the first attempt's seqs
+        assert not r.handed_back
+        assert r.session.worker == W1
+    await r._on_head(Head(first_seq(3), W2, 7, 3, JOB_ACK))
+    assert sent(publisher) == [(W2, Cancel("r1", DUPLICATE_DELIVERY))], "W1 still streams"
