@@ -163,21 +163,6 @@ async def test_a_batch_line_goes_before_a_background_response() -> None:
     assert cancelled == ["b1", "r1"]
 
 
-async def test_a_preempted_batch_line_tells_its_runner_and_is_requeued() -> None:
-    job, msg, nc = batch_line()
-    task = asyncio.create_task(job.run())
-    await eventually(lambda: kinds(nc).count("Chunk") == 3, 5.0, "three chunks out")
-    job.cancel(PREEMPTED)
-    await asyncio.wait_for(task, 5)
-    assert kinds(nc) == ["Head", "Chunk", "Chunk", "Chunk", "Status"]
-    status = nc.session()[-1]
-    assert (status.admission, status.seq) == (Admission.QUEUED, job.seq)
-    assert job.seq == 4, "its last seq: the runner tells it from a dispatcher's"
-    assert msg.fate[-1] == "nak", msg.fate
-    assert "ack" not in msg.fate
-    assert nc.usage() == [], "its next copy reports the line's usage"
-
-
 # -- streams of a lighter tier: their edge continues them from the delivered text -------
 
 TIERED = tgconfig.from_dict({
@@ -250,13 +235,19 @@ async def test_the_lightest_stream_gives_way_and_only_to_a_heavier_request() -> 
     assert cancelled == ["s1", "s2"]
 
 
-async def test_a_preempted_stream_tells_its_edge_and_is_requeued() -> None:
-    job, msg, nc = tier_stream()
+@pytest.mark.parametrize("preempted", [batch_line, tier_stream])
+async def test_a_preempted_job_says_it_waits_and_is_requeued(preempted: Any) -> None:
+    """A batch line's runner or a stream's edge hears it waits again: a
+    QUEUED status with the job's last seq (a dispatcher's has 0). Its
+    message is NAKed; no usage record (its next copy reports it)."""
+    job, msg, nc = preempted()
     task = asyncio.create_task(job.run())
     await eventually(lambda: kinds(nc).count("Chunk") == 3, 5.0, "three chunks out")
     job.cancel(PREEMPTED)
     await asyncio.wait_for(task, 5)
-    assert kinds(nc)[-1] == "Status"
-    assert nc.session()[-1] == Status(Admission.QUEUED, seq=job.seq)
+    assert kinds(nc) == ["Head", "Chunk", "Chunk", "Chunk", "Status"]
+    assert nc.session()[-1] == Status(Admission.QUEUED, seq=4)
+    assert job.seq == 4
     assert msg.fate[-1] == "nak", msg.fate
-    assert nc.usage() == [], "its next copy reports the stream's usage"
+    assert "ack" not in msg.fate
+    assert nc.usage() == []
