@@ -239,11 +239,12 @@ class Job(JobState):
             await self._requeue()
 
     async def _requeue(self) -> None:
-        """A preempted batch line (workers.preemption) goes back to JetStream:
-        its runner hears that it waits again (a ``QUEUED`` status: no longer
-        a silent worker, queued instead), then its message is NAKed with
+        """A preempted batch line or stream (workers.preemption) goes back to
+        JetStream: its runner or edge hears that it waits again (a ``QUEUED``
+        status: not a silent worker), then its message is NAKed with
         :data:`REQUEUE_DELAY`, so the interactive request that wanted the slot
-        gets it first. None of it was delivered: a later copy runs it anew."""
+        gets it first. A later copy runs the line anew, or continues the
+        stream's delivered text (its edge's ``Continue``)."""
         # Its last seq tells it from a dispatcher's (seq 0); never retransmitted.
         queued = Standing(Admission.QUEUED, seq=self.seq).encode()
         if self.outbox is not None:
