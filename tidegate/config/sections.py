@@ -71,11 +71,12 @@ class QueueModeConfig:
     background_ttl: float = 240.0
     batch_ttl: float = 240.0  # the same for a batch line
     # An interactive request dispatched while every slot of the model is
-    # taken, still waiting this many seconds later, takes one from a
-    # background response, which is continued later from its stream log
-    # (docs/priorities.md#preemption). 0: never. Queue mode or not.
+    # taken, still waiting this many seconds later, takes one from a batch
+    # line, a background response or a lighter tier's stream, which runs
+    # again or is continued later (docs/priorities.md#preemption). 0: never.
+    # Queue mode or not.
     preempt_after: float = 0.2
-    # Times one background response may be handed back; never more than
+    # Times one job may be handed back; never more than
     # worker.max_deliver - 2 (each hand-back is a delivery).
     max_preemptions: int = 2
     min_concurrency: int = 1  # admission floor while in queue mode
@@ -88,8 +89,8 @@ class QueueModeConfig:
 @dataclass(frozen=True, slots=True)
 class TierConfig:
     """A tier of tenants: the share of a saturated model's tokens each of its
-    tenants gets beside other tenants of one class in queue mode
-    (docs/queue-mode.md#admitting-the-limit-and-the-fair-queue)."""
+    tenants gets beside other tenants of one class, and whose streams give
+    way to whose (docs/priorities.md)."""
 
     name: str  # (required) unique
     weight: float = 1.0  # tokens per turn against a tenant of weight 1 (no tier's weight)
