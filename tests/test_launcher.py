@@ -403,11 +403,11 @@ def test_up_serves_a_streaming_chat_and_stops_cleanly(up: Up) -> None:
     assert "@" in effective.redis.url
 
     up.proc.send_signal(signal.SIGTERM)
-    try:
-        code = up.proc.wait(timeout=20)
+    try:  # bounded by each wave's own timeout, which a loaded box may need
+        code = up.proc.wait(timeout=180)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"tidegate up did not exit within 20s of SIGTERM\n{up.diagnostics()}")
-    assert code == 0, up.diagnostics()
+        pytest.fail(f"tidegate up did not stop on SIGTERM\n{up.diagnostics()}")
+    assert (code, "did not stop" in up.stderr_path.read_text()) == (0, False), up.diagnostics()
     left = [c for c in up.children if is_alive(c)]
     assert not left, f"processes left behind: {left}\n{up.diagnostics()}"
     assert wait_until(lambda: port_is_free(up.port), 5), "edge port still taken"
@@ -553,7 +553,7 @@ def test_up_fronts_a_running_openai_compatible_server(
                               for chunk in stream if chunk.choices)
     assert content, up.diagnostics()
     up.proc.send_signal(signal.SIGTERM)
-    assert up.proc.wait(timeout=20) == 0, up.diagnostics()
+    assert up.proc.wait(timeout=180) == 0, up.diagnostics()  # the waves' own timeouts
 
 
 @pytest.mark.pipeline
