@@ -5,7 +5,7 @@ from its log, the batch line runs anew; each answer byte-exact against an
 uninterrupted run of its input (the simulator's deterministic mode). Real
 nats-server, redis-server, edge, dispatcher, worker, batch runner.
 
-Without preemption the interactive stream waits for the other to finish (3 s).
+Without preemption the interactive stream waits for the other to finish (15 s).
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from tests.test_spare_capacity import spare_slots
 pytestmark = [pytest.mark.pipeline, pytest.mark.timeout(240)]
 
 MODEL = "tidegate-sim"
-LENGTH = 150  # tokens at 50 a second: a background answer holds the slot 3 s
+# Tokens at 10 a second: a job holds the slot 15 s, long enough for a loaded
+# box to see it running and preempt it (at 50 a second, 3 s, CI beside a soak
+# once saw the background response end first).
+LENGTH = 150
 HEADERS = {"Authorization": f"Bearer {DEV_KEY}"}
 TIERS = [{"name": "gold", "weight": 4, "tenants": ["vip"]}]  # DEV_KEY's tenant weighs 1
 
@@ -37,7 +40,7 @@ TIERS = [{"name": "gold", "weight": 4, "tenants": ["vip"]}]  # DEV_KEY's tenant 
 def pipeline(tmp_path_factory: pytest.TempPathFactory, module_nats_url: str,
              module_redis_url: str) -> Iterator[Pipeline]:
     models = [{"name": MODEL, "max_streams": 1,
-               "simulator": {"ttft": 0.02, "tokens_per_second": 50.0, "length": LENGTH,
+               "simulator": {"ttft": 0.02, "tokens_per_second": 10.0, "length": LENGTH,
                              "deterministic": True}}]
     yield from running_pipeline(tmp_path_factory.mktemp("preempt"), module_nats_url,
                                 module_redis_url, metrics=True,
