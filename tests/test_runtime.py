@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+from fleet.run import runtime
 from fleet.run.runtime import run_service
 from tidegate.config import Config
 from tidegate.errors import BrokerError, ConfigError
@@ -99,3 +100,20 @@ def test_freeze_startup_heap_collects_then_freezes() -> None:
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+async def test_a_slow_stop_names_the_awaits_a_task_is_in() -> None:
+    """A tier still stopping after STOP_REPORT_AFTER logs each task's chain of
+    awaits (a suspended task's own stack holds only its outermost frame)."""
+    async def inner() -> None:
+        await asyncio.sleep(10)
+
+    async def outer() -> None:
+        await inner()
+
+    task = asyncio.create_task(outer())
+    await asyncio.sleep(0)
+    where = runtime._awaiting(task.get_coro())
+    task.cancel()
+    assert where.startswith("outer:"), where
+    assert " > inner:" in where, where

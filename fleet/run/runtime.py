@@ -21,6 +21,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from types import FrameType
+from typing import Any
 
 from tidegate.config import Config
 from tidegate.errors import ConfigError, TidegateError
@@ -42,6 +43,23 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
+# Seconds after a stop signal past which a tier logs the tasks it still waits on.
+STOP_REPORT_AFTER = 10.0
+
+
+def _awaiting(coro: Any) -> str:
+    """Where a task waits: its chain of awaited coroutines, outermost first."""
+    names: list[str] = []
+    while coro is not None and len(names) < 10:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            names.append(type(coro).__name__)
+            break
+        names.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(names) or "?"
+
+
 def _force_exit(signum: int) -> None:
     log.warning("second %s: exiting now without cleanup", signal.Signals(signum).name)
     logging.shutdown()
@@ -57,6 +75,14 @@ async def _main(serve: Serve, config: Config) -> None:
             _force_exit(signum)
         log.info("%s: shutting down", signal.Signals(signum).name)
         stop.set()
+        loop.call_later(STOP_REPORT_AFTER, _report_stop)
+
+    def _report_stop() -> None:
+        # A stop that takes this long waits on something: say what, so a
+        # slow stop under load can be read from the tier's log.
+        for task in asyncio.all_tasks(loop):
+            log.warning("still stopping after %gs: task %s at %s", STOP_REPORT_AFTER,
+                        task.get_name(), _awaiting(task.get_coro()))
 
     installed: list[signal.Signals] = []
     previous: dict[signal.Signals, object] = {}
