@@ -95,6 +95,10 @@ class QueueGate:
     backlog: dict[str, int] = field(default_factory=dict)
     workers: WorkerSlots = field(default_factory=WorkerSlots)  # followed from <P>_WORKERS
     full: dict[str, bool] = field(default_factory=dict)  # jobs admitted >= the model's slots
+    # The model's free slots at the last tick, less the jobs dispatched since
+    # (absent: no worker known). A burst dispatched within one tick finds the
+    # slots taken here before ``full`` says so.
+    spare: dict[str, int] = field(default_factory=dict)
     _preempting: set[asyncio.Task[None]] = field(default_factory=set)  # preempt_for's timers
 
     @property
@@ -181,15 +185,19 @@ class QueueGate:
     # -- preemption ----------------------------------------------------------------
 
     def preempt_for(self, request: Request, model: ModelConfig) -> None:
-        """An interactive request was just dispatched: if every slot of its
-        model was taken, and still is ``queue.preempt_after`` s later, a
-        worker holding a batch line, a background response or a lighter
-        tier's stream of the model is asked to hand one back
-        (workers.preemption), once for this request; the ask carries the
-        request's tier weight."""
+        """A request was just dispatched. If it is interactive and found no
+        free slot of its model (the last tick's spare, less the dispatches
+        since), and the model is still full ``queue.preempt_after`` s later
+        (read again then), a worker holding a batch line, a background
+        response or a lighter tier's stream of the model is asked to hand
+        one back (workers.preemption), once for this request; the ask
+        carries the request's tier weight."""
+        spare = self.spare.get(model.name)
+        if spare is None:
+            return  # no worker known: nothing to take a slot from
+        self.spare[model.name] = spare - 1
         after = model.queue.preempt_after
-        if (request.klass != classes.INTERACTIVE or after <= 0
-                or not self.full.get(model.name)):
+        if request.klass != classes.INTERACTIVE or after <= 0 or spare > 0:
             return
         weight = self.weight(request.tenant)
         task = asyncio.get_running_loop().create_task(
@@ -199,8 +207,12 @@ class QueueGate:
 
     async def _preempt_later(self, model: ModelConfig, after: float, weight: bytes) -> None:
         await asyncio.sleep(after)
-        if not self.full.get(model.name):
-            return  # a slot freed meanwhile
+        try:
+            if not await self._full_now(model):
+                return  # a slot freed meanwhile
+        except Exception as exc:  # the request waits for a slot, as without preemption
+            log.debug("could not count %s's jobs for a preemption: %s", model.name, exc)
+            return
         try:
             await self.nc.publish(self.config.nats.subjects.preempt(model.name), weight)
         except Exception as exc:  # the request waits for a slot, as without preemption
@@ -262,6 +274,7 @@ class QueueGate:
         running = await self._running(model)
         slots = self.workers.of(model.name, now)
         self.full[model.name] = 0 < slots <= running
+        self._count_spare(model.name, slots, running)
         if slots:
             tm.get().metrics.slots_spare.set(max(0, slots - running), {tm.MODEL: model.name})
         queue_mode = model.queue.ttft_p99 > 0
@@ -302,9 +315,17 @@ class QueueGate:
         """The last tick's ``full``, read again: a slot freed since (a batch
         runner releases a line the moment one does) lets the request go now
         rather than at the next tick's grant."""
-        full = 0 < self.workers.of(model.name, time.time()) <= await self._running(model)
-        self.full[model.name] = full
+        slots = self.workers.of(model.name, time.time())
+        running = await self._running(model)
+        self._count_spare(model.name, slots, running)
+        full = self.full[model.name] = 0 < slots <= running
         return full
+
+    def _count_spare(self, model: str, slots: int, running: int) -> None:
+        if slots:
+            self.spare[model] = slots - running
+        else:
+            self.spare.pop(model, None)
 
     async def _running(self, model: ModelConfig) -> int:
         """Jobs admitted and not finished: waiting in the jobs stream or

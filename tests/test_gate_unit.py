@@ -264,7 +264,10 @@ def test_a_models_slots_are_its_live_workers_not_draining_ones() -> None:
 
 async def test_a_preempt_ask_carries_the_requests_tier_weight() -> None:
     """Workers give a stream's slot only to a heavier tier: the ask says how
-    heavy the request that waits is (workers.preemption)."""
+    heavy the request that waits is (workers.preemption). An interactive
+    request asks when it found no free slot, counted from the last tick less
+    the dispatches since (a burst within one tick), and the model is still
+    full once the budget ran out."""
     config = tgconfig.from_dict({
         "models": [{"name": "m", "simulator": {}, "queue": {"preempt_after": 0.01}}],
         "tiers": [{"name": "gold", "weight": 4, "tenants": ["acme"]}]})
@@ -279,11 +282,26 @@ async def test_a_preempt_ask_carries_the_requests_tier_weight() -> None:
 
     gate = QueueGate(config, Nats(), SimpleNamespace(), FakeQueue(),  # type: ignore[arg-type]
                      nothing, nothing)
-    gate.preempt_for(request(), config.models[0])  # a slot is free: no ask
-    gate.full["m"] = True
-    gate.preempt_for(request(klass="background"), config.models[0])  # only for interactive
-    gate.preempt_for(request(), config.models[0])
+    running = SimpleNamespace(jobs=0)
+
+    async def consumer_info(stream: str, consumer: str) -> Any:
+        return SimpleNamespace(num_pending=0, num_ack_pending=running.jobs)
+
+    gate.js = SimpleNamespace(consumer_info=consumer_info)  # type: ignore[assignment]
+    gate.workers.of = lambda model, now: 2  # type: ignore[method-assign]
+    model = config.models[0]
+    gate.preempt_for(request(), model)  # no worker known yet: no ask
+    await gate._full_now(model)  # a tick: 2 slots, none taken
+    gate.preempt_for(request(), model)  # a slot was free: no ask
+    gate.preempt_for(request(klass="background"), model)  # took the last; only interactive ask
+    running.jobs = 2
+    gate.preempt_for(request(), model)  # none free since the tick, but full: no ask yet
+    assert gate.spare["m"] == -1
     await eventually(lambda: asks, 5.0, "the ask")
     await asyncio.sleep(0.05)
     assert asks == [(config.nats.subjects.preempt("m"), b"4.0")]
+    running.jobs = 1  # a slot freed before the budget ran out: no ask
+    gate.preempt_for(request(), model)
+    await asyncio.sleep(0.1)
+    assert len(asks) == 1
     assert (gate.weight("acme"), gate.weight("other")) == (4.0, 1.0)
