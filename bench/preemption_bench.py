@@ -1,17 +1,16 @@
 """An interactive burst on a backend that lower classes fill (issue 49 item 4).
 
-    python -m bench.preemption_bench [--slots 32] [--burst 64] [--fill 32] [--runs 1]
+    python -m bench.preemption_bench [--slots 32] [--burst 64] [--fill 32] [--tiers]
 
-The fake backend is deterministic (greedy text, a trailing assistant part
-continued) and slows past ``--slots`` streams, as a GPU's batch does;
-tidegate's model is pinned to ``--slots`` streams, so the fill takes them all.
-Per run, three fresh stacks: ``idle`` (the burst alone), ``on`` (the shipped
-preemption) and ``off`` (``queue.preempt_after = 0``). The fill is half
-background responses, half one batch's lines; once every slot is taken, the
-burst of ``--burst`` interactive streams. Reported per variant: the burst's
-TTFT p50/p99 and errors, each fill answer against the greedy text (exact or
-not), the preemptions the worker logged, and the useful throughput (output
-tokens of every answer, per second from the fill to the last answer).
+The fake backend is deterministic (greedy text) and slows past ``--slots``
+streams; tidegate's model is pinned to ``--slots``. Per run, three fresh stacks:
+``idle`` (the burst alone), ``on`` (shipped preemption), ``off``
+(``preempt_after = 0`` whatever ``--set`` says). The fill (a batch's lines, then
+background responses; with ``--tiers``, an untiered tenant's streams, the burst
+a weight-4 tenant's) takes every slot, then ``--burst`` interactive streams.
+Reported: the burst's TTFT p50/p99 and errors, each fill answer against the
+greedy text (as its client read it), the worker's preemptions, and the useful
+throughput (output tokens of every answer per second, fill to last answer).
 """
 
 from __future__ import annotations
@@ -29,11 +28,16 @@ import aiohttp
 from bench import loadgen, run_async
 from bench.runner import BenchOptions
 from bench.targets import MODEL, Target, Targets
+from tidegate import config as tgconfig
 from tidegate.apis.responses import DIALECT as RESPONSES
+from tidegate.broker import broker
+from tidegate.control.keys import create_key, ensure_keys_bucket
 from workers.backends.greedy import greedy_plan
 
 BURST_TOKENS, ITL, TTFT = 64, 0.010, 0.05  # (a)'s stream shape
 VARIANTS = ("idle", "on", "off")
+TIERS = [{"name": "gold", "weight": 4, "tenants": ["gold-tenant"]}]
+PREEMPT_AFTER = "models.queue.preempt_after"
 
 
 def expected(body: dict[str, Any]) -> str:
@@ -52,16 +56,13 @@ async def _json(session: aiohttp.ClientSession, method: str, url: str,
         return json.loads(text)
 
 
-async def _fill(session: aiohttp.ClientSession, target: Target, n: int,
+async def _fill(session: aiohttp.ClientSession, env: Targets, target: Target, n: int,
                 tokens: int) -> tuple[list[tuple[str, dict[str, Any]]], str, dict[str, Any]]:
-    """``n // 2`` background responses and a batch of the rest; their ids and bodies."""
+    """A batch of ``n - n // 2`` lines, then ``n // 2`` background responses;
+    their ids and bodies. The batch comes first: with interactive work running
+    (a background response is interactive to the batch runner) batch lines
+    take only a share of the free slots (``batch.share_under_load``)."""
     base, headers = target.endpoint.base_url, dict(target.endpoint.headers)
-    responses = []
-    for i in range(n // 2):
-        body = {"model": MODEL, "input": f"background fill {i}", "background": True,
-                "max_output_tokens": tokens}
-        answer = await _json(session, "POST", f"{base}/responses", headers, json=body)
-        responses.append((answer["id"], body))
     lines = {f"line-{i}": {"model": MODEL, "max_tokens": tokens,
                            "messages": [{"role": "user", "content": f"batch fill {i}"}]}
              for i in range(n - n // 2)}
@@ -74,6 +75,13 @@ async def _fill(session: aiohttp.ClientSession, target: Target, n: int,
     batch = await _json(session, "POST", f"{base}/batches", headers, json={
         "input_file_id": file["id"], "endpoint": "/v1/chat/completions",
         "completion_window": "24h"})
+    await _all_slots_taken(env, len(lines))
+    responses = []
+    for i in range(n // 2):
+        body = {"model": MODEL, "input": f"background fill {i}", "background": True,
+                "max_output_tokens": tokens}
+        answer = await _json(session, "POST", f"{base}/responses", headers, json=body)
+        responses.append((answer["id"], body))
     return responses, batch["id"], lines
 
 
@@ -132,7 +140,7 @@ async def _variant(env: Targets, target: Target, name: str,
         start = time.monotonic()
         fill: dict[str, Any] = {}
         if name != "idle":
-            responses, batch_id, lines = await _fill(session, target, args.fill,
+            responses, batch_id, lines = await _fill(session, env, target, args.fill,
                                                      args.fill_tokens)
             await _all_slots_taken(env, args.slots)
         rec.set_window(time.monotonic() - 1.0, 3600.0)
@@ -151,15 +159,79 @@ async def _variant(env: Targets, target: Target, name: str,
             "useful_tokens_per_s": round(useful / elapsed, 1), "elapsed_s": round(elapsed, 1)}
 
 
+async def _gold_key(env: Targets) -> str:
+    """A key of the gold tier's tenant, made as an admin would."""
+    config = tgconfig.load(env.workdir / "tidegate.toml")
+    nc = await broker.connect(config.nats, "tidegate-bench-admin")
+    try:
+        kv = await ensure_keys_bucket(broker.jetstream(nc, config.nats), config)
+        return (await create_key(kv, "gold-tenant"))[0]
+    finally:
+        await nc.close()
+
+
+async def _light_stream(session: aiohttp.ClientSession, target: Target,
+                        body: dict[str, Any]) -> tuple[bool, int]:
+    """One untiered fill stream read to its end: (its text exact, its output tokens)."""
+    text, tokens = [], 0
+    async with session.post(target.endpoint.chat_url, headers=dict(target.endpoint.headers),
+                            json={**body, "stream_options": {"include_usage": True}}) as resp:
+        if resp.status != 200:
+            return False, 0
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                text += [c["delta"].get("content") or "" for c in event["choices"]]
+                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+    return "".join(text) == expected(body), tokens
+
+
+async def _tier_variant(env: Targets, target: Target, name: str,
+                        args: argparse.Namespace) -> dict[str, Any]:
+    rec = loadgen.Recorder()
+    gold = Target(target.name, loadgen.Endpoint(
+        "gold", target.endpoint.base_url, MODEL,
+        {"Authorization": f"Bearer {await _gold_key(env)}"}), target.port)
+    body = loadgen.chat_body(MODEL, tokens=BURST_TOKENS, itl=ITL, ttft=TTFT)
+    async with loadgen.new_session() as session:
+        start = time.monotonic()
+        fills: list[asyncio.Task[tuple[bool, int]]] = []
+        if name != "idle":
+            fills = [asyncio.create_task(_light_stream(session, target, {
+                "model": MODEL, "stream": True, "max_tokens": args.fill_tokens,
+                "messages": [{"role": "user", "content": f"light fill {i}"}]}))
+                for i in range(args.fill)]
+            await _all_slots_taken(env, args.slots)
+        rec.set_window(time.monotonic() - 1.0, 3600.0)
+        await asyncio.gather(*(loadgen.stream_once(session, gold.endpoint, body, rec,
+                                                   time.monotonic())
+                               for _ in range(args.burst)))
+        answers = await asyncio.gather(*fills)
+        elapsed = time.monotonic() - start
+    summary = rec.summary()
+    useful = sum(t for _, t in answers) + rec.completed * BURST_TOKENS
+    log = (env.logs / "worker.log").read_text(errors="replace")
+    fill = {"exact": sum(ok for ok, _ in answers), "of": len(answers)} if fills else {}
+    return {"ttft_ms": summary["ttft_ms"], "errors": summary["errors"],
+            "completed": rec.completed, "fill": fill,
+            "preempted": log.count("its slot goes to an interactive request"),
+            "useful_tokens_per_s": round(useful / elapsed, 1), "elapsed_s": round(elapsed, 1)}
+
+
 def one_run(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in VARIANTS:
-        settings = {"models.queue": {"preempt_after": 0.0}} if name == "off" else {}
+        settings: dict[str, Any] = {"tiers": TIERS} if args.tiers else {}
+        mine = dict(overrides)
+        if name == "off":  # off whatever --set says
+            settings[PREEMPT_AFTER] = 0.0
+            mine.pop(PREEMPT_AFTER, None)
         with Targets(Path(tempfile.mkdtemp(prefix="tidegate-preemption-")),
-                     overrides=overrides) as env:
+                     overrides=mine) as env:
             env.start_fake("--deterministic", "--saturate-at", str(args.slots))
             target = env.start_tidegate(max_streams=args.slots, settings=settings)
-            out[name] = run_async(_variant(env, target, name, args))
+            variant = _tier_variant if args.tiers else _variant
+            out[name] = run_async(variant(env, target, name, args))
         r = out[name]
         print(f"{name:>4}: TTFT p50/p99 {r['ttft_ms'].get('p50')} / {r['ttft_ms'].get('p99')} ms, "
               f"errors {r['errors'] or 0}, fill exact {r['fill'].get('exact', '-')} of "
@@ -181,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill", type=int, default=32, help="background responses + lines")
     parser.add_argument("--fill-tokens", type=int, default=1500)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--tiers", action="store_true",
+                        help="the fill an untiered tenant's streams, the burst a gold tenant's")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     overrides = dict(BenchOptions.parse_set(args.set))

@@ -302,11 +302,11 @@ class Targets:
             raw["models"][0]["max_streams"] = max_streams
         for dotted, value in {**(settings or {}), **self.overrides}.items():
             section, _, key = dotted.rpartition(".")
-            if section == "models":  # models.max_streams=auto: the bench's one model
-                raw["models"][0][key] = value
-                continue
+            parts = section.split(".")
             node = raw
-            for part in filter(None, section.split(".")):
+            if parts[0] == "models":  # models.max_streams=auto: the bench's one model
+                node, parts = raw["models"][0], parts[1:]
+            for part in filter(None, parts):
                 node = node.setdefault(part, {})
             node[key] = value
         config = tgconfig.from_dict(raw)
