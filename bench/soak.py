@@ -1,17 +1,18 @@
 """A soak: mixed traffic on ``tidegate up --workers 2`` for an hour, a worker
 SIGKILLed every 5 minutes (issue 43 item 6; docs/reliability.md, "Soak").
 
-    python -m bench.soak [--duration 3600] [--kill-every 300] [--rate 12] [--warmup S] [--out DIR]
+    python -m bench.soak [--duration 3600] [--kill-every 300] [--rate 12] [--warmup S]
+                         [--retention S] [--out DIR]
 
-Traffic, ``--rate`` requests a second on the shipped defaults (the built-in
-simulator): chat SSE, chat JSON, Responses SSE, WebSocket chat, resumable
-streams left and resumed, streams cancelled by their client, a 2 MiB prompt
-(the claim check), 5 % hostile requests (each must get its 4xx), and a
-five-line batch a minute. Every request gets one outcome; one with none
-within 120 s is *lost*. Every 10 s the RSS of each process is sampled. At
-the end: each long-lived process's RSS slope after warm-up (% of its mean
-per hour), JetStream consumers and claimed bodies left over, and an SVG plot.
-Exits 1 on a lost or failed request, a leak, or a slope over ``--max-slope``.
+``--rate`` requests a second on the shipped defaults (the simulator): chat SSE
+and JSON, Responses SSE, WebSocket chat, resumable streams left and resumed,
+streams cancelled by their client, a 2 MiB prompt, 5 % hostile requests (each
+must get its 4xx), a five-line batch a minute; one with no outcome within 120 s
+is *lost*. RSS sampled every 10 s; at the end each process's RSS slope after
+warm-up (% of its mean per hour), consumers and claimed bodies left, an SVG.
+``--retention S`` (not a default; in the report) keeps usage records, stored
+responses and batch files S s, so what nats-server stores levels off in the
+warm-up. Exits 1 on a lost or failed request, a leak, or a slope over ``--max-slope``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from fleet.run.servers import free_port
 
 MODEL = "tidegate-sim"
 KEY = "tg-soak-5e3f0c2d9a7b4e61"  # the dev key the stack is given
+# What --retention shortens: the stores that grow with traffic until their age.
+RETAINED = ("streams.usage_max_age", "streams.responses_max_age", "batch.file_ttl")
 TIMEOUT = 120.0  # a request with no outcome by then is lost
 MIX = (("chat_sse", 36), ("chat_json", 10), ("responses_sse", 15), ("ws", 10),
        ("resume", 10), ("cancel", 10), ("hostile", 5), ("large", 4))
@@ -54,10 +57,13 @@ ROLES = ("edge", "dispatcher", "worker", "nats-server", "redis-server")
 class Stack:
     """``tidegate up --workers 2`` as a subprocess, and its processes."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, retention: float | None = None) -> None:
         self.port, self.monitor = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
         env["TIDEGATE_DEV_KEY"] = KEY
+        if retention is not None:
+            for key in RETAINED:
+                env[f"TIDEGATE__{key.replace('.', '__').upper()}"] = repr(retention)
         self.out = workdir / "up.out"
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
@@ -421,9 +427,10 @@ def plot(samples: list[tuple[float, str, int, int]], path: Path) -> None:
 
 
 def run(duration: float, kill_every: float, rate: float, out: Path,
-        max_slope: float, warmup: float | None = None) -> dict[str, Any]:
+        max_slope: float, warmup: float | None = None,
+        retention: float | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    stack = Stack(out)
+    stack = Stack(out, retention)
     samples: list[tuple[float, str, int, int]] = []
     consumers: list[tuple[float, int]] = []
     try:
@@ -447,6 +454,7 @@ def run(duration: float, kill_every: float, rate: float, out: Path,
     steep = {r: v for r, v in rss.items() if v.get("slope_pct_per_hour", 0) > max_slope}
     plot(samples, out / "soak-rss.svg")
     report = {"duration_s": duration, "kill_every_s": kill_every, "rate": rate,
+              "retention_s": {key: retention for key in RETAINED} if retention else None,
               "requests": sum(total.values()),
               "outcomes": {k: dict(v) for k, v in sorted(outcomes.items())},
               "failed": failed, "rss": rss, "warmup_s": warmup,
@@ -466,10 +474,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="RSS % of its mean per hour a long-lived process may grow")
     parser.add_argument("--warmup", type=float, default=None,
                         help="seconds before the slopes are read (default: a tenth, >= 60)")
+    parser.add_argument("--retention", type=float, default=None,
+                        help="seconds usage records, responses and batch files are kept "
+                             "(default: the shipped 24 h and 30 days)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="tidegate-soak-"))
-    report = run(args.duration, args.kill_every, args.rate, out, args.max_slope, args.warmup)
+    report = run(args.duration, args.kill_every, args.rate, out, args.max_slope, args.warmup,
+                 args.retention)
     print(json.dumps({k: v for k, v in report.items() if k != "streams_after"}, indent=2))
     print(f"report: {out / 'soak.json'}, plot: {out / 'soak-rss.svg'}")
     return 0 if report["ok"] else 1
