@@ -170,6 +170,28 @@ def refused(recorder: Recorder) -> list[tuple[str, int, bytes]]:
     return recorder.refused()
 
 
+def turn(recorder: Recorder, prompt: str) -> Exchange:
+    """The one ``/v1/messages`` exchange whose user turns hold ``prompt``.
+    Claude Code may send others beside it (a CI run once saw two calls for
+    one ``-p``); two of this turn would be a retry, and fail."""
+    sent = recorder.to("/v1/messages")
+    mine = [e for e in sent if any(prompt in json.dumps(m.get("content"))
+                                   for m in e.body["messages"] if m.get("role") == "user")]
+    assert len(mine) == 1, [_seen(e) for e in sent]
+    return mine[0]
+
+
+def _seen(exchange: Exchange) -> dict[str, Any]:
+    """What a failure shows of one exchange: enough to tell a retry, a
+    continuation after ``max_tokens`` and a side call apart."""
+    stops = [e["delta"].get("stop_reason") for e in events(exchange.response)
+             if e.get("type") == "message_delta"]
+    return {"status": exchange.status, "model": exchange.body.get("model"),
+            "max_tokens": exchange.body.get("max_tokens"), "stops": stops,
+            "messages": len(exchange.body.get("messages", [])),
+            "last": json.dumps(exchange.body.get("messages", [])[-1:])[-300:]}
+
+
 async def test_version_is_the_pinned_one(claude: str, tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         claude, "--version", env={"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path),
@@ -190,7 +212,7 @@ async def test_one_turn(claude: str, recorder: tuple[Recorder, str], pipeline: P
     run = await run_claude(claude, url, tmp_path / "home", "Say hello")
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
     assert not refused(proxy)
-    [sent] = proxy.to("/v1/messages")
+    sent = turn(proxy, "Say hello")
     assert sent.path == "/v1/messages?beta=true"
     text, stop = answer(sent)
     assert stop == "end_turn"
@@ -209,7 +231,7 @@ async def test_stream_json(claude: str, recorder: tuple[Recorder, str], tmp_path
                            "stream-json", "--verbose", "--include-partial-messages")
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr, refused(proxy))
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.strip()]
-    [sent] = proxy.to("/v1/messages")
+    sent = turn(proxy, "Say hello")
     text, _ = answer(sent)
     deltas = [ln["event"]["delta"]["text"] for ln in lines if ln["type"] == "stream_event"
               and ln["event"]["type"] == "content_block_delta"]
@@ -282,7 +304,7 @@ async def test_passthrough_gets_the_body_as_sent(claude: str, recorder: tuple[Re
     seen = len(native.records)
     run = await run_claude(claude, url, tmp_path / "home", "Say hello", model="native")
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
-    [sent] = proxy.to("/v1/messages")
+    sent = turn(proxy, "Say hello")
     [got] = [r for r in list(native.records)[seen:] if r.path.endswith("/messages")]
     assert got.body == {**sent.body, "model": "fake-model"}
     assert got.headers["anthropic-beta"] == sent.headers["anthropic-beta"]
@@ -332,9 +354,9 @@ async def test_one_turn_on_llama_server(claude: str, llama_pipeline: Pipeline, m
         run = await run_claude(claude, url, tmp_path / "home", "Say hello",
                                model=f"tiny-{mode}")
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
-    [sent] = proxy.to("/v1/messages")
-    assert sent.status == 200
+    sent = turn(proxy, "Say hello")
+    assert sent.status == 200, [_seen(e) for e in proxy.to("/v1/messages")]
     assert any(turn["role"] == "system" for turn in sent.body["messages"])
     text, stop = answer(sent)
-    assert stop == "end_turn"
+    assert stop == "end_turn", [_seen(e) for e in proxy.to("/v1/messages")]
     assert run.stdout.strip() == text.strip()
