@@ -43,6 +43,10 @@ from tidegate.wire.protocol import Admission, ErrorInfo, Request, Status
 log = logging.getLogger("tidegate.dispatcher")
 
 _TICK = 0.25  # controller period, seconds
+# Preempt asks whose budgets run out together (a burst's) share one read of
+# the model's jobs, and one made within this long: under overload every
+# interactive request asks, and each read is a round trip to JetStream.
+_SHARED_READ = 0.05
 _POSITIONS_EVERY = 2.0  # seconds between position updates to queued clients
 
 Dispatch = Callable[[Request, Msg, dict[str, str], bool], Awaitable[None]]
@@ -100,6 +104,7 @@ class QueueGate:
     # slots taken here before ``full`` says so.
     spare: dict[str, int] = field(default_factory=dict)
     _preempting: set[asyncio.Task[None]] = field(default_factory=set)  # preempt_for's timers
+    _full_reads: dict[str, tuple[float, asyncio.Task[bool]]] = field(default_factory=dict)
 
     @property
     def grant_subject(self) -> str:
@@ -208,7 +213,7 @@ class QueueGate:
     async def _preempt_later(self, model: ModelConfig, after: float, weight: bytes) -> None:
         await asyncio.sleep(after)
         try:
-            if not await self._full_now(model):
+            if not await self._still_full(model):
                 return  # a slot freed meanwhile
         except Exception as exc:  # the request waits for a slot, as without preemption
             log.debug("could not count %s's jobs for a preemption: %s", model.name, exc)
@@ -310,6 +315,16 @@ class QueueGate:
         if queue_mode or before or self.backlog[model.name]:
             for klass, n in (await self.queue.queued_by_class(model.name)).items():
                 metrics.queue_mode_queued.set(n, {**attrs, tm.REQUEST_CLASS: klass})
+
+    async def _still_full(self, model: ModelConfig) -> bool:
+        """:meth:`_full_now`, one read shared by the asks within
+        :data:`_SHARED_READ` of each other."""
+        now = time.monotonic()
+        read = self._full_reads.get(model.name)
+        if read is None or now - read[0] > _SHARED_READ:
+            read = self._full_reads[model.name] = (
+                now, asyncio.get_running_loop().create_task(self._full_now(model)))
+        return await read[1]
 
     async def _full_now(self, model: ModelConfig) -> bool:
         """The last tick's ``full``, read again: a slot freed since (a batch

@@ -282,9 +282,10 @@ async def test_a_preempt_ask_carries_the_requests_tier_weight() -> None:
 
     gate = QueueGate(config, Nats(), SimpleNamespace(), FakeQueue(),  # type: ignore[arg-type]
                      nothing, nothing)
-    running = SimpleNamespace(jobs=0)
+    running = SimpleNamespace(jobs=0, reads=0)
 
     async def consumer_info(stream: str, consumer: str) -> Any:
+        running.reads += 1
         return SimpleNamespace(num_pending=0, num_ack_pending=running.jobs)
 
     gate.js = SimpleNamespace(consumer_info=consumer_info)  # type: ignore[assignment]
@@ -304,4 +305,11 @@ async def test_a_preempt_ask_carries_the_requests_tier_weight() -> None:
     gate.preempt_for(request(), model)
     await asyncio.sleep(0.1)
     assert len(asks) == 1
+    # A burst's budgets run out together: one read of the jobs for them all.
+    # (Its first request takes the slot the last read found free.)
+    running.jobs, running.reads = 2, 0
+    for _ in range(5):
+        gate.preempt_for(request(), model)
+    await eventually(lambda: len(asks) == 5, 5.0, "the burst's asks")
+    assert running.reads == 1
     assert (gate.weight("acme"), gate.weight("other")) == (4.0, 1.0)
