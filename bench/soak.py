@@ -1,8 +1,7 @@
 """A soak: mixed traffic on ``tidegate up --workers 2`` for an hour, a worker
 SIGKILLed every 5 minutes (issue 43 item 6; docs/reliability.md, "Soak").
 
-    python -m bench.soak [--duration 3600] [--kill-every 300] [--rate 12] [--warmup S]
-                         [--retention S] [--out DIR]
+    python -m bench.soak [--duration 3600] [--rate 12] [--warmup S] [--retention S] [--out DIR]
 
 ``--rate`` requests a second on the shipped defaults (the simulator): chat SSE
 and JSON, Responses SSE, WebSocket chat, resumable streams left and resumed,
@@ -11,8 +10,8 @@ must get its 4xx), a five-line batch a minute; one with no outcome within 120 s
 is *lost*. RSS sampled every 10 s; at the end each process's RSS slope after
 warm-up (% of its mean per hour), consumers and claimed bodies left, an SVG.
 ``--retention S`` (not a default; in the report) keeps usage records, stored
-responses and batch files S s, so what nats-server stores levels off in the
-warm-up. Exits 1 on a lost or failed request, a leak, or a slope over ``--max-slope``.
+responses and batch files S s, so nats-server's store levels off in the warm-up.
+Exits 1 on a lost or failed request, a leak, or a slope over ``--max-slope``.
 """
 
 from __future__ import annotations
