@@ -98,10 +98,10 @@ class QueueGate:
     modes: dict[str, ModeState] = field(default_factory=dict)
     backlog: dict[str, int] = field(default_factory=dict)
     workers: WorkerSlots = field(default_factory=WorkerSlots)  # followed from <P>_WORKERS
-    full: dict[str, bool] = field(default_factory=dict)  # jobs admitted >= the model's slots
-    # The model's free slots at the last tick, less the jobs dispatched since
-    # (absent: no worker known). A burst dispatched within one tick finds the
-    # slots taken here before ``full`` says so.
+    # The model's free slots at the last tick (or read), less the jobs
+    # dispatched since; absent: no worker known. At most 0: full, as far as
+    # this dispatcher knows (a slot freed since is found by reading again,
+    # :meth:`_full_now`). A burst dispatched within one tick finds it full.
     spare: dict[str, int] = field(default_factory=dict)
     _preempting: set[asyncio.Task[None]] = field(default_factory=set)  # preempt_for's timers
     _full_reads: dict[str, tuple[float, asyncio.Task[bool]]] = field(default_factory=dict)
@@ -125,7 +125,8 @@ class QueueGate:
         if not (mode.queueing or (self.backlog.get(model.name) and model.queue.ttft_p99 > 0)
                 or (request.klass != classes.INTERACTIVE
                     and (self.backlog.get(model.name)
-                         or (self.full.get(model.name) and await self._full_now(model))))):
+                         or (self.spare.get(model.name, 1) <= 0
+                             and await self._full_now(model))))):
             return True
         now = time.time()
         # Never queued past the request's deadline (the edge gave up then).
@@ -215,10 +216,6 @@ class QueueGate:
         try:
             if not await self._still_full(model):
                 return  # a slot freed meanwhile
-        except Exception as exc:  # the request waits for a slot, as without preemption
-            log.debug("could not count %s's jobs for a preemption: %s", model.name, exc)
-            return
-        try:
             await self.nc.publish(self.config.nats.subjects.preempt(model.name), weight)
         except Exception as exc:  # the request waits for a slot, as without preemption
             log.debug("could not ask for a preemption on %s: %s", model.name, exc)
@@ -278,7 +275,6 @@ class QueueGate:
         now = time.time()
         running = await self._running(model)
         slots = self.workers.of(model.name, now)
-        self.full[model.name] = 0 < slots <= running
         self._count_spare(model.name, slots, running)
         if slots:
             tm.get().metrics.slots_spare.set(max(0, slots - running), {tm.MODEL: model.name})
@@ -327,14 +323,14 @@ class QueueGate:
         return await read[1]
 
     async def _full_now(self, model: ModelConfig) -> bool:
-        """The last tick's ``full``, read again: a slot freed since (a batch
-        runner releases a line the moment one does) lets the request go now
-        rather than at the next tick's grant."""
+        """Whether every slot of the model is taken, read again rather than
+        from ``spare``: a slot freed since (a batch runner releases a line
+        the moment one does) lets the request go now rather than at the next
+        tick's grant."""
         slots = self.workers.of(model.name, time.time())
         running = await self._running(model)
         self._count_spare(model.name, slots, running)
-        full = self.full[model.name] = 0 < slots <= running
-        return full
+        return 0 < slots <= running
 
     def _count_spare(self, model: str, slots: int, running: int) -> None:
         if slots:

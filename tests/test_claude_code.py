@@ -356,7 +356,7 @@ async def test_one_turn_on_llama_server(claude: str, llama_pipeline: Pipeline, m
     assert run.returncode == 0, (run.stdout, run.stderr, refused(proxy))
     sent = turn(proxy, "Say hello")
     assert sent.status == 200, [_seen(e) for e in proxy.to("/v1/messages")]
-    assert any(turn["role"] == "system" for turn in sent.body["messages"])
+    assert any(m["role"] == "system" for m in sent.body["messages"])
     text, stop = answer(sent)
     assert stop == "end_turn", [_seen(e) for e in proxy.to("/v1/messages")]
     assert run.stdout.strip() == text.strip()

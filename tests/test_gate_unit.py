@@ -227,7 +227,7 @@ async def test_lower_classes_wait_for_spare_capacity_on_a_model_without_queue_mo
         return await gate.admit(request(rid, klass), FakeMsg(rec, rid),  # type: ignore[arg-type]
                                 {}, plain, True)
 
-    gate.full["m"] = True  # the last tick found the workers' slots all taken
+    gate.spare["m"] = 0  # the last tick found the workers' slots all taken
     assert await goes("chat")
     assert not await goes("bg", "background")
     assert not await goes("line", "batch")
@@ -238,7 +238,7 @@ async def test_lower_classes_wait_for_spare_capacity_on_a_model_without_queue_mo
     # (a batch runner releases a line the moment one frees).
     jobs.running = 0
     assert await goes("bg2", "background")
-    assert gate.full["m"] is False
+    assert gate.spare["m"] > 0
     gate.backlog["m"] = 2
     assert not await goes("bg3", "background")
     assert await goes("chat2")  # a backlog holds interactive requests only in queue mode

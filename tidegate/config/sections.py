@@ -75,8 +75,8 @@ class QueueModeConfig:
     # line, a background response or a lighter tier's stream, which runs
     # again or is continued later (docs/priorities.md#preemption). 0: never.
     # Queue mode or not. The wait adds to the TTFT of every request that finds
-    # the slots held; 0.2 s left a burst at 1.23-1.26x an idle backend's
-    # (docs/benchmarks.md, priorities), 0.1 s at 1.11-1.16x.
+    # the slots held: 0.1 s keeps a burst within 1.2x of an idle backend's
+    # (docs/benchmarks.md, priorities).
     preempt_after: float = 0.1
     # Times one job may be handed back; never more than
     # worker.max_deliver - 2 (each hand-back is a delivery).
