@@ -20,6 +20,7 @@ import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,31 +133,44 @@ async def _all_slots_taken(env: Targets, slots: int, within: float = 120.0) -> N
     raise RuntimeError(f"the fill did not take {slots} slots within {within:g}s")
 
 
-async def _variant(env: Targets, target: Target, name: str,
-                   args: argparse.Namespace) -> dict[str, Any]:
+# A fill: given the session, it starts the lower-priority work and returns
+# what ends it (an awaitable of its report: exact, of, output_tokens).
+Fill = Callable[[aiohttp.ClientSession], Awaitable[Awaitable[dict[str, Any]]]]
+
+
+async def _variant(env: Targets, endpoint: loadgen.Endpoint, name: str,
+                   args: argparse.Namespace, fill: Fill) -> dict[str, Any]:
+    """The fill (not when ``idle``), once it holds every slot the burst on
+    ``endpoint``, then the fill's end."""
     rec = loadgen.Recorder()
     body = loadgen.chat_body(MODEL, tokens=BURST_TOKENS, itl=ITL, ttft=TTFT)
     async with loadgen.new_session() as session:
         start = time.monotonic()
-        fill: dict[str, Any] = {}
+        settle = None
         if name != "idle":
-            responses, batch_id, lines = await _fill(session, env, target, args.fill,
-                                                     args.fill_tokens)
+            settle = await fill(session)
             await _all_slots_taken(env, args.slots)
         rec.set_window(time.monotonic() - 1.0, 3600.0)
-        await asyncio.gather(*(loadgen.stream_once(session, target.endpoint, body, rec,
+        await asyncio.gather(*(loadgen.stream_once(session, endpoint, body, rec,
                                                    time.monotonic())
                                for _ in range(args.burst)))
-        if name != "idle":
-            fill = await _settled(session, target, responses, batch_id, lines)
+        filled = await settle if settle is not None else {}
         elapsed = time.monotonic() - start
     summary = rec.summary()
-    useful = fill.get("output_tokens", 0) + rec.completed * BURST_TOKENS
+    useful = filled.get("output_tokens", 0) + rec.completed * BURST_TOKENS
     log = (env.logs / "worker.log").read_text(errors="replace")
-    preempted = log.count("its slot goes to an interactive request")
     return {"ttft_ms": summary["ttft_ms"], "errors": summary["errors"],
-            "completed": rec.completed, "fill": fill, "preempted": preempted,
+            "completed": rec.completed, "fill": filled,
+            "preempted": log.count("its slot goes to an interactive request"),
             "useful_tokens_per_s": round(useful / elapsed, 1), "elapsed_s": round(elapsed, 1)}
+
+
+def _mixed_fill(env: Targets, target: Target, args: argparse.Namespace) -> Fill:
+    async def start(session: aiohttp.ClientSession) -> Awaitable[dict[str, Any]]:
+        responses, batch_id, lines = await _fill(session, env, target, args.fill,
+                                                 args.fill_tokens)
+        return _settled(session, target, responses, batch_id, lines)
+    return start
 
 
 async def _gold_key(env: Targets) -> str:
@@ -186,36 +200,28 @@ async def _light_stream(session: aiohttp.ClientSession, target: Target,
     return "".join(text) == expected(body), tokens
 
 
-async def _tier_variant(env: Targets, target: Target, name: str,
-                        args: argparse.Namespace) -> dict[str, Any]:
-    rec = loadgen.Recorder()
-    gold = Target(target.name, loadgen.Endpoint(
-        "gold", target.endpoint.base_url, MODEL,
-        {"Authorization": f"Bearer {await _gold_key(env)}"}), target.port)
-    body = loadgen.chat_body(MODEL, tokens=BURST_TOKENS, itl=ITL, ttft=TTFT)
-    async with loadgen.new_session() as session:
-        start = time.monotonic()
-        fills: list[asyncio.Task[tuple[bool, int]]] = []
-        if name != "idle":
-            fills = [asyncio.create_task(_light_stream(session, target, {
-                "model": MODEL, "stream": True, "max_tokens": args.fill_tokens,
-                "messages": [{"role": "user", "content": f"light fill {i}"}]}))
-                for i in range(args.fill)]
-            await _all_slots_taken(env, args.slots)
-        rec.set_window(time.monotonic() - 1.0, 3600.0)
-        await asyncio.gather(*(loadgen.stream_once(session, gold.endpoint, body, rec,
-                                                   time.monotonic())
-                               for _ in range(args.burst)))
-        answers = await asyncio.gather(*fills)
-        elapsed = time.monotonic() - start
-    summary = rec.summary()
-    useful = sum(t for _, t in answers) + rec.completed * BURST_TOKENS
-    log = (env.logs / "worker.log").read_text(errors="replace")
-    fill = {"exact": sum(ok for ok, _ in answers), "of": len(answers)} if fills else {}
-    return {"ttft_ms": summary["ttft_ms"], "errors": summary["errors"],
-            "completed": rec.completed, "fill": fill,
-            "preempted": log.count("its slot goes to an interactive request"),
-            "useful_tokens_per_s": round(useful / elapsed, 1), "elapsed_s": round(elapsed, 1)}
+def _light_fill(target: Target, args: argparse.Namespace) -> Fill:
+    async def start(session: aiohttp.ClientSession) -> Awaitable[dict[str, Any]]:
+        streams = [asyncio.create_task(_light_stream(session, target, {
+            "model": MODEL, "stream": True, "max_tokens": args.fill_tokens,
+            "messages": [{"role": "user", "content": f"light fill {i}"}]}))
+            for i in range(args.fill)]
+
+        async def settle() -> dict[str, Any]:
+            answers = await asyncio.gather(*streams)
+            return {"exact": sum(ok for ok, _ in answers), "of": len(answers),
+                    "output_tokens": sum(t for _, t in answers)}
+        return settle()
+    return start
+
+
+async def _one(env: Targets, target: Target, name: str,
+               args: argparse.Namespace) -> dict[str, Any]:
+    if not args.tiers:
+        return await _variant(env, target.endpoint, name, args, _mixed_fill(env, target, args))
+    gold = loadgen.Endpoint("gold", target.endpoint.base_url, MODEL,
+                            {"Authorization": f"Bearer {await _gold_key(env)}"})
+    return await _variant(env, gold, name, args, _light_fill(target, args))
 
 
 def one_run(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -230,8 +236,7 @@ def one_run(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, An
                      overrides=mine) as env:
             env.start_fake("--deterministic", "--saturate-at", str(args.slots))
             target = env.start_tidegate(max_streams=args.slots, settings=settings)
-            variant = _tier_variant if args.tiers else _variant
-            out[name] = run_async(variant(env, target, name, args))
+            out[name] = run_async(_one(env, target, name, args))
         r = out[name]
         print(f"{name:>4}: TTFT p50/p99 {r['ttft_ms'].get('p50')} / {r['ttft_ms'].get('p99')} ms, "
               f"errors {r['errors'] or 0}, fill exact {r['fill'].get('exact', '-')} of "
